@@ -1,0 +1,205 @@
+"""Load and validate ``specs/<name>.yaml``: JSON schema, did-you-mean, cross-field rules.
+
+Every error names the spec file and the field path. Nothing heavy (torch, models) is loaded here
+except for the optional device-presence check, which imports torch only to count GPUs.
+"""
+from __future__ import annotations
+
+import copy
+import difflib
+import re
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+from .errors import SpecError
+from .manifest import fingerprint
+
+SCHEMA_PATH = Path(__file__).with_name("schema") / "spec.schema.yaml"
+DEVICE_RE = re.compile(r"^(cpu|cuda:(0|[1-9][0-9]{0,2}))$")
+
+# Which spec fields each stage's output depends on. Snakemake turns these into rule params, so
+# changing optim.lr reruns train+bench only, and changing drafter.block_size reruns warmup too.
+STAGE_FIELDS: dict[str, list[str]] = {
+    "env": ["env"],
+    # everything that changes a compiled shape or the compiled code
+    "warmup": ["target.model", "target.init", "target.dtype", "target.num_feature_layers",
+               "target.layer_ids", "drafter", "batching", "topology.drafters", "compile", "seed"],
+    "data": ["target.model", "target.init", "target.dtype", "data", "seed"],
+    "train": ["loss", "optim", "checkpoint", "topology", "seed"],
+    "bench": ["bench"],
+}
+
+
+@lru_cache(maxsize=1)
+def schema() -> dict:
+    return yaml.safe_load(SCHEMA_PATH.read_text())
+
+
+class Spec(dict):
+    """A validated spec with defaults filled in. ``spec.path`` is the file it came from."""
+
+    path: Path
+
+    @property
+    def name(self) -> str:
+        return self["name"]
+
+    def get_path(self, dotted: str) -> Any:
+        node: Any = self
+        for part in dotted.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        return node
+
+    def section(self, stage: str) -> dict:
+        """The spec fields a stage depends on, as a flat {dotted: value} dict."""
+        return {k: self.get_path(k) for k in STAGE_FIELDS[stage]}
+
+    def fingerprint(self, stage: str) -> str:
+        return fingerprint(self.section(stage))
+
+    def devices(self) -> list[str]:
+        return list(self["topology"]["targets"]) + list(self["topology"]["drafters"])
+
+
+def _fmt_path(path) -> str:
+    return ".".join(str(p) for p in path) or "<top level>"
+
+
+def _fill_defaults(node: Any, sch: dict) -> None:
+    """Fill JSON-schema defaults into ``node`` (recursively into objects)."""
+    if not isinstance(node, dict) or sch.get("type") != "object":
+        return
+    for key, sub in sch.get("properties", {}).items():
+        if key not in node and "default" in sub:
+            node[key] = copy.deepcopy(sub["default"])
+        if key in node:
+            _fill_defaults(node[key], sub)
+
+
+def _schema_error(file: str, err: jsonschema.ValidationError) -> SpecError:
+    where = _fmt_path(err.absolute_path)
+    if err.validator == "additionalProperties":
+        allowed = list(err.schema.get("properties", {}))
+        extra = sorted(set(err.instance) - set(allowed))
+        bad = extra[0] if extra else "?"
+        field = f"{where}.{bad}" if err.absolute_path else bad
+        hint = difflib.get_close_matches(bad, allowed, n=1)
+        tip = f" — did you mean '{hint[0]}'?" if hint else f" (allowed: {', '.join(allowed)})"
+        return SpecError(f"{file}: unknown field '{field}'{tip}")
+    if err.validator == "required":
+        missing = err.message.split("'")[1] if "'" in err.message else err.message
+        field = f"{where}.{missing}" if err.absolute_path else missing
+        return SpecError(f"{file}: missing required field '{field}'")
+    return SpecError(f"{file}: field '{where}': {err.message}")
+
+
+def parse_spec(data: Any, file: str = "<spec>") -> Spec:
+    """Validate an already-parsed spec mapping; no device check (see :func:`check_devices`)."""
+    if not isinstance(data, dict):
+        raise SpecError(f"{file}: the spec must be a YAML mapping of fields, "
+                        f"got {type(data).__name__}")
+    data = copy.deepcopy(data)
+    validator = jsonschema.Draft202012Validator(schema())
+    errors = sorted(validator.iter_errors(data), key=lambda e: (len(e.absolute_path), e.path))
+    if errors:
+        raise _schema_error(file, errors[0])
+    _fill_defaults(data, schema())
+    spec = Spec(data)
+    spec.path = Path(file)
+    _check_cross_fields(spec, file)
+    return spec
+
+
+def load_spec(path: str | Path, check_devices_present: bool = False) -> Spec:
+    """Read, validate and (optionally) check that the spec's devices exist on this machine."""
+    path = Path(path)
+    file = str(path)
+    if not path.is_file():
+        raise SpecError(f"{file}: spec file not found")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise SpecError(f"{file}: not valid YAML{at}: {getattr(e, 'problem', e)}") from None
+    except UnicodeDecodeError as e:
+        raise SpecError(f"{file}: not a UTF-8 text file ({e.reason})") from None
+    spec = parse_spec(data, file)
+    if spec["name"] != path.stem:
+        raise SpecError(f"{file}: field 'name': {spec['name']!r} must equal the file stem "
+                        f"{path.stem!r} (it names results/<name>/)")
+    if check_devices_present:
+        check_devices(spec)
+    return spec
+
+
+def _check_cross_fields(spec: Spec, file: str) -> None:
+    def fail(field: str, msg: str):
+        raise SpecError(f"{file}: field '{field}': {msg}")
+
+    b, d, t, o = spec["batching"], spec["drafter"], spec["target"], spec["optim"]
+    if d["block_size"] * b["max_anchors"] > b["token_budget"]:
+        fail("batching.max_anchors", f"max_anchors × block_size = {b['max_anchors']} × "
+             f"{d['block_size']} = {b['max_anchors'] * d['block_size']} exceeds "
+             f"batching.token_budget = {b['token_budget']}")
+    if b["max_batch_size"] > b["token_budget"]:
+        fail("batching.max_batch_size", f"{b['max_batch_size']} sequences cannot fit in "
+             f"token_budget {b['token_budget']}")
+    smallest = b["token_budget"] >> (b["num_buckets"] - 1)
+    if smallest < d["block_size"] * 2:
+        fail("batching.num_buckets", f"{b['num_buckets']} buckets make the smallest bucket "
+             f"{smallest} tokens, shorter than two blocks ({2 * d['block_size']})")
+    if t["layer_ids"] is not None:
+        if len(t["layer_ids"]) != t["num_feature_layers"]:
+            fail("target.layer_ids", f"{len(t['layer_ids'])} ids given but "
+                 f"target.num_feature_layers = {t['num_feature_layers']}")
+        if len(set(t["layer_ids"])) != len(t["layer_ids"]):
+            fail("target.layer_ids", "ids must be distinct")
+    if (o["epochs"] is None) == (o["max_steps"] is None):
+        fail("optim", "give exactly one of 'epochs' or 'max_steps'")
+    if spec["data"]["max_prompt_tokens"] + spec["data"]["max_new_tokens"] > b["token_budget"]:
+        fail("data.max_new_tokens", f"max_prompt_tokens + max_new_tokens = "
+             f"{spec['data']['max_prompt_tokens'] + spec['data']['max_new_tokens']} exceeds "
+             f"batching.token_budget = {b['token_budget']}: a sequence would not fit a batch")
+    topo = spec["topology"]
+    for role in ("targets", "drafters"):
+        for i, dev in enumerate(topo[role]):
+            if not DEVICE_RE.match(dev):
+                fail(f"topology.{role}[{i}]", f"{dev!r} is not a device name "
+                     f"(use 'cpu' or 'cuda:N')")
+        gpus = [x for x in topo[role] if x != "cpu"]
+        dup = sorted({x for x in gpus if gpus.count(x) > 1})
+        if dup:
+            fail(f"topology.{role}", f"{', '.join(dup)} listed twice; one worker per GPU")
+    shared = sorted(set(topo["targets"]) & set(topo["drafters"]) - {"cpu"})
+    if shared and not topo["allow_shared_devices"]:
+        fail("topology", f"{', '.join(shared)} is both a target and a drafter device; set "
+             f"topology.allow_shared_devices: true if you mean it")
+    if spec["env"]["lock"].startswith("/") or ".." in Path(spec["env"]["lock"]).parts:
+        fail("env.lock", "must be a path inside the repository (e.g. envs/cpu-py311.lock)")
+
+
+def live_devices() -> list[str]:
+    import torch  # only here: the schema checks above must not need torch
+
+    return ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+
+
+def check_devices(spec: Spec, found: list[str] | None = None) -> None:
+    """Fail in seconds, naming the spec, the devices asked for and the devices found."""
+    found = live_devices() if found is None else found
+    missing = [d for d in dict.fromkeys(spec.devices()) if d not in found]
+    if missing:
+        raise SpecError(f"{spec.path}: field 'topology': spec '{spec.name}' asks for devices "
+                        f"{', '.join(dict.fromkeys(spec.devices()))}; missing here: "
+                        f"{', '.join(missing)}; this machine has: {', '.join(found)}")
+
+
+def dtype_of(name: str):
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
