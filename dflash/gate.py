@@ -1,0 +1,398 @@
+"""The ONE process-wide compile gate: a writer-preferring, phase-fair readers-writer gate.
+
+Why (DESIGN §6): torch keeps two *process-global* flags, ``torch.fx._symbolic_trace._is_fx_tracing_flag``
+and ``torch.compiler.is_compiling()``. Any FX tracing (make_fx, AOTAutograd, uncompiled flex_attention,
+``create_block_mask(_compile=True)``) flips them outside any lock, so a warm compiled call in another
+thread raises "Detected that you are using FX to symbolically trace a dynamo-optimized function", the
+FX flag can be left stuck True by a lost update, and eager code elsewhere sees ``is_compiling()`` True
+(``Adam(foreach=True).step()`` then raises). The cure is to never let anything that may trace run at
+the same time as anything else:
+
+* ``gate.shared()``    -- warm work: compiled calls that will not compile, eager optimizer steps, eager
+  tensor code. Any number of threads at once. On entry a watchdog asserts both global flags are clear
+  and raises :class:`dflash.errors.PoisonedProcess` if not.
+* ``gate.exclusive(reason)`` -- anything that may compile or trace: a new shape signature, the first
+  backward, uncompiled flex_attention, ``create_block_mask(_compile=True)``, ``make_fx``.
+* ``gate.run(sig, fn)`` -- a worker's whole iteration: exclusive the first time ``sig`` is seen, shared
+  afterwards; after :meth:`Gate.mark_warm` a recompile is refused by ``fail_on_recompile`` *before doing
+  any work*, counted, and retried under exclusive with the default stance. Never a silent eager run.
+
+Fairness: a waiting writer blocks newly arriving readers (writer preference, so a pending compile gets
+the gate as soon as the readers already inside finish their current iteration), and when a writer
+leaves, every reader that was waiting at that moment is admitted before the next writer (phase-fair,
+so a stream of compiles cannot starve warm work either). Waits are bounded by one iteration + one
+compile.
+
+Stance (torch 2.13 and 2.11): ``torch.compiler.set_stance`` is PROCESS-GLOBAL (a module global in
+``torch._dynamo.eval_frame``, read at every compiled-call entry). The gate therefore owns it: after
+``mark_warm()`` the stance is ``fail_on_recompile`` whenever no exclusive holder exists, and the
+exclusive holder switches it to ``default`` for its hold (no reader is inside then, so nobody else can
+observe it). Do not call ``set_stance`` yourself while the gate is warm.
+
+Dynamo config (torch 2.13): ``torch._dynamo.config.x = v`` is stored in a ContextVar, i.e. PER THREAD;
+a new thread starts with the defaults. Call :func:`worker_thread_setup` at the top of every worker.
+
+DEADLOCK RULES
+1. Never block on another thread (barrier, queue.get, join, event.wait, a lock another gate user
+   holds) while holding the gate, shared or exclusive. Leave the ``with`` block first.
+2. Don't ask for ``exclusive`` while holding ``shared`` in the same thread: it would wait for itself.
+   The gate detects this and raises RuntimeError instead of hanging.
+3. Nested ``shared`` inside ``shared`` / anything inside ``exclusive`` in the same thread is a
+   pass-through (re-entrant), so helpers may take the gate without knowing their caller did.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import warnings
+from typing import Any, Callable, Hashable, Iterator
+
+import torch
+
+from dflash.errors import PoisonedProcess
+
+__all__ = [
+    "Gate",
+    "get_gate",
+    "worker_thread_setup",
+    "classify_error",
+    "is_recompile_refusal",
+    "check_flags",
+    "thread_is_set_up",
+    "FX_NESTED",
+]
+
+FX_NESTED = "FX_NESTED_TRACE"  # "Detected that you are using FX to symbolically trace a dynamo-optimized function"
+RECOMPILE_REFUSED = "RECOMPILE_REFUSED"  # fail_on_recompile stance refused a compile
+IS_COMPILING_LEAK = "IS_COMPILING_LEAK"  # eager code saw is_compiling() True (e.g. foreach optimizer)
+RECOMPILE_LIMIT = "RECOMPILE_LIMIT"  # fail_on_recompile_limit_hit
+_FX_MSG = "using FX to symbolically trace a dynamo-optimized function"
+_FX_JIT_MSG = "using FX to torch.jit.trace a dynamo-optimized function"
+_REFUSE_MSG = "torch.compile stance is 'fail_on_recompile'"
+
+# Settings applied in every worker thread unless overridden (keys unknown to this torch are skipped).
+DEFAULT_DYNAMO_CFG: dict[str, Any] = {
+    "recompile_limit": 64,  # our bucketed shapes are a closed set; 8 is too low for a warmup sweep
+    "accumulated_recompile_limit": 4096,
+    "fail_on_recompile_limit_hit": True,  # hitting the limit must raise, not silently run eager
+    "error_on_nested_fx_trace": True,  # never turn the race into silent eager runs
+    "suppress_errors": False,  # a compile failure must raise, not fall back to eager
+}
+
+
+def _fx_flag() -> bool:
+    return bool(torch.fx._symbolic_trace._is_fx_tracing_flag)
+
+
+def check_flags(where: str = "gate.shared") -> None:
+    """Raise PoisonedProcess if either process-global tracing flag is set (call only where none may be)."""
+    fx, comp = _fx_flag(), bool(torch.compiler.is_compiling())
+    if not (fx or comp):
+        return
+    which = " and ".join(
+        n for n, v in (("torch.fx._symbolic_trace._is_fx_tracing_flag", fx),
+                       ("torch.compiler.is_compiling()", comp)) if v)
+    raise PoisonedProcess(
+        f"process is poisoned: {which} is True on entry to {where} while no exclusive gate holder "
+        "exists (some code traced or compiled outside the gate, or a lost update left the flag stuck). "
+        "Every compiled call in this process may now fail; the process must be restarted.")
+
+
+def classify_error(exc: BaseException) -> str:
+    """Class of an exception raised around compiled calls: FX_NESTED_TRACE, RECOMPILE_REFUSED, ..."""
+    msg = str(exc)
+    if _FX_MSG in msg or _FX_JIT_MSG in msg:
+        return FX_NESTED
+    if _REFUSE_MSG in msg:
+        return RECOMPILE_REFUSED
+    if "recompile_limit" in msg or "cache_size_limit" in msg:
+        return RECOMPILE_LIMIT
+    if isinstance(exc, PoisonedProcess):
+        return "POISONED"
+    if isinstance(exc, TypeError) and ("foreach" in msg or "is_compiling" in msg or "_foreach" in msg):
+        return IS_COMPILING_LEAK
+    first = msg.strip().splitlines()[0] if msg.strip() else ""
+    return f"{type(exc).__name__}: {first[:90]}"
+
+
+def is_recompile_refusal(exc: BaseException) -> bool:
+    return isinstance(exc, RuntimeError) and _REFUSE_MSG in str(exc)
+
+
+def worker_thread_setup(**dynamo_cfg: Any) -> dict[str, Any]:
+    """Apply dynamo config inside the calling thread (it is per-thread in torch 2.13; harmless where
+    it is global). Defaults: :data:`DEFAULT_DYNAMO_CFG`; explicit keys override and must exist.
+    Returns the settings applied."""
+    cfg = torch._dynamo.config
+    applied: dict[str, Any] = {}
+    for k, v in {**DEFAULT_DYNAMO_CFG, **dynamo_cfg}.items():
+        if not hasattr(cfg, k):
+            if k in dynamo_cfg:
+                raise AttributeError(f"torch._dynamo.config.{k} does not exist in torch {torch.__version__}")
+            continue
+        setattr(cfg, k, v)
+        applied[k] = v
+    if applied.get("error_on_nested_fx_trace") is False:
+        warnings.warn("error_on_nested_fx_trace=False turns the FX race into silent eager runs", stacklevel=2)
+    _SETUP.done = True
+    return applied
+
+
+_SETUP = threading.local()
+
+
+def thread_is_set_up() -> bool:
+    """True if :func:`worker_thread_setup` ran in the calling thread."""
+    return bool(getattr(_SETUP, "done", False))
+
+
+def _set_stance(name: str) -> None:
+    torch.compiler.set_stance(name)
+
+
+class Gate:
+    """Writer-preferring, phase-fair readers-writer gate + compile bookkeeping. Use :func:`get_gate`."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition(threading.Lock())
+        self._readers = 0  # readers inside
+        self._writer: int | None = None  # thread ident of the exclusive holder
+        self._writer_depth = 0
+        self._w_waiting = 0
+        self._r_waiting = 0
+        self._phase = 0  # bumped when a writer leaves with readers waiting: those readers are admitted
+        self._admit = 0  # admitted readers not yet inside; writers wait for them
+        self._tl = threading.local()
+        self._warm = False
+        self._seen: dict[Hashable, float] = {}
+        self._stats_lock = threading.Lock()
+        self._compiles: list[dict[str, Any]] = []
+        self._recompiles: list[Hashable] = []
+        self._race: dict[str, int] = {}
+        self._shared_wait = 0.0
+        self._excl_wait = 0.0
+        self._excl_hold = 0.0
+        self._n_shared = 0
+        self._n_excl = 0
+        self._max_shared_wait = 0.0
+        self._max_excl_wait = 0.0
+        self._excl_reasons: dict[str, int] = {}
+
+    # ---- per-thread re-entrancy -------------------------------------------------------------
+    def _depths(self) -> threading.local:
+        tl = self._tl
+        if not hasattr(tl, "shared"):
+            tl.shared = 0
+            tl.excl = 0
+        return tl
+
+    # ---- shared side ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        """Warm work. Many threads at once. Watchdog: both global flags must be clear on entry."""
+        d = self._depths()
+        if d.excl or d.shared:  # already inside the gate in this thread: pass through
+            d.shared += 1
+            try:
+                yield
+            finally:
+                d.shared -= 1
+            return
+        t0 = time.perf_counter()
+        with self._cv:
+            if self._writer is not None or self._w_waiting:
+                self._r_waiting += 1
+                phase = self._phase
+                while not (self._phase != phase or (self._writer is None and not self._w_waiting)):
+                    self._cv.wait()
+                self._r_waiting -= 1
+                if self._phase != phase:
+                    self._admit -= 1
+                    if self._admit == 0:
+                        self._cv.notify_all()
+            self._readers += 1
+            # no exclusive holder exists now: both flags must be clear
+            try:
+                check_flags("gate.shared")
+            except BaseException:
+                self._readers -= 1
+                self._cv.notify_all()
+                raise
+        w = time.perf_counter() - t0
+        with self._stats_lock:
+            self._shared_wait += w
+            self._n_shared += 1
+            self._max_shared_wait = max(self._max_shared_wait, w)
+        d.shared = 1
+        try:
+            yield
+        finally:
+            d.shared = 0
+            with self._cv:
+                self._readers -= 1
+                if self._readers == 0:
+                    self._cv.notify_all()
+
+    # ---- exclusive side ---------------------------------------------------------------------
+    @contextlib.contextmanager
+    def exclusive(self, reason: str = "") -> Iterator[None]:
+        """Anything that may compile or trace. Excludes every other gate user."""
+        d = self._depths()
+        if d.excl:
+            d.excl += 1
+            try:
+                yield
+            finally:
+                d.excl -= 1
+            return
+        if d.shared:
+            raise RuntimeError(
+                f"gate.exclusive({reason!r}) requested while this thread holds gate.shared: that would "
+                "deadlock. Leave the shared block first (or use gate.run, which retries outside it).")
+        t0 = time.perf_counter()
+        with self._cv:
+            self._w_waiting += 1
+            try:
+                while self._writer is not None or self._readers or self._admit:
+                    self._cv.wait()
+            finally:
+                self._w_waiting -= 1
+            self._writer = threading.get_ident()
+        t1 = time.perf_counter()
+        d.excl = 1
+        restore_stance = False
+        try:
+            if self._warm:
+                _set_stance("default")  # process-global; no reader is inside to observe it
+                restore_stance = True
+            yield
+        finally:
+            try:
+                if restore_stance and self._warm:
+                    _set_stance("fail_on_recompile")
+            finally:
+                d.excl = 0
+                t2 = time.perf_counter()
+                with self._cv:
+                    self._writer = None
+                    if self._r_waiting:
+                        self._phase += 1
+                        self._admit += self._r_waiting
+                    self._cv.notify_all()
+                with self._stats_lock:
+                    self._excl_wait += t1 - t0
+                    self._excl_hold += t2 - t1
+                    self._n_excl += 1
+                    self._max_excl_wait = max(self._max_excl_wait, t1 - t0)
+                    key = reason or "?"
+                    self._excl_reasons[key] = self._excl_reasons.get(key, 0) + 1
+
+    # ---- warm state -------------------------------------------------------------------------
+    def mark_warm(self) -> None:
+        """Warmup is over: from now on a recompile under shared is refused (fail_on_recompile),
+        counted and retried under exclusive. Call from a thread that holds nothing."""
+        with self.exclusive("mark_warm"):  # no reader inside: safe to flip the global stance
+            self._warm = True
+            _set_stance("fail_on_recompile")
+
+    def mark_cold(self) -> None:
+        """Back to warmup mode (stance default). Mainly for tests and teardown."""
+        with self.exclusive("mark_cold"):
+            self._warm = False
+            _set_stance("default")
+
+    @property
+    def warm(self) -> bool:
+        return self._warm
+
+    def seen(self, sig: Hashable) -> bool:
+        with self._stats_lock:
+            return sig in self._seen
+
+    # ---- the worker API ---------------------------------------------------------------------
+    def run(self, sig: Hashable, fn: Callable[[], Any]) -> Any:
+        """Run one iteration ``fn()`` identified by ``sig`` (hashable: callable name, device, shapes).
+
+        Unseen sig -> exclusive, recorded as a compile (with seconds). Seen -> shared; if warm and a
+        compiled call needs to recompile, fail_on_recompile refuses it before any work is done; the
+        refusal is counted (with its sig) and fn is retried under exclusive with the default stance.
+        FX-nested-trace errors are counted in race_errors and re-raised. ``fn`` must do its state
+        mutations (optimizer step) after its compiled calls, so a refused attempt has no effect.
+        """
+        with self._stats_lock:
+            known = sig in self._seen
+        if not known:
+            return self._run_exclusive(sig, fn, "compile")
+        try:
+            with self.shared():
+                return fn()
+        except RuntimeError as e:
+            if is_recompile_refusal(e) and self._depths().shared == 0:
+                with self._stats_lock:
+                    self._recompiles.append(sig)
+                return self._run_exclusive(sig, fn, "recompile")
+            self._note_error(e)
+            raise
+        except Exception as e:
+            self._note_error(e)
+            raise
+
+    def _run_exclusive(self, sig: Hashable, fn: Callable[[], Any], why: str) -> Any:
+        with self.exclusive(f"{why}:{sig!r}"[:200]):
+            with self._stats_lock:
+                first = sig not in self._seen
+            t0 = time.perf_counter()
+            try:
+                r = fn()
+            except Exception as e:
+                self._note_error(e)
+                raise
+            dt = time.perf_counter() - t0
+            with self._stats_lock:
+                if first:
+                    self._seen[sig] = dt
+                    self._compiles.append({"sig": sig, "seconds": round(dt, 4), "warm": self._warm})
+            return r
+
+    def _note_error(self, e: BaseException) -> None:
+        c = classify_error(e)
+        if c in (FX_NESTED, IS_COMPILING_LEAK, "POISONED"):
+            with self._stats_lock:
+                self._race[c] = self._race.get(c, 0) + 1
+
+    def note_race_error(self, e: BaseException) -> str:
+        """Count an error caught outside gate.run if it is a race symptom; returns its class."""
+        self._note_error(e)
+        return classify_error(e)
+
+    # ---- stats ------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        with self._stats_lock:
+            return {
+                "warm": self._warm,
+                "compiles": {"count": len(self._compiles), "list": [dict(c) for c in self._compiles]},
+                "recompiles_after_warmup": {"count": len(self._recompiles), "sigs": list(self._recompiles)},
+                "shared_wait_s": round(self._shared_wait, 4),
+                "exclusive_wait_s": round(self._excl_wait, 4),
+                "exclusive_hold_s": round(self._excl_hold, 4),
+                "max_shared_wait_s": round(self._max_shared_wait, 4),
+                "max_exclusive_wait_s": round(self._max_excl_wait, 4),
+                "shared_entries": self._n_shared,
+                "exclusive_entries": self._n_excl,
+                "race_errors": {"count": sum(self._race.values()), "by_class": dict(self._race)},
+            }
+
+
+_GATE: Gate | None = None
+_GATE_LOCK = threading.Lock()
+
+
+def get_gate() -> Gate:
+    """The process-wide singleton. There must be exactly one gate per process."""
+    global _GATE
+    with _GATE_LOCK:
+        if _GATE is None:
+            _GATE = Gate()
+        return _GATE
