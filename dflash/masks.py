@@ -1,0 +1,211 @@
+"""The training objective's data layout: anchors, blocks, labels, loss weights, attention mask.
+
+One packed row holds several documents. From it we sample ``A`` anchors (a fixed number of slots so
+shapes stay static for compiled code). Each anchor opens a block of ``B`` query tokens:
+the anchor token followed by ``B-1`` mask tokens. Position ``k`` of a block predicts the token at
+``anchor + k``; the anchor itself carries no label (it is given, as at inference).
+
+Attention layout: queries = the ``A*B`` block tokens; keys = ``[L context features ; A*B block
+tokens]``. The rule lives in exactly one place, :func:`make_mask_mod`; both the FlexAttention
+BlockMask (CUDA) and the dense boolean mask (CPU/SDPA) are derived from it, so they cannot drift.
+All functions accept unbatched tensors (``[L]``, ``[A]``) or a leading batch dimension.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class PackedRow:
+    """One packed training row of bucket length ``L`` (documents back to back, then padding)."""
+
+    input_ids: torch.Tensor     # Long[L]
+    doc_ids: torch.Tensor       # Long[L]; document index within the row, -1 on padding
+    position_ids: torch.Tensor  # Long[L]; position inside its own document (restarts at 0)
+    loss_mask: torch.Tensor     # Bool[L]; True on response tokens
+    sample_ids: list[int]
+
+
+@dataclass
+class Blocks:
+    """``A`` anchor slots of ``B`` tokens each (flattened to ``A*B``); invalid slots are padding."""
+
+    anchor_pos: torch.Tensor          # Long[A]   row index of each anchor (0 on invalid slots)
+    valid: torch.Tensor               # Bool[A]
+    block_input_ids: torch.Tensor     # Long[A*B] anchor token then B-1 mask tokens
+    block_position_ids: torch.Tensor  # Long[A*B] position_ids[anchor] + k
+    labels: torch.Tensor              # Long[A*B] token at anchor+k, IGNORE_INDEX where none
+    block_doc: torch.Tensor           # Long[A]   document of the anchor (-1 on invalid slots)
+    block_size: int
+
+    @property
+    def num_slots(self) -> int:
+        return self.anchor_pos.shape[-1]
+
+    @classmethod
+    def stack(cls, items: list["Blocks"]) -> "Blocks":
+        """Stack per-row Blocks into a batch (leading dim = rows); all must share A and B."""
+        out = {}
+        for f in fields(cls):
+            vals = [getattr(b, f.name) for b in items]
+            out[f.name] = vals[0] if f.name == "block_size" else torch.stack(vals)
+        return cls(**out)
+
+
+# ---------------------------------------------------------------------------------------------
+# anchors, blocks, labels
+# ---------------------------------------------------------------------------------------------
+def anchor_candidates(row: PackedRow) -> torch.Tensor:
+    """Positions p that may anchor a block: p is a response token and p+1 carries a label.
+
+    A label at p+1 needs the same document and a response token there (prompt tokens were not
+    produced by the target, so the drafter is not trained to predict them). Without this the
+    block would carry no loss at all and waste a slot.
+    """
+    doc, lm = row.doc_ids, row.loss_mask.bool()
+    ok = lm[:-1] & lm[1:] & (doc[:-1] >= 0) & (doc[:-1] == doc[1:])
+    return torch.nonzero(ok, as_tuple=False).flatten()
+
+
+def sample_anchors(row: PackedRow, num_slots: int, block_size: int,
+                   generator: torch.Generator | None, mask_token_id: int) -> Blocks:
+    """Sample up to ``num_slots`` anchors uniformly without replacement; build blocks + labels."""
+    L = row.input_ids.shape[0]
+    A, B = num_slots, block_size
+    cand = anchor_candidates(row)
+    n = min(A, cand.numel())
+    pick = torch.randperm(cand.numel(), generator=generator)[:n]
+    # sorted anchors keep block tokens in row order: nicer for block-sparse kernels and debugging
+    chosen = torch.sort(cand[pick]).values
+
+    anchor_pos = torch.zeros(A, dtype=torch.long)
+    anchor_pos[:n] = chosen
+    valid = torch.zeros(A, dtype=torch.bool)
+    valid[:n] = True
+    block_doc = torch.where(valid, row.doc_ids[anchor_pos], torch.full_like(anchor_pos, -1))
+
+    k = torch.arange(B)
+    idx = anchor_pos[:, None] + k[None, :]                     # [A, B] row index of anchor+k
+    idx_c = idx.clamp(max=L - 1)
+    in_doc = (idx < L) & (row.doc_ids[idx_c] == block_doc[:, None]) & valid[:, None]
+    labelled = in_doc & row.loss_mask.bool()[idx_c] & (k[None, :] > 0)
+    labels = torch.where(labelled, row.input_ids[idx_c], torch.full_like(idx, IGNORE_INDEX))
+
+    block_ids = torch.full((A, B), mask_token_id, dtype=torch.long)
+    block_ids[:, 0] = torch.where(valid, row.input_ids[anchor_pos],
+                                  torch.full_like(anchor_pos, mask_token_id))
+    # the block continues its document's positions, exactly as at inference time
+    block_pos = row.position_ids[anchor_pos][:, None] + k[None, :]
+    block_pos = torch.where(valid[:, None], block_pos, k[None, :].expand(A, B))
+
+    return Blocks(anchor_pos=anchor_pos, valid=valid, block_input_ids=block_ids.flatten(),
+                  block_position_ids=block_pos.flatten(), labels=labels.flatten(),
+                  block_doc=block_doc, block_size=B)
+
+
+def loss_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """Per block position weight: w_0 = 0 (the anchor is given), w_k = exp(-(k-1)/gamma).
+
+    Early positions matter most: a draft is only accepted up to its first miss.
+    """
+    k = torch.arange(block_size, dtype=torch.float32)
+    w = torch.exp(-(k - 1) / gamma)
+    w[0] = 0.0
+    return w
+
+
+# ---------------------------------------------------------------------------------------------
+# the attention rule (one mask_mod) and its two materialisations
+# ---------------------------------------------------------------------------------------------
+def _batched(doc_ids, anchor_pos, block_doc, valid):
+    if doc_ids.dim() == 1:
+        return doc_ids[None], anchor_pos[None], block_doc[None], valid[None], False
+    return doc_ids, anchor_pos, block_doc, valid, True
+
+
+def make_mask_mod(doc_ids: torch.Tensor, blocks: Blocks):
+    """Build ``mask_mod(b, h, q_idx, kv_idx) -> bool`` over queries [A*B] and keys [L + A*B].
+
+    Query q belongs to block a = q // B. Key kv < L is context position j = kv: visible iff the
+    slot is valid, j is in the block's document and j is strictly before the anchor (the block
+    must not see its own labels). Key kv >= L is block token (kv-L): visible iff it is in the
+    same block (bidirectional inside the block). Every query row sees at least its own block, so
+    no row is fully masked (SDPA would give NaN). Indices are clamped because FlexAttention may
+    evaluate the function on padded index ranges.
+    """
+    doc, anchor, bdoc, valid, _ = _batched(doc_ids, blocks.anchor_pos, blocks.block_doc,
+                                           blocks.valid)
+    L = doc.shape[-1]
+    A = anchor.shape[-1]
+    B = blocks.block_size
+    Q = A * B
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        a = torch.clamp(q_idx // B, 0, A - 1)
+        j = torch.clamp(kv_idx, 0, L - 1)
+        is_ctx = kv_idx < L
+        ctx_ok = is_ctx & valid[b, a] & (doc[b, j] == bdoc[b, a]) & (kv_idx < anchor[b, a])
+        blk_ok = (kv_idx >= L) & ((kv_idx - L) // B == q_idx // B)
+        return (ctx_ok | blk_ok) & (q_idx < Q) & (kv_idx < L + Q)
+
+    return mask_mod
+
+
+def mask_shape(doc_ids: torch.Tensor, blocks: Blocks) -> tuple[int, int, int]:
+    """(rows, Q, KV) of the attention problem."""
+    n = 1 if doc_ids.dim() == 1 else doc_ids.shape[0]
+    Q = blocks.anchor_pos.shape[-1] * blocks.block_size
+    return n, Q, doc_ids.shape[-1] + Q
+
+
+def dense_mask(doc_ids: torch.Tensor, blocks: Blocks) -> torch.Tensor:
+    """The mask as a BoolTensor [Q, L+Q] (or [N, Q, L+Q] when batched), True = may attend.
+
+    Evaluates the same mask_mod on broadcast index grids (used with SDPA on CPU, where
+    FlexAttention has no backward).
+    """
+    n, Q, KV = mask_shape(doc_ids, blocks)
+    dev = doc_ids.device
+    b = torch.arange(n, device=dev)[:, None, None]
+    q = torch.arange(Q, device=dev)[None, :, None]
+    kv = torch.arange(KV, device=dev)[None, None, :]
+    m = make_mask_mod(doc_ids, blocks)(b, 0, q, kv)
+    m = m.expand(n, Q, KV)
+    return m if doc_ids.dim() > 1 else m[0]
+
+
+def flex_block_mask(doc_ids: torch.Tensor, blocks: Blocks, *, device=None,
+                    block_size: int = 128, _compile: bool = False):
+    """The mask as a FlexAttention BlockMask (batch dim = rows, broadcast over heads)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    n, Q, KV = mask_shape(doc_ids, blocks)
+    device = device if device is not None else doc_ids.device
+    mm = make_mask_mod(doc_ids.to(device), _blocks_to(blocks, device))
+    return create_block_mask(mm, B=n, H=None, Q_LEN=Q, KV_LEN=KV, device=device,
+                             BLOCK_SIZE=block_size, _compile=_compile)
+
+
+def _blocks_to(blocks: Blocks, device) -> Blocks:
+    kw = {f.name: getattr(blocks, f.name) for f in fields(Blocks)}
+    for name, v in kw.items():
+        if isinstance(v, torch.Tensor):
+            kw[name] = v.to(device)
+    return Blocks(**kw)
+
+
+def block_loss_weights(blocks: Blocks, gamma: float) -> torch.Tensor:
+    """Loss weight of every block token (shape of ``blocks.labels``), zero where unlabelled."""
+    w = loss_weights(blocks.block_size, gamma).to(blocks.labels.device)
+    w = w.repeat(blocks.labels.shape[-1] // blocks.block_size)
+    w = w.expand_as(blocks.labels)
+    return torch.where(blocks.labels != IGNORE_INDEX, w, torch.zeros_like(w))
+
+
+__all__ = ["IGNORE_INDEX", "PackedRow", "Blocks", "anchor_candidates", "sample_anchors",
+           "loss_weights", "block_loss_weights", "make_mask_mod", "dense_mask",
+           "flex_block_mask", "mask_shape"]

@@ -1,0 +1,406 @@
+"""The DFlash drafter: a few Qwen3-style layers whose K/V are injected with target features.
+
+Shapes: N rows, Q block tokens per row (all blocks of a row, flattened), C context positions.
+- context features: ``hidden_norm(fc(cat(target hidden states of the feature layers)))`` [N, C, H],
+  computed once per forward and shared by every layer;
+- every layer: Q from the block; K/V = concat(proj(context), proj(block)); k_norm and RoPE apply
+  to both (context keys rotate by the context position ids, block queries/keys by the block
+  position ids); the attention mask decides who sees what (see :mod:`dflash.masks`).
+The target's token embedding and lm_head are frozen and shared, so they are not parameters here:
+the caller embeds the block tokens and :func:`drafter_loss` takes the lm_head weight.
+
+Parameter names match the reference ``DFlashDraftModel`` export exactly (see DESIGN.md §5).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .manifest import atomic_path, atomic_write_json
+
+# ---------------------------------------------------------------------------------------------
+# feature layers
+# ---------------------------------------------------------------------------------------------
+
+
+def default_layer_ids(num_target_layers: int, n: int) -> list[int]:
+    """``n`` target layer ids spread evenly from layer 1 to L-3 (the reference default).
+
+    Layer ids are 0-based decoder layer indices; a single layer takes the middle one.
+    """
+    if n < 1:
+        raise ValueError(f"need at least one feature layer, got n={n}")
+    if n == 1:
+        return [num_target_layers // 2]
+    start, end = 1, max(1, num_target_layers - 3)
+    return [int(round(start + i * (end - start) / (n - 1))) for i in range(n)]
+
+
+def hidden_state_indices(layer_ids: list[int]) -> list[int]:
+    """Indices into HF ``output_hidden_states`` for the given layer ids.
+
+    HF's ``hidden_states[0]`` is the embedding output and ``hidden_states[i+1]`` the output of
+    decoder layer i, so layer i lives at index i+1.
+    """
+    return [i + 1 for i in layer_ids]
+
+
+def extract_features(hidden_states, layer_ids: list[int]) -> torch.Tensor:
+    """Concatenate the feature layers' hidden states: [..., T, N*H] (the drafter's fc input)."""
+    return torch.cat([hidden_states[i] for i in hidden_state_indices(layer_ids)], dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# config
+# ---------------------------------------------------------------------------------------------
+def _rope_theta(hf_config) -> float:
+    rp = getattr(hf_config, "rope_parameters", None)  # transformers >= 5
+    if isinstance(rp, dict) and "rope_theta" in rp:
+        return float(rp["rope_theta"])
+    return float(getattr(hf_config, "rope_theta", 10000.0))
+
+
+@dataclass
+class DFlashConfig:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: list[int] = field(default_factory=list)
+    num_target_layers: int = 0
+    max_position_embeddings: int = 32768
+
+    def __post_init__(self):
+        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        if not self.target_layer_ids or bad:
+            raise ValueError(f"target_layer_ids {self.target_layer_ids} must be non-empty and in "
+                             f"[0, {self.num_target_layers})")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+
+    @classmethod
+    def from_target_config(cls, hf_config, num_layers: int, block_size: int, mask_token_id: int,
+                           layer_ids: list[int] | None = None) -> "DFlashConfig":
+        """Drafter config sized like the target (Llama or Qwen3 HF config)."""
+        c = hf_config
+        n_target = int(c.num_hidden_layers)
+        heads = int(c.num_attention_heads)
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        return cls(
+            hidden_size=int(c.hidden_size), num_hidden_layers=int(num_layers),
+            num_attention_heads=heads,
+            num_key_value_heads=int(getattr(c, "num_key_value_heads", None) or heads),
+            head_dim=int(head_dim), intermediate_size=int(c.intermediate_size),
+            rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)), rope_theta=_rope_theta(c),
+            vocab_size=int(c.vocab_size), block_size=int(block_size),
+            mask_token_id=int(mask_token_id),
+            target_layer_ids=list(layer_ids) if layer_ids is not None
+            else default_layer_ids(n_target, num_layers),
+            num_target_layers=n_target,
+            max_position_embeddings=int(getattr(c, "max_position_embeddings", 32768)),
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The exported config.json: a Qwen3 config + the DFlash fields the reference loader reads."""
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "hidden_act": "silu",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            # both spellings: transformers 5 reads rope_parameters, older loaders rope_theta
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "tie_word_embeddings": False,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "layer_types": ["full_attention"] * self.num_hidden_layers,
+            "initializer_range": 0.02,
+            "use_cache": True,
+            "dtype": "bfloat16",
+            "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+            "dflash_config": {"mask_token_id": self.mask_token_id,
+                              "target_layer_ids": list(self.target_layer_ids)},
+        }
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "DFlashConfig":
+        dc = d.get("dflash_config", {})
+        rp = d.get("rope_parameters") or {}
+        return cls(
+            hidden_size=d["hidden_size"], num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=d["num_attention_heads"],
+            num_key_value_heads=d["num_key_value_heads"],
+            head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+            intermediate_size=d["intermediate_size"], rms_norm_eps=d["rms_norm_eps"],
+            rope_theta=float(rp.get("rope_theta", d.get("rope_theta", 10000.0))),
+            vocab_size=d["vocab_size"], block_size=d["block_size"],
+            mask_token_id=dc["mask_token_id"], target_layer_ids=list(dc["target_layer_ids"]),
+            num_target_layers=d["num_target_layers"],
+            max_position_embeddings=d.get("max_position_embeddings", 32768),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# building blocks
+# ---------------------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # normalise in fp32 (as Qwen3 does) so bf16 training matches the reference numerics
+        dt = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dt)
+
+
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """Default (unscaled) RoPE tables for ``position_ids`` [N, T] -> cos, sin [N, 1, T, head_dim]."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device,
+                                        dtype=torch.float32) / head_dim))
+    ang = position_ids.float()[..., None] * inv                       # [N, T, D/2]
+    emb = torch.cat([ang, ang], dim=-1)
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+_compiled_flex = None
+
+
+def attend(q, k, v, mask, attention: str, scale: float, compile_flex: bool = False):
+    """One attention interface, two exact backends.
+
+    q [N, Hq, Q, D], k/v [N, Hkv, K, D] (GQA handled by the kernels). ``mask`` is a BlockMask for
+    "flex", a bool [N, Q, K] / [Q, K] (True = attend) for "sdpa", or None for full attention.
+    """
+    if attention == "flex":
+        global _compiled_flex
+        from torch.nn.attention.flex_attention import flex_attention
+        fn = flex_attention
+        if compile_flex:
+            if _compiled_flex is None:
+                _compiled_flex = torch.compile(flex_attention, dynamic=False)
+            fn = _compiled_flex
+        return fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
+    if attention == "sdpa":
+        if mask is not None:
+            mask = mask[:, None] if mask.dim() == 3 else mask  # broadcast over heads
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                              enable_gqa=True)
+    raise ValueError(f"unknown attention backend {attention!r} (expected 'flex' or 'sdpa')")
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        H, D = cfg.hidden_size, cfg.head_dim
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, D
+        self.q_proj = nn.Linear(H, self.nh * D, bias=False)
+        self.k_proj = nn.Linear(H, self.nkv * D, bias=False)
+        self.v_proj = nn.Linear(H, self.nkv * D, bias=False)
+        self.o_proj = nn.Linear(self.nh * D, H, bias=False)
+        self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
+
+    def _heads(self, x, n):
+        return x.view(*x.shape[:2], n, self.hd)
+
+    def forward(self, x, ctx, rope_q, rope_ctx, mask, attention, compile_flex):
+        N, Q, _ = x.shape
+        q = self.q_norm(self._heads(self.q_proj(x), self.nh)).transpose(1, 2)
+        # K/V injection: context keys/values precede the block's own keys/values
+        k_ctx = self.k_norm(self._heads(self.k_proj(ctx), self.nkv)).transpose(1, 2)
+        k_blk = self.k_norm(self._heads(self.k_proj(x), self.nkv)).transpose(1, 2)
+        v_ctx = self._heads(self.v_proj(ctx), self.nkv).transpose(1, 2)
+        v_blk = self._heads(self.v_proj(x), self.nkv).transpose(1, 2)
+        q = apply_rope(q, *rope_q)
+        k = torch.cat([apply_rope(k_ctx, *rope_ctx), apply_rope(k_blk, *rope_q)], dim=2)
+        v = torch.cat([v_ctx, v_blk], dim=2)
+        o = attend(q, k, v, mask, attention, self.hd ** -0.5, compile_flex)
+        return self.o_proj(o.transpose(1, 2).reshape(N, Q, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        H, I = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(H, I, bias=False)
+        self.up_proj = nn.Linear(H, I, bias=False)
+        self.down_proj = nn.Linear(I, H, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, ctx, rope_q, rope_ctx, mask, attention, compile_flex):
+        # the context features are not re-normalised per layer: hidden_norm already did that
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_ctx, mask,
+                               attention, compile_flex)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DFlashConfig, attention: str = "sdpa", compile_flex: bool = False):
+        super().__init__()
+        self.cfg = cfg
+        self.attention = attention
+        self.compile_flex = compile_flex
+        H = cfg.hidden_size
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02):
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, 0.0, std)
+            elif isinstance(m, RMSNorm):
+                m.weight.fill_(1.0)
+
+    def forward(self, block_embeds: torch.Tensor, target_hidden: torch.Tensor,
+                block_position_ids: torch.Tensor, context_position_ids: torch.Tensor,
+                mask=None, attention: str | None = None) -> torch.Tensor:
+        """Final hidden states (after ``norm``) of the block tokens.
+
+        block_embeds [N, Q, H] (target embedding of the block tokens); target_hidden [N, C, n*H]
+        (concatenated feature-layer states, see :func:`extract_features`); position ids [N, Q] and
+        [N, C]; mask: BlockMask ("flex"), bool [N, Q, C+Q] ("sdpa") or None (everything visible,
+        which is right for one block at inference).
+        """
+        attention = attention or self.attention
+        x = block_embeds
+        ctx = self.hidden_norm(self.fc(target_hidden.to(x.dtype)))
+        D, th = self.cfg.head_dim, self.cfg.rope_theta
+        rope_q = rope_cos_sin(block_position_ids, D, th, x.dtype)
+        rope_ctx = rope_cos_sin(context_position_ids, D, th, x.dtype)
+        for layer in self.layers:
+            x = layer(x, ctx, rope_q, rope_ctx, mask, attention, self.compile_flex)
+        return self.norm(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# loss
+# ---------------------------------------------------------------------------------------------
+def _chunk_ce_sum(h, w_lm, y, wt):
+    logits = (h @ w_lm.t()).float()
+    return (F.cross_entropy(logits, y, reduction="none") * wt).sum()
+
+
+def drafter_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
+                 weights: torch.Tensor, chunk_size: int = 2048) -> torch.Tensor:
+    """Weighted CE over labelled positions, normalised by the sum of their weights.
+
+    Logits are computed ``chunk_size`` positions at a time and recomputed in backward
+    (activation checkpointing), so at most one chunk of [chunk, vocab] logits ever exists:
+    32768 positions x 151936 vocab would otherwise be ~10 GB.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    H = hidden.shape[-1]
+    h = hidden.reshape(-1, H)
+    y = labels.reshape(-1)
+    w = torch.broadcast_to(weights, labels.shape).reshape(-1).to(torch.float32)
+    keep = (y != -100) & (w > 0)
+    h, y, w = h[keep], y[keep], w[keep]
+    denom = w.sum()
+    if y.numel() == 0:
+        return hidden.sum() * 0.0  # keeps the graph (and DDP) happy on an empty batch
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for s in range(0, y.numel(), chunk_size):
+        sl = slice(s, s + chunk_size)
+        if torch.is_grad_enabled() and h.requires_grad:
+            total = total + checkpoint(_chunk_ce_sum, h[sl], lm_head_weight, y[sl], w[sl],
+                                       use_reentrant=False)
+        else:
+            total = total + _chunk_ce_sum(h[sl], lm_head_weight, y[sl], w[sl])
+    return total / denom
+
+
+# ---------------------------------------------------------------------------------------------
+# export / load (safetensors + config.json only; nothing is ever unpickled)
+# ---------------------------------------------------------------------------------------------
+def export_drafter(model: DFlashDrafter, cfg: DFlashConfig, out_dir, dtype=None) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` with the reference names, atomically."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    sd = {k: (v.to(dtype) if dtype is not None else v).detach().cpu().contiguous()
+          for k, v in model.state_dict().items()}
+    hf = cfg.to_hf_dict()
+    if dtype is not None:
+        hf["dtype"] = str(dtype).removeprefix("torch.")
+    else:
+        hf["dtype"] = str(next(iter(sd.values())).dtype).removeprefix("torch.")
+    with atomic_path(out / "model.safetensors") as tmp:
+        save_file(sd, str(tmp), metadata={"format": "pt"})
+    atomic_write_json(out / "config.json", hf)
+    return out
+
+
+def load_drafter(path, device="cpu", dtype=None, attention: str = "sdpa"
+                 ) -> tuple[DFlashDrafter, DFlashConfig]:
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    cfg = DFlashConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
+    model = DFlashDrafter(cfg, attention=attention)
+    sd = load_file(str(path / "model.safetensors"), device="cpu")
+    model.load_state_dict(sd, strict=True)
+    model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
+    return model, cfg
+
+
+__all__ = ["default_layer_ids", "hidden_state_indices", "extract_features", "DFlashConfig",
+           "DFlashDrafter", "attend", "drafter_loss", "export_drafter", "load_drafter"]
