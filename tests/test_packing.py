@@ -1,0 +1,133 @@
+"""Sampler and packing: exactly-once, determinism, limits, resume, packed-row layout."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dflash.errors import DFlashError
+from dflash.packing import (EpochSampler, bucket_for, bucket_lengths, pack_row, packing_stats,
+                            plan_epoch)
+
+
+def random_cases(n_cases: int = 40, seed: int = 1234):
+    """Hypothesis-style randomized (lengths, budget, max_batch_size) cases, incl. edge shapes."""
+    rng = random.Random(seed)
+    for case in range(n_cases):
+        budget = rng.choice([16, 64, 100, 1024, 4096])
+        max_bs = rng.choice([1, 2, 3, 8, 64])
+        n = rng.choice([1, 2, 7, 50, 300])
+        shape = case % 4
+        if shape == 0:
+            lengths = [rng.randint(1, budget) for _ in range(n)]
+        elif shape == 1:  # all tiny: batch-size limit binds
+            lengths = [rng.randint(1, max(1, budget // 64)) for _ in range(n)]
+        elif shape == 2:  # all exactly at budget
+            lengths = [budget] * n
+        else:  # heavy-tailed
+            lengths = [min(budget, max(1, int(rng.paretovariate(1.2) * budget / 20)))
+                       for _ in range(n)]
+        yield lengths, budget, max_bs, rng.randint(0, 10**6)
+
+
+def test_exactly_once_and_limits():
+    for lengths, budget, max_bs, seed in random_cases():
+        for epoch in (0, 3):
+            batches = plan_epoch(lengths, budget, max_bs, seed, epoch)
+            flat = [i for b in batches for i in b]
+            assert sorted(flat) == list(range(len(lengths)))
+            assert all(b for b in batches)
+            for b in batches:
+                assert sum(lengths[i] for i in b) <= budget
+                assert len(b) <= max_bs
+
+
+def test_deterministic_and_epochs_differ():
+    rng = random.Random(0)
+    lengths = [rng.randint(10, 300) for _ in range(500)]
+    a = plan_epoch(lengths, 1024, 16, seed=7, epoch=2)
+    assert a == plan_epoch(list(lengths), 1024, 16, seed=7, epoch=2)
+    assert a != plan_epoch(lengths, 1024, 16, seed=7, epoch=3)
+    assert a != plan_epoch(lengths, 1024, 16, seed=8, epoch=2)
+    s1, s2 = EpochSampler(lengths, 1024, 16, 7), EpochSampler(lengths, 1024, 16, 7)
+    assert s1.batches(5) == s2.batches(5)
+
+
+def test_efficiency():
+    rng = random.Random(1)
+    lengths = [rng.randint(30, 200) for _ in range(2000)]
+    buckets = bucket_lengths(1024, 2)
+    batches = plan_epoch(lengths, 1024, 64, seed=0, epoch=0)
+    st = packing_stats(batches, lengths, buckets)
+    assert st["samples"] == 2000 and st["real_tokens"] == sum(lengths)
+    assert st["efficiency_budget"] > 0.95, st
+    assert st["efficiency_padded"] > 0.95, st
+
+
+def test_too_long_sample_raises():
+    with pytest.raises(DFlashError, match="sample 1 has 2000 tokens"):
+        plan_epoch([10, 2000, 5], 1024, 4, 0, 0)
+
+
+def test_buckets():
+    assert bucket_lengths(1024, 2) == [512, 1024]
+    assert bucket_lengths(49152, 3) == [12288, 24576, 49152]
+    assert bucket_lengths(64, 1) == [64]
+    b = [256, 512, 1024]
+    assert [bucket_for(t, b) for t in (1, 256, 257, 512, 1000, 1024)] == \
+        [256, 256, 512, 512, 1024, 1024]
+    with pytest.raises(DFlashError):
+        bucket_for(1025, b)
+
+
+def test_resume_from_state_dict_exact():
+    rng = random.Random(3)
+    lengths = [rng.randint(5, 120) for _ in range(400)]
+    ref = EpochSampler(lengths, 512, 8, seed=11)
+    full = [next(iter(ref)) for _ in range(3 * ref.steps_in_epoch(0) + 5)]  # crosses epochs
+    for cut in (0, 1, ref.steps_in_epoch(0) - 1, ref.steps_in_epoch(0),
+                ref.steps_in_epoch(0) + 17, len(full) - 1):
+        s = EpochSampler(lengths, 512, 8, seed=11)
+        it = iter(s)
+        head = [next(it) for _ in range(cut)]
+        state = s.state_dict()
+        r = EpochSampler(lengths, 512, 8, seed=11)
+        r.load_state_dict(dict(state))
+        rit = iter(r)
+        tail = [next(rit) for _ in range(len(full) - cut)]
+        assert head + tail == full, cut
+    # batches of one epoch == the plan; positions count up
+    assert [b for e, o, b in full if e == 0] == ref.batches(0)
+    assert [o for e, o, b in full if e == 1] == list(range(ref.steps_in_epoch(1)))
+
+
+def test_resume_refuses_changed_data():
+    s = EpochSampler([10, 20, 30], 64, 2, seed=0)
+    state = s.state_dict()
+    with pytest.raises(DFlashError, match="lengths_fingerprint"):
+        EpochSampler([10, 20, 31], 64, 2, seed=0).load_state_dict(state)
+    with pytest.raises(DFlashError, match="seed"):
+        EpochSampler([10, 20, 30], 64, 2, seed=1).load_state_dict(state)
+
+
+def test_pack_row_layout():
+    samples = [
+        (5, [1, 2, 3, 4], [0, 0, 1, 1]),
+        (9, torch.tensor([7, 8, 9]), torch.tensor([False, True, True])),
+        (2, [11, 12], [0, 1]),
+    ]
+    row = pack_row(samples, bucket_len=12, pad_id=0)
+    assert row.input_ids.tolist() == [1, 2, 3, 4, 7, 8, 9, 11, 12, 0, 0, 0]
+    assert row.doc_ids.tolist() == [0, 0, 0, 0, 1, 1, 1, 2, 2, -1, -1, -1]
+    assert row.position_ids.tolist() == [0, 1, 2, 3, 0, 1, 2, 0, 1, 0, 0, 0]
+    assert row.loss_mask.tolist() == [False, False, True, True, False, True, True, False, True,
+                                      False, False, False]
+    assert row.loss_mask.dtype == torch.bool and row.input_ids.dtype == torch.long
+    assert row.sample_ids == [5, 9, 2]
+    exact = pack_row(samples[:1], bucket_len=4, pad_id=0)
+    assert exact.doc_ids.tolist() == [0, 0, 0, 0]
+    with pytest.raises(DFlashError, match="more than the bucket"):
+        pack_row(samples, bucket_len=8, pad_id=0)
+    with pytest.raises(DFlashError, match="differ in length"):
+        pack_row([(1, [1, 2], [1])], bucket_len=8, pad_id=0)
