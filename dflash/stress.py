@@ -1,0 +1,350 @@
+"""``python -m dflash.stress``: drive real compiled drafter-like training steps from several threads,
+with and without the compile gate, beside the adversarial mixes of DESIGN §6. Prints ONE JSON line.
+
+Workers: each owns a small transformer block (attention + MLP; its own code object, so its own dynamo
+cache), compiled with ``torch.compile(dynamic=False)``; an iteration is forward + backward +
+``Adam(foreach=True).step()`` at a shape drawn from a closed bucket set. On CUDA the attention is a
+compiled ``flex_attention`` with a block mask; on CPU it is SDPA inside the compiled block (FlexAttention
+has no backward on CPU in torch 2.13). The compiled forward also returns
+``torch.compiler.is_dynamo_compiling()``: True when the compiled graph ran, False on a silent eager run.
+
+Adversaries (extra threads beside ``--threads`` workers), by ``--scenario``:
+  peer          workers only (overhead baseline)
+  adv_fx        one thread runs make_fx outside any compile session (reproduces the error on CPU
+                in well under a second without the gate: ~99 % of warm calls raise)
+  adv_eagerflex one thread runs uncompiled flex_attention (can leave the FX flag stuck True)
+  adv_compile   one thread compiles brand-new functions (the is_compiling() leak into Adam)
+  mixed         all three adversaries (default)
+With ``--gate on`` every worker iteration goes through ``gate.run`` and every adversary operation
+takes ``gate.exclusive``; with ``--gate off`` nothing is coordinated.
+Exit code 0 whenever the harness itself worked (the JSON is the result), 2 if it broke.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import random
+import sys
+import threading
+import time
+import traceback
+import types
+from typing import Any, Callable
+
+SCENARIOS = ("peer", "adv_fx", "adv_eagerflex", "adv_compile", "mixed")
+_ADV = {"peer": (), "adv_fx": ("fx",), "adv_eagerflex": ("eagerflex",), "adv_compile": ("compile",),
+        "mixed": ("fx", "eagerflex", "compile")}
+BATCH = (2, 4)
+SEQ = (32, 64)
+D_MODEL, HEADS = 64, 4
+
+
+def _fresh(fn: Callable, tag: str) -> Callable:
+    """A copy of fn with its own code object (=> its own dynamo cache entry list)."""
+    return types.FunctionType(fn.__code__.replace(co_name=f"{fn.__name__}_{tag}"), fn.__globals__,
+                              fn.__name__ + "_" + tag, fn.__defaults__, fn.__closure__)
+
+
+def _block_forward(self, x, block_mask=None):  # noqa: ANN001 - becomes a Module.forward
+    import torch
+    import torch.nn.functional as F
+    B, S, D = x.shape
+    q, k, v = self.qkv(self.ln1(x)).view(B, S, 3, self.h, D // self.h).permute(2, 0, 3, 1, 4)
+    if block_mask is not None:
+        from torch.nn.attention.flex_attention import flex_attention
+        a = flex_attention(q, k, v, block_mask=block_mask)
+    else:
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    x = x + self.o(a.transpose(1, 2).reshape(B, S, D))
+    x = x + self.mlp(self.ln2(x))
+    return x.float().square().mean(), torch.compiler.is_dynamo_compiling()
+
+
+def _causal(b, h, q, kv):  # noqa: ANN001
+    return q >= kv
+
+
+def _adv_fn(x):  # noqa: ANN001
+    return (x.sin() + 1).relu() @ x.T
+
+
+def run_stress(gate: bool, threads: int, iterations: int, device: str = "cpu", scenario: str = "mixed",
+               seed: int = 0, backend: str | None = None, max_seconds: float = 120.0,
+               adversary_pause_s: float = 0.002, adv_from_start: bool = False,
+               shapes: list[tuple[int, int]] | None = None) -> dict[str, Any]:
+    """Run the stress and return the result dict (what ``main`` prints as one JSON line)."""
+    import torch
+    import torch.fx._symbolic_trace as st
+    import torch.nn as nn
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from dflash.errors import PoisonedProcess
+    from dflash.gate import Gate, classify_error, worker_thread_setup
+
+    if scenario not in SCENARIOS:
+        raise ValueError(f"unknown scenario {scenario!r}; one of {SCENARIOS}")
+    if threads < 1 or iterations < 1:
+        raise ValueError("threads and iterations must be >= 1")
+    backend = backend or ("inductor" if device.startswith("cuda") else "aot_eager")
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    torch.manual_seed(seed)
+    if not cuda:
+        torch.set_num_threads(1)  # several Python threads on few cores: avoid intra-op oversubscription
+    # a private gate per run (same class as the singleton) so repeated in-process runs don't share sigs
+    g = Gate() if gate else None
+    t_start = time.perf_counter()
+    deadline = time.time() + max_seconds
+
+    lock = threading.Lock()
+    errors: collections.Counter = collections.Counter()
+    adv_errors: collections.Counter = collections.Counter()
+    counts: collections.Counter = collections.Counter()
+    first_tb: dict[str, str] = {}
+    step_time = [0.0]
+
+    def err(counter: collections.Counter, e: BaseException, prefix: str = "") -> None:
+        c = classify_error(e)
+        with lock:
+            counter[prefix + c] += 1
+            first_tb.setdefault(prefix + c, "".join(traceback.format_exception(e))[-1200:])
+
+    def excl(reason: str):
+        import contextlib
+        return g.exclusive(reason) if g else contextlib.nullcontext()
+
+    # ---- shared fixtures (built before any thread starts) --------------------------------------
+    buckets = list(shapes) if shapes else [(b, s) for b in BATCH for s in SEQ]
+    flex_masks: dict[int, Any] = {}
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    with excl("setup: create_block_mask"):
+        for s in sorted({s for _, s in buckets} | {128}):
+            flex_masks[s] = create_block_mask(_causal, None, None, s, s, device=device)
+
+    class Worker:
+        def __init__(self, i: int) -> None:
+            cls = type(f"DraftBlock{i}", (nn.Module,), {"forward": _fresh(_block_forward, f"w{i}")})
+            m = cls()
+            m.h = HEADS
+            m.ln1, m.ln2 = nn.LayerNorm(D_MODEL), nn.LayerNorm(D_MODEL)
+            m.qkv, m.o = nn.Linear(D_MODEL, 3 * D_MODEL), nn.Linear(D_MODEL, D_MODEL)
+            m.mlp = nn.Sequential(nn.Linear(D_MODEL, 4 * D_MODEL), nn.GELU(), nn.Linear(4 * D_MODEL, D_MODEL))
+            self.m = m.to(dev)
+            self.cm = torch.compile(self.m, backend=backend, dynamic=False)
+            self.opt = torch.optim.Adam(self.m.parameters(), lr=1e-3, foreach=True)
+            self.i = i
+            self.name = f"draft_step_w{i}"
+            self.rnd = random.Random(seed * 1000 + i)
+            self.buckets = list(buckets)
+
+        def step(self, b: int, s: int) -> bool:
+            x = torch.randn(b, s, D_MODEL, device=dev)
+            loss, mk = self.cm(x, flex_masks[s] if cuda else None)
+            loss.backward()
+            self.opt.step()  # mutation after every compiled call: a refused attempt changes nothing
+            self.opt.zero_grad(set_to_none=True)
+            return bool(mk)
+
+        def iterate(self, b: int, s: int) -> None:
+            sig = (self.name, str(dev), (b, s, D_MODEL))
+            t = time.perf_counter()
+            try:
+                mk = g.run(sig, lambda: self.step(b, s)) if g else self.step(b, s)
+            except PoisonedProcess as e:
+                err(errors, e)
+                return
+            except Exception as e:  # noqa: BLE001 - the result is the error census
+                err(errors, e)
+                return
+            with lock:
+                counts["ok"] += 1
+                counts["fallback"] += (not mk)
+                if warm_done.is_set():
+                    counts["steady_ok"] += 1
+                    step_time[0] += time.perf_counter() - t
+
+    workers = [Worker(i) for i in range(threads)]
+    stop = threading.Event()
+    warm_done = threading.Event()
+    steady_t0 = [0.0]
+
+    def on_all_warm() -> None:  # runs in one thread, after all workers reached the barrier (none holds the gate)
+        if g:
+            g.mark_warm()
+        steady_t0[0] = time.perf_counter()
+        warm_done.set()
+
+    barrier = threading.Barrier(threads, action=on_all_warm)
+
+    def worker_main(w: Worker) -> None:
+        worker_thread_setup()
+        for b, s in w.buckets:  # warmup: every bucket once (gate: each is a first-seen sig -> exclusive)
+            if time.time() > deadline:
+                break
+            with lock:
+                counts["warmup_iterations"] += 1
+            w.iterate(b, s)
+        try:
+            barrier.wait(timeout=max(1.0, deadline - time.time()))  # never while holding the gate
+        except threading.BrokenBarrierError:
+            with lock:
+                counts["barrier_broken"] += 1
+            warm_done.set()
+        for _ in range(iterations):
+            if time.time() > deadline:
+                with lock:
+                    counts["timed_out"] = 1
+                break
+            b, s = w.rnd.choice(w.buckets)
+            with lock:
+                counts["iterations"] += 1
+            w.iterate(b, s)
+
+    def adversary(kind: str) -> None:
+        worker_thread_setup()
+        if not adv_from_start:  # start beside the warm steady state (where the error hits warm calls)
+            warm_done.wait(timeout=max(0.0, deadline - time.time()))
+        q = torch.randn(1, 2, 128, 16, device=dev)
+        k = 0
+        while not stop.is_set() and time.time() < deadline:
+            k += 1
+            try:
+                if kind == "fx":  # FX tracing outside any dynamo compile session
+                    with excl("make_fx"):
+                        make_fx(_adv_fn)(torch.randn(8, 8))
+                elif kind == "eagerflex":  # uncompiled flex_attention flips the FX flag (save/clear/restore)
+                    with excl("eager flex_attention"):
+                        flex_attention(q, q, q, block_mask=flex_masks[128])
+                else:  # a brand-new compiled function each time (dynamo + AOT make_fx)
+                    f = torch.compile(_fresh(_adv_fn, f"adv{k}"), backend="aot_eager")
+                    with excl("adversary compile"):
+                        f(torch.randn(8, 8))
+                with lock:
+                    counts[f"adv_{kind}"] += 1
+            except Exception as e:  # noqa: BLE001
+                err(adv_errors, e, f"{kind}:")
+            if g or kind == "compile":  # pacing: give waiting readers a turn (outside the gate)
+                time.sleep(adversary_pause_s)
+
+    ths = [threading.Thread(target=worker_main, args=(w,), name=f"worker{w.i}") for w in workers]
+    ths += [threading.Thread(target=adversary, args=(k,), name=f"adv_{k}") for k in _ADV[scenario]]
+    for t in ths:
+        t.start()
+    for t in ths[:threads]:
+        t.join()
+    steady_wall = time.perf_counter() - (steady_t0[0] or t_start)
+    stop.set()
+    for t in ths[threads:]:
+        t.join()
+
+    flag_stuck = bool(st._is_fx_tracing_flag)
+    comp_stuck = bool(torch.compiler.is_compiling())
+    # single-threaded probe afterwards: does a warm compiled call still work in this process?
+    try:
+        with (g.shared() if g else _null()):
+            w = workers[-1]
+            pb, ps = buckets[0]
+            _, mk = w.cm(torch.randn(pb, ps, D_MODEL, device=dev), flex_masks[ps] if cuda else None)
+        post = "compiled" if mk else "FALLBACK"
+    except Exception as e:  # noqa: BLE001
+        post = classify_error(e)
+
+    gs = g.stats() if g else None
+    if g and g.warm:
+        g.mark_cold()  # put the process-global stance back
+    ok = counts["ok"]
+    res: dict[str, Any] = {
+        "gate": "on" if gate else "off",
+        "scenario": scenario,
+        "threads": threads,
+        "adversaries": list(_ADV[scenario]),
+        "iterations_per_thread": iterations,
+        "shapes": [list(b) for b in buckets],
+        "device": device,
+        "backend": backend,
+        "seed": seed,
+        "torch": torch.__version__,
+        "errors_total": sum(errors.values()),
+        "errors": dict(errors),
+        "adversary_errors": dict(adv_errors),
+        "fallbacks": counts["fallback"],
+        "iterations_done": counts["iterations"] + counts["warmup_iterations"],
+        "steady_iterations": counts["iterations"],
+        "warmup_iterations": counts["warmup_iterations"],
+        "ok_iterations": ok,
+        "compiles": gs["compiles"]["count"] if gs else None,
+        "recompiles": gs["recompiles_after_warmup"]["count"] if gs else None,
+        "gate_wait_s": round(gs["shared_wait_s"] + gs["exclusive_wait_s"], 4) if gs else 0.0,
+        "gate_shared_wait_s": gs["shared_wait_s"] if gs else 0.0,
+        "gate_exclusive_hold_s": gs["exclusive_hold_s"] if gs else 0.0,
+        "gate_max_shared_wait_s": gs["max_shared_wait_s"] if gs else 0.0,
+        "gate_max_exclusive_wait_s": gs["max_exclusive_wait_s"] if gs else 0.0,
+        "race_errors": gs["race_errors"] if gs else None,
+        "calls_per_s": round(counts["steady_ok"] / steady_wall, 2) if steady_wall > 0 else 0.0,
+        "steady_ok_iterations": counts["steady_ok"],
+        "ms_per_call": round(1000 * step_time[0] / counts["steady_ok"], 3) if counts["steady_ok"] else None,
+        "steady_wall_s": round(steady_wall, 3),
+        "wall_s": round(time.perf_counter() - t_start, 3),
+        "adversary_ops": {k: counts[f"adv_{k}"] for k in _ADV[scenario]},
+        "flag_stuck_after": flag_stuck,
+        "is_compiling_stuck_after": comp_stuck,
+        "poisoned": flag_stuck or comp_stuck,
+        "post_probe": post,
+        "timed_out": bool(counts["timed_out"]),
+        "barrier_broken": counts["barrier_broken"],
+        "first_errors": {k: v.strip().splitlines()[-1][:300] for k, v in first_tb.items()},
+    }
+    return res
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *a: object) -> None:
+        return None
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflash stress", description=__doc__.split("\n\n")[0])
+    p.add_argument("--gate", choices=("on", "off"), default="on")
+    p.add_argument("--threads", type=int, default=3, help="worker threads (adversaries are extra)")
+    p.add_argument("--iterations", type=int, default=200, help="steady-state iterations per worker")
+    p.add_argument("--device", default="cpu", help="cpu | cuda:0 ...")
+    p.add_argument("--scenario", choices=SCENARIOS, default="mixed")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", default=None, help="aot_eager (CPU default) | inductor (CUDA default)")
+    p.add_argument("--max-seconds", type=float, default=120.0, help="safety cap on the whole run")
+    p.add_argument("--shapes", default=None,
+                   help="comma-separated BxS buckets, e.g. 2x32,4x64 (default: 2x32,2x64,4x32,4x64)")
+    p.add_argument("--adv-from-start", action="store_true",
+                   help="start adversaries during warmup too (default: once every worker is warm)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    shapes = None
+    if a.shapes:
+        try:
+            shapes = [tuple(int(v) for v in t.lower().split("x")) for t in a.shapes.split(",") if t.strip()]
+            assert shapes and all(len(t) == 2 and min(t) > 0 for t in shapes)
+        except (ValueError, AssertionError):
+            print(json.dumps({"harness_error": f"bad --shapes {a.shapes!r}; want e.g. 2x32,4x64"}), flush=True)
+            return 2
+    try:
+        res = run_stress(a.gate == "on", a.threads, a.iterations, a.device, a.scenario, a.seed,
+                         backend=a.backend, max_seconds=a.max_seconds, adv_from_start=a.adv_from_start,
+                         shapes=shapes)
+    except Exception as e:  # noqa: BLE001 - harness broke
+        print(json.dumps({"harness_error": f"{type(e).__name__}: {e}",
+                          "traceback": traceback.format_exc()[-2000:]}), flush=True)
+        return 2
+    print(json.dumps(res, default=str), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
