@@ -1,0 +1,182 @@
+"""Anchors, labels, loss weights and the attention mask against plain-Python references."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash.masks import (IGNORE_INDEX, Blocks, PackedRow, anchor_candidates, block_loss_weights,
+                          dense_mask, flex_block_mask, loss_weights, make_mask_mod,
+                          sample_anchors)
+
+MASK = 999
+
+
+def make_row(doc_lens, pad, prompt_lens, seed=0):
+    """Documents back to back; the first prompt_lens[d] tokens of doc d are prompt."""
+    g = torch.Generator().manual_seed(seed)
+    doc, pos, lm = [], [], []
+    for d, (n, p) in enumerate(zip(doc_lens, prompt_lens)):
+        doc += [d] * n
+        pos += list(range(n))
+        lm += [False] * p + [True] * (n - p)
+    doc += [-1] * pad
+    pos += [0] * pad
+    lm += [False] * pad
+    L = len(doc)
+    return PackedRow(input_ids=torch.randint(0, 500, (L,), generator=g),
+                     doc_ids=torch.tensor(doc), position_ids=torch.tensor(pos),
+                     loss_mask=torch.tensor(lm), sample_ids=list(range(len(doc_lens))))
+
+
+def manual_blocks(row, anchors, num_slots, B):
+    """Blocks for hand-picked anchors (pads the remaining slots as sample_anchors does)."""
+    L = row.input_ids.numel()
+    A = num_slots
+    anchor_pos = torch.zeros(A, dtype=torch.long)
+    anchor_pos[:len(anchors)] = torch.tensor(anchors, dtype=torch.long)
+    valid = torch.arange(A) < len(anchors)
+    block_doc = torch.where(valid, row.doc_ids[anchor_pos], torch.full((A,), -1))
+    ids = torch.full((A, B), MASK)
+    pos = torch.arange(B).repeat(A, 1)
+    lab = torch.full((A, B), IGNORE_INDEX)
+    for a, p in enumerate(anchors):
+        ids[a, 0] = row.input_ids[p]
+        pos[a] = row.position_ids[p] + torch.arange(B)
+        for k in range(1, B):
+            if p + k < L and row.doc_ids[p + k] == row.doc_ids[p] and row.loss_mask[p + k]:
+                lab[a, k] = row.input_ids[p + k]
+    return Blocks(anchor_pos, valid, ids.flatten(), pos.flatten(), lab.flatten(), block_doc, B)
+
+
+def reference_mask(row, blocks):
+    """The rule, written with loops: the independent oracle for mask_mod."""
+    L = row.doc_ids.numel()
+    A, B = blocks.num_slots, blocks.block_size
+    Q = A * B
+    m = torch.zeros(Q, L + Q, dtype=torch.bool)
+    for q in range(Q):
+        a = q // B
+        if blocks.valid[a]:
+            anc = int(blocks.anchor_pos[a])
+            for j in range(L):
+                if int(row.doc_ids[j]) == int(row.doc_ids[anc]) and j < anc:
+                    m[q, j] = True
+        for t in range(Q):
+            if t // B == a:
+                m[q, L + t] = True
+    return m
+
+
+CASES = [
+    # (doc_lens, pad, prompt_lens, anchors, slots, B)
+    ([12], 0, [2], [2, 10], 3, 4),                   # anchor near end of the only doc
+    ([6, 7, 5], 3, [1, 2, 1], [1, 4, 6 + 2, 13 + 1, 13 + 3], 6, 4),  # several docs + padding
+    ([5, 5], 2, [0, 0], [0, 5], 2, 3),               # anchors at document starts (no context)
+    ([8, 8], 0, [1, 1], [3, 8 + 3], 2, 5),           # same in-doc position in two docs
+    ([4], 4, [1], [], 2, 4),                         # no anchor at all: only padded slots
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_dense_mask_matches_loop_reference(case):
+    doc_lens, pad, prompt, anchors, A, B = case
+    row = make_row(doc_lens, pad, prompt)
+    bl = manual_blocks(row, anchors, A, B)
+    ref = reference_mask(row, bl)
+    got = dense_mask(row.doc_ids, bl)
+    assert torch.equal(got, ref)
+    assert got.any(-1).all(), "a fully masked query row would make SDPA return NaN"
+
+
+@pytest.mark.parametrize("case", CASES[:4])
+def test_flex_block_mask_matches_dense(case):
+    doc_lens, pad, prompt, anchors, A, B = case
+    row = make_row(doc_lens, pad, prompt)
+    bl = manual_blocks(row, anchors, A, B)
+    dm = dense_mask(row.doc_ids, bl)
+    # BLOCK_SIZE=1: the BlockMask's block-level dense form is the element mask itself
+    bm = flex_block_mask(row.doc_ids, bl, block_size=1)
+    assert torch.equal(bm.to_dense()[0, 0].bool(), dm)
+    # default 128-blocks: attention output equals SDPA with the dense mask
+    bm = flex_block_mask(row.doc_ids, bl)
+    from torch.nn.attention.flex_attention import flex_attention
+    g = torch.Generator().manual_seed(1)
+    Q, KV = dm.shape
+    q = torch.randn(1, 4, Q, 16, generator=g)
+    k = torch.randn(1, 2, KV, 16, generator=g)
+    v = torch.randn(1, 2, KV, 16, generator=g)
+    out_flex = flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
+    out_sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=dm, enable_gqa=True)
+    torch.testing.assert_close(out_flex, out_sdpa, atol=1e-5, rtol=1e-5)
+
+
+def test_batched_mask_is_per_row():
+    rows = [make_row([6, 7], 3, [1, 1], seed=0), make_row([16], 0, [3], seed=1)]
+    g = torch.Generator().manual_seed(0)
+    bls = [sample_anchors(r, 4, 3, g, MASK) for r in rows]
+    doc = torch.stack([r.doc_ids for r in rows])
+    got = dense_mask(doc, Blocks.stack(bls))
+    for i, (r, b) in enumerate(zip(rows, bls)):
+        assert torch.equal(got[i], reference_mask(r, b))
+    bm = flex_block_mask(doc, Blocks.stack(bls), block_size=1)
+    assert torch.equal(bm.to_dense()[:, 0].bool(), got)
+
+
+def test_sample_anchors_labels_and_positions():
+    row = make_row([10, 9, 7], 4, [3, 2, 6])
+    g = torch.Generator().manual_seed(0)
+    A, B = 20, 4
+    bl = sample_anchors(row, A, B, g, MASK)
+    cand = set(anchor_candidates(row).tolist())
+    n_valid = int(bl.valid.sum())
+    assert n_valid == len(cand) < A                     # everything eligible, rest padded
+    anchors = bl.anchor_pos[bl.valid].tolist()
+    assert len(set(anchors)) == n_valid and set(anchors) == cand   # without replacement
+    ids = bl.block_input_ids.view(A, B)
+    pos = bl.block_position_ids.view(A, B)
+    lab = bl.labels.view(A, B)
+    for a in range(A):
+        assert (ids[a, 1:] == MASK).all()
+        assert lab[a, 0] == IGNORE_INDEX                 # the anchor carries no label
+        if not bl.valid[a]:
+            assert (lab[a] == IGNORE_INDEX).all() and bl.block_doc[a] == -1
+            continue
+        p = int(bl.anchor_pos[a])
+        assert row.loss_mask[p] and ids[a, 0] == row.input_ids[p]
+        assert bl.block_doc[a] == row.doc_ids[p]
+        assert torch.equal(pos[a], row.position_ids[p] + torch.arange(B))
+        assert lab[a, 1] != IGNORE_INDEX                 # at least one label per valid block
+        for k in range(1, B):
+            same = p + k < row.doc_ids.numel() and row.doc_ids[p + k] == row.doc_ids[p]
+            if same:
+                assert lab[a, k] == row.input_ids[p + k]  # position k predicts token at anchor+k
+            else:
+                assert lab[a, k] == IGNORE_INDEX         # never across the document's end
+    # the last token of a doc can never anchor (nothing to predict)
+    ends = [9, 18, 25]
+    assert not cand & set(ends)
+
+
+def test_sample_anchors_uniform_and_capped():
+    row = make_row([40], 0, [10])
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(40)
+    for _ in range(300):
+        bl = sample_anchors(row, 5, 4, g, MASK)
+        assert bl.valid.all()
+        counts[bl.anchor_pos] += 1
+    eligible = counts[10:39]
+    assert counts[:10].sum() == 0 and counts[39] == 0
+    assert eligible.min() > 0.4 * eligible.mean()       # roughly uniform (mean ~ 51.7)
+
+
+def test_loss_weights():
+    w = loss_weights(16, 7.0)
+    assert w[0] == 0 and w[1] == 1
+    for k in range(1, 16):
+        assert math.isclose(float(w[k]), math.exp(-(k - 1) / 7.0), rel_tol=1e-6)
+    row = make_row([12], 0, [2])
+    bl = sample_anchors(row, 3, 4, torch.Generator().manual_seed(0), MASK)
+    bw = block_loss_weights(bl, 7.0)
+    assert torch.equal(bw > 0, bl.labels != IGNORE_INDEX)

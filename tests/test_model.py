@@ -1,0 +1,216 @@
+"""The drafter: config, attention backends, no-cheating, loss, training, export round trip."""
+import json
+import os
+import warnings
+
+import pytest
+import torch
+from transformers import LlamaConfig, Qwen3Config
+
+from dflash.masks import (IGNORE_INDEX, PackedRow, block_loss_weights, dense_mask,
+                          flex_block_mask, sample_anchors)
+from dflash.model import (DFlashConfig, DFlashDrafter, default_layer_ids, drafter_loss,
+                          export_drafter, extract_features, hidden_state_indices, load_drafter)
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+H, V, MASK = 64, 128, 127
+
+
+def tiny_target_config(layers=6):
+    return LlamaConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2,
+                       num_hidden_layers=layers, intermediate_size=128, vocab_size=V)
+
+
+def tiny_cfg(block_size=4, n_layers=2):
+    return DFlashConfig.from_target_config(tiny_target_config(), n_layers, block_size, MASK)
+
+
+def packed_row(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    doc = [0] * 20 + [1] * 15 + [-1] * 5
+    pos = list(range(20)) + list(range(15)) + [0] * 5
+    lm = [0] * 5 + [1] * 15 + [0] * 3 + [1] * 12 + [0] * 5
+    return PackedRow(torch.randint(0, MASK, (40,), generator=g), torch.tensor(doc),
+                     torch.tensor(pos), torch.tensor(lm).bool(), [0, 1])
+
+
+def inputs(cfg, row, blocks, seed=0):
+    """Random stand-ins for the frozen target: features [1, L, n*H] and an embedding table."""
+    g = torch.Generator().manual_seed(seed)
+    L = row.input_ids.numel()
+    feats = torch.randn(1, L, len(cfg.target_layer_ids) * H, generator=g)
+    table = torch.randn(V, H, generator=g)
+    emb = table[blocks.block_input_ids][None]
+    return emb, feats, blocks.block_position_ids[None], row.position_ids[None], table
+
+
+# ---------------------------------------------------------------------------------------------
+def test_layer_ids_and_hidden_state_indices():
+    assert default_layer_ids(36, 5) == [1, 9, 17, 25, 33]      # Qwen3-8B reference drafter
+    assert default_layer_ids(30, 3) == [1, 14, 27]
+    assert default_layer_ids(12, 1) == [6]
+    assert hidden_state_indices([1, 9]) == [2, 10]             # hidden_states[0] = embeddings
+    hs = [torch.full((1, 2, 3), float(i)) for i in range(5)]
+    f = extract_features(hs, [0, 2])
+    assert f.shape == (1, 2, 6) and f[0, 0, 0] == 1 and f[0, 0, 3] == 3
+
+
+def test_config_from_llama_and_qwen3():
+    smol = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
+                       num_hidden_layers=30, intermediate_size=1536, vocab_size=49152,
+                       rope_parameters={"rope_theta": 100000.0, "rope_type": "default"},
+                       max_position_embeddings=8192, rms_norm_eps=1e-5)
+    c = DFlashConfig.from_target_config(smol, 3, 16, 49151)
+    assert (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == \
+        (576, 9, 3, 64)
+    assert c.rope_theta == 100000.0 and c.target_layer_ids == [1, 14, 27]
+    assert c.num_target_layers == 30 and c.intermediate_size == 1536
+
+    q = Qwen3Config(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                    num_hidden_layers=8, intermediate_size=512, vocab_size=1000)
+    c = DFlashConfig.from_target_config(q, 1, 8, 999, layer_ids=[2, 5])
+    assert c.head_dim == 128 and c.target_layer_ids == [2, 5] and c.num_hidden_layers == 1
+    with pytest.raises(ValueError):
+        DFlashConfig.from_target_config(q, 1, 8, 999, layer_ids=[8])
+
+
+def test_flex_equals_sdpa_forward():
+    cfg = tiny_cfg()
+    model = DFlashDrafter(cfg).eval()
+    row = packed_row()
+    bl = sample_anchors(row, 6, cfg.block_size, torch.Generator().manual_seed(0), MASK)
+    emb, feats, bpos, cpos, _ = inputs(cfg, row, bl)
+    with torch.no_grad():
+        a = model(emb, feats, bpos, cpos, mask=dense_mask(row.doc_ids, bl)[None],
+                  attention="sdpa")
+        b = model(emb, feats, bpos, cpos, mask=flex_block_mask(row.doc_ids, bl),
+                  attention="flex")
+    assert torch.isfinite(a).all()
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not os.environ.get("DFLASH_SLOW_TESTS"),
+                    reason="compiling flex_attention on CPU takes ~45 s cold; DFLASH_SLOW_TESTS=1")
+def test_compiled_flex_equals_sdpa_forward():
+    cfg = tiny_cfg()
+    model = DFlashDrafter(cfg, compile_flex=True).eval()
+    row = packed_row()
+    bl = sample_anchors(row, 6, cfg.block_size, torch.Generator().manual_seed(0), MASK)
+    emb, feats, bpos, cpos, _ = inputs(cfg, row, bl)
+    with torch.no_grad():
+        a = model(emb, feats, bpos, cpos, mask=dense_mask(row.doc_ids, bl)[None],
+                  attention="sdpa")
+        b = model(emb, feats, bpos, cpos, mask=flex_block_mask(row.doc_ids, bl),
+                  attention="flex")
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_cannot_cheat_context_strictly_before_anchor():
+    """A block's output ignores the context at/after its anchor (its own labels), not before."""
+    cfg = tiny_cfg()
+    model = DFlashDrafter(cfg).eval()
+    row = packed_row()
+    bl = sample_anchors(row, 6, cfg.block_size, torch.Generator().manual_seed(3), MASK)
+    emb, feats, bpos, cpos, _ = inputs(cfg, row, bl)
+    mask = dense_mask(row.doc_ids, bl)[None]
+    B = cfg.block_size
+    a = 2
+    p = int(bl.anchor_pos[a])
+    rows_a = slice(a * B, (a + 1) * B)
+    with torch.no_grad():
+        base = model(emb, feats, bpos, cpos, mask=mask)
+        after = feats.clone()
+        after[:, p:p + B] += 5.0                  # the anchor's and its labels' features
+        out_after = model(emb, after, bpos, cpos, mask=mask)
+        before = feats.clone()
+        before[:, p - 1] += 5.0
+        out_before = model(emb, before, bpos, cpos, mask=mask)
+    torch.testing.assert_close(out_after[:, rows_a], base[:, rows_a], atol=0, rtol=0)
+    assert not torch.allclose(out_before[:, rows_a], base[:, rows_a])
+    # the other blocks are isolated from block a's tokens as well
+    emb2 = emb.clone()
+    emb2[:, a * B] += 1.0
+    with torch.no_grad():
+        out = model(emb2, feats, bpos, cpos, mask=mask)
+    others = torch.ones(base.shape[1], dtype=torch.bool)
+    others[rows_a] = False
+    torch.testing.assert_close(out[:, others], base[:, others], atol=0, rtol=0)
+
+
+def test_chunked_loss_equals_full_ce():
+    torch.manual_seed(0)
+    hid = torch.randn(3, 10, H, requires_grad=True)
+    w_lm = torch.randn(V, H)
+    labels = torch.randint(0, V, (3, 10))
+    labels[:, 0] = IGNORE_INDEX
+    wts = torch.rand(3, 10)
+    loss = drafter_loss(hid, w_lm, labels, wts, chunk_size=7)
+    (g_chunk,) = torch.autograd.grad(loss, hid)
+    logits = hid @ w_lm.t()
+    ce = torch.nn.functional.cross_entropy(logits.view(-1, V), labels.view(-1),
+                                           reduction="none", ignore_index=IGNORE_INDEX)
+    keep = labels.view(-1) != IGNORE_INDEX
+    ref = (ce * wts.view(-1))[keep].sum() / wts.view(-1)[keep].sum()
+    (g_ref,) = torch.autograd.grad(ref, hid)
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(g_chunk, g_ref)
+
+
+def test_training_drives_loss_down():
+    torch.manual_seed(0)
+    cfg = tiny_cfg()
+    model = DFlashDrafter(cfg)
+    row = packed_row()
+    bl = sample_anchors(row, 8, cfg.block_size, torch.Generator().manual_seed(0), MASK)
+    emb, feats, bpos, cpos, table = inputs(cfg, row, bl)
+    mask = dense_mask(row.doc_ids, bl)[None]
+    lm_head = torch.randn(V, H) / H ** 0.5
+    weights = block_loss_weights(bl, 7.0)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(50):
+        loss = drafter_loss(model(emb, feats, bpos, cpos, mask=mask)[0], lm_head, bl.labels,
+                            weights)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.2 * losses[0], losses
+
+
+def test_export_load_round_trip(tmp_path):
+    from safetensors import safe_open
+
+    cfg = tiny_cfg(block_size=8, n_layers=2)
+    model = DFlashDrafter(cfg).eval()
+    export_drafter(model, cfg, tmp_path / "drafter")
+    d = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    assert d["model_type"] == "qwen3" and d["architectures"] == ["DFlashDraftModel"]
+    assert d["block_size"] == 8 and d["num_target_layers"] == 6
+    assert d["dflash_config"] == {"mask_token_id": MASK, "target_layer_ids": cfg.target_layer_ids}
+    assert d["hidden_size"] == H and d["num_hidden_layers"] == 2 and d["head_dim"] == 16
+    # the reference Qwen3 config must parse it
+    qc = Qwen3Config(**{k: v for k, v in d.items() if k not in ("architectures",)})
+    assert qc.num_key_value_heads == 2
+
+    per_layer = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                 "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+                 "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+                 "input_layernorm.weight", "post_attention_layernorm.weight"]
+    expected = {f"layers.{i}.{n}" for i in range(2) for n in per_layer}
+    expected |= {"norm.weight", "fc.weight", "hidden_norm.weight"}
+    with safe_open(str(tmp_path / "drafter" / "model.safetensors"), "pt") as f:
+        assert set(f.keys()) == expected
+        assert tuple(f.get_tensor("fc.weight").shape) == (H, 2 * H)
+    assert not list((tmp_path / "drafter").glob("*.tmp"))          # atomic writes left nothing
+
+    loaded, cfg2 = load_drafter(tmp_path / "drafter", "cpu")
+    assert cfg2 == cfg
+    row = packed_row()
+    bl = sample_anchors(row, 4, 8, torch.Generator().manual_seed(0), MASK)
+    emb, feats, bpos, cpos, _ = inputs(cfg, row, bl)
+    mask = dense_mask(row.doc_ids, bl)[None]
+    with torch.no_grad(), warnings.catch_warnings():
+        torch.testing.assert_close(loaded(emb, feats, bpos, cpos, mask=mask),
+                                   model(emb, feats, bpos, cpos, mask=mask), atol=0, rtol=0)
