@@ -183,3 +183,89 @@ def load_target(target: dict, device: str, seed: int = 0, need_lm_head: bool = T
     full_cfg = hf_config(target)
     return Target(model=model, tokenizer=tok, config=full_cfg,
                   layer_ids=layer_ids(target, full_cfg))
+
+
+def packed_causal_mask(doc_ids):
+    """[1, 1, L, L] boolean mask (True = attend): causal inside each document of a packed row.
+
+    Padding (doc -1) attends to itself only, so no row is fully masked (SDPA would give NaN).
+    Exact: each document's hidden states equal those of the document run alone (tested).
+    """
+    import torch
+
+    idx = torch.arange(doc_ids.shape[-1], device=doc_ids.device)
+    same_doc = doc_ids[:, None] == doc_ids[None, :]
+    causal = idx[:, None] >= idx[None, :]
+    mask = (same_doc & causal & (doc_ids[:, None] >= 0)) | torch.eye(
+        idx.numel(), dtype=torch.bool, device=doc_ids.device)
+    return mask[None, None]
+
+
+class FeatureExtractor:
+    """Runs the frozen target on packed rows and returns the feature layers' hidden states.
+
+    Only the decoder layers up to max(layer_ids) run (the model is loaded truncated) and only
+    those layers' outputs are kept (forward hooks), never all hidden states: 65 layers of a
+    16×3072 batch do not fit in 141 GB. Output: [1, L, N·H] in the target dtype, i.e. the
+    concatenation the drafter's ``fc`` expects (never [1, L, N, H]).
+    """
+
+    def __init__(self, target: Target):
+        self.target = target
+        self.base = target.model.get_decoder() if hasattr(target.model, "get_decoder") \
+            else target.model.model
+        self._captured: dict[int, Any] = {}
+        for lid in target.layer_ids:
+            self.base.layers[lid].register_forward_hook(self._hook(lid))
+
+    def _hook(self, lid: int):
+        def hook(_module, _inputs, output):
+            self._captured[lid] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    def __call__(self, input_ids, doc_ids, position_ids):
+        import torch
+
+        self._captured.clear()
+        # no_grad, not inference_mode: the drafter saves these features for its backward.
+        with torch.no_grad():
+            self.base(input_ids=input_ids[None], position_ids=position_ids[None],
+                      attention_mask=packed_causal_mask(doc_ids), use_cache=False)
+            feats = torch.cat([self._captured[i] for i in self.target.layer_ids], dim=-1)
+        self._captured.clear()
+        return feats
+
+
+def target_embeddings(target: dict, seed: int = 0):
+    """(embed_weight, lm_head_weight) of the target, frozen, on CPU, without loading the model.
+
+    The drafter shares them (they are not stored with it). Tied targets return the same tensor
+    twice. Random-init targets get seeded random tables of the right shape.
+    """
+    import torch
+    from safetensors import safe_open
+
+    from .spec import dtype_of
+
+    cfg = hf_config(target)
+    dtype = dtype_of(target["dtype"])
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    if target["init"] == "random":
+        g = torch.Generator().manual_seed(seed + 7919)
+        emb = (torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g) * 0.02).to(dtype)
+        head = emb if tied else (torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
+                                 * 0.02).to(dtype)
+        return emb, head
+    src = smollm2_hf_dir() if target["model"] in BUILTIN_PRETRAINED else _user_dir(target["model"])
+    files = sorted(src.glob("*.safetensors"))
+    want = {"model.embed_tokens.weight": None, "lm_head.weight": None}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for k in want:
+                if want[k] is None and k in st.keys():
+                    want[k] = st.get_tensor(k).to(dtype)
+    emb = want["model.embed_tokens.weight"]
+    if emb is None:
+        raise SpecError(f"target.model: no model.embed_tokens.weight in {src}")
+    head = emb if (tied or want["lm_head.weight"] is None) else want["lm_head.weight"]
+    return emb, head

@@ -1,0 +1,111 @@
+"""Training checkpoints: everything an exact resume needs, written atomically, checksummed.
+
+``checkpoints/step-00000040/`` holds ``model.safetensors`` (drafter weights, fp32 masters),
+``optim.safetensors`` (AdamW moments and step counters) and ``state.json`` (step, LR schedule,
+counters, the sha256 of both tensor files). The folder is written under a temporary name and
+renamed, so it exists complete or not at all. Nothing is unpickled: tensors via safetensors,
+the rest JSON. The sampler position and the anchor RNG are functions of (seed, step), so the
+step number is the whole data-order state.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from .manifest import _fsync_dir, atomic_write_json, sha256_file
+
+CKPT_VERSION = 1
+
+
+def _optim_tensors(opt: torch.optim.Optimizer, params: list) -> tuple[dict, dict]:
+    index = {id(p): i for i, p in enumerate(params)}
+    tensors, scalars = {}, {}
+    for p, st in opt.state.items():
+        i = index[id(p)]
+        for k, v in st.items():
+            if torch.is_tensor(v):
+                tensors[f"{i}.{k}"] = v.detach().cpu().contiguous()
+            else:
+                scalars[f"{i}.{k}"] = v
+    return tensors, scalars
+
+
+def save(ckpt_dir: Path, step: int, replica, counters: dict, keep: int) -> Path:
+    """Write ``ckpt_dir/step-XXXXXXXX`` atomically; prune to the newest ``keep``."""
+    from safetensors.torch import save_file
+
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    final = ckpt_dir / f"step-{step:08d}"
+    tmp = ckpt_dir / f".tmp-step-{step:08d}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    model_sd = {k: v.detach().cpu().contiguous() for k, v in replica.model.state_dict().items()}
+    save_file(model_sd, str(tmp / "model.safetensors"))
+    otensors, oscalars = _optim_tensors(replica.opt, replica.params)
+    save_file(otensors, str(tmp / "optim.safetensors"))
+    for f in ("model.safetensors", "optim.safetensors"):
+        with open(tmp / f, "rb") as fh:
+            os.fsync(fh.fileno())
+    state = {"version": CKPT_VERSION, "step": step, "counters": counters,
+             "optim_scalars": oscalars, "sched": replica.sched.state_dict(),
+             "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                              for g in replica.opt.param_groups],
+             "sha256": {f: sha256_file(tmp / f) for f in ("model.safetensors",
+                                                          "optim.safetensors")}}
+    atomic_write_json(tmp / "state.json", state)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(ckpt_dir)
+    for old in sorted(ckpt_dir.glob("step-*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _verify(path: Path) -> dict:
+    state = json.loads((path / "state.json").read_text())
+    if state.get("version") != CKPT_VERSION:
+        raise ValueError(f"version {state.get('version')} != {CKPT_VERSION}")
+    for f, want in state["sha256"].items():
+        if sha256_file(path / f) != want:
+            raise ValueError(f"{f} checksum mismatch")
+    return state
+
+
+def latest_good(ckpt_dir: Path, log=print) -> tuple[Path, dict] | None:
+    """The newest checkpoint whose checksums verify; corrupted ones are reported and skipped."""
+    for path in sorted(ckpt_dir.glob("step-*"), reverse=True):
+        try:
+            return path, _verify(path)
+        except (OSError, ValueError, KeyError) as e:
+            log(f"[train] checkpoint {path} is corrupted ({e}); trying the previous one")
+    return None
+
+
+def load_into(path: Path, state: dict, replicas: list) -> None:
+    """Load weights, optimizer and schedule state into every replica (they stay identical)."""
+    from safetensors.torch import load_file
+
+    model_sd = load_file(str(path / "model.safetensors"))
+    otensors = load_file(str(path / "optim.safetensors"))
+    for rep in replicas:
+        rep.model.load_state_dict(model_sd)
+        for i, p in enumerate(rep.params):
+            st = {}
+            for key, v in otensors.items():
+                pi, name = key.split(".", 1)
+                if int(pi) == i:
+                    st[name] = v.to(p.device) if name != "step" else v.clone()
+            for key, v in state["optim_scalars"].items():
+                pi, name = key.split(".", 1)
+                if int(pi) == i:
+                    st[name] = v
+            if st:
+                rep.opt.state[p] = st
+        for g, saved in zip(rep.opt.param_groups, state["param_groups"]):
+            g.update(saved)
+        rep.sched.load_state_dict(state["sched"])

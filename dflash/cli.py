@@ -1,0 +1,81 @@
+"""`dflash <command>`: the stages Snakemake runs, plus validate / audit / status / stress.
+
+Every user-facing failure is one message (naming the file and field) and a non-zero exit; the
+last line of a failed stage's log says what failed and what to do.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+
+from .errors import DFlashError
+
+STAGES = ("env", "warmup", "data", "train", "bench")
+
+
+def _stage(name: str, spec_path: str, root: str) -> None:
+    if name == "env":
+        from . import envstage
+        from .spec import load_spec
+        from .stage import results_dir
+
+        spec = load_spec(spec_path)
+        envstage.run(spec, results_dir(spec, root))
+        return
+    if name == "data":
+        from . import data
+        from .stage import begin
+
+        ctx = begin(spec_path, "data", root)
+        data.run(ctx.spec, ctx.results)
+        return
+    from .stage import begin
+
+    ctx = begin(spec_path, name, root)
+    module = __import__(f"dflash.{name}", fromlist=["run"])
+    module.run(ctx)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(prog="dflash", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for s in STAGES:
+        p = sub.add_parser(s, help=f"run the {s} stage for a spec")
+        p.add_argument("spec", help="specs/<name>.yaml")
+        p.add_argument("--results", default="results", help="results root (default: results)")
+    p = sub.add_parser("validate", help="check a spec (schema, cross-field rules, devices)")
+    p.add_argument("specs", nargs="+")
+    p.add_argument("--no-devices", action="store_true",
+                   help="skip the check that the spec's devices exist here")
+    for name, hlp in (("audit", "pinned vs live environment; non-zero on drift"),
+                      ("status", "live status of a training run"),
+                      ("stress", "race stress harness (gate on/off)")):
+        p = sub.add_parser(name, help=hlp, add_help=False)
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+    a = ap.parse_args(argv[:1] if argv and argv[0] in ("audit", "status", "stress") else argv)
+    try:
+        if a.cmd in ("audit", "status", "stress"):
+            module = __import__(f"dflash.{a.cmd}", fromlist=["main"])
+            return module.main(argv[1:])
+        if a.cmd == "validate":
+            from .spec import load_spec
+
+            for path in a.specs:
+                s = load_spec(path, check_devices_present=not a.no_devices)
+                print(f"ok: {path} (spec '{s.name}', devices {', '.join(s.devices())})")
+            return 0
+        _stage(a.cmd, a.spec, a.results)
+        return 0
+    except DFlashError as e:
+        if getattr(e, "__cause__", None) is not None and a.cmd in STAGES:
+            traceback.print_exception(e.__cause__, file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)
+        if a.cmd in STAGES:
+            print(f"what to do: fix the cause above, then rerun the same snakemake command "
+                  f"(only the {a.cmd} stage and what follows it will run).", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,138 @@
+"""One data-parallel drafter replica on one device: model, frozen embeddings, optimizer, step.
+
+The same class is used by the warmup stage and the train stage, so warmup compiles exactly the
+callables (same config, dtypes, feature width N·H, shape buckets) that training runs.
+"""
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from .masks import Blocks, PackedRow, block_loss_weights, dense_mask, flex_block_mask
+from .model import DFlashConfig, DFlashDrafter, drafter_loss
+
+
+def attention_backend(device: str) -> str:
+    """CUDA: compiled flex_attention. CPU: SDPA with the dense mask from the same mask_mod
+    (FlexAttention has no backward on CPU in torch 2.13)."""
+    return "flex" if device.startswith("cuda") else "sdpa"
+
+
+@dataclass
+class StepResult:
+    loss: float | None  # None: the replica had no batch this step (end of an epoch)
+    labelled: int       # block positions that carried a loss
+    tokens: int         # real target tokens in the packed row
+    sample_ids: list[int]
+
+
+def lr_lambda(total_steps: int, warmup_ratio: float):
+    """Linear warmup then cosine decay to 0 (the paper's recipe)."""
+    warm = max(1, int(round(total_steps * warmup_ratio)))
+
+    def f(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        progress = (step - warm) / max(1, total_steps - warm)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return f
+
+
+class DrafterReplica:
+    def __init__(self, index: int, device: str, cfg: DFlashConfig, spec, embed_weight: torch.Tensor,
+                 lm_head_weight: torch.Tensor, init_state: dict | None, total_steps: int):
+        self.index, self.device, self.cfg, self.spec = index, device, cfg, spec
+        self.attention = attention_backend(device)
+        self.block_size = spec["drafter"]["block_size"]
+        self.gamma = spec["loss"]["gamma"]
+        self.num_slots_full = spec["batching"]["max_anchors"]
+        self.token_budget = spec["batching"]["token_budget"]
+        from .spec import dtype_of
+
+        # fp32 master weights; bf16/fp16 compute through autocast on CUDA
+        self.compute_dtype = dtype_of(spec["drafter"]["dtype"])
+        self.model = DFlashDrafter(cfg, attention=self.attention,
+                                   compile_flex=False).to(device)
+        if init_state is not None:  # every replica starts from the same weights
+            self.model.load_state_dict(init_state)
+        self.model.train()
+        self.embed = embed_weight.to(device=device, dtype=self.compute_dtype)
+        self.lm_head = (self.embed if lm_head_weight is embed_weight
+                        else lm_head_weight.to(device=device, dtype=self.compute_dtype))
+        self.params = [p for p in self.model.parameters()]
+        o = spec["optim"]
+        self.opt = torch.optim.AdamW(self.params, lr=o["lr"], betas=(0.9, 0.95),
+                                     weight_decay=o["weight_decay"], foreach=True)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lr_lambda(total_steps, o["warmup_ratio"]))
+        backend = spec["compile"]["backend"]
+        self.forward = (self.model.forward if backend == "eager" else
+                        torch.compile(self.model.forward, backend=backend, dynamic=False))
+
+    # ---- shapes ------------------------------------------------------------------------------
+    def num_slots(self, bucket_len: int) -> int:
+        """Anchor slots for a bucket: max_anchors scaled to the bucket (static per bucket)."""
+        return max(1, self.num_slots_full * bucket_len // self.token_budget)
+
+    def signature(self, bucket_len: int) -> tuple:
+        return ("drafter_step", self.device, bucket_len, self.num_slots(bucket_len))
+
+    def _autocast(self):
+        if self.compute_dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(device_type=self.device.split(":")[0], dtype=self.compute_dtype)
+
+    # ---- one forward + backward (grads accumulate in .grad; no state mutation before the
+    #      compiled call, so a refused recompile can be retried safely) ----------------------
+    def forward_backward(self, row: PackedRow, feats: torch.Tensor, blocks: Blocks) -> StepResult:
+        dev = self.device
+        doc = row.doc_ids.to(dev, non_blocking=True)
+        blocks_d = Blocks(**{k: (v.to(dev, non_blocking=True) if torch.is_tensor(v) else v)
+                             for k, v in vars(blocks).items()})
+        if self.attention == "flex":
+            mask = flex_block_mask(doc, blocks_d, device=dev, _compile=True)
+        else:
+            mask = dense_mask(doc, blocks_d)[None]
+        block_embeds = torch.nn.functional.embedding(blocks_d.block_input_ids, self.embed)[None]
+        ctx_pos = row.position_ids.to(dev, non_blocking=True)[None]
+        with self._autocast():
+            hidden = self.forward(block_embeds, feats.to(dev, non_blocking=True),
+                                  blocks_d.block_position_ids[None], ctx_pos, mask)
+            weights = block_loss_weights(blocks_d, self.gamma)
+            loss = drafter_loss(hidden, self.lm_head, blocks_d.labels[None], weights[None])
+        loss.backward()
+        labelled = int((blocks_d.labels != -100).sum())
+        tokens = int((row.doc_ids >= 0).sum())
+        return StepResult(loss=float(loss.detach()), labelled=labelled, tokens=tokens,
+                          sample_ids=list(row.sample_ids))
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
+
+    def flat_grad(self) -> torch.Tensor:
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in self.params])
+
+    def set_flat_grad(self, flat: torch.Tensor) -> None:
+        flat = flat.to(self.device, non_blocking=True)
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = flat[offset:offset + n].view_as(p).clone()
+            offset += n
+
+    def clip_and_step(self) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.spec["optim"]["grad_clip"],
+                                              foreach=True)
+        self.opt.step()
+        self.sched.step()
+        self.zero_grad()
+        return float(norm)
+
+    def lr(self) -> float:
+        return self.sched.get_last_lr()[0]

@@ -1,0 +1,314 @@
+"""The race-free threaded topology: N target workers + M drafter replicas in one process.
+
+    feeder ──work_q──▶ target worker (one per target device) ──out_q[r]──▶ drafter replica r
+
+* The feeder enqueues work items in step order: item (step, r) is batch ``step·M + r`` of the
+  epoch's deterministic plan, so every sample reaches exactly one replica exactly once per epoch
+  and a resumed run sees the very same batches.
+* Queues are bounded (backpressure): at most ``queue_depth`` items per replica are in flight.
+* Every worker iteration runs through the one process-wide compile gate (:mod:`dflash.gate`):
+  ``gate.run(sig, fn)`` takes the exclusive side for anything that may compile or trace and the
+  shared side for warm work; the optimizer step runs under the shared side too, so no thread's
+  eager code ever sees another thread's ``is_compiling()``.
+* A thread never blocks on a queue or the barrier while it holds the gate (no deadlock).
+* Replicas stay identical: after each backward, the leader averages the flat gradients of all
+  replicas that had a batch (fixed order → deterministic) and writes the mean back to each; each
+  replica then clips and steps its own optimizer on identical gradients.
+* Any failure sets ``stop``, aborts the barrier and wakes every wait; the main thread re-raises
+  the first error naming the worker and its device. No hang.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .errors import DFlashError
+from .gate import get_gate, worker_thread_setup
+from .masks import PackedRow, sample_anchors
+
+POLL_S = 0.1
+DYNAMO_SETTINGS = dict(recompile_limit=64, accumulated_recompile_limit=4096)
+
+
+class WorkerFailed(DFlashError):
+    exit_code = 4
+
+
+@dataclass
+class WorkItem:
+    step: int
+    replica: int
+    epoch: int
+    batch_index: int
+    row: PackedRow | None  # None: this replica has no batch in this step (end of epoch)
+
+
+@dataclass
+class StepRecord:
+    step: int
+    epoch: int
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens: int
+    labelled: int
+    sample_ids: list[int]
+    t_end: float
+    replica_losses: list[float | None] = field(default_factory=list)
+
+
+class Stopped(Exception):
+    """Internal: the run is stopping because another worker failed."""
+
+
+class Pipeline:
+    def __init__(self, *, target_workers: list[tuple[str, Callable]], replicas: list,
+                 plan: Callable[[int], list[PackedRow]], steps_per_epoch: int, start_step: int,
+                 total_steps: int, seed: int, mask_token_id: int, queue_depth: int,
+                 on_step: Callable[[StepRecord], None] | None = None,
+                 fail_at: dict[str, int] | None = None):
+        """``target_workers``: (device, feature_fn(row)->feats) per target device.
+        ``plan(epoch)`` -> the epoch's packed rows in batch order (deterministic)."""
+        self.targets = target_workers
+        self.replicas = replicas
+        self.M = len(replicas)
+        self.plan = plan
+        self.spe = steps_per_epoch
+        self.start_step, self.total_steps = start_step, total_steps
+        self.seed, self.mask_token_id = seed, mask_token_id
+        self.on_step = on_step
+        self.fail_at = fail_at or {}  # test hook: {"worker name": step} raises there
+        self.gate = get_gate()
+        self.stop = threading.Event()
+        self.error: tuple[str, str, BaseException, str] | None = None
+        self._err_lock = threading.Lock()
+        self.work_q: queue.Queue = queue.Queue(maxsize=queue_depth * self.M)
+        self.out_qs = [queue.Queue(maxsize=queue_depth + len(target_workers))
+                       for _ in range(self.M)]
+        self.barrier = threading.Barrier(self.M)
+        self._results: list[Any] = [None] * self.M
+        self.first_step_s: dict[str, float] = {}
+        self.busy_s: dict[str, float] = {}
+        self.wait_s: dict[str, float] = {}
+        self.t0 = time.perf_counter()
+        self.steps_done = start_step
+        self.last_record: StepRecord | None = None
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def _fail(self, name: str, device: str, exc: BaseException) -> None:
+        with self._err_lock:
+            if self.error is None:
+                self.error = (name, device, exc, traceback.format_exc())
+        self.stop.set()
+        self.barrier.abort()
+
+    def _put(self, q: queue.Queue, item) -> None:
+        while True:
+            if self.stop.is_set():
+                raise Stopped
+            try:
+                q.put(item, timeout=POLL_S)
+                return
+            except queue.Full:
+                continue
+
+    def _get(self, q: queue.Queue):
+        while True:
+            if self.stop.is_set():
+                raise Stopped
+            try:
+                return q.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+
+    def _barrier(self) -> None:
+        try:
+            self.barrier.wait()
+        except threading.BrokenBarrierError:
+            raise Stopped from None
+
+    def _check_fail_hook(self, name: str, step: int) -> None:
+        if self.fail_at.get(name) == step:
+            raise RuntimeError(f"injected failure in {name} at step {step}")
+
+    # ---- threads -----------------------------------------------------------------------------
+    def _feeder(self) -> None:
+        try:
+            rows_epoch, rows = -1, []
+            for step in range(self.start_step, self.total_steps):
+                epoch, local = divmod(step, self.spe)
+                if epoch != rows_epoch:
+                    rows_epoch, rows = epoch, self.plan(epoch)
+                for r in range(self.M):
+                    b = local * self.M + r
+                    row = rows[b] if b < len(rows) else None
+                    self._put(self.work_q, WorkItem(step, r, epoch, b, row))
+            for _ in self.targets:
+                self._put(self.work_q, None)
+        except Stopped:
+            pass
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            self._fail("feeder", "cpu", e)
+
+    def _target_worker(self, i: int, device: str, feature_fn: Callable) -> None:
+        name = f"target-{i}"
+        try:
+            worker_thread_setup(**DYNAMO_SETTINGS)
+            busy = wait = 0.0
+            while True:
+                t = time.perf_counter()
+                item = self._get(self.work_q)
+                wait += time.perf_counter() - t
+                if item is None:
+                    break
+                self._check_fail_hook(name, item.step)
+                feats = None
+                if item.row is not None:
+                    row = item.row
+                    t = time.perf_counter()
+                    feats = self.gate.run(
+                        ("target_forward", device, row.input_ids.shape[0]),
+                        lambda: feature_fn(row))
+                    if device.startswith("cuda"):
+                        torch.cuda.synchronize(device)
+                    busy += time.perf_counter() - t
+                    self.first_step_s.setdefault(name, time.perf_counter() - self.t0)
+                self.busy_s[name], self.wait_s[name] = busy, wait
+                t = time.perf_counter()
+                self._put(self.out_qs[item.replica], (item, feats))
+                wait += time.perf_counter() - t
+        except Stopped:
+            pass
+        except BaseException as e:  # noqa: BLE001
+            self._fail(name, device, e)
+
+    def _next_item(self, r: int, step: int, pending: dict):
+        while step not in pending:
+            item, feats = self._get(self.out_qs[r])
+            pending[item.step] = (item, feats)
+        return pending.pop(step)
+
+    def _drafter_worker(self, r: int) -> None:
+        rep = self.replicas[r]
+        name = f"drafter-{r}"
+        try:
+            worker_thread_setup(**DYNAMO_SETTINGS)
+            pending: dict[int, tuple] = {}
+            busy = wait = 0.0
+            for step in range(self.start_step, self.total_steps):
+                t = time.perf_counter()
+                item, feats = self._next_item(r, step, pending)
+                wait += time.perf_counter() - t
+                self._check_fail_hook(name, step)
+                t = time.perf_counter()
+                if item.row is not None:
+                    row = item.row
+                    g = torch.Generator().manual_seed(
+                        hash((self.seed, item.epoch, item.batch_index)) & 0x7FFF_FFFF)
+                    blocks = sample_anchors(row, rep.num_slots(row.input_ids.shape[0]),
+                                            rep.block_size, g, self.mask_token_id)
+                    res = self.gate.run(rep.signature(row.input_ids.shape[0]),
+                                        lambda: rep.forward_backward(row, feats, blocks))
+                    del feats
+                else:
+                    with self.gate.shared():
+                        rep.zero_grad()
+                    res = None
+                self._results[r] = res
+                busy += time.perf_counter() - t
+                t = time.perf_counter()
+                self._barrier()  # every replica's backward is done
+                wait += time.perf_counter() - t
+                if r == 0:
+                    with self.gate.shared():
+                        self._average_grads()
+                t = time.perf_counter()
+                self._barrier()  # mean gradients are in place on every replica
+                wait += time.perf_counter() - t
+                t = time.perf_counter()
+                with self.gate.shared():
+                    norm = rep.clip_and_step()
+                busy += time.perf_counter() - t
+                self.busy_s[name], self.wait_s[name] = busy, wait
+                self.first_step_s.setdefault(name, time.perf_counter() - self.t0)
+                if r == 0:
+                    self._record(step, item.epoch, norm, rep.lr())
+        except Stopped:
+            pass
+        except BaseException as e:  # noqa: BLE001
+            self._fail(name, rep.device, e)
+
+    def _average_grads(self) -> None:
+        active = [i for i, res in enumerate(self._results) if res is not None]
+        if not active:
+            return
+        lead = self.replicas[0].device
+        total = None
+        for i in active:  # fixed order: the mean is deterministic
+            g = self.replicas[i].flat_grad().to(lead)
+            total = g if total is None else total + g
+        mean = total / len(active)
+        for rep in self.replicas:
+            rep.set_flat_grad(mean)
+
+    def _record(self, step: int, epoch: int, norm: float, lr: float) -> None:
+        res = [r for r in self._results if r is not None]
+        losses = [r.loss if r is not None else None for r in self._results]
+        rec = StepRecord(
+            step=step, epoch=epoch,
+            loss=sum(r.loss for r in res) / len(res) if res else float("nan"),
+            lr=lr, grad_norm=norm, tokens=sum(r.tokens for r in res),
+            labelled=sum(r.labelled for r in res),
+            sample_ids=[s for r in res for s in r.sample_ids], t_end=time.perf_counter(),
+            replica_losses=losses)
+        self.steps_done = step + 1
+        self.last_record = rec
+        if self.on_step is not None:
+            self.on_step(rec)
+
+    # ---- run ---------------------------------------------------------------------------------
+    def queue_depths(self) -> dict[str, int]:
+        return {"work": self.work_q.qsize(), **{f"out{r}": q.qsize()
+                                                 for r, q in enumerate(self.out_qs)}}
+
+    def run(self, on_tick: Callable[["Pipeline"], None] | None = None,
+            tick_s: float = 5.0) -> None:
+        threads = [threading.Thread(target=self._feeder, name="feeder", daemon=True)]
+        threads += [threading.Thread(target=self._target_worker, args=(i, dev, fn),
+                                     name=f"target-{i}", daemon=True)
+                    for i, (dev, fn) in enumerate(self.targets)]
+        threads += [threading.Thread(target=self._drafter_worker, args=(r,),
+                                     name=f"drafter-{r}", daemon=True)
+                    for r in range(self.M)]
+        self.t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        next_tick = time.perf_counter() + tick_s
+        try:
+            while any(t.is_alive() for t in threads):
+                for t in threads:
+                    t.join(timeout=POLL_S)
+                    if self.stop.is_set():
+                        break
+                if self.stop.is_set():
+                    break
+                if on_tick is not None and time.perf_counter() >= next_tick:
+                    on_tick(self)
+                    next_tick = time.perf_counter() + tick_s
+        except KeyboardInterrupt as e:
+            self._fail("main", "cpu", e)
+        # wake everyone, then wait a bounded time for the threads to leave
+        if self.stop.is_set():
+            deadline = time.perf_counter() + 10
+            for t in threads:
+                t.join(timeout=max(0.0, deadline - time.perf_counter()))
+        if self.error is not None:
+            name, device, exc, tb = self.error
+            raise WorkerFailed(f"worker {name} on {device} failed: {type(exc).__name__}: {exc}\n"
+                               f"--- worker traceback ---\n{tb}") from exc

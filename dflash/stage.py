@@ -1,0 +1,53 @@
+"""What every stage does first: load the spec, check devices and the pinned environment.
+
+Stages are thin: ``dflash <stage> specs/<name>.yaml`` → :func:`begin` → the stage's ``run``.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .spec import Spec, load_spec
+
+
+@dataclass
+class StageContext:
+    spec: Spec
+    results: Path           # results/<spec>
+    env_manifest: dict      # the verified env manifest
+    env_fingerprint: str
+    drift: list             # packages that differ, when the user overrode the refusal
+
+
+def results_dir(spec: Spec, root: str | Path = "results") -> Path:
+    return Path(root) / spec.name
+
+
+def begin(spec_path: str | Path, stage: str, root: str | Path = "results") -> StageContext:
+    """Validate the spec (devices included) and refuse to run on a drifted environment."""
+    from .envstage import check_env
+
+    spec = load_spec(spec_path, check_devices_present=True)
+    rdir = results_dir(spec, root)
+    env = check_env(rdir)
+    drift = env.pop("_drift", []) if isinstance(env, dict) else []
+    print(f"[{stage}] spec {spec.path} · env {env['fingerprints']['env']} verified"
+          + (f" · DRIFT OVERRIDDEN: {len(drift)} packages" if drift else ""), flush=True)
+    return StageContext(spec=spec, results=rdir, env_manifest=env,
+                        env_fingerprint=env["fingerprints"]["env"], drift=drift)
+
+
+def compile_cache_dir(env_fingerprint: str) -> Path:
+    """One inductor/triton cache per env fingerprint: a changed stack never reuses stale kernels.
+
+    Set before the first compile; warmup and train use the same directory, so training starts
+    with the kernels warmup built.
+    """
+    from .target import cache_root
+
+    d = cache_root() / "compile" / env_fingerprint
+    d.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(d / "inductor")
+    os.environ["TRITON_CACHE_DIR"] = str(d / "triton")
+    return d

@@ -1,0 +1,127 @@
+"""Live status: a line every few seconds, an atomically updated status.json, `dflash status`.
+
+Users used to wait minutes blind to learn whether a run died. The first step of every worker is
+a health check announced as soon as it passes; after that a line every ``tick`` seconds shows
+step, tokens/s, loss, queue depths, gate waits and device memory.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from .manifest import atomic_write_json
+
+STEADY_SKIP = 0.2  # the first 20 % of steps are not steady state (allocator, caches)
+
+
+def _memory() -> dict:
+    import torch
+
+    if not torch.cuda.is_available():
+        try:
+            import resource
+
+            return {"cpu_max_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                                            / 2**20, 2)}
+        except ImportError:  # pragma: no cover - non-POSIX
+            return {}
+    return {f"cuda:{i}_gb": round(torch.cuda.memory_allocated(i) / 2**30, 2)
+            for i in range(torch.cuda.device_count())}
+
+
+class StatusReporter:
+    def __init__(self, path: Path, spec, total_steps: int):
+        self.path, self.spec, self.total = path, spec, total_steps
+        self.t0 = time.perf_counter()
+        self.records: list[tuple[float, int, int, float]] = []  # (t, step, tokens, loss)
+        self.healthy_announced: set[str] = set()
+        self.state = {"spec": spec.name, "phase": "training", "step": 0,
+                      "total_steps": total_steps, "started_unix": time.time()}
+        self._write()
+
+    def _write(self) -> None:
+        self.state["updated_unix"] = time.time()
+        atomic_write_json(self.path, self.state)
+
+    def step(self, rec) -> None:
+        self.records.append((time.perf_counter(), rec.step, rec.tokens, rec.loss))
+        self.state.update(step=rec.step + 1, loss=rec.loss, lr=rec.lr)
+
+    def tokens_per_s(self, window: int = 20) -> float | None:
+        r = self.records[-window:]
+        if len(r) < 2:
+            return None
+        return sum(x[2] for x in r[1:]) / max(1e-9, r[-1][0] - r[0][0])
+
+    def tick(self, pipe) -> None:
+        for name in sorted(pipe.first_step_s):
+            if name not in self.healthy_announced:
+                self.healthy_announced.add(name)
+                print(f"[train] health: {name} passed its first step "
+                      f"({pipe.first_step_s[name]:.1f}s)", flush=True)
+        g = pipe.gate.stats()
+        tps = self.tokens_per_s()
+        self.state.update(
+            tokens_per_s=tps, queues=pipe.queue_depths(), memory=_memory(),
+            gate={"shared_wait_s": g["shared_wait_s"], "exclusive_wait_s": g["exclusive_wait_s"],
+                  "compiles": g["compiles"]["count"],
+                  "recompiles_after_warmup": g["recompiles_after_warmup"]["count"],
+                  "race_errors": g["race_errors"]["count"]},
+            healthy_workers=sorted(pipe.first_step_s), elapsed_s=round(time.perf_counter()
+                                                                        - self.t0, 1))
+        self._write()
+        loss = self.state.get("loss")
+        print(f"[train] step {self.state['step']}/{self.total} · "
+              f"{'%.0f' % tps if tps else '-'} tok/s · loss "
+              f"{'%.4f' % loss if loss is not None else '-'} · queues {self.state['queues']} · "
+              f"gate wait {g['shared_wait_s']:.2f}s/{g['exclusive_wait_s']:.2f}s · "
+              f"recompiles {g['recompiles_after_warmup']['count']} · mem {self.state['memory']}",
+              flush=True)
+
+    def steady_state(self) -> dict:
+        """Tokens/s and step time over the steps after the first STEADY_SKIP fraction."""
+        r = self.records
+        if len(r) < 3:
+            return {"steps": len(r), "tokens_per_s": None, "step_time_s": None}
+        s = r[int(len(r) * STEADY_SKIP):]
+        if len(s) < 2:
+            s = r[-2:]
+        dt = s[-1][0] - s[0][0]
+        toks = sum(x[2] for x in s[1:])
+        return {"steps": len(s) - 1, "tokens_per_s": toks / dt if dt > 0 else None,
+                "step_time_s": dt / (len(s) - 1), "seconds": dt}
+
+    def done(self, manifest: dict) -> None:
+        self.state.update(phase="done", final_loss=manifest.get("final_loss"),
+                          steady_state=manifest.get("steady_state"))
+        self._write()
+
+
+def main(argv: list[str]) -> int:
+    """`dflash status results/<spec>`: print the live status of a run."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="dflash status")
+    ap.add_argument("results", help="results/<spec> (or its train/ folder)")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    p = Path(a.results)
+    for cand in (p / "train" / "status.json", p / "status.json", p):
+        if cand.is_file():
+            break
+    else:
+        print(f"error: no status.json under {p} (has the train stage started?)", file=sys.stderr)
+        return 2
+    st = json.loads(cand.read_text())
+    if a.json:
+        print(json.dumps(st, indent=2))
+        return 0
+    age = time.time() - st.get("updated_unix", 0)
+    print(f"spec {st.get('spec')} · {st.get('phase')} · step {st.get('step')}/"
+          f"{st.get('total_steps')} · updated {age:.0f}s ago")
+    for k in ("tokens_per_s", "loss", "lr", "queues", "gate", "memory", "healthy_workers"):
+        if k in st:
+            print(f"  {k:16s} {st[k]}")
+    return 0

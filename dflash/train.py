@@ -1,0 +1,216 @@
+"""The train stage: warm start, race-free threaded training, checkpoints, export, manifest.
+
+``dflash train specs/<name>.yaml`` → results/<name>/train/{manifest.json, metrics.jsonl,
+status.json, checkpoints/, drafter/}. A killed run started again resumes from the newest good
+checkpoint (Snakemake keeps the checkpoints: they are not declared outputs).
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from . import checkpoint as ckpt
+from .manifest import atomic_write_json, expect, read_manifest, write_manifest
+from .stage import StageContext, compile_cache_dir
+
+
+def steps_plan(spec, n_batches: int) -> tuple[int, int]:
+    """(steps_per_epoch, total_steps): one step trains one batch on every drafter replica."""
+    M = len(spec["topology"]["drafters"])
+    spe = max(1, math.ceil(n_batches / M))
+    o = spec["optim"]
+    total = o["max_steps"] if o["max_steps"] is not None else o["epochs"] * spe
+    return spe, total
+
+
+def verify_warmup(ctx: StageContext) -> dict:
+    path = ctx.results / "warmup" / "manifest.json"
+    m = read_manifest(path, "warmup")
+    expect(m, path, {"env": ctx.env_fingerprint, "shape": ctx.spec.fingerprint("warmup")})
+    return m
+
+
+class MetricsLog:
+    """metrics.jsonl, one line per step; on resume, lines from steps not yet reached are cut."""
+
+    def __init__(self, path: Path, start_step: int):
+        self.path = path
+        lines = []
+        if path.exists() and start_step > 0:
+            for line in path.read_text().splitlines():
+                try:
+                    if json.loads(line)["step"] < start_step:
+                        lines.append(line)
+                except (ValueError, KeyError):
+                    break  # a torn last line from a kill: drop it and the rest
+        path.write_text("".join(x + "\n" for x in lines))
+        self.f = open(path, "a", buffering=1)
+
+    def write(self, rec: dict) -> None:
+        self.f.write(json.dumps(rec) + "\n")
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def run(ctx: StageContext, fail_at: dict | None = None, out: Path | None = None,
+        max_steps: int | None = None, persist: bool = True) -> dict:
+    """Train per the spec. ``out``/``max_steps``/``persist=False`` are for the bench stage's
+    timed run: a fresh run of ``max_steps`` steps in its own folder, no checkpoints or resume."""
+    from .data import load_dataset
+    from .gate import get_gate
+    from .packing import bucket_for, plan_epoch
+    from .scheduler import Pipeline
+    from .status import StatusReporter
+    from .topology import buckets, drafter_config, initial_state, make_replicas, \
+        make_target_workers, warm_replica
+    from .packing import pack_row
+
+    spec = ctx.spec
+    t_start = time.perf_counter()
+    warm = verify_warmup(ctx)
+    cache = compile_cache_dir(ctx.env_fingerprint)
+    ds = load_dataset(spec, ctx.results)
+    out = out or ctx.results / "train"
+    out.mkdir(parents=True, exist_ok=True)
+    b = spec["batching"]
+    bks = buckets(spec)
+    pad_id = 0
+
+    def plan(epoch: int):
+        batches = plan_epoch(ds.lengths, b["token_budget"], b["max_batch_size"], spec["seed"],
+                             epoch)
+        return [pack_row([ds.sample(i) for i in batch],
+                         bucket_for(sum(ds.lengths[i] for i in batch), bks), pad_id)
+                for batch in batches]
+
+    n_batches = len(plan_epoch(ds.lengths, b["token_budget"], b["max_batch_size"],
+                               spec["seed"], 0))
+    spe, total_steps = steps_plan(spec, n_batches)
+    if max_steps is not None:
+        total_steps = max_steps
+    cfg = drafter_config(spec)
+    replicas = make_replicas(spec, cfg, initial_state(cfg, spec["seed"]), total_steps)
+
+    start_step, counters = 0, {"tokens": 0, "samples": 0}
+    found = ckpt.latest_good(out / "checkpoints") if persist else None
+    if found is not None:
+        path, state = found
+        ckpt.load_into(path, state, replicas)
+        start_step, counters = state["step"], state["counters"]
+        print(f"[train] resuming from {path} (step {start_step}/{total_steps})", flush=True)
+
+    # Warm start: every (replica, bucket) compiles once under the exclusive gate (fast: the
+    # warmup stage filled the compile cache), then recompiles are refused and counted.
+    gate = get_gate()
+    t0 = time.perf_counter()
+    warm_records = []
+    feat_width = len(cfg.target_layer_ids) * cfg.hidden_size
+    from .spec import dtype_of
+
+    for rep in replicas:
+        for L in bks:
+            warm_records.append(warm_replica(rep, L, feat_width, dtype_of(spec["target"]["dtype"]),
+                                             optimizer_step=False))
+    gate.mark_warm()
+    warm_start_s = time.perf_counter() - t0
+    print(f"[train] warm start: {len(warm_records)} (replica, bucket) steps in "
+          f"{warm_start_s:.1f}s; gate now refuses recompiles", flush=True)
+
+    targets = make_target_workers(spec)
+    metrics = MetricsLog(out / "metrics.jsonl", start_step)
+    status = StatusReporter(out / "status.json", spec, total_steps)
+    seen_ids: dict[int, list[int]] = {}
+    every = spec["checkpoint"]["every_steps"]
+
+    def on_step(rec) -> None:
+        counters["tokens"] += rec.tokens
+        counters["samples"] += len(rec.sample_ids)
+        seen_ids.setdefault(rec.epoch, []).extend(rec.sample_ids)
+        metrics.write({"step": rec.step, "epoch": rec.epoch, "loss": rec.loss, "lr": rec.lr,
+                       "grad_norm": rec.grad_norm, "tokens": rec.tokens,
+                       "labelled": rec.labelled, "samples": len(rec.sample_ids),
+                       "sample_ids": rec.sample_ids, "t": round(rec.t_end - t_pipe[0], 4)})
+        status.step(rec)
+        if persist and ((rec.step + 1) % every == 0 or rec.step + 1 == total_steps):
+            ckpt.save(out / "checkpoints", rec.step + 1, replicas[0], dict(counters),
+                      spec["checkpoint"]["keep"])
+
+    t_pipe = [time.perf_counter()]
+    pipe = Pipeline(target_workers=targets, replicas=replicas, plan=plan, steps_per_epoch=spe,
+                    start_step=start_step, total_steps=total_steps, seed=spec["seed"],
+                    mask_token_id=cfg.mask_token_id, queue_depth=spec["topology"]["queue_depth"],
+                    on_step=on_step, fail_at=fail_at)
+    try:
+        pipe.run(on_tick=status.tick, tick_s=5.0)
+    finally:
+        metrics.close()
+    train_s = time.perf_counter() - t_pipe[0]
+
+    # every replica must hold the same weights (data parallel, identical updates)
+    ref = replicas[0].model.state_dict()
+    replicas_identical = all(torch.equal(ref[k].cpu(), r.model.state_dict()[k].cpu())
+                             for r in replicas[1:] for k in ref)
+    from .model import export_drafter
+
+    export_dir = out / "drafter"
+    tmp_export = out / ".drafter.tmp"
+    shutil.rmtree(tmp_export, ignore_errors=True)
+    export_drafter(replicas[0].model, cfg, tmp_export)
+    shutil.rmtree(export_dir, ignore_errors=True)
+    tmp_export.rename(export_dir)
+
+    st = gate.stats()
+    steps_run = total_steps - start_step
+    steady = status.steady_state()
+    manifest = write_manifest(
+        out / "manifest.json", "train",
+        fingerprints={"env": ctx.env_fingerprint, "shape": spec.fingerprint("warmup"),
+                      "train": spec.fingerprint("train"),
+                      "data": ds.manifest["fingerprints"]["data"],
+                      "dataset_sha256": ds.manifest["dataset"]["sha256"],
+                      "warmup": warm["checksum"]},
+        steps={"total": total_steps, "run_now": steps_run, "resumed_from": start_step,
+               "per_epoch": spe, "batches_per_epoch": n_batches},
+        counters=counters, compile_cache=str(cache),
+        warm_start={"seconds": round(warm_start_s, 3), "records": warm_records},
+        time_to_first_step_s=round(min(pipe.first_step_s.values(), default=0.0)
+                                   + warm_start_s, 3),
+        first_step_s=pipe.first_step_s,
+        gate={"compiles": st["compiles"]["count"],
+              "recompiles_after_warmup": st["recompiles_after_warmup"]["count"],
+              "recompile_sigs": [repr(s) for s in st["recompiles_after_warmup"]["sigs"]],
+              "race_errors": st["race_errors"]["count"], "race_by_class":
+                  st["race_errors"]["by_class"], "shared_wait_s": st["shared_wait_s"],
+              "exclusive_wait_s": st["exclusive_wait_s"],
+              "exclusive_hold_s": st["exclusive_hold_s"]},
+        busy_s={k: round(v, 3) for k, v in pipe.busy_s.items()},
+        wait_s={k: round(v, 3) for k, v in pipe.wait_s.items()},
+        wall_s=round(time.perf_counter() - t_start, 3), train_s=round(train_s, 3),
+        steady_state=steady, final_loss=pipe.last_record.loss if pipe.last_record else None,
+        replicas=len(replicas), replicas_identical=replicas_identical,
+        exactly_once=_exactly_once(seen_ids, ds, spe, len(replicas), n_batches),
+        drafter_dir=str(export_dir), env_drift_overridden=ctx.drift,
+        topology=spec["topology"])
+    status.done(manifest)
+    print(f"[train] done: {steps_run} steps in {train_s:.1f}s, final loss "
+          f"{manifest['final_loss']}, recompiles after warmup "
+          f"{manifest['gate']['recompiles_after_warmup']}, race errors "
+          f"{manifest['gate']['race_errors']}", flush=True)
+    return manifest
+
+
+def _exactly_once(seen: dict[int, list[int]], ds, spe: int, M: int, n_batches: int) -> dict:
+    """For every epoch fully run in this process: did each sample id arrive exactly once?"""
+    everyone = sorted(ds.sample_ids)
+    out = {}
+    for epoch, ids in seen.items():
+        complete = len(ids) == len(everyone)
+        out[str(epoch)] = {"samples": len(ids), "distinct": len(set(ids)),
+                           "exactly_once": complete and sorted(ids) == everyone}
+    return out

@@ -1,0 +1,82 @@
+# Shared by every rule: the specs, what each stage depends on, and how stages are invoked.
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, workflow.basedir)  # the dflash package lives beside this Snakefile
+
+from dflash.errors import DFlashError
+from dflash.manifest import fingerprint, sha256_file
+from dflash.spec import STAGE_FIELDS, load_spec
+
+
+def _load_specs():
+    specs = {}
+    for path in sorted(Path(workflow.basedir, "specs").glob("*.yaml")):
+        try:
+            specs[path.stem] = load_spec(path)  # schema + cross-field rules, no torch
+        except DFlashError as e:
+            raise WorkflowError(str(e)) from None  # one clear message, no traceback
+    return specs
+
+
+SPECS = _load_specs()
+RESULTS = config.get("results", "results")
+LOGS = config.get("logs", "logs")
+wildcard_constraints:
+    spec="|".join(SPECS) or "no-specs",
+
+# Package modules each stage runs. Snakemake does not track what a script imports, so their
+# content hash is a rule param: editing dflash/train.py reruns train and bench, not env/warmup.
+STAGE_MODULES = {
+    "env": ["envstage", "spec", "manifest", "errors", "cli", "schema/spec.schema.yaml"],
+    "warmup": ["warmup", "topology", "replica", "model", "masks", "gate", "target", "stage"],
+    "data": ["data", "prompts", "target", "stage"],
+    "train": ["train", "scheduler", "topology", "replica", "model", "masks", "gate", "packing",
+              "checkpoint", "status", "target", "stage"],
+    "bench": ["bench", "spec_decode", "report", "stage"],
+}
+
+
+def code_hash(stage):
+    files = []
+    for mod in STAGE_MODULES[stage]:
+        p = Path(workflow.basedir, "dflash", mod if "." in mod else mod + ".py")
+        if p.exists():
+            files.append(sha256_file(p))
+    return fingerprint(files)
+
+
+def spec_params(stage):
+    """The spec fields a stage depends on (content, so an edit reruns exactly what it should)."""
+    return lambda wc: json.dumps(SPECS[wc.spec].section(stage), sort_keys=True)
+
+
+def lock_sha(wc):
+    lock = Path(workflow.basedir, SPECS[wc.spec]["env"]["lock"])
+    return sha256_file(lock) if lock.exists() else f"missing:{lock}"
+
+
+def python_for(wc):
+    """The interpreter the stages run in: the built venv (env.mode build) or this one."""
+    from dflash.envstage import interpreter_for
+
+    return interpreter_for(SPECS[wc.spec])
+
+
+def gpus(wc):
+    return len({d for d in SPECS[wc.spec].devices() if d != "cpu"})
+
+
+def spec_file(wc):
+    return f"specs/{wc.spec}.yaml"
+
+
+def stage_cmd(stage):
+    # `tee` shows live progress on the console and keeps the log; pipefail keeps the exit code.
+    return ("{params.python} -m dflash " + stage + " {input.spec} --results " + RESULTS +
+            " 2>&1 | tee {log}")
+
+
+def bench_outputs(spec):
+    return [f"{RESULTS}/{spec}/bench/report.json", f"{RESULTS}/{spec}/bench/report.md"]
