@@ -545,6 +545,7 @@ def run(spec, results_dir: str | os.PathLike) -> dict:
     found = _found_devices()
     check_devices(spec, found)                      # seconds, before any install
     digest = lock_digest(lock)
+    _check_python_tag(lock)
     out_dir = results_dir / "env"
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
