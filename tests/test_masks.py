@@ -12,6 +12,15 @@ from dflash.masks import (IGNORE_INDEX, Blocks, PackedRow, anchor_candidates, bl
 MASK = 999
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: one intra-op thread is faster and robust to a busy machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def make_row(doc_lens, pad, prompt_lens, seed=0):
     """Documents back to back; the first prompt_lens[d] tokens of doc d are prompt."""
     g = torch.Generator().manual_seed(seed)

@@ -17,6 +17,15 @@ pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without to
 H, V, MASK = 64, 128, 127
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: one intra-op thread is faster and robust to a busy machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def tiny_target_config(layers=6):
     return LlamaConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2,
                        num_hidden_layers=layers, intermediate_size=128, vocab_size=V)

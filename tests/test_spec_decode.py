@@ -9,6 +9,15 @@ from dflash.spec_decode import speculative_generate, target_greedy
 V, MASK, P = 96, 95, 9
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: one intra-op thread is faster and robust to a busy machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def setup():
     torch.manual_seed(0)
@@ -36,11 +45,11 @@ def check_bookkeeping(res, n_tokens, B):
 def test_untrained_drafter_is_lossless(setup):
     target, drafter, cfg, prompts = setup
     emb, head = target.get_input_embeddings(), target.lm_head.weight
-    for p in prompts:
-        ref = target_greedy(target, p, 24)
-        res = speculative_generate(target, drafter, cfg, emb, head, p, 24)
+    for p in prompts[:2]:
+        ref = target_greedy(target, p, 16)
+        res = speculative_generate(target, drafter, cfg, emb, head, p, 16)
         assert res.tokens == ref
-        check_bookkeeping(res, 24, cfg.block_size)
+        check_bookkeeping(res, 16, cfg.block_size)
 
 
 def oracle(greedy, corrupt_at=None):
