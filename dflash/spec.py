@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import math
 import re
 from functools import lru_cache
 from pathlib import Path
@@ -66,7 +67,30 @@ class Spec(dict):
 
 
 def _fmt_path(path) -> str:
-    return ".".join(str(p) for p in path) or "<top level>"
+    out = ""
+    for p in path:  # list indices as [i], like the cross-field messages (topology.targets[0])
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or "<top level>"
+
+
+# "integer" means a real int: JSON schema would accept 1024.0 (and the arithmetic below would then
+# fail on a float); bool is excluded as jsonschema already does.
+_Validator = jsonschema.validators.extend(
+    jsonschema.Draft202012Validator,
+    type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine(
+        "integer", lambda _checker, x: isinstance(x, int) and not isinstance(x, bool)))
+
+
+def _non_finite(node: Any, path: tuple = ()):
+    """Paths of NaN/inf values (YAML .nan/.inf pass every minimum/maximum check)."""
+    if isinstance(node, float) and not math.isfinite(node):
+        yield path, node
+    elif isinstance(node, dict):
+        for k, v in node.items():
+            yield from _non_finite(v, path + (k,))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _non_finite(v, path + (i,))
 
 
 def _fill_defaults(node: Any, sch: dict) -> None:
@@ -84,7 +108,7 @@ def _schema_error(file: str, err: jsonschema.ValidationError) -> SpecError:
     where = _fmt_path(err.absolute_path)
     if err.validator == "additionalProperties":
         allowed = list(err.schema.get("properties", {}))
-        extra = sorted(set(err.instance) - set(allowed))
+        extra = sorted({str(k) for k in err.instance} - set(allowed))
         bad = extra[0] if extra else "?"
         field = f"{where}.{bad}" if err.absolute_path else bad
         hint = difflib.get_close_matches(bad, allowed, n=1)
@@ -99,14 +123,18 @@ def _schema_error(file: str, err: jsonschema.ValidationError) -> SpecError:
 
 def parse_spec(data: Any, file: str = "<spec>") -> Spec:
     """Validate an already-parsed spec mapping; no device check (see :func:`check_devices`)."""
+    if data is None:
+        raise SpecError(f"{file}: the spec file is empty (expected a YAML mapping of fields)")
     if not isinstance(data, dict):
         raise SpecError(f"{file}: the spec must be a YAML mapping of fields, "
                         f"got {type(data).__name__}")
     data = copy.deepcopy(data)
-    validator = jsonschema.Draft202012Validator(schema())
+    validator = _Validator(schema())
     errors = sorted(validator.iter_errors(data), key=lambda e: (len(e.absolute_path), e.path))
     if errors:
         raise _schema_error(file, errors[0])
+    for where, value in _non_finite(data):
+        raise SpecError(f"{file}: field '{_fmt_path(where)}': {value} is not a finite number")
     _fill_defaults(data, schema())
     spec = Spec(data)
     spec.path = Path(file)
@@ -121,7 +149,7 @@ def load_spec(path: str | Path, check_devices_present: bool = False) -> Spec:
     if not path.is_file():
         raise SpecError(f"{file}: spec file not found")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
