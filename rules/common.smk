@@ -1,5 +1,6 @@
 # Shared by every rule: the specs, what each stage depends on, and how stages are invoked.
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -74,8 +75,11 @@ def spec_file(wc):
 
 def stage_cmd(stage):
     # `tee` shows live progress on the console and keeps the log; pipefail keeps the exit code.
-    return ("{params.python} -m dflash " + stage + " {input.spec} --results " + RESULTS +
-            " 2>&1 | tee {log}")
+    # Every value is shell-quoted: the interpreter path derives from the spec's env.lock (build
+    # mode) and the results/logs roots from the config, so none may reach the shell raw.
+    results = shlex.quote(RESULTS).replace("{", "{{").replace("}", "}}")
+    return ("{params.python:q} -m dflash " + stage + " {input.spec:q} --results " + results +
+            " 2>&1 | tee {log:q}")
 
 
 def bench_outputs(spec):
