@@ -1,0 +1,488 @@
+"""The data stage: prompts -> target-regenerated responses -> token ids (+ manifest).
+
+    python -m dflash.data specs/tiny.yaml            # writes results/tiny/data/
+
+Output (``results/<spec>/data/``): ``dataset.parquet`` (one row per sample, sorted by
+``sample_id``) and ``manifest.json``. Generation is split into fixed chunks of
+``data.gen_batch_size`` samples (prompts of similar length together, so left padding is small);
+each finished chunk is written atomically as ``shards/part-<chunk>.parquet``. A restarted run
+keeps the shards made from the same inputs and generates only the missing samples, so nothing is
+generated twice and nothing is lost; shards made from other inputs are discarded (and said so).
+
+Chunks are spread over ``topology.targets`` (one thread per entry, each with its own target copy;
+several ``cpu`` entries share the CPU). Sampling (``temperature > 0``) uses one seeded generator
+per sample, so a sample does not depend on which device or batch produced it.
+"""
+from __future__ import annotations
+
+import json
+import queue
+import shutil
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+from .errors import DFlashError
+from .manifest import (atomic_path, atomic_write_json, expect, fingerprint, read_manifest,
+                       sha256_file, write_manifest)
+from .prompts import CHATTERBOT, is_mtbench, load_prompts
+
+DATASET = "dataset.parquet"
+SHARDS = "shards"
+SHARD_META = "meta.json"
+
+
+def _log(msg: str) -> None:
+    print(f"[data] {msg}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# the plan: which samples exist, and how they are chunked
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Sample:
+    sample_id: int
+    prompt_id: int
+    sample_index: int
+    prompt_ids: tuple[int, ...]
+
+
+def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def build_samples(spec, tokenizer) -> tuple[list[Sample], object, list]:
+    """Load prompts (dropping over-long and MT-Bench ones as bad records), render, expand."""
+    d = spec["data"]
+    rendered: dict[str, list[int]] = {}
+
+    def reject(messages: list[dict]) -> str | None:
+        if any(m["role"] == "user" and is_mtbench(m["content"]) for m in messages):
+            return "mtbench_overlap"
+        key = json.dumps(messages, sort_keys=True)
+        ids = rendered.get(key)
+        if ids is None:
+            ids = rendered[key] = render_prompt(tokenizer, messages)
+        if len(ids) > d["max_prompt_tokens"]:
+            return "too_long"
+        return None
+
+    prompts, report = load_prompts(d["source"], d["max_prompts"], spec["seed"],
+                                   d["max_bad_fraction"], reject=reject)
+    spp = d["samples_per_prompt"]
+    samples = []
+    for p in prompts:
+        ids = tuple(rendered[json.dumps(p.messages, sort_keys=True)])
+        for k in range(spp):
+            samples.append(Sample(p.prompt_id * spp + k, p.prompt_id, k, ids))
+    return samples, report, prompts
+
+
+def make_chunks(samples: Sequence[Sample], chunk_size: int) -> list[list[Sample]]:
+    """Fixed chunks: similar prompt lengths together (little left padding), ties by sample_id."""
+    order = sorted(samples, key=lambda s: (len(s.prompt_ids), s.sample_id))
+    return [order[i:i + chunk_size] for i in range(0, len(order), chunk_size)]
+
+
+# ---------------------------------------------------------------------------------------------
+# generation
+# ---------------------------------------------------------------------------------------------
+def eos_ids_of(target) -> list[int]:
+    ids = set()
+    for src in (target.tokenizer.eos_token_id,
+                getattr(getattr(target.model, "generation_config", None), "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, (list, tuple)):
+            ids.update(int(x) for x in src)
+    if not ids:
+        raise DFlashError("target tokenizer has no eos token: generation could not stop")
+    return sorted(ids)
+
+
+def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                   temperature: float, eos_ids: Sequence[int], pad_id: int,
+                   seeds: Sequence[int] | None = None) -> list[list[int]]:
+    """Left-padded batched generation with a KV cache; each response ends at eos (inclusive).
+
+    Greedy when ``temperature == 0``; otherwise row ``i`` samples with its own generator seeded
+    with ``seeds[i]``.
+    """
+    import torch
+
+    device = next(model.parameters()).device
+    B, P = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((B, P), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, P), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p):] = torch.tensor(list(p), dtype=torch.long)
+        attn[i, P - len(p):] = 1
+    ids, attn = ids.to(device), attn.to(device)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    eos = torch.tensor(list(eos_ids), device=device)
+    gens = None
+    if temperature > 0:
+        gens = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+    out = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    lengths = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    cache_kw, cache = _new_cache(model)
+    step_ids, step_pos = ids, pos
+    with torch.inference_mode():
+        for t in range(max_new_tokens):
+            res = model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos,
+                        use_cache=True, logits_to_keep=1, **{cache_kw: cache})
+            logits = res.logits[:, -1].float()
+            if gens is None:
+                nxt = logits.argmax(-1)
+            else:
+                probs = torch.softmax(logits / temperature, dim=-1)
+                nxt = torch.cat([torch.multinomial(probs[i], 1, generator=gens[i])
+                                 for i in range(B)])
+            nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
+            out[:, t] = nxt
+            hit = torch.isin(nxt, eos) & ~done
+            lengths = torch.where(hit, torch.full_like(lengths, t + 1), lengths)
+            done |= hit
+            if bool(done.all()):
+                break
+            step_ids = nxt[:, None]
+            step_pos = step_pos[:, -1:] + 1
+            attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=device)], -1)
+    out, lengths = out.cpu(), lengths.cpu()
+    return [out[i, :int(lengths[i])].tolist() for i in range(B)]
+
+
+def _new_cache(model):
+    """A KV cache the model fills in place; its kwarg is ``cache`` (transformers >= 5.2x) or
+    ``past_key_values`` (older)."""
+    import inspect
+
+    from transformers import DynamicCache
+
+    params = inspect.signature(model.forward).parameters
+    kw = "cache" if "cache" in params else "past_key_values"
+    try:
+        return kw, DynamicCache(config=model.config)
+    except TypeError:
+        return kw, DynamicCache()
+
+
+def sample_seed(seed: int, sample_id: int) -> int:
+    return int(fingerprint(["sample", seed, sample_id]), 16) & ((1 << 63) - 1)
+
+
+def _schema():
+    import pyarrow as pa
+
+    return pa.schema([("sample_id", pa.int64()), ("prompt_id", pa.int64()),
+                      ("sample_index", pa.int32()), ("input_ids", pa.list_(pa.int32())),
+                      ("loss_mask", pa.list_(pa.int8())), ("num_prompt_tokens", pa.int32()),
+                      ("num_response_tokens", pa.int32()), ("stopped_at_eos", pa.bool_())])
+
+
+def _rows_table(samples: Sequence[Sample], responses: Sequence[Sequence[int]], eos_ids):
+    import pyarrow as pa
+
+    cols: dict[str, list] = {f.name: [] for f in _schema()}
+    for s, r in sorted(zip(samples, responses), key=lambda x: x[0].sample_id):
+        cols["sample_id"].append(s.sample_id)
+        cols["prompt_id"].append(s.prompt_id)
+        cols["sample_index"].append(s.sample_index)
+        cols["input_ids"].append(list(s.prompt_ids) + list(r))
+        cols["loss_mask"].append([0] * len(s.prompt_ids) + [1] * len(r))
+        cols["num_prompt_tokens"].append(len(s.prompt_ids))
+        cols["num_response_tokens"].append(len(r))
+        cols["stopped_at_eos"].append(bool(r) and r[-1] in eos_ids)
+    return pa.Table.from_pydict(cols, schema=_schema())
+
+
+# ---------------------------------------------------------------------------------------------
+# shards (resume)
+# ---------------------------------------------------------------------------------------------
+def shard_path(shard_dir: Path, chunk: int) -> Path:
+    return shard_dir / f"part-{chunk:05d}.parquet"
+
+
+def _prepare_shards(shard_dir: Path, meta: dict, chunks: list[list[Sample]]) -> set[int]:
+    """Keep shards made from exactly these inputs; return the sample ids they already hold."""
+    import pyarrow.parquet as pq
+
+    meta_path = shard_dir / SHARD_META
+    existing = sorted(shard_dir.glob("part-*.parquet")) if shard_dir.is_dir() else []
+    old = None
+    if meta_path.is_file():
+        try:
+            old = json.loads(meta_path.read_text())
+        except ValueError:
+            old = None
+    if existing and old != meta:
+        why = "no shard record" if old is None else ", ".join(
+            f"{k} {old.get(k)!r} -> {v!r}" for k, v in meta.items() if old.get(k) != v)
+        _log(f"discarding {len(existing)} shard(s) made from other inputs ({why})")
+        shutil.rmtree(shard_dir)
+        existing = []
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(meta_path, meta)
+    for tmp in shard_dir.glob(".part-*.tmp"):  # leftovers of a killed atomic write
+        tmp.unlink(missing_ok=True)
+    done: set[int] = set()
+    for path in existing:
+        try:
+            chunk = int(path.stem.split("-")[1])
+            ids = pq.read_table(path, columns=["sample_id"])["sample_id"].to_pylist()
+            want = {s.sample_id for s in chunks[chunk]}
+            if not set(ids) <= want or len(set(ids)) != len(ids) or done & set(ids):
+                raise ValueError(f"holds samples outside chunk {chunk}")
+        except Exception as e:  # unreadable / foreign shard: regenerate it
+            _log(f"discarding shard {path.name} ({e})")
+            path.unlink()
+            continue
+        done.update(ids)
+    return done
+
+
+# ---------------------------------------------------------------------------------------------
+# the stage
+# ---------------------------------------------------------------------------------------------
+def _stats(values: list[int]) -> dict:
+    return {"mean": round(sum(values) / len(values), 3) if values else 0.0,
+            "min": min(values, default=0), "max": max(values, default=0), "total": sum(values)}
+
+
+def run(spec, results_dir: Path, on_shard: Callable[[int, Path], None] | None = None) -> dict:
+    """Build (or resume) ``results_dir/data``; returns the manifest.
+
+    ``on_shard(chunk_index, path)`` is called after each shard is written (tests use it to
+    simulate an interruption).
+    """
+    from transformers import AutoTokenizer
+
+    from .target import load_target, target_fingerprint, tokenizer_dir
+
+    t0 = time.time()
+    d = spec["data"]
+    data_dir = Path(results_dir) / "data"
+    shard_dir = data_dir / SHARDS
+    fingerprints = {"data": spec.fingerprint("data"), "target": target_fingerprint(spec["target"])}
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(spec["target"]["model"]))
+    samples, report, prompts = build_samples(spec, tokenizer)
+    chunks = make_chunks(samples, d["gen_batch_size"])
+    plan_fp = fingerprint([[s.sample_id, list(s.prompt_ids)] for c in chunks for s in c])
+    meta = {"fingerprints": fingerprints, "plan": plan_fp}
+    _log(f"{len(prompts)} prompts from {d['source']} ({report.total} records, {report.bad} bad "
+         f"{dict(report.counts)}, {report.duplicates} duplicates) -> {len(samples)} samples in "
+         f"{len(chunks)} chunks of <= {d['gen_batch_size']}")
+
+    done = _prepare_shards(shard_dir, meta, chunks)
+    todo = [(i, [s for s in c if s.sample_id not in done]) for i, c in enumerate(chunks)]
+    todo = [(i, c) for i, c in todo if c]
+    resumed = len(chunks) - len(todo)
+    if resumed:
+        _log(f"resuming: {len(done)} samples in {resumed} chunk(s) already done, "
+             f"{sum(len(c) for _, c in todo)} samples in {len(todo)} chunk(s) to generate")
+    gen_seconds = _generate(spec, todo, shard_dir, len(chunks), resumed, on_shard)
+
+    table = _merge(shard_dir, chunks, samples)
+    manifest = _write(spec, data_dir, table, fingerprints, plan_fp, report, prompts, chunks,
+                      resumed, gen_seconds, time.time() - t0)
+    _log(f"wrote {data_dir / DATASET}: {table.num_rows} samples, "
+         f"{manifest['tokens']['total_tokens']} tokens in {time.time() - t0:.1f}s")
+    return manifest
+
+
+def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int, on_shard) -> float:
+    if not todo:
+        return 0.0
+    from .target import load_target
+
+    d = spec["data"]
+    devices = list(spec["topology"]["targets"])[:len(todo)]
+    t_load = time.time()
+    targets = [load_target(spec["target"], dev, seed=spec["seed"]) for dev in devices]
+    _log(f"loaded {len(targets)} target cop{'y' if len(targets) == 1 else 'ies'} on "
+         f"{', '.join(devices)} in {time.time() - t_load:.1f}s")
+    eos = eos_ids_of(targets[0])
+    pad = targets[0].tokenizer.pad_token_id
+    pad = eos[0] if pad is None else pad
+
+    work: queue.Queue = queue.Queue()
+    for item in todo:
+        work.put(item)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+    progress = {"chunks": resumed, "new_tokens": 0}
+    t0 = time.time()
+
+    def worker(dev: str, target) -> None:
+        try:
+            while not stop.is_set():
+                try:
+                    chunk, samples = work.get_nowait()
+                except queue.Empty:
+                    return
+                tc = time.time()
+                seeds = [sample_seed(spec["seed"], s.sample_id) for s in samples]
+                responses = generate_batch(target.model, [s.prompt_ids for s in samples],
+                                           d["max_new_tokens"], d["temperature"], eos, pad, seeds)
+                table = _rows_table(samples, responses, set(eos))
+                path = shard_path(shard_dir, chunk)
+                import pyarrow.parquet as pq
+
+                with atomic_path(path) as tmp:
+                    pq.write_table(table, tmp)
+                new = sum(len(r) for r in responses)
+                with lock:
+                    progress["chunks"] += 1
+                    progress["new_tokens"] += new
+                    el = time.time() - t0
+                    left = n_chunks - progress["chunks"]
+                    rate = progress["new_tokens"] / el if el else 0.0
+                    eta = el / max(1, progress["chunks"] - resumed) * left
+                    _log(f"chunk {progress['chunks']}/{n_chunks} on {dev}: {len(samples)} "
+                         f"samples, {new} new tokens in {time.time() - tc:.1f}s "
+                         f"({new / max(1e-9, time.time() - tc):.1f} tok/s); overall "
+                         f"{rate:.1f} tok/s, ETA {eta:.0f}s")
+                if on_shard is not None:
+                    on_shard(chunk, path)
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread
+            errors.append(e)
+            stop.set()
+
+    threads = [threading.Thread(target=worker, args=(dev, tgt), name=f"gen-{i}-{dev}",
+                                daemon=True)
+               for i, (dev, tgt) in enumerate(zip(devices, targets))]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            while t.is_alive():
+                t.join(0.5)
+    except BaseException:
+        stop.set()  # Ctrl-C: finished shards stay; the rerun resumes from them
+        raise
+    if errors:
+        raise errors[0]
+    return time.time() - t0
+
+
+def _merge(shard_dir: Path, chunks, samples):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tables = [pq.read_table(shard_path(shard_dir, i), schema=_schema())
+              for i in range(len(chunks)) if shard_path(shard_dir, i).is_file()]
+    table = pa.concat_tables(tables).sort_by("sample_id").combine_chunks()
+    got = table["sample_id"].to_pylist()
+    want = sorted(s.sample_id for s in samples)
+    if got != want:
+        missing = sorted(set(want) - set(got))[:10]
+        dup = sorted({x for x in got if got.count(x) > 1})[:10]
+        raise DFlashError(f"{shard_dir}: shards do not hold every sample exactly once "
+                          f"(missing {missing}, duplicated {dup}); delete the folder and rerun")
+    return table
+
+
+def _write(spec, data_dir: Path, table, fingerprints, plan_fp, report, prompts, chunks,
+           resumed, gen_seconds, seconds) -> dict:
+    import pyarrow.parquet as pq
+
+    d = spec["data"]
+    out = data_dir / DATASET
+    with atomic_path(out) as tmp:
+        pq.write_table(table, tmp)
+    p_tok = table["num_prompt_tokens"].to_pylist()
+    r_tok = table["num_response_tokens"].to_pylist()
+    eos_stops = sum(table["stopped_at_eos"].to_pylist())
+    return write_manifest(
+        data_dir / "manifest.json", "data", fingerprints=fingerprints,
+        source=d["source"],
+        counts={"prompts": len(prompts), "samples": table.num_rows,
+                "stopped_at_eos": eos_stops, "hit_max_new_tokens": table.num_rows - eos_stops,
+                **report.to_dict()},
+        tokens={"prompt": _stats(p_tok), "response": _stats(r_tok),
+                "sequence_max": max(p + r for p, r in zip(p_tok, r_tok)),
+                "total_tokens": sum(p_tok) + sum(r_tok)},
+        generation={"max_new_tokens": d["max_new_tokens"], "temperature": d["temperature"],
+                    "samples_per_prompt": d["samples_per_prompt"],
+                    "gen_batch_size": d["gen_batch_size"],
+                    "max_prompt_tokens": d["max_prompt_tokens"],
+                    "devices": list(spec["topology"]["targets"]), "chunks": len(chunks),
+                    "chunks_resumed": resumed, "plan": plan_fp,
+                    "generate_seconds": round(gen_seconds, 2),
+                    "new_tokens_per_second": round(sum(r_tok) / gen_seconds, 2)
+                    if gen_seconds and not resumed else None},
+        seed=spec["seed"],
+        dataset={"path": DATASET, "rows": table.num_rows, "sha256": sha256_file(out)},
+        seconds=round(seconds, 2),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# reading the dataset (train stage)
+# ---------------------------------------------------------------------------------------------
+class TokenDataset:
+    """The verified dataset: ``lengths[i]`` and ``sample(i) -> (sample_id, input_ids, loss_mask)``."""
+
+    def __init__(self, table, manifest: dict):
+        self.manifest = manifest
+        self.sample_ids: list[int] = table["sample_id"].to_pylist()
+        self.input_ids: list[list[int]] = table["input_ids"].to_pylist()
+        self.loss_mask: list[list[int]] = table["loss_mask"].to_pylist()
+        self.lengths = [len(x) for x in self.input_ids]
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    def sample(self, i: int) -> tuple[int, list[int], list[int]]:
+        return self.sample_ids[i], self.input_ids[i], self.loss_mask[i]
+
+
+def load_dataset(spec, results_dir: Path) -> TokenDataset:
+    """Read ``results_dir/data``, refusing a stale (other spec/target) or modified dataset."""
+    import pyarrow.parquet as pq
+
+    from .target import target_fingerprint
+
+    data_dir = Path(results_dir) / "data"
+    mpath = data_dir / "manifest.json"
+    manifest = read_manifest(mpath, "data")
+    expect(manifest, mpath, {"data": spec.fingerprint("data"),
+                             "target": target_fingerprint(spec["target"])})
+    path = data_dir / manifest["dataset"]["path"]
+    if not path.is_file():
+        raise DFlashError(f"{path}: missing dataset; rerun the data stage")
+    found = sha256_file(path)
+    if found != manifest["dataset"]["sha256"]:
+        raise DFlashError(f"{path}: stale artifact — field 'dataset.sha256' expected "
+                          f"{manifest['dataset']['sha256']!r}, found {found!r}; rerun the data "
+                          f"stage")
+    return TokenDataset(pq.read_table(path), manifest)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from .spec import load_spec
+
+    ap = argparse.ArgumentParser(prog="python -m dflash.data", description=__doc__.split("\n")[0])
+    ap.add_argument("spec", help="specs/<name>.yaml")
+    ap.add_argument("--results", default="results", help="results root (default: results)")
+    args = ap.parse_args(argv)
+    try:
+        spec = load_spec(args.spec, check_devices_present=True)
+        run(spec, Path(args.results) / spec.name)
+    except DFlashError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""The data stage on the fast 'llama-micro' target (random weights, SmolLM2's real tokenizer),
+plus one small real-target (SmolLM2-135M-Instruct) generation."""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from dflash import data as data_stage
+from dflash.errors import DFlashError, StaleArtifact
+from dflash.prompts import load_mtbench
+from dflash.spec import parse_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_spec(**data_overrides):
+    raw = yaml.safe_load((ROOT / "specs" / "tiny.yaml").read_text())
+    raw["target"].update(model="llama-micro", init="random")
+    raw["topology"]["targets"] = data_overrides.pop("targets", ["cpu"])
+    raw["data"].update(max_prompts=12, max_new_tokens=8, gen_batch_size=4)
+    raw["data"].update(data_overrides)
+    return parse_spec(raw, "specs/test.yaml")
+
+
+class Recorder:
+    """on_shard hook: records generated chunks; optionally raises after ``fail_after`` shards."""
+
+    def __init__(self, fail_after: int | None = None):
+        self.chunks: list[int] = []
+        self.fail_after = fail_after
+
+    def __call__(self, chunk: int, path: Path) -> None:
+        assert path.is_file()  # the shard is complete before the hook runs
+        self.chunks.append(chunk)
+        if self.fail_after is not None and len(self.chunks) >= self.fail_after:
+            raise KeyboardInterrupt("simulated kill")
+
+
+def read_rows(results: Path) -> list[dict]:
+    return pq.read_table(results / "data" / "dataset.parquet").to_pylist()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One uninterrupted greedy run (12 prompts, 3 chunks of 4)."""
+    out = tmp_path_factory.mktemp("ref")
+    spec = make_spec()
+    rec = Recorder()
+    manifest = data_stage.run(spec, out, on_shard=rec)
+    return spec, out, manifest, rec
+
+
+def test_dataset_and_manifest(reference, capsys):
+    spec, out, m, rec = reference
+    assert sorted(rec.chunks) == [0, 1, 2]
+    rows = read_rows(out)
+    assert [r["sample_id"] for r in rows] == list(range(12))
+    assert m["counts"]["prompts"] == 12 and m["counts"]["samples"] == 12
+    assert m["counts"]["bad_by_kind"] == {"not_a_conversation": 1}  # one chatterbot entry
+    assert m["source"] == "chatterbot-corpus"
+    assert m["fingerprints"]["data"] == spec.fingerprint("data")
+    t = m["tokens"]
+    assert t["response"]["max"] <= 8 and t["prompt"]["max"] <= spec["data"]["max_prompt_tokens"]
+    assert t["total_tokens"] == sum(len(r["input_ids"]) for r in rows)
+    assert m["dataset"]["rows"] == 12 and len(m["dataset"]["sha256"]) == 64
+    assert m["generation"]["chunks"] == 3 and m["generation"]["temperature"] == 0.0
+
+    # loss_mask covers exactly the response; the prompt is the chat-templated prompt
+    from transformers import AutoTokenizer
+
+    from dflash.prompts import load_prompts
+    from dflash.target import tokenizer_dir
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir("llama-micro"))
+    prompts, _ = load_prompts("chatterbot-corpus", 12, spec["seed"], 0.05)
+    by_id = {p.prompt_id: p for p in prompts}
+    for r in rows:
+        P, R = r["num_prompt_tokens"], r["num_response_tokens"]
+        assert len(r["input_ids"]) == len(r["loss_mask"]) == P + R
+        assert r["loss_mask"] == [0] * P + [1] * R
+        assert r["input_ids"][:P] == data_stage.render_prompt(tok, by_id[r["prompt_id"]].messages)
+        assert tok.decode(r["input_ids"][:P]).endswith("<|im_start|>assistant\n")
+        eos_at = [i for i, x in enumerate(r["input_ids"][P:]) if x == 2]
+        assert eos_at in ([], [R - 1]) and r["stopped_at_eos"] == (eos_at == [R - 1])
+
+    ds = data_stage.load_dataset(spec, out)
+    assert len(ds) == 12 and ds.lengths == [len(r["input_ids"]) for r in rows]
+    assert ds.sample(3) == (3, rows[3]["input_ids"], rows[3]["loss_mask"])
+
+
+def test_resume_after_interruption(reference, tmp_path):
+    spec, ref_out, ref_m, _ = reference
+    first = Recorder(fail_after=1)
+    with pytest.raises(KeyboardInterrupt):
+        data_stage.run(spec, tmp_path, on_shard=first)
+    shards = sorted((tmp_path / "data" / "shards").glob("part-*.parquet"))
+    assert len(shards) == 1 and not (tmp_path / "data" / "dataset.parquet").exists()
+    done_ids = set(pq.read_table(shards[0])["sample_id"].to_pylist())
+
+    second = Recorder()
+    m = data_stage.run(spec, tmp_path, on_shard=second)
+    assert sorted(first.chunks + second.chunks) == [0, 1, 2]  # no chunk generated twice
+    assert not set(first.chunks) & set(second.chunks)
+    assert m["generation"]["chunks_resumed"] == 1
+    regenerated = set()
+    for c in second.chunks:
+        regenerated |= set(pq.read_table(data_stage.shard_path(tmp_path / "data" / "shards", c))
+                           ["sample_id"].to_pylist())
+    assert regenerated == set(range(12)) - done_ids
+    assert read_rows(tmp_path) == read_rows(ref_out)
+    assert m["dataset"]["sha256"] == ref_m["dataset"]["sha256"]
+
+    # a lost last shard: only its samples are generated again
+    (tmp_path / "data" / "shards" / "part-00002.parquet").unlink()
+    third = Recorder()
+    m3 = data_stage.run(spec, tmp_path, on_shard=third)
+    assert third.chunks == [2]
+    assert m3["dataset"]["sha256"] == ref_m["dataset"]["sha256"]
+
+
+def test_stale_shards_are_discarded(reference, tmp_path, capsys):
+    spec, _, _, _ = reference
+    data_stage.run(spec, tmp_path)
+    changed = make_spec(max_new_tokens=5)
+    rec = Recorder()
+    m = data_stage.run(changed, tmp_path, on_shard=rec)
+    assert sorted(rec.chunks) == [0, 1, 2]
+    assert "discarding 3 shard(s) made from other inputs" in capsys.readouterr().out
+    assert m["tokens"]["response"]["max"] <= 5
+    with pytest.raises(StaleArtifact, match="fingerprints.data"):
+        data_stage.load_dataset(spec, tmp_path)
+
+
+def test_sampling_two_devices_deterministic(tmp_path):
+    """temperature > 0, 2 samples per prompt, two cpu workers vs one: identical datasets."""
+    kw = dict(max_prompts=6, samples_per_prompt=2, temperature=1.0)
+    a = data_stage.run(make_spec(targets=["cpu", "cpu"], **kw), tmp_path / "a")
+    b = data_stage.run(make_spec(targets=["cpu"], **kw), tmp_path / "b")
+    assert a["dataset"]["sha256"] == b["dataset"]["sha256"]
+    rows = read_rows(tmp_path / "a")
+    assert [(r["sample_id"], r["prompt_id"], r["sample_index"]) for r in rows] == \
+        [(p * 2 + k, p, k) for p in range(6) for k in range(2)]
+    # the two samples of a prompt share the prompt and (almost surely) differ in the response
+    assert sum(rows[2 * p]["input_ids"] != rows[2 * p + 1]["input_ids"] for p in range(6)) >= 5
+
+
+def test_user_file_mtbench_and_too_long(tmp_path):
+    src = tmp_path / "chat.jsonl"
+    q = load_mtbench(1)[0]
+    lines = [{"messages": [{"role": "user", "content": f"Tell me fact number {i}."}]}
+             for i in range(38)]
+    lines.append({"conversations": [{"from": "human", "value": "  " + q.upper() + " "}]})
+    lines.append({"messages": [{"role": "user", "content": "word " * 500}]})  # > 96 tokens
+    src.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    spec = make_spec(source=str(src), max_prompts=100, max_new_tokens=2, gen_batch_size=16)
+    m = data_stage.run(spec, tmp_path / "out")
+    assert m["counts"]["bad_by_kind"] == {"mtbench_overlap": 1, "too_long": 1}
+    assert m["counts"]["bad_examples"]["mtbench_overlap"] == [f"{src}:39"]
+    assert m["counts"]["samples"] == 38
+    # the same overlap past the threshold is refused, naming the file and line
+    strict = make_spec(source=str(src), max_bad_fraction=0.01)
+    with pytest.raises(DFlashError, match=rf"{src}:39: mtbench_overlap"):
+        data_stage.run(strict, tmp_path / "strict")
+
+
+def test_cli_reports_errors(tmp_path, capsys):
+    spec_file = tmp_path / "broken.yaml"
+    raw = yaml.safe_load((ROOT / "specs" / "tiny.yaml").read_text())
+    raw["name"] = "broken"
+    raw["data"]["source"] = str(tmp_path / "missing.jsonl")
+    spec_file.write_text(yaml.safe_dump(raw))
+    assert data_stage.main([str(spec_file), "--results", str(tmp_path)]) == 2
+    assert "missing.jsonl" in capsys.readouterr().err
+
+
+def test_real_smollm2_generation(tmp_path):
+    """SmolLM2-135M-Instruct on CPU: 2 prompts, 8 new tokens; matches HF greedy generate."""
+    import torch
+
+    from dflash.target import load_target
+
+    raw = yaml.safe_load((ROOT / "specs" / "tiny.yaml").read_text())
+    raw["data"].update(max_prompts=2, max_new_tokens=8, gen_batch_size=2)
+    spec = parse_spec(raw, "specs/tiny.yaml")
+    m = data_stage.run(spec, tmp_path)
+    assert m["counts"]["samples"] == 2
+    rows = read_rows(tmp_path)
+    tgt = load_target(spec["target"], "cpu")
+    for r in rows:
+        P = r["num_prompt_tokens"]
+        ref = tgt.model.generate(torch.tensor([r["input_ids"][:P]]), max_new_tokens=8,
+                                 do_sample=False)[0, P:].tolist()
+        assert r["input_ids"][P:] == ref[:r["num_response_tokens"]]
+        assert tgt.tokenizer.decode(r["input_ids"][P:]).strip()
