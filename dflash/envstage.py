@@ -203,10 +203,14 @@ def _collect_facts(probe_torch: bool = True, allow_subprocess: bool = True) -> d
     torch = {"version": pkgs.get("torch"), "cuda": None, "cudnn": None, "nccl": None,
              "probed": False, "cuda_available": None}
     if torch["version"]:
-        try:                                    # torch.version.cuda without importing torch
-            vf = md.distribution("torch").locate_file("torch/version.py")
-            m = re.search(r"^cuda\s*(?::[^=]*)?=\s*['\"]([^'\"]+)['\"]", open(vf).read(), re.M)
-            torch["cuda"] = m.group(1) if m else None
+        try:        # torch.__version__ / torch.version.cuda without importing torch: wheel
+            #         metadata may say 2.11.0 where torch.__version__ says 2.11.0+cu130 (PyPI CUDA
+            #         wheels), so read torch/version.py, the file torch.__version__ comes from
+            src = open(md.distribution("torch").locate_file("torch/version.py")).read()
+            for key, field in (("__version__", "version"), ("cuda", "cuda")):
+                m = re.search(r"^%s\s*(?::[^=]*)?=\s*['\"]([^'\"]+)['\"]" % key, src, re.M)
+                if m or field == "cuda":
+                    torch[field] = m.group(1) if m else None
         except Exception:
             pass
         if probe_torch or "torch" in sys.modules:
@@ -561,12 +565,11 @@ def run(spec, results_dir: str | os.PathLike) -> dict:
     check_devices(spec, found)                      # seconds, before any install
     digest = lock_digest(lock)
     _check_python_tag(lock)
-    out_dir = results_dir / "env"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = results_dir / "env"       # created by write_manifest: a failed run leaves nothing
     t0 = time.time()
     venv, reused = None, None
-    if mode == "build":
-        venv, facts, reused = build_venv(lock, env.get("wheel_dir"), out_dir / "pip.log")
+    if mode == "build":                 # pip's log goes beside the venv (.venvs/<venv>.log)
+        venv, facts, reused = build_venv(lock, env.get("wheel_dir"))
     else:
         facts = live_env(None, probe_torch=True)
     pins = locked_pins(lock, facts)
