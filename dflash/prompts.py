@@ -117,7 +117,8 @@ def _chatterbot_records(report: BadReport) -> Iterator[tuple[str, list[dict] | N
     for path in sorted(root_dir.glob("*.yml")):
         name = path.relative_to(root_dir.parent.parent.parent)  # chatterbot_corpus/data/...
         try:
-            root = yaml.compose(path.read_text(encoding="utf-8"), Loader=yaml.SafeLoader)
+            root = yaml.compose(path.read_text(encoding="utf-8"),
+                                Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
         except (yaml.YAMLError, UnicodeDecodeError) as e:
             report.total += 1
             report.add("invalid_yaml", f"{name}:1", str(e).splitlines()[0])
