@@ -111,7 +111,9 @@ def classify_error(exc: BaseException) -> str:
         return RECOMPILE_LIMIT
     if isinstance(exc, PoisonedProcess):
         return "POISONED"
-    if isinstance(exc, TypeError) and ("foreach" in msg or "is_compiling" in msg or "_foreach" in msg):
+    if isinstance(exc, TypeError) and ("foreach" in msg or "is_compiling" in msg
+                                       or "expected Tensor as element" in msg):
+        # eager foreach optimizer took its "compiling" branch because another thread was compiling
         return IS_COMPILING_LEAK
     first = msg.strip().splitlines()[0] if msg.strip() else ""
     return f"{type(exc).__name__}: {first[:90]}"

@@ -169,10 +169,12 @@ def run_stress(gate: bool, threads: int, iterations: int, device: str = "cpu", s
     stop = threading.Event()
     warm_done = threading.Event()
     steady_t0 = [0.0]
+    warm_snap: dict[str, Any] = {}
 
     def on_all_warm() -> None:  # runs in one thread, after all workers reached the barrier (none holds the gate)
         if g:
             g.mark_warm()
+            warm_snap.update(g.stats())
         steady_t0[0] = time.perf_counter()
         warm_done.set()
 
@@ -278,6 +280,8 @@ def run_stress(gate: bool, threads: int, iterations: int, device: str = "cpu", s
         "recompiles": gs["recompiles_after_warmup"]["count"] if gs else None,
         "gate_wait_s": round(gs["shared_wait_s"] + gs["exclusive_wait_s"], 4) if gs else 0.0,
         "gate_shared_wait_s": gs["shared_wait_s"] if gs else 0.0,
+        "gate_steady_wait_s": round(gs["shared_wait_s"] + gs["exclusive_wait_s"] - warm_snap.get("shared_wait_s", 0)
+                                    - warm_snap.get("exclusive_wait_s", 0), 4) if gs else 0.0,
         "gate_exclusive_hold_s": gs["exclusive_hold_s"] if gs else 0.0,
         "gate_max_shared_wait_s": gs["max_shared_wait_s"] if gs else 0.0,
         "gate_max_exclusive_wait_s": gs["max_exclusive_wait_s"] if gs else 0.0,
