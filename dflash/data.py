@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 from .errors import DFlashError
 from .manifest import (atomic_path, atomic_write_json, expect, fingerprint, read_manifest,
                        sha256_file, write_manifest)
-from .prompts import CHATTERBOT, is_mtbench, load_prompts
+from .prompts import is_mtbench, load_prompts
 
 DATASET = "dataset.parquet"
 SHARDS = "shards"
@@ -262,7 +262,7 @@ def run(spec, results_dir: Path, on_shard: Callable[[int, Path], None] | None = 
     """
     from transformers import AutoTokenizer
 
-    from .target import load_target, target_fingerprint, tokenizer_dir
+    from .target import target_fingerprint, tokenizer_dir
 
     t0 = time.time()
     d = spec["data"]

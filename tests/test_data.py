@@ -2,7 +2,6 @@
 plus one small real-target (SmolLM2-135M-Instruct) generation."""
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
