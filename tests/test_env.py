@@ -245,7 +245,8 @@ def test_repo_cpu_lock_is_complete_and_pins_the_cpu_torch():
     assert envstage.companion_lock(REPO / "envs" / "cpu-py311.lock").name == \
         "cpu-py311-nodeps.lock"
     gpu = envstage.locked_pins(REPO / "envs" / "cuda-py312.lock")
-    assert gpu["torch"]["version"] == "2.11.0+cu130" and gpu["triton"]["version"] == "3.6.0"
+    assert gpu["torch"]["version"] == "2.11.0" and gpu["triton"]["version"] == "3.6.0"
+    assert gpu["transformers"]["version"] == "5.17.0"
     if sys.version_info[:2] == (3, 11):
         facts = envstage.live_env(probe_torch=False)
         assert envstage.diff_pins(pins, facts) == [], "this interpreter drifted from the lock"
