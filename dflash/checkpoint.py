@@ -34,7 +34,8 @@ def _optim_tensors(opt: torch.optim.Optimizer, params: list) -> tuple[dict, dict
     return tensors, scalars
 
 
-def save(ckpt_dir: Path, step: int, replica, counters: dict, keep: int) -> Path:
+def save(ckpt_dir: Path, step: int, replica, counters: dict, keep: int,
+         run_fingerprint: dict) -> Path:
     """Write ``ckpt_dir/step-XXXXXXXX`` atomically; prune to the newest ``keep``."""
     from safetensors.torch import save_file
 
@@ -51,6 +52,7 @@ def save(ckpt_dir: Path, step: int, replica, counters: dict, keep: int) -> Path:
         with open(tmp / f, "rb") as fh:
             os.fsync(fh.fileno())
     state = {"version": CKPT_VERSION, "step": step, "counters": counters,
+             "run_fingerprint": run_fingerprint,
              "optim_scalars": oscalars, "sched": replica.sched.state_dict(),
              "param_groups": [{k: v for k, v in g.items() if k != "params"}
                               for g in replica.opt.param_groups],

@@ -36,6 +36,11 @@ POLL_S = 0.1
 DYNAMO_SETTINGS = dict(recompile_limit=64, accumulated_recompile_limit=4096)
 
 
+def anchor_seed(seed: int, epoch: int, batch_index: int) -> int:
+    """Anchors are a pure function of (seed, epoch, batch): a resumed run samples the same."""
+    return (seed * 1_000_003 + epoch * 10_007 + batch_index) % (2**31 - 1)
+
+
 class WorkerFailed(DFlashError):
     exit_code = 4
 
@@ -63,23 +68,54 @@ class StepRecord:
     replica_losses: list[float | None] = field(default_factory=list)
 
 
+class StepMap:
+    """Global step -> (epoch, step within epoch). Epochs may hold different numbers of batches
+    (the packing is re-planned per epoch), so steps per epoch = ceil(batches(epoch) / M)."""
+
+    def __init__(self, epoch_batches: Callable[[int], list], M: int):
+        self.epoch_batches, self.M = epoch_batches, M
+        self.starts = [0]  # starts[e] = first global step of epoch e
+        self._cache: dict[int, list] = {}
+
+    def batches(self, epoch: int) -> list:
+        if epoch not in self._cache:
+            self._cache = {epoch: self.epoch_batches(epoch)}  # keep one epoch in memory
+        return self._cache[epoch]
+
+    def steps_in(self, epoch: int) -> int:
+        return max(1, -(-len(self.batches(epoch)) // self.M))
+
+    def locate(self, step: int) -> tuple[int, int]:
+        while self.starts[-1] <= step:
+            e = len(self.starts) - 1
+            self.starts.append(self.starts[-1] + self.steps_in(e))
+        for e in range(len(self.starts) - 1):
+            if self.starts[e] <= step < self.starts[e + 1]:
+                return e, step - self.starts[e]
+        raise AssertionError(step)
+
+    def total_for_epochs(self, epochs: int) -> int:
+        return sum(self.steps_in(e) for e in range(epochs))
+
+
 class Stopped(Exception):
     """Internal: the run is stopping because another worker failed."""
 
 
 class Pipeline:
     def __init__(self, *, target_workers: list[tuple[str, Callable]], replicas: list,
-                 plan: Callable[[int], list[PackedRow]], steps_per_epoch: int, start_step: int,
+                 step_map: StepMap, make_row: Callable[[list], PackedRow], start_step: int,
                  total_steps: int, seed: int, mask_token_id: int, queue_depth: int,
                  on_step: Callable[[StepRecord], None] | None = None,
                  fail_at: dict[str, int] | None = None):
         """``target_workers``: (device, feature_fn(row)->feats) per target device.
-        ``plan(epoch)`` -> the epoch's packed rows in batch order (deterministic)."""
+        ``step_map`` maps steps to the deterministic per-epoch batch plans; ``make_row(batch)``
+        packs one batch of sample indices into a PackedRow."""
         self.targets = target_workers
         self.replicas = replicas
         self.M = len(replicas)
-        self.plan = plan
-        self.spe = steps_per_epoch
+        self.step_map = step_map
+        self.make_row = make_row
         self.start_step, self.total_steps = start_step, total_steps
         self.seed, self.mask_token_id = seed, mask_token_id
         self.on_step = on_step
@@ -140,14 +176,12 @@ class Pipeline:
     # ---- threads -----------------------------------------------------------------------------
     def _feeder(self) -> None:
         try:
-            rows_epoch, rows = -1, []
             for step in range(self.start_step, self.total_steps):
-                epoch, local = divmod(step, self.spe)
-                if epoch != rows_epoch:
-                    rows_epoch, rows = epoch, self.plan(epoch)
+                epoch, local = self.step_map.locate(step)
+                batches = self.step_map.batches(epoch)
                 for r in range(self.M):
                     b = local * self.M + r
-                    row = rows[b] if b < len(rows) else None
+                    row = self.make_row(batches[b]) if b < len(batches) else None
                     self._put(self.work_q, WorkItem(step, r, epoch, b, row))
             for _ in self.targets:
                 self._put(self.work_q, None)
@@ -210,7 +244,7 @@ class Pipeline:
                 if item.row is not None:
                     row = item.row
                     g = torch.Generator().manual_seed(
-                        hash((self.seed, item.epoch, item.batch_index)) & 0x7FFF_FFFF)
+                        anchor_seed(self.seed, item.epoch, item.batch_index))
                     blocks = sample_anchors(row, rep.num_slots(row.input_ids.shape[0]),
                                             rep.block_size, g, self.mask_token_id)
                     res = self.gate.run(rep.signature(row.input_ids.shape[0]),
@@ -226,8 +260,11 @@ class Pipeline:
                 self._barrier()  # every replica's backward is done
                 wait += time.perf_counter() - t
                 if r == 0:
+                    # snapshot before the next barrier: after it, other replicas move on to the
+                    # next step and overwrite their result slots
+                    snapshot = list(self._results)
                     with self.gate.shared():
-                        self._average_grads()
+                        self._average_grads(snapshot)
                 t = time.perf_counter()
                 self._barrier()  # mean gradients are in place on every replica
                 wait += time.perf_counter() - t
@@ -238,14 +275,14 @@ class Pipeline:
                 self.busy_s[name], self.wait_s[name] = busy, wait
                 self.first_step_s.setdefault(name, time.perf_counter() - self.t0)
                 if r == 0:
-                    self._record(step, item.epoch, norm, rep.lr())
+                    self._record(step, item.epoch, norm, rep.lr(), snapshot)
         except Stopped:
             pass
         except BaseException as e:  # noqa: BLE001
             self._fail(name, rep.device, e)
 
-    def _average_grads(self) -> None:
-        active = [i for i, res in enumerate(self._results) if res is not None]
+    def _average_grads(self, results: list) -> None:
+        active = [i for i, res in enumerate(results) if res is not None]
         if not active:
             return
         lead = self.replicas[0].device
@@ -257,9 +294,9 @@ class Pipeline:
         for rep in self.replicas:
             rep.set_flat_grad(mean)
 
-    def _record(self, step: int, epoch: int, norm: float, lr: float) -> None:
-        res = [r for r in self._results if r is not None]
-        losses = [r.loss if r is not None else None for r in self._results]
+    def _record(self, step: int, epoch: int, norm: float, lr: float, results: list) -> None:
+        res = [r for r in results if r is not None]
+        losses = [r.loss if r is not None else None for r in results]
         rec = StepRecord(
             step=step, epoch=epoch,
             loss=sum(r.loss for r in res) / len(res) if res else float("nan"),

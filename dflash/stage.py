@@ -27,15 +27,17 @@ def results_dir(spec: Spec, root: str | Path = "results") -> Path:
 def begin(spec_path: str | Path, stage: str, root: str | Path = "results") -> StageContext:
     """Validate the spec (devices included) and refuse to run on a drifted environment."""
     from .envstage import check_env
+    from .manifest import read_manifest
 
     spec = load_spec(spec_path, check_devices_present=True)
     rdir = results_dir(spec, root)
-    env = check_env(rdir)
-    drift = env.pop("_drift", []) if isinstance(env, dict) else []
-    print(f"[{stage}] spec {spec.path} · env {env['fingerprints']['env']} verified"
-          + (f" · DRIFT OVERRIDDEN: {len(drift)} packages" if drift else ""), flush=True)
+    checked = check_env(rdir)
+    drift = checked["drift"] if checked["drift_allowed"] else []
+    env = read_manifest(rdir / "env" / "manifest.json", "env")
+    print(f"[{stage}] spec {spec.path} · env {checked['env_fingerprint']} verified"
+          + (f" · DRIFT OVERRIDDEN: {len(drift)} items" if drift else ""), flush=True)
     return StageContext(spec=spec, results=rdir, env_manifest=env,
-                        env_fingerprint=env["fingerprints"]["env"], drift=drift)
+                        env_fingerprint=checked["env_fingerprint"], drift=drift)
 
 
 def compile_cache_dir(env_fingerprint: str) -> Path:

@@ -7,7 +7,6 @@ checkpoint (Snakemake keeps the checkpoints: they are not declared outputs).
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import time
 from pathlib import Path
@@ -19,13 +18,10 @@ from .manifest import atomic_write_json, expect, read_manifest, write_manifest
 from .stage import StageContext, compile_cache_dir
 
 
-def steps_plan(spec, n_batches: int) -> tuple[int, int]:
-    """(steps_per_epoch, total_steps): one step trains one batch on every drafter replica."""
-    M = len(spec["topology"]["drafters"])
-    spe = max(1, math.ceil(n_batches / M))
+def total_steps_for(spec, step_map) -> int:
+    """One step trains one batch on every drafter replica."""
     o = spec["optim"]
-    total = o["max_steps"] if o["max_steps"] is not None else o["epochs"] * spe
-    return spe, total
+    return o["max_steps"] if o["max_steps"] is not None else step_map.total_for_epochs(o["epochs"])
 
 
 def verify_warmup(ctx: StageContext) -> dict:
@@ -33,6 +29,18 @@ def verify_warmup(ctx: StageContext) -> dict:
     m = read_manifest(path, "warmup")
     expect(m, path, {"env": ctx.env_fingerprint, "shape": ctx.spec.fingerprint("warmup")})
     return m
+
+
+def injected_failures() -> dict[str, int]:
+    """Test hook: DFLASH_FAIL_AT="drafter-0:3,target-0:5" makes that worker raise at that step
+    (failure-propagation and rerun-after-failure tests use it on the real stage)."""
+    import os
+
+    out = {}
+    for part in filter(None, os.environ.get("DFLASH_FAIL_AT", "").split(",")):
+        name, _, step = part.partition(":")
+        out[name.strip()] = int(step)
+    return out
 
 
 class MetricsLog:
@@ -65,7 +73,7 @@ def run(ctx: StageContext, fail_at: dict | None = None, out: Path | None = None,
     from .data import load_dataset
     from .gate import get_gate
     from .packing import bucket_for, plan_epoch
-    from .scheduler import Pipeline
+    from .scheduler import Pipeline, StepMap
     from .status import StatusReporter
     from .topology import buckets, drafter_config, initial_state, make_replicas, \
         make_target_workers, warm_replica
@@ -73,6 +81,7 @@ def run(ctx: StageContext, fail_at: dict | None = None, out: Path | None = None,
 
     spec = ctx.spec
     t_start = time.perf_counter()
+    fail_at = fail_at if fail_at is not None else injected_failures()
     warm = verify_warmup(ctx)
     cache = compile_cache_dir(ctx.env_fingerprint)
     ds = load_dataset(spec, ctx.results)
@@ -82,23 +91,30 @@ def run(ctx: StageContext, fail_at: dict | None = None, out: Path | None = None,
     bks = buckets(spec)
     pad_id = 0
 
-    def plan(epoch: int):
-        batches = plan_epoch(ds.lengths, b["token_budget"], b["max_batch_size"], spec["seed"],
-                             epoch)
-        return [pack_row([ds.sample(i) for i in batch],
-                         bucket_for(sum(ds.lengths[i] for i in batch), bks), pad_id)
-                for batch in batches]
+    def epoch_batches(epoch: int) -> list[list[int]]:
+        return plan_epoch(ds.lengths, b["token_budget"], b["max_batch_size"], spec["seed"], epoch)
 
-    n_batches = len(plan_epoch(ds.lengths, b["token_budget"], b["max_batch_size"],
-                               spec["seed"], 0))
-    spe, total_steps = steps_plan(spec, n_batches)
+    def make_row(batch: list[int]):
+        return pack_row([ds.sample(i) for i in batch],
+                        bucket_for(sum(ds.lengths[i] for i in batch), bks), pad_id)
+
+    step_map = StepMap(epoch_batches, len(spec["topology"]["drafters"]))
+    total_steps = total_steps_for(spec, step_map)
     if max_steps is not None:
         total_steps = max_steps
     cfg = drafter_config(spec)
     replicas = make_replicas(spec, cfg, initial_state(cfg, spec["seed"]), total_steps)
 
     start_step, counters = 0, {"tokens": 0, "samples": 0}
+    # a checkpoint only resumes the run it came from: same spec fields, data and shapes
+    run_fp = {"train": spec.fingerprint("train"), "shape": spec.fingerprint("warmup"),
+              "dataset_sha256": ds.manifest["dataset"]["sha256"]}
     found = ckpt.latest_good(out / "checkpoints") if persist else None
+    if found is not None and found[1].get("run_fingerprint") != run_fp:
+        print(f"[train] ignoring checkpoints in {out / 'checkpoints'}: they belong to another "
+              f"run (spec fields, data or shapes changed); starting from step 0", flush=True)
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
+        found = None
     if found is not None:
         path, state = found
         ckpt.load_into(path, state, replicas)
@@ -139,10 +155,11 @@ def run(ctx: StageContext, fail_at: dict | None = None, out: Path | None = None,
         status.step(rec)
         if persist and ((rec.step + 1) % every == 0 or rec.step + 1 == total_steps):
             ckpt.save(out / "checkpoints", rec.step + 1, replicas[0], dict(counters),
-                      spec["checkpoint"]["keep"])
+                      spec["checkpoint"]["keep"], run_fp)
 
     t_pipe = [time.perf_counter()]
-    pipe = Pipeline(target_workers=targets, replicas=replicas, plan=plan, steps_per_epoch=spe,
+    pipe = Pipeline(target_workers=targets, replicas=replicas, step_map=step_map,
+                    make_row=make_row,
                     start_step=start_step, total_steps=total_steps, seed=spec["seed"],
                     mask_token_id=cfg.mask_token_id, queue_depth=spec["topology"]["queue_depth"],
                     on_step=on_step, fail_at=fail_at)
@@ -159,11 +176,12 @@ def run(ctx: StageContext, fail_at: dict | None = None, out: Path | None = None,
     from .model import export_drafter
 
     export_dir = out / "drafter"
-    tmp_export = out / ".drafter.tmp"
-    shutil.rmtree(tmp_export, ignore_errors=True)
-    export_drafter(replicas[0].model, cfg, tmp_export)
-    shutil.rmtree(export_dir, ignore_errors=True)
-    tmp_export.rename(export_dir)
+    if persist:  # the exported HF folder appears complete or not at all
+        tmp_export = out / ".drafter.tmp"
+        shutil.rmtree(tmp_export, ignore_errors=True)
+        export_drafter(replicas[0].model, cfg, tmp_export)
+        shutil.rmtree(export_dir, ignore_errors=True)
+        tmp_export.rename(export_dir)
 
     st = gate.stats()
     steps_run = total_steps - start_step
@@ -176,7 +194,7 @@ def run(ctx: StageContext, fail_at: dict | None = None, out: Path | None = None,
                       "dataset_sha256": ds.manifest["dataset"]["sha256"],
                       "warmup": warm["checksum"]},
         steps={"total": total_steps, "run_now": steps_run, "resumed_from": start_step,
-               "per_epoch": spe, "batches_per_epoch": n_batches},
+               "epoch_starts": step_map.starts},
         counters=counters, compile_cache=str(cache),
         warm_start={"seconds": round(warm_start_s, 3), "records": warm_records},
         time_to_first_step_s=round(min(pipe.first_step_s.values(), default=0.0)
@@ -194,7 +212,7 @@ def run(ctx: StageContext, fail_at: dict | None = None, out: Path | None = None,
         wall_s=round(time.perf_counter() - t_start, 3), train_s=round(train_s, 3),
         steady_state=steady, final_loss=pipe.last_record.loss if pipe.last_record else None,
         replicas=len(replicas), replicas_identical=replicas_identical,
-        exactly_once=_exactly_once(seen_ids, ds, spe, len(replicas), n_batches),
+        exactly_once=_exactly_once(seen_ids, ds),
         drafter_dir=str(export_dir), env_drift_overridden=ctx.drift,
         topology=spec["topology"])
     status.done(manifest)
@@ -205,7 +223,7 @@ def run(ctx: StageContext, fail_at: dict | None = None, out: Path | None = None,
     return manifest
 
 
-def _exactly_once(seen: dict[int, list[int]], ds, spe: int, M: int, n_batches: int) -> dict:
+def _exactly_once(seen: dict[int, list[int]], ds) -> dict:
     """For every epoch fully run in this process: did each sample id arrive exactly once?"""
     everyone = sorted(ds.sample_ids)
     out = {}

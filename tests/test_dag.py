@@ -1,0 +1,135 @@
+"""End to end: the real DAG through Snakemake on the micro spec, then what reruns after edits.
+
+One full run (env → warmup → data → train → bench) is shared by the module; each edit test
+asks Snakemake (dry run, the same decision a real run makes) which stages it would rerun, and
+the failure test runs the stages for real.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from conftest import copy_workflow, job_counts, snakemake
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def wf(tmp_path_factory, micro_spec):
+    wf = copy_workflow(tmp_path_factory.mktemp("wf"), [micro_spec])
+    r = snakemake(wf, "bench_micro")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert job_counts(r.stdout + r.stderr) == {"env": 1, "warmup": 1, "data": 1, "train": 1,
+                                                "bench": 1}
+    return wf
+
+
+def _edit(wf, fn):
+    p = wf / "specs" / "micro.yaml"
+    d = yaml.safe_load(p.read_text())
+    fn(d)
+    p.write_text(yaml.safe_dump(d))
+
+
+def _would_run(wf) -> dict:
+    r = snakemake(wf, "-n", "bench_micro")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return job_counts(r.stdout + r.stderr)
+
+
+def test_full_dag_artifacts(wf):
+    res = wf / "results" / "micro"
+    for stage in ("env", "warmup", "data", "train"):
+        m = json.loads((res / stage / "manifest.json").read_text())
+        assert m["stage"] == stage and m["manifest_version"] == 1
+    train = json.loads((res / "train" / "manifest.json").read_text())
+    assert train["gate"]["recompiles_after_warmup"] == 0
+    assert train["gate"]["race_errors"] == 0
+    assert train["replicas"] == 2 and train["replicas_identical"] is True
+    assert train["exactly_once"]["0"]["exactly_once"] is True
+    warm = json.loads((res / "warmup" / "manifest.json").read_text())
+    assert {(c["replica"], c["bucket"]) for c in warm["compiled"]} == {(0, 256), (1, 256)}
+    cfg = json.loads((res / "train" / "drafter" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 4
+    report = json.loads((res / "bench" / "report.json").read_text())
+    for key in ("tokens_per_s", "samples_per_s", "target_mfu", "drafter_mfu",
+                "target_busy_fraction", "step_time", "time_to_first_step_s",
+                "recompiles_after_warmup", "race_errors", "gate_wait_s", "tau", "peak"):
+        assert key in report, key
+    assert report["tokens_per_s"] > 0 and report["race_errors"] == 0
+    assert (res / "bench" / "report.md").read_text().startswith("# DFlash bench report")
+    for stage in ("env", "warmup", "data", "train", "bench"):
+        assert (wf / "logs" / "micro" / f"{stage}.log").stat().st_size > 0
+
+
+def test_nothing_reruns_when_nothing_changed(wf):
+    assert _would_run(wf) == {}
+
+
+def test_touching_the_lock_reruns_nothing(wf):
+    (wf / "envs" / "cpu-py311.lock").touch()  # mtime only: content decides
+    assert _would_run(wf) == {}
+
+
+def test_lr_change_reruns_train_and_bench_only(wf):
+    original = (wf / "specs" / "micro.yaml").read_text()
+    _edit(wf, lambda d: d["optim"].update(lr=5e-4))
+    try:
+        assert _would_run(wf) == {"train": 1, "bench": 1}
+    finally:
+        (wf / "specs" / "micro.yaml").write_text(original)
+
+
+def test_block_size_change_reruns_warmup_train_bench(wf):
+    original = (wf / "specs" / "micro.yaml").read_text()
+    _edit(wf, lambda d: d["drafter"].update(block_size=8))
+    try:
+        assert _would_run(wf) == {"warmup": 1, "train": 1, "bench": 1}
+    finally:
+        (wf / "specs" / "micro.yaml").write_text(original)
+
+
+def test_lock_content_change_reruns_everything(wf):
+    lock = wf / "envs" / "cpu-py311.lock"
+    original = lock.read_text()
+    lock.write_text(original + "# regenerated\n")
+    try:
+        assert _would_run(wf) == {"env": 1, "warmup": 1, "data": 1, "train": 1, "bench": 1}
+    finally:
+        lock.write_text(original)
+
+
+def test_failed_train_reruns_train_and_bench_only_and_resumes(wf):
+    original = (wf / "specs" / "micro.yaml").read_text()
+    _edit(wf, lambda d: d["optim"].update(lr=7e-4))
+    try:
+        r = snakemake(wf, "bench_micro", env={"DFLASH_FAIL_AT": "drafter-1:3"})
+        assert r.returncode != 0
+        log = (wf / "logs" / "micro" / "train.log").read_text().strip().splitlines()
+        assert "drafter-1" in "\n".join(log[-5:]) and "what to do" in log[-1]
+        r = snakemake(wf, "bench_micro")
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        assert job_counts(r.stdout + r.stderr) == {"train": 1, "bench": 1}
+        train = json.loads((wf / "results" / "micro" / "train" / "manifest.json").read_text())
+        assert train["steps"]["resumed_from"] == 2  # checkpoint every 2 steps; failed at step 3
+    finally:
+        (wf / "specs" / "micro.yaml").write_text(original)
+
+
+def test_stale_warmup_manifest_is_refused(wf):
+    """Change a shape field behind Snakemake's back: train refuses the old warmup manifest."""
+    import subprocess
+    import sys
+
+    original = (wf / "specs" / "micro.yaml").read_text()
+    _edit(wf, lambda d: d["batching"].update(max_anchors=8))
+    try:
+        r = subprocess.run([sys.executable, "-m", "dflash", "train", "specs/micro.yaml"],
+                           cwd=wf, capture_output=True, text=True, timeout=300,
+                           env={**__import__("os").environ, "PYTHONPATH": str(wf)})
+        assert r.returncode != 0
+        assert "fingerprints.shape" in r.stderr and "Traceback" not in r.stderr
+    finally:
+        (wf / "specs" / "micro.yaml").write_text(original)
