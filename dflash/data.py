@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -48,6 +49,15 @@ class Sample:
     prompt_id: int
     sample_index: int
     prompt_ids: tuple[int, ...]
+
+
+@lru_cache(maxsize=4)
+def _tokenizer(model: str):
+    from transformers import AutoTokenizer
+
+    from .target import tokenizer_dir
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir(model))
 
 
 def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
@@ -260,9 +270,7 @@ def run(spec, results_dir: Path, on_shard: Callable[[int, Path], None] | None = 
     ``on_shard(chunk_index, path)`` is called after each shard is written (tests use it to
     simulate an interruption).
     """
-    from transformers import AutoTokenizer
-
-    from .target import target_fingerprint, tokenizer_dir
+    from .target import target_fingerprint
 
     t0 = time.time()
     d = spec["data"]
@@ -270,7 +278,7 @@ def run(spec, results_dir: Path, on_shard: Callable[[int, Path], None] | None = 
     shard_dir = data_dir / SHARDS
     fingerprints = {"data": spec.fingerprint("data"), "target": target_fingerprint(spec["target"])}
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(spec["target"]["model"]))
+    tokenizer = _tokenizer(spec["target"]["model"])
     samples, report, prompts = build_samples(spec, tokenizer)
     chunks = make_chunks(samples, d["gen_batch_size"])
     plan_fp = fingerprint([[s.sample_id, list(s.prompt_ids)] for c in chunks for s in c])
