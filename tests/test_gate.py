@@ -220,8 +220,11 @@ def test_dynamo_config_is_per_thread_and_stance_is_global():
     try:
         cfg.recompile_limit = 77
         seen = _in_thread(lambda: cfg.recompile_limit)
-        if torch.__version__ >= "2.13":
+        ver = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+        if ver >= (2, 13):
             assert seen == 8  # a new thread sees the default, not the main thread's setting
+        else:  # torch 2.11 (checked on the GPU machine): config overrides are process-global
+            assert seen == 77
         applied = _in_thread(lambda: (worker_thread_setup(recompile_limit=33), cfg.recompile_limit)[1])
         assert applied == 33 and cfg.recompile_limit == 77
         with pytest.raises(AttributeError):
