@@ -21,7 +21,12 @@ def _stage(name: str, spec_path: str, root: str) -> None:
         from .stage import results_dir
 
         spec = load_spec(spec_path)
-        envstage.run(spec, results_dir(spec, root))
+        body = envstage.run(spec, results_dir(spec, root))
+        stack = envstage.key_stack(body)
+        print(f"[env] {body['mode']} {body['lock']['path']} -> {body['interpreter']}: "
+              f"{len(body.get('packages', {}))} packages recorded; "
+              + ", ".join(f"{k} {v}" for k, v in stack.items() if v) +
+              f"; env fingerprint {body['fingerprints']['env']}", flush=True)
         return
     if name == "data":
         from . import data
