@@ -245,9 +245,9 @@ def _prepare_shards(shard_dir: Path, meta: dict, chunks: list[list[Sample]]) -> 
         try:
             chunk = int(path.stem.split("-")[1])
             ids = pq.read_table(path, columns=["sample_id"])["sample_id"].to_pylist()
-            want = {s.sample_id for s in chunks[chunk]}
-            if not set(ids) <= want or len(set(ids)) != len(ids) or done & set(ids):
-                raise ValueError(f"holds samples outside chunk {chunk}")
+            want = sorted(s.sample_id for s in chunks[chunk])
+            if sorted(ids) != want:  # a chunk is regenerated whole, as one batch
+                raise ValueError(f"does not hold exactly the samples of chunk {chunk}")
         except Exception as e:  # unreadable / foreign shard: regenerate it
             _log(f"discarding shard {path.name} ({e})")
             path.unlink()
@@ -288,8 +288,7 @@ def run(spec, results_dir: Path, on_shard: Callable[[int, Path], None] | None = 
          f"{len(chunks)} chunks of <= {d['gen_batch_size']}")
 
     done = _prepare_shards(shard_dir, meta, chunks)
-    todo = [(i, [s for s in c if s.sample_id not in done]) for i, c in enumerate(chunks)]
-    todo = [(i, c) for i, c in todo if c]
+    todo = [(i, c) for i, c in enumerate(chunks) if c[0].sample_id not in done]
     resumed = len(chunks) - len(todo)
     if resumed:
         _log(f"resuming: {len(done)} samples in {resumed} chunk(s) already done, "

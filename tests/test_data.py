@@ -121,6 +121,13 @@ def test_resume_after_interruption(reference, tmp_path):
     assert third.chunks == [2]
     assert m3["dataset"]["sha256"] == ref_m["dataset"]["sha256"]
 
+    # a corrupt shard is discarded (and said so) and its chunk generated again
+    (tmp_path / "data" / "shards" / "part-00001.parquet").write_bytes(b"not parquet")
+    fourth = Recorder()
+    m4 = data_stage.run(spec, tmp_path, on_shard=fourth)
+    assert fourth.chunks == [1]
+    assert m4["dataset"]["sha256"] == ref_m["dataset"]["sha256"]
+
 
 def test_stale_shards_are_discarded(reference, tmp_path, capsys):
     spec, _, _, _ = reference
