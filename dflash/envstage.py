@@ -429,7 +429,9 @@ def interpreter_for(spec) -> str:
     env = spec["env"]
     if env.get("mode", "adopt") == "build":
         return str(_venv_python(venv_path(env["lock"])).absolute())
-    return sys.executable
+    # resolved: `python`, `python3` and `python3.11` name the same interpreter, and Snakemake
+    # treats this path as a rule param (a different spelling must not rerun every stage)
+    return os.path.realpath(sys.executable)
 
 
 def _check_python_tag(lock: Path) -> None:
