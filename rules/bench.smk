@@ -1,13 +1,13 @@
 # Stage 5: throughput / MFU / acceptance-length report (JSON, Markdown, plots).
 rule bench:
     input:
-        spec=spec_file,
         env=f"{RESULTS}/{{spec}}/env/manifest.json",
         train=f"{RESULTS}/{{spec}}/train/manifest.json",
     output:
         json=f"{RESULTS}/{{spec}}/bench/report.json",
         md=report(f"{RESULTS}/{{spec}}/bench/report.md", category="Benchmark"),
     params:
+        spec=spec_file,  # a param, not an input: only the fields below decide reruns
         python=python_for,
         fields=spec_params("bench"),
         code=code_hash("bench"),

@@ -78,7 +78,7 @@ def stage_cmd(stage):
     # Every value is shell-quoted: the interpreter path derives from the spec's env.lock (build
     # mode) and the results/logs roots from the config, so none may reach the shell raw.
     results = shlex.quote(RESULTS).replace("{", "{{").replace("}", "}}")
-    return ("{params.python:q} -m dflash " + stage + " {input.spec:q} --results " + results +
+    return ("{params.python:q} -m dflash " + stage + " {params.spec:q} --results " + results +
             " 2>&1 | tee {log:q}")
 
 

@@ -1,11 +1,11 @@
 # Stage 3: real prompts -> target-regenerated responses -> token ids (resumable).
 rule data:
     input:
-        spec=spec_file,
         env=f"{RESULTS}/{{spec}}/env/manifest.json",
     output:
         f"{RESULTS}/{{spec}}/data/manifest.json",
     params:
+        spec=spec_file,  # a param, not an input: only the fields below decide reruns
         python=python_for,
         fields=spec_params("data"),
         code=code_hash("data"),

@@ -1,10 +1,9 @@
 # Stage 1: build (or adopt) the pinned environment and record it.
 rule env:
-    input:
-        spec=spec_file,
     output:
         f"{RESULTS}/{{spec}}/env/manifest.json",
     params:
+        spec=spec_file,  # a param, not an input: only the fields below decide reruns
         python=python_for,
         lock_sha=lock_sha,  # content of the lock: an edit reruns everything, a touch nothing
         fields=spec_params("env"),

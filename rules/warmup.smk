@@ -1,11 +1,11 @@
 # Stage 2: compile every shape bucket on every drafter device once, and record it.
 rule warmup:
     input:
-        spec=spec_file,
         env=f"{RESULTS}/{{spec}}/env/manifest.json",
     output:
         f"{RESULTS}/{{spec}}/warmup/manifest.json",
     params:
+        spec=spec_file,  # a param, not an input: only the fields below decide reruns
         python=python_for,
         fields=spec_params("warmup"),
         code=code_hash("warmup"),

@@ -379,7 +379,7 @@ def test_stage_command_quotes_every_value(stage):
     # every placeholder is a rule's own param/input/log, shell-quoted with :q
     holes = re.findall(r"(?<!\{)\{([^{}]+)\}(?!\})", template)
     assert holes and all(h.endswith(":q") for h in holes), template
-    assert {h[:-2] for h in holes} <= {"params.python", "input.spec", "log", "output"}, holes
+    assert {h[:-2] for h in holes} <= {"params.python", "params.spec", "log", "output"}, holes
     cmd = smk_format(template, params=types.SimpleNamespace(python=evil["python"]),
                      input=types.SimpleNamespace(spec=evil["spec"]), log=evil["log"])
     assert shlex.split(cmd) == [evil["python"], "-m", "dflash", stage, evil["spec"],
