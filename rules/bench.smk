@@ -9,6 +9,7 @@ rule bench:
     params:
         spec=spec_file,  # a param, not an input: only the fields below decide reruns
         python=python_for,
+        upstream=upstream("env", "train"),
         fields=spec_params("bench"),
         code=code_hash("bench"),
     resources:

@@ -7,6 +7,7 @@ rule data:
     params:
         spec=spec_file,  # a param, not an input: only the fields below decide reruns
         python=python_for,
+        upstream=upstream("env"),
         fields=spec_params("data"),
         code=code_hash("data"),
     resources:

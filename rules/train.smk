@@ -9,6 +9,7 @@ rule train:
     params:
         spec=spec_file,  # a param, not an input: only the fields below decide reruns
         python=python_for,
+        upstream=upstream("env", "warmup", "data"),
         fields=spec_params("train"),
         code=code_hash("train"),
     resources:
