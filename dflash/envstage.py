@@ -429,9 +429,11 @@ def interpreter_for(spec) -> str:
     env = spec["env"]
     if env.get("mode", "adopt") == "build":
         return str(_venv_python(venv_path(env["lock"])).absolute())
-    # resolved: `python`, `python3` and `python3.11` name the same interpreter, and Snakemake
-    # treats this path as a rule param (a different spelling must not rerun every stage)
-    return os.path.realpath(sys.executable)
+    # one spelling: `python`, `python3` and `python3.11` name the same interpreter, and Snakemake
+    # treats this path as a rule param (a different spelling must not rerun every stage). Not
+    # realpath: a venv's bin/python is a symlink to the base interpreter, outside the venv.
+    canonical = Path(sys.prefix) / "bin" / "python"
+    return str(canonical) if canonical.exists() else sys.executable
 
 
 def _check_python_tag(lock: Path) -> None:
