@@ -1,0 +1,133 @@
+"""The threaded topology: exactly-once delivery, identical replicas, failure propagation.
+
+Real workers: a frozen random-weight Llama target (llama-micro) per target thread, DFlash drafter
+replicas compiled with aot_eager, all through the process-wide compile gate.
+"""
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+
+from dflash.packing import bucket_for, pack_row, plan_epoch
+from dflash.scheduler import Pipeline, StepMap, WorkerFailed
+from dflash.spec import parse_spec
+from dflash.topology import buckets, drafter_config, initial_state, make_replicas, \
+    make_target_workers
+
+SPEC = {
+    "name": "sched", "seed": 0,
+    "target": {"model": "llama-micro", "init": "random", "num_feature_layers": 2},
+    "drafter": {"num_layers": 1, "block_size": 4, "mask_token_id": 4},
+    "batching": {"token_budget": 128, "max_batch_size": 6, "max_anchors": 8, "num_buckets": 2},
+    "loss": {"gamma": 4},
+    "topology": {"targets": ["cpu", "cpu"], "drafters": ["cpu", "cpu", "cpu"]},
+    "data": {"source": "chatterbot-corpus", "max_prompt_tokens": 32, "max_new_tokens": 32},
+    "optim": {"lr": 1e-3, "epochs": 2},
+    "compile": {"backend": "aot_eager"},
+    "env": {"lock": "envs/cpu-py311.lock"},
+}
+
+
+def _dataset(n=23, seed=1):
+    rnd = random.Random(seed)
+    samples = []
+    for sid in range(n):
+        length = rnd.randint(12, 60)
+        ids = [rnd.randint(5, 40000) for _ in range(length)]
+        lm = [0] * (length // 3) + [1] * (length - length // 3)
+        samples.append((1000 + sid, ids, lm))
+    return samples
+
+
+def _pipeline(spec, samples, total_epochs=2, fail_at=None, on_step=None):
+    cfg = drafter_config(spec)
+    b = spec["batching"]
+    bks = buckets(spec)
+    lengths = [len(s[1]) for s in samples]
+    step_map = StepMap(lambda e: plan_epoch(lengths, b["token_budget"], b["max_batch_size"],
+                                            spec["seed"], e), len(spec["topology"]["drafters"]))
+    total = step_map.total_for_epochs(total_epochs)
+    replicas = make_replicas(spec, cfg, initial_state(cfg, 0), total)
+
+    def make_row(batch):
+        return pack_row([samples[i] for i in batch],
+                        bucket_for(sum(lengths[i] for i in batch), bks), 0)
+
+    return Pipeline(target_workers=make_target_workers(spec), replicas=replicas,
+                    step_map=step_map, make_row=make_row, start_step=0, total_steps=total,
+                    seed=0, mask_token_id=cfg.mask_token_id, queue_depth=2, on_step=on_step,
+                    fail_at=fail_at), replicas, step_map
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_every_sample_exactly_once_per_epoch_and_replicas_identical():
+    spec = parse_spec(SPEC, "sched.yaml")
+    samples = _dataset()
+    seen: dict[int, list[int]] = {}
+    pipe, replicas, step_map = _pipeline(
+        spec, samples, on_step=lambda r: seen.setdefault(r.epoch, []).extend(r.sample_ids))
+    pipe.run()
+    ids = sorted(s[0] for s in samples)
+    assert sorted(seen) == [0, 1]
+    for epoch, got in seen.items():
+        assert sorted(got) == ids, f"epoch {epoch}: each sample exactly once"
+    # three replicas, identical updates -> identical weights, and they did train
+    ref = replicas[0].model.state_dict()
+    init = initial_state(replicas[0].cfg, 0)
+    assert any(not torch.equal(ref[k], init[k]) for k in ref)
+    for rep in replicas[1:]:
+        for k, v in rep.model.state_dict().items():
+            assert torch.equal(v, ref[k]), k
+    assert pipe.steps_done == pipe.total_steps
+
+
+def test_epochs_with_uneven_batch_counts_lose_nothing():
+    """The packing is re-planned each epoch, so epochs can hold different numbers of batches."""
+    spec = parse_spec(SPEC, "sched.yaml")
+    lengths = [len(s[1]) for s in _dataset()]
+    b = spec["batching"]
+    sm = StepMap(lambda e: plan_epoch(lengths, b["token_budget"], b["max_batch_size"], 0, e), 3)
+    for step in range(sm.total_for_epochs(4)):
+        epoch, local = sm.locate(step)
+        assert 0 <= local < sm.steps_in(epoch)
+    covered = {e: set() for e in range(4)}
+    for step in range(sm.total_for_epochs(4)):
+        e, local = sm.locate(step)
+        covered[e] |= {local * 3 + r for r in range(3)}
+    for e in range(4):
+        assert set(range(len(sm.batches(e)))) <= covered[e]
+
+
+@pytest.mark.parametrize("where", ["drafter-1", "target-0"])
+def test_worker_failure_stops_everything_and_names_the_worker(where):
+    spec = parse_spec(SPEC, "sched.yaml")
+    pipe, _, _ = _pipeline(spec, _dataset(), fail_at={where: 2})
+    t0 = time.perf_counter()
+    with pytest.raises(WorkerFailed) as e:
+        pipe.run()
+    assert time.perf_counter() - t0 < 10 + 30  # compile of the first steps + bounded shutdown
+    assert f"worker {where} on cpu failed" in str(e.value)
+    assert "injected failure" in str(e.value)
+    assert pipe.stop.is_set()
+
+
+def test_failure_ends_within_10s_once_running():
+    """Measured from the failure, not from start (the first steps compile)."""
+    spec = parse_spec(SPEC, "sched.yaml")
+    marks = {}
+    pipe, _, _ = _pipeline(spec, _dataset(), fail_at={"drafter-2": 4},
+                           on_step=lambda r: marks.setdefault(r.step, time.perf_counter()))
+    with pytest.raises(WorkerFailed):
+        pipe.run()
+    assert 3 in marks
+    assert time.perf_counter() - marks[3] < 10
