@@ -111,7 +111,7 @@ def test_failed_train_reruns_train_and_bench_only_and_resumes(wf):
         assert "drafter-1" in "\n".join(log[-5:]) and "what to do" in log[-1]
         r = snakemake(wf, "bench_micro")
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        assert job_counts(r.stdout + r.stderr) == {"train": 1, "bench": 1}
+        assert job_counts(r.stdout + r.stderr) == {"train": 1, "bench": 1}, r.stdout[-3000:] + r.stderr[-3000:]
         train = json.loads((wf / "results" / "micro" / "train" / "manifest.json").read_text())
         assert train["steps"]["resumed_from"] == 2  # checkpoint every 2 steps; failed at step 3
     finally:
