@@ -81,7 +81,9 @@ def build_samples(spec, tokenizer) -> tuple[list[Sample], object, list]:
             return "too_long"
         return None
 
-    prompts, report = load_prompts(d["source"], d["max_prompts"], spec["seed"],
+    # synthetic: real prompts, random responses (throughput runs with random-weight targets)
+    source = "chatterbot-corpus" if d["source"] == SYNTHETIC else d["source"]
+    prompts, report = load_prompts(source, d["max_prompts"], spec["seed"],
                                    d["max_bad_fraction"], reject=reject)
     spp = d["samples_per_prompt"]
     samples = []
@@ -303,8 +305,40 @@ def run(spec, results_dir: Path, on_shard: Callable[[int, Path], None] | None = 
     return manifest
 
 
+SYNTHETIC = "synthetic"
+
+
+def synthetic_responses(spec, samples, vocab_size: int, eos: int) -> list[list[int]]:
+    """Random responses of seeded random length in [max_new/2, max_new], ending with eos.
+
+    Only for throughput runs of random-weight targets (the spec schema refuses it for a
+    pretrained target): generating with a random 32B model would cost minutes of GPU time and
+    produce noise all the same.
+    """
+    import random
+
+    n = spec["data"]["max_new_tokens"]
+    out = []
+    for s in samples:
+        rnd = random.Random(sample_seed(spec["seed"], s.sample_id))
+        length = rnd.randint(max(1, n // 2), n)
+        out.append([rnd.randrange(5, vocab_size) for _ in range(length - 1)] + [eos])
+    return out
+
+
 def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int, on_shard) -> float:
     if not todo:
+        return 0.0
+    if spec["data"]["source"] == SYNTHETIC:
+        import pyarrow.parquet as pq
+
+        tok = _tokenizer(spec["target"]["model"])
+        eos = tok.eos_token_id
+        for chunk, samples in todo:
+            table = _rows_table(samples, synthetic_responses(spec, samples, len(tok), eos), {eos})
+            with atomic_path(shard_path(shard_dir, chunk)) as tmp:
+                pq.write_table(table, tmp)
+        _log(f"synthetic responses for {sum(len(c) for _, c in todo)} samples")
         return 0.0
     from .target import load_target
 

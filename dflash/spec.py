@@ -193,6 +193,10 @@ def _check_cross_fields(spec: Spec, file: str) -> None:
         fail("data.max_new_tokens", f"max_prompt_tokens + max_new_tokens = "
              f"{spec['data']['max_prompt_tokens'] + spec['data']['max_new_tokens']} exceeds "
              f"batching.token_budget = {b['token_budget']}: a sequence would not fit a batch")
+    if spec["data"]["source"] == "synthetic" and t["init"] != "random":
+        fail("data.source", "'synthetic' (random responses) is only for throughput runs of "
+             "random-weight targets (target.init: random); a pretrained target must be trained "
+             "on its own generated answers")
     topo = spec["topology"]
     for role in ("targets", "drafters"):
         for i, dev in enumerate(topo[role]):

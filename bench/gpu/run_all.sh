@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# GPU measurements, run on the device machine from the repo root (see docs/benchmarks.md).
+# Writes JSON results under $OUT (copied into bench/results/ afterwards, with this command).
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+export DFLASH_CACHE=/tmp/dflash-cache
+FINAL=${OUT:-/tmp/out}; OUT=/tmp/res; mkdir -p "$OUT" "$FINAL"
+trap 'tar czf "$FINAL/results.tgz" -C "$OUT" .' EXIT  # at most 8 files come back: one archive
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+what=${1:-all}
+if [[ $what == stress || $what == all ]]; then
+  # ungated: reproduce the FX-tracing race; gated: 0 errors, >= 10 runs (shared compile cache)
+  for i in 1 2 3; do
+    timeout 120 python -m dflash stress --gate off --device cuda:0 --threads 3 --iterations 60 \
+      --scenario mixed --seed $i | tail -1 >> "$OUT/stress_off.jsonl"
+  done
+  for i in $(seq 1 10); do
+    timeout 120 python -m dflash stress --gate on --device cuda:0 --threads 3 --iterations 60 \
+      --scenario mixed --seed $i | tail -1 >> "$OUT/stress_on.jsonl"
+  done
+  for i in 1 2; do  # overhead: peer scenario (no adversary), on vs off
+    for g in on off; do
+      timeout 120 python -m dflash stress --gate $g --device cuda:0 --threads 3 --iterations 200 \
+        --scenario peer --seed $i | tail -1 >> "$OUT/stress_peer.jsonl"
+    done
+  done
+fi
+if [[ $what == dag || $what == all ]]; then
+  for spec in ${SPECS:-qwen3-8b-1gpu}; do
+    snakemake --cores all "bench_$spec" 2>&1 | tee "$OUT/snakemake_$spec.log" | grep -E "^\[|rror|Finished" 
+    for f in results/$spec/*/manifest.json results/$spec/bench/report.json; do
+      [ -f "$f" ] && cp "$f" "$OUT/${spec}__$(basename $(dirname $f))__$(basename $f)"
+    done
+  done
+fi
