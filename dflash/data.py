@@ -81,9 +81,9 @@ def build_samples(spec, tokenizer) -> tuple[list[Sample], object, list]:
             return "too_long"
         return None
 
-    # synthetic: real prompts, random responses (throughput runs with random-weight targets)
-    source = "chatterbot-corpus" if d["source"] == SYNTHETIC else d["source"]
-    prompts, report = load_prompts(source, d["max_prompts"], spec["seed"],
+    if d["source"] == SYNTHETIC:
+        return synthetic_samples(spec)
+    prompts, report = load_prompts(d["source"], d["max_prompts"], spec["seed"],
                                    d["max_bad_fraction"], reject=reject)
     spp = d["samples_per_prompt"]
     samples = []
@@ -280,7 +280,7 @@ def run(spec, results_dir: Path, on_shard: Callable[[int, Path], None] | None = 
     shard_dir = data_dir / SHARDS
     fingerprints = {"data": spec.fingerprint("data"), "target": target_fingerprint(spec["target"])}
 
-    tokenizer = _tokenizer(spec["target"]["model"])
+    tokenizer = None if d["source"] == SYNTHETIC else _tokenizer(spec["target"]["model"])
     samples, report, prompts = build_samples(spec, tokenizer)
     chunks = make_chunks(samples, d["gen_batch_size"])
     plan_fp = fingerprint([[s.sample_id, list(s.prompt_ids)] for c in chunks for s in c])
@@ -308,22 +308,50 @@ def run(spec, results_dir: Path, on_shard: Callable[[int, Path], None] | None = 
 SYNTHETIC = "synthetic"
 
 
-def synthetic_responses(spec, samples, vocab_size: int, eos: int) -> list[list[int]]:
-    """Random responses of seeded random length in [max_new/2, max_new], ending with eos.
+def _synthetic_vocab_eos(spec) -> tuple[int, int]:
+    from .target import hf_config
 
-    Only for throughput runs of random-weight targets (the spec schema refuses it for a
+    cfg = hf_config(spec["target"])
+    eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else 2
+    return cfg.vocab_size, eos
+
+
+def synthetic_samples(spec):
+    """Random prompts of seeded length in [max_prompt/2, max_prompt] (no tokenizer, no corpus).
+
+    Only for throughput runs of random-weight targets (spec validation refuses it for a
     pretrained target): generating with a random 32B model would cost minutes of GPU time and
     produce noise all the same.
     """
     import random
 
+    from .prompts import BadReport
+
+    d = spec["data"]
+    vocab, _ = _synthetic_vocab_eos(spec)
+    samples = []
+    for pid in range(d["max_prompts"]):
+        rnd = random.Random(f"synthetic-prompt:{spec['seed']}:{pid}")
+        n = rnd.randint(max(1, d["max_prompt_tokens"] // 2), d["max_prompt_tokens"])
+        ids = tuple(rnd.randrange(5, vocab) for _ in range(n))
+        for k in range(d["samples_per_prompt"]):
+            samples.append(Sample(pid * d["samples_per_prompt"] + k, pid, k, ids))
+    return samples, BadReport(source=SYNTHETIC, total=d["max_prompts"]), list(
+        range(d["max_prompts"]))
+
+
+def synthetic_responses(spec, samples) -> tuple[list[list[int]], int]:
+    """Random responses of seeded length in [max_new/2, max_new], ending with eos."""
+    import random
+
+    vocab, eos = _synthetic_vocab_eos(spec)
     n = spec["data"]["max_new_tokens"]
     out = []
     for s in samples:
         rnd = random.Random(sample_seed(spec["seed"], s.sample_id))
         length = rnd.randint(max(1, n // 2), n)
-        out.append([rnd.randrange(5, vocab_size) for _ in range(length - 1)] + [eos])
-    return out
+        out.append([rnd.randrange(5, vocab) for _ in range(length - 1)] + [eos])
+    return out, eos
 
 
 def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int, on_shard) -> float:
@@ -332,10 +360,9 @@ def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int, on_shard
     if spec["data"]["source"] == SYNTHETIC:
         import pyarrow.parquet as pq
 
-        tok = _tokenizer(spec["target"]["model"])
-        eos = tok.eos_token_id
         for chunk, samples in todo:
-            table = _rows_table(samples, synthetic_responses(spec, samples, len(tok), eos), {eos})
+            responses, eos = synthetic_responses(spec, samples)
+            table = _rows_table(samples, responses, {eos})
             with atomic_path(shard_path(shard_dir, chunk)) as tmp:
                 pq.write_table(table, tmp)
         _log(f"synthetic responses for {sum(len(c) for _, c in todo)} samples")

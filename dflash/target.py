@@ -151,7 +151,7 @@ class Target:
 
 
 def load_target(target: dict, device: str, seed: int = 0, need_lm_head: bool = True,
-                num_layers: int | None = None) -> Target:
+                num_layers: int | None = None, need_tokenizer: bool = True) -> Target:
     """Load the frozen target on ``device``.
 
     ``num_layers`` truncates the decoder to its first layers: a feature-only worker needs layers
@@ -179,7 +179,9 @@ def load_target(target: dict, device: str, seed: int = 0, need_lm_head: bool = T
         model = AutoModelForCausalLM.from_pretrained(src, config=config, dtype=dtype,
                                                      attn_implementation="sdpa").to(device)
     model.eval().requires_grad_(False)
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir(target["model"]))
+    # feature workers need no tokenizer (random-weight targets then need no SmolLM2 package)
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir(target["model"])) if need_tokenizer \
+        else None
     full_cfg = hf_config(target)
     return Target(model=model, tokenizer=tok, config=full_cfg,
                   layer_ids=layer_ids(target, full_cfg))

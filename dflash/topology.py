@@ -51,7 +51,7 @@ def make_target_workers(spec) -> list[tuple[str, object]]:
     workers = []
     for dev in spec["topology"]["targets"]:
         t = load_target(spec["target"], dev, seed=spec["seed"], need_lm_head=False,
-                        num_layers=max(ids) + 1)
+                        num_layers=max(ids) + 1, need_tokenizer=False)
         fx = FeatureExtractor(t)
         workers.append((dev, lambda row, fx=fx, dev=dev: fx(row.input_ids.to(dev),
                                                              row.doc_ids.to(dev),
