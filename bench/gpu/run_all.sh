@@ -9,28 +9,29 @@ FINAL=${OUT:-/tmp/out}; OUT=/tmp/res; mkdir -p "$OUT" "$FINAL"
 trap 'tar czf "$FINAL/results.tgz" -C "$OUT" .' EXIT  # at most 8 files come back: one archive
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 what=${1:-all}
-if [[ $what == stress || $what == all ]]; then
+if [[ $what == dag || $what == all || $what == dag+stress ]]; then
+  for spec in ${SPECS:-qwen3-8b-1gpu}; do
+    timeout ${DAG_TIMEOUT:-900} snakemake --cores all "bench_$spec" 2>&1 | tee "$OUT/snakemake_$spec.log" | grep -E "^\[|rror|Finished" 
+    cp logs/$spec/*.log "$OUT/" 2>/dev/null
+    for f in results/$spec/*/manifest.json results/$spec/bench/report.json results/$spec/train/metrics.jsonl; do
+      [ -f "$f" ] && cp "$f" "$OUT/${spec}__$(basename $(dirname $f))__$(basename $f)"
+    done
+  done
+fi
+if [[ $what == stress || $what == all || $what == dag+stress ]]; then
   # ungated: reproduce the FX-tracing race; gated: 0 errors, >= 10 runs (shared compile cache)
   for i in 1 2 3; do
-    timeout 120 python -m dflash stress --gate off --device cuda:0 --threads 3 --iterations 60 \
+    timeout ${STRESS_TIMEOUT:-120} python -m dflash stress --gate off --device cuda:0 --threads 3 --iterations ${STRESS_IT:-60} \
       --scenario mixed --seed $i | tail -1 >> "$OUT/stress_off.jsonl"
   done
   for i in $(seq 1 10); do
-    timeout 120 python -m dflash stress --gate on --device cuda:0 --threads 3 --iterations 60 \
+    timeout ${STRESS_TIMEOUT:-120} python -m dflash stress --gate on --device cuda:0 --threads 3 --iterations ${STRESS_IT:-60} \
       --scenario mixed --seed $i | tail -1 >> "$OUT/stress_on.jsonl"
   done
   for i in 1 2; do  # overhead: peer scenario (no adversary), on vs off
     for g in on off; do
-      timeout 120 python -m dflash stress --gate $g --device cuda:0 --threads 3 --iterations 200 \
+      timeout ${STRESS_TIMEOUT:-120} python -m dflash stress --gate $g --device cuda:0 --threads 3 --iterations 200 \
         --scenario peer --seed $i | tail -1 >> "$OUT/stress_peer.jsonl"
-    done
-  done
-fi
-if [[ $what == dag || $what == all ]]; then
-  for spec in ${SPECS:-qwen3-8b-1gpu}; do
-    snakemake --cores all "bench_$spec" 2>&1 | tee "$OUT/snakemake_$spec.log" | grep -E "^\[|rror|Finished" 
-    for f in results/$spec/*/manifest.json results/$spec/bench/report.json; do
-      [ -f "$f" ] && cp "$f" "$OUT/${spec}__$(basename $(dirname $f))__$(basename $f)"
     done
   done
 fi
