@@ -86,6 +86,13 @@ def warm_replica(rep: DrafterReplica, bucket_len: int, feat_width: int, feat_dty
     sig = rep.signature(bucket_len)
     t0 = time.perf_counter()
     gate.run(sig, lambda: rep.forward_backward(row, feats, blocks))
+    # A second call with fresh inputs: dynamo may specialise on the first call's objects (on
+    # CUDA the BlockMask's mask_mod closure) and recompile once on the next; that must happen
+    # here, under the exclusive side, not as a refused recompile in steady state.
+    blocks2 = sample_anchors(row, rep.num_slots(bucket_len), rep.block_size,
+                             torch.Generator().manual_seed(bucket_len + 1), rep.cfg.mask_token_id)
+    with gate.exclusive(f"settle:{sig!r}"):
+        rep.forward_backward(row, feats.clone(), blocks2)
     with gate.shared():
         if optimizer_step:
             rep.clip_and_step()

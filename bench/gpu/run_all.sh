@@ -22,9 +22,9 @@ if [[ $what == stress || $what == all || $what == dag+stress ]]; then
   # ungated: reproduce the FX-tracing race; gated: 0 errors, >= 10 runs (shared compile cache)
   for i in 1 2 3; do
     timeout ${STRESS_TIMEOUT:-120} python -m dflash stress --gate off --device cuda:0 --threads 3 --iterations ${STRESS_IT:-60} \
-      --scenario mixed --seed $i | tail -1 >> "$OUT/stress_off.jsonl"
+      --scenario mixed --seed $i --max-seconds ${STRESS_MAX_S:-30} | tail -1 >> "$OUT/stress_off.jsonl"
   done
-  for i in $(seq 1 10); do
+  for i in $(seq ${ON_FROM:-1} ${ON_TO:-10}); do
     timeout ${STRESS_TIMEOUT:-120} python -m dflash stress --gate on --device cuda:0 --threads 3 --iterations ${STRESS_IT:-60} \
       --scenario mixed --seed $i | tail -1 >> "$OUT/stress_on.jsonl"
   done
