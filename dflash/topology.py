@@ -104,3 +104,35 @@ def warm_replica(rep: DrafterReplica, bucket_len: int, feat_width: int, feat_dty
             "device": rep.device, "replica": rep.index, "bucket": bucket_len,
             "num_slots": rep.num_slots(bucket_len), "feature_shape": [1, bucket_len, feat_width],
             "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def warm_all(replicas: list[DrafterReplica], bucket_lens: list[int], feat_width: int, feat_dtype,
+             optimizer_step: bool, log=None) -> list[dict]:
+    """Warm every (replica, bucket), one replica at a time, each in a worker thread set up
+    exactly like a training worker (dynamo settings are per thread in torch 2.13)."""
+    import threading
+
+    from .gate import worker_thread_setup
+    from .scheduler import DYNAMO_SETTINGS
+
+    records: list[dict] = []
+    errors: list[BaseException] = []
+
+    def work(rep):
+        try:
+            worker_thread_setup(**DYNAMO_SETTINGS)
+            for L in bucket_lens:
+                rec = warm_replica(rep, L, feat_width, feat_dtype, optimizer_step)
+                records.append(rec)
+                if log is not None:
+                    log(rec)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(e)
+
+    for rep in replicas:  # one device at a time: compiles never overlap, by construction
+        t = threading.Thread(target=work, args=(rep,), name=f"warm-{rep.index}")
+        t.start()
+        t.join()
+        if errors:
+            raise errors[0]
+    return records

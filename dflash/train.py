@@ -76,7 +76,7 @@ def run(ctx: StageContext, fail_at: dict | None = None, out: Path | None = None,
     from .scheduler import Pipeline, StepMap
     from .status import StatusReporter
     from .topology import buckets, drafter_config, initial_state, make_replicas, \
-        make_target_workers, warm_replica
+        make_target_workers, warm_all
     from .packing import pack_row
 
     spec = ctx.spec
@@ -125,14 +125,11 @@ def run(ctx: StageContext, fail_at: dict | None = None, out: Path | None = None,
     # warmup stage filled the compile cache), then recompiles are refused and counted.
     gate = get_gate()
     t0 = time.perf_counter()
-    warm_records = []
     feat_width = len(cfg.target_layer_ids) * cfg.hidden_size
     from .spec import dtype_of
 
-    for rep in replicas:
-        for L in bks:
-            warm_records.append(warm_replica(rep, L, feat_width, dtype_of(spec["target"]["dtype"]),
-                                             optimizer_step=False))
+    warm_records = warm_all(replicas, bks, feat_width, dtype_of(spec["target"]["dtype"]),
+                            optimizer_step=False)
     gate.mark_warm()
     warm_start_s = time.perf_counter() - t0
     print(f"[train] warm start: {len(warm_records)} (replica, bucket) steps in "

@@ -16,7 +16,7 @@ from .stage import StageContext, compile_cache_dir
 def run(ctx: StageContext) -> dict:
     from .gate import get_gate
     from .spec import dtype_of
-    from .topology import buckets, drafter_config, initial_state, make_replicas, warm_replica
+    from .topology import buckets, drafter_config, initial_state, make_replicas, warm_all
 
     spec = ctx.spec
     cache = compile_cache_dir(ctx.env_fingerprint)
@@ -24,14 +24,13 @@ def run(ctx: StageContext) -> dict:
     cfg = drafter_config(spec)
     feat_width = len(cfg.target_layer_ids) * cfg.hidden_size
     replicas = make_replicas(spec, cfg, initial_state(cfg, spec["seed"]), total_steps=1000)
-    records = []
-    for rep in replicas:  # one device at a time: compiles never overlap, by construction
-        for L in buckets(spec):
-            rec = warm_replica(rep, L, feat_width, dtype_of(spec["target"]["dtype"]),
-                               optimizer_step=True)
-            records.append(rec)
-            print(f"[warmup] {rec['callable']} on {rec['device']} (replica {rec['replica']}) "
-                  f"bucket {L}: {rec['seconds']:.1f}s", flush=True)
+
+    def log(rec: dict) -> None:
+        print(f"[warmup] {rec['callable']} on {rec['device']} (replica {rec['replica']}) "
+              f"bucket {rec['bucket']}: {rec['seconds']:.1f}s", flush=True)
+
+    records = warm_all(replicas, buckets(spec), feat_width, dtype_of(spec["target"]["dtype"]),
+                       optimizer_step=True, log=log)
     st = get_gate().stats()
     total = time.perf_counter() - t0
     per_device: dict[str, float] = {}
