@@ -23,10 +23,10 @@ from .stage import StageContext
 # ---------------------------------------------------------------------------------------------
 def measure_peak_flops(device: str, dtype: torch.dtype) -> dict:
     """Dense matmul FLOP/s on ``device`` right now (the MFU denominator, measured not quoted)."""
-    n = 8192 if device.startswith("cuda") else 1024
+    n = 8192 if device.startswith("cuda") else 2048
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    reps = 20 if device.startswith("cuda") else 5
+    reps = 20 if device.startswith("cuda") else 3
 
     def sync():
         if device.startswith("cuda"):
@@ -34,13 +34,15 @@ def measure_peak_flops(device: str, dtype: torch.dtype) -> dict:
 
     a @ b
     sync()
-    t = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    sync()
-    dt = time.perf_counter() - t
+    best = float("inf")
+    for _ in range(3):  # best of three: the machine is shared, the peak is what it can do
+        t = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        sync()
+        best = min(best, time.perf_counter() - t)
     return {"device": device, "dtype": str(dtype).removeprefix("torch."), "n": n,
-            "flops_per_s": 2 * n ** 3 * reps / dt, "threads": torch.get_num_threads()}
+            "flops_per_s": 2 * n ** 3 * reps / best, "threads": torch.get_num_threads()}
 
 
 def _linear_params(cfg, layers: int) -> int:

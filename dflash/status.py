@@ -72,6 +72,12 @@ class StatusReporter:
             healthy_workers=sorted(pipe.first_step_s), elapsed_s=round(time.perf_counter()
                                                                         - self.t0, 1))
         self._write()
+        # print when something moved, or every 30 s as a heartbeat; status.json is always fresh
+        now = time.perf_counter()
+        if self.state["step"] == getattr(self, "_printed_step", None) and \
+                now - getattr(self, "_printed_at", 0.0) < 30:
+            return
+        self._printed_step, self._printed_at = self.state["step"], now
         loss = self.state.get("loss")
         print(f"[train] step {self.state['step']}/{self.total} · "
               f"{'%.0f' % tps if tps else '-'} tok/s · loss "
