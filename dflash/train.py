@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from . import checkpoint as ckpt
-from .manifest import atomic_write_json, expect, read_manifest, write_manifest
+from .manifest import expect, read_manifest, write_manifest
 from .stage import StageContext, compile_cache_dir
 
 

@@ -50,3 +50,14 @@ def job_counts(output: str) -> dict[str, int]:
 @pytest.fixture(scope="session")
 def micro_spec() -> Path:
     return REPO / "tests" / "specs" / "micro.yaml"
+
+
+@pytest.fixture
+def one_torch_thread():
+    """One intra-op thread for the test (tiny tensors; robust to a busy machine)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -9,14 +9,12 @@ hash, a missing lock and a missing target model.
 """
 from __future__ import annotations
 
-import base64
 import copy
 import hashlib
 import json
 import os
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -377,29 +375,7 @@ def test_data_source_problems_are_one_message(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # the env lock: bad hash (build mode, offline) and a missing lock
 # ---------------------------------------------------------------------------------------------
-def make_wheel(out_dir: Path, dist: str, version: str) -> Path:
-    """A minimal valid pure-Python wheel (as in tests/test_env.py)."""
-    mod = dist.lower().replace("-", "_")
-    stem = f"{mod}-{version}"
-    files = {
-        f"{mod}/__init__.py": f"__version__ = {version!r}\n",
-        f"{stem}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n",
-        f"{stem}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: dflash-tests\n"
-                                   "Root-Is-Purelib: true\nTag: py3-none-any\n",
-    }
-    record = []
-    for name, text in files.items():
-        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=")
-        record.append(f"{name},sha256={digest.decode()},{len(text.encode())}")
-    record.append(f"{stem}.dist-info/RECORD,,")
-    files[f"{stem}.dist-info/RECORD"] = "\n".join(record) + "\n"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    whl = out_dir / f"{stem}-py3-none-any.whl"
-    with zipfile.ZipFile(whl, "w") as z:
-        for name, text in files.items():
-            z.writestr(name, text)
-    return whl
-
+from test_env import make_wheel  # noqa: E402  (one builder of test wheels)
 
 def test_lock_with_bad_hash_refused_by_env_stage_cli(tmp_path):
     wheel = make_wheel(tmp_path / "wheels", "tiny-gamma", "1.0")

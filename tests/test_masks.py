@@ -13,12 +13,8 @@ MASK = 999
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
+def _one_thread(one_torch_thread):
     """Tiny tensors: one intra-op thread is faster and robust to a busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def make_row(doc_lens, pad, prompt_lens, seed=0):

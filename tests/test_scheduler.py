@@ -63,11 +63,8 @@ def _pipeline(spec, samples, total_epochs=2, fail_at=None, on_step=None):
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_torch_thread):
+    """Three replicas and two targets share 2 cores: one intra-op thread each."""
 
 
 def test_every_sample_exactly_once_per_epoch_and_replicas_identical():

@@ -10,12 +10,8 @@ V, MASK, P = 96, 95, 9
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
+def _one_thread(one_torch_thread):
     """Tiny tensors: one intra-op thread is faster and robust to a busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
