@@ -144,37 +144,29 @@ def _plots(out: Path, metrics: list[dict], tau: dict) -> list[str]:
     import matplotlib.pyplot as plt
 
     made = []
+
+    def plot(name: str, draw, **labels) -> None:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        draw(ax)
+        ax.set(**labels)
+        fig.tight_layout()
+        with atomic_path(out / name) as tmp:
+            fig.savefig(tmp, format="png", dpi=100)
+        plt.close(fig)
+        made.append(name)
+
     if metrics:
-        steps = [m["step"] for m in metrics]
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot(steps, [m["loss"] for m in metrics])
-        ax.set(xlabel="step", ylabel="loss", title="Training loss")
-        fig.tight_layout()
-        with atomic_path(out / "loss.png") as tmp:
-            fig.savefig(tmp, format="png", dpi=100)
-        plt.close(fig)
-        made.append("loss.png")
-        t = [m["t"] for m in metrics]
+        steps, t = [m["step"] for m in metrics], [m["t"] for m in metrics]
         tps = [m["tokens"] / max(1e-9, t[i] - t[i - 1]) for i, m in enumerate(metrics) if i > 0]
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot(t[1:], tps)
-        ax.set(xlabel="seconds", ylabel="target tokens / s", title="Throughput")
-        fig.tight_layout()
-        with atomic_path(out / "throughput.png") as tmp:
-            fig.savefig(tmp, format="png", dpi=100)
-        plt.close(fig)
-        made.append("throughput.png")
+        plot("loss.png", lambda ax: ax.plot(steps, [m["loss"] for m in metrics]),
+             xlabel="step", ylabel="loss", title="Training loss")
+        plot("throughput.png", lambda ax: ax.plot(t[1:], tps),
+             xlabel="seconds", ylabel="target tokens / s", title="Throughput")
     rates = tau.get("accept_rate_by_position")
     if rates:
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.bar(range(1, len(rates) + 1), rates)
-        ax.set(xlabel="block position k", ylabel="accepted fraction",
-               title=f"Acceptance by position (τ = {tau['tau']:.2f})")
-        fig.tight_layout()
-        with atomic_path(out / "acceptance.png") as tmp:
-            fig.savefig(tmp, format="png", dpi=100)
-        plt.close(fig)
-        made.append("acceptance.png")
+        plot("acceptance.png", lambda ax: ax.bar(range(1, len(rates) + 1), rates),
+             xlabel="block position k", ylabel="accepted fraction",
+             title=f"Acceptance by position (τ = {tau['tau']:.2f})")
     return made
 
 
