@@ -1,0 +1,515 @@
+"""Fault injection: kill -9 the train stage at random moments, resume, compare with a clean run.
+
+    python bench/fault_injection.py --kills 20 --seed 0 --out bench/results/cpu/fault_injection.json
+
+What it does, for real (no mocks), in a temporary copy of the workflow:
+
+1. ``snakemake --cores 2 data_<spec> warmup_<spec>`` once for a spec derived from
+   ``tests/specs/micro.yaml`` (random-weight Llama target, two drafter threads on CPU).
+2. A reference run: ``python -m dflash train specs/<spec>.yaml --results <root>`` uninterrupted
+   → reference drafter weights, final optimizer state and the consumed sample ids per step.
+3. The kill loop, in a fresh results root: start the same stage command, SIGKILL its process
+   group after a seeded random delay drawn from [0, expected end of this run] (startup + the
+   steps still to do, estimated from the reference), restart — N times; then let it finish.
+   Each kill records where it landed (startup / training), the step reached, the newest
+   checkpoint, and the work lost: seconds of that process's work no checkpoint preserved
+   (kill time − max(process start, newest checkpoint written by that process)).
+4. Comparison: final exported weights and final optimizer state ``torch.equal`` to the
+   reference on every tensor; the consumed sample ids rebuilt from the *killed runs' own*
+   metrics (each run contributes steps [its resume step, the next run's resume step)) compared
+   with the reference step by step: samples lost, samples duplicated, each epoch exactly once.
+
+``tests/test_resume.py`` uses the same functions (a short version with >= 3 kills).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+from conftest import copy_workflow, snakemake  # noqa: E402  (the tests' workflow copy)
+
+RESUME_RE = re.compile(r"\[train\] resuming from (\S+) \(step (\d+)/(\d+)\)")
+CORRUPT_RE = re.compile(r"\[train\] checkpoint (\S+) is corrupted")
+
+
+# ---------------------------------------------------------------------------------------------
+# the workflow copy and the stage processes
+# ---------------------------------------------------------------------------------------------
+def derived_spec(name: str, max_steps: int, every_steps: int, keep: int = 2,
+                 **data: object) -> dict:
+    """tests/specs/micro.yaml with another name, step count and checkpoint interval."""
+    import yaml
+
+    d = yaml.safe_load((REPO / "tests" / "specs" / "micro.yaml").read_text())
+    d["name"] = name
+    d["optim"]["max_steps"] = max_steps
+    d["checkpoint"] = {"every_steps": every_steps, "keep": keep}
+    d["data"].update(data)
+    return d
+
+
+def stage_env(wf: Path) -> dict:
+    env = dict(os.environ)
+    env.setdefault("DFLASH_CACHE", str(REPO / ".cache" / "dflash"))
+    env["PYTHONPATH"] = str(wf)
+    env.pop("DFLASH_FAIL_AT", None)
+    return env
+
+
+@dataclass
+class Workflow:
+    wf: Path
+    spec: str
+
+    def spec_file(self) -> str:
+        return f"specs/{self.spec}.yaml"
+
+    def res(self, root: str) -> Path:
+        return self.wf / root / self.spec
+
+    def train_dir(self, root: str) -> Path:
+        return self.res(root) / "train"
+
+    def fresh_root(self, root: str, stages=("env", "warmup", "data")) -> str:
+        """A results root holding copies of the upstream stages made by Snakemake."""
+        shutil.rmtree(self.wf / root, ignore_errors=True)
+        for st in stages:
+            shutil.copytree(self.res("results") / st, self.res(root) / st)
+        return root
+
+    def start(self, stage: str, root: str, log: Path) -> "Run":
+        cmd = [sys.executable, "-m", "dflash", stage, self.spec_file(), "--results", root]
+        fh = open(log, "w")
+        t0 = time.time()
+        p = subprocess.Popen(cmd, cwd=self.wf, env=stage_env(self.wf), stdout=fh,
+                             stderr=subprocess.STDOUT, start_new_session=True)
+        fh.close()
+        return Run(p, t0, log, cmd)
+
+
+def prepare(base: Path, spec: dict, stages=("data", "warmup")) -> Workflow:
+    """Copy the workflow, add the spec, run env → warmup → data once through Snakemake."""
+    import yaml
+
+    base.mkdir(parents=True, exist_ok=True)
+    wf = copy_workflow(base, [])
+    (wf / "specs" / f"{spec['name']}.yaml").write_text(yaml.safe_dump(spec))
+    r = snakemake(wf, *[f"{st}_{spec['name']}" for st in stages])
+    if r.returncode != 0:
+        raise RuntimeError(f"snakemake failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    return Workflow(wf, spec["name"])
+
+
+@dataclass
+class Run:
+    proc: subprocess.Popen
+    t0: float
+    log: Path
+    cmd: list
+    killed_at: float | None = None
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> float:
+        """SIGKILL the stage's process group (the stage and anything it started)."""
+        t = time.time()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self.killed_at = t
+        return t
+
+    def wait(self, timeout: float = 600) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def resumed_from(self) -> int:
+        m = RESUME_RE.search(self.text())
+        return int(m.group(2)) if m else 0
+
+
+def wait_until(pred, run: Run, timeout: float = 300, poll: float = 0.01) -> bool:
+    """Poll ``pred()`` until true (→ True) or the process exits first (→ False)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if pred():
+            return True
+        if not run.alive():
+            return bool(pred())
+        time.sleep(poll)
+    raise TimeoutError(f"condition not met within {timeout}s; log:\n{run.text()[-2000:]}")
+
+
+# ---------------------------------------------------------------------------------------------
+# reading what a run left behind
+# ---------------------------------------------------------------------------------------------
+def metrics_steps(path: Path) -> dict[int, dict]:
+    """step -> record of metrics.jsonl (a torn last line from a kill is ignored)."""
+    out = {}
+    if not path.exists():
+        return out
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+            out[rec["step"]] = rec
+        except (ValueError, KeyError, TypeError):
+            break
+    return out
+
+
+def max_step(path: Path) -> int:
+    """Highest step number in metrics.jsonl (-1: none); cheap enough to poll."""
+    steps = metrics_steps(path)
+    return max(steps) if steps else -1
+
+
+def checkpoints(train_dir: Path) -> list[tuple[int, float]]:
+    """(step, time its state.json was written) of every complete checkpoint folder."""
+    out = []
+    for p in sorted((train_dir / "checkpoints").glob("step-*")):
+        try:
+            out.append((int(p.name.split("-")[1]), (p / "state.json").stat().st_mtime))
+        except (OSError, ValueError):
+            continue  # pruned while we looked
+    return out
+
+
+def newest_checkpoint(train_dir: Path) -> int:
+    c = checkpoints(train_dir)
+    return c[-1][0] if c else -1
+
+
+def load_tensors(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def tensors_equal(a: dict, b: dict) -> tuple[bool, list[str]]:
+    """Bit-identical: same keys, and torch.equal (same dtype, shape, every element) for each."""
+    import torch
+
+    bad = sorted(set(a) ^ set(b))
+    bad += [k for k in sorted(set(a) & set(b))
+            if a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])]
+    return not bad, bad
+
+
+def final_tensors(train_dir: Path) -> tuple[dict, dict]:
+    """The exported drafter weights and the optimizer state of the final checkpoint."""
+    last = sorted((train_dir / "checkpoints").glob("step-*"))[-1]
+    return (load_tensors(train_dir / "drafter" / "model.safetensors"),
+            load_tensors(last / "optim.safetensors"))
+
+
+def id_counts(per_step: dict[int, list[int]]) -> Counter:
+    return Counter(i for ids in per_step.values() for i in ids)
+
+
+def compare_ids(ref: dict[int, dict], got: dict[int, list[int]]) -> dict:
+    """Consumed ids vs the reference: per step, as multisets, and per epoch exactly once."""
+    ref_ids = {s: r["sample_ids"] for s, r in ref.items()}
+    lost = id_counts(ref_ids) - id_counts(got)
+    dup = id_counts(got) - id_counts(ref_ids)
+    epochs: dict[int, list[int]] = {}
+    for s, r in ref.items():
+        epochs.setdefault(r["epoch"], []).extend(got.get(s, []))
+    return {"samples_lost": sum(lost.values()), "samples_duplicated": sum(dup.values()),
+            "steps_identical": ref_ids == got,
+            "epochs": {e: sorted(ids) for e, ids in epochs.items()}}
+
+
+def epochs_exactly_once(epochs: dict[int, list[int]], all_ids: list[int]) -> bool:
+    return all(ids == sorted(all_ids) for ids in epochs.values())
+
+
+def stitch(segments: list[tuple[int, int, dict[int, dict]]]) -> dict[int, list[int]]:
+    """The ids the final weights were trained on, from the runs' own metrics: run i counts for
+    steps [start_i, end_i) (end_i = the step the next run resumed from). A step claimed twice
+    is kept twice (a duplicate); a step nobody wrote is missing (a loss)."""
+    got: dict[int, list[int]] = {}
+    for start, end, steps in segments:
+        for s in range(start, end):
+            if s in steps:
+                got[s] = got.get(s, []) + steps[s]["sample_ids"]
+    return got
+
+
+# ---------------------------------------------------------------------------------------------
+# the benchmark
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class KillRecord:
+    attempt: int
+    delay_s: float
+    landed: str = ""
+    resumed_from: int = 0
+    step_reached: int = -1
+    newest_checkpoint: int = -1
+    work_lost_s: float = 0.0
+    since_checkpoint_s: float | None = None
+    steps_lost: int = 0
+    notes: list = field(default_factory=list)
+
+
+def reference(w: Workflow, root: str, logs: Path) -> dict:
+    w.fresh_root(root)
+    run = w.start("train", root, logs / "reference.log")
+    rc = run.wait()
+    if rc != 0:
+        raise RuntimeError(f"reference run failed ({rc}):\n{run.text()[-3000:]}")
+    td = w.train_dir(root)
+    manifest = json.loads((td / "manifest.json").read_text())
+    wall = time.time() - run.t0
+    return {"wall_s": wall, "train_s": manifest["train_s"],
+            "steps": manifest["steps"]["total"],
+            "step_s": manifest["train_s"] / manifest["steps"]["total"],
+            "startup_s": wall - manifest["train_s"], "manifest": manifest,
+            "metrics": metrics_steps(td / "metrics.jsonl"),
+            "tensors": final_tensors(td)}
+
+
+STARTUP_SHARE = 0.3
+
+
+def kill_delay(rng: random.Random, ref: dict, remaining_steps: int) -> float:
+    """Seconds after process start, between start and the expected end of this run: with
+    probability STARTUP_SHARE uniform over the expected startup (imports, checkpoint load, warm
+    start), else uniform over the expected training time still to do. (A plain uniform draw over
+    the whole run would, once the remaining work is short, land nearly every kill in startup.)"""
+    startup, train = ref["startup_s"], remaining_steps * ref["step_s"]
+    if rng.random() < STARTUP_SHARE:
+        return rng.uniform(0.0, startup)
+    return rng.uniform(startup, startup + train)
+
+
+def decided(run: Run) -> bool:
+    """Did this run get past its resume decision (the resume line, or the warm start after it)?"""
+    t = run.text()
+    return bool(RESUME_RE.search(t)) or "[train] warm start" in t
+
+
+def kill_loop(w: Workflow, root: str, logs: Path, kills: int, ref: dict, rng: random.Random,
+              log=print) -> dict:
+    """N seeded random kills of the train stage, each followed by a restart; then finish.
+
+    A kill's resume succeeded when the next run that got past its resume decision resumed
+    from exactly the newest checkpoint the killed run left (0 when there was none)."""
+    w.fresh_root(root)
+    td = w.train_dir(root)
+    total = ref["steps"]
+    records: list[KillRecord] = []
+    runs: list[tuple[Run, KillRecord | None, dict]] = []
+    attempt = 0
+    completed_early = 0
+    while True:
+        attempt += 1
+        run = w.start("train", root, logs / f"attempt-{attempt:02d}.log")
+        if len(records) >= kills:
+            rc = run.wait()
+            if rc != 0:
+                raise RuntimeError(f"final run failed ({rc}):\n{run.text()[-3000:]}")
+            runs.append((run, None, metrics_steps(td / "metrics.jsonl")))
+            break
+        delay = kill_delay(rng, ref, total - max(0, newest_checkpoint(td)))
+        rec = KillRecord(attempt=attempt, delay_s=round(delay, 3))
+        deadline = run.t0 + delay
+        wait_until(lambda: time.time() >= deadline, run, timeout=delay + 600)
+        if not run.alive():  # finished before its kill: training is complete
+            completed_early += 1
+            if run.proc.wait() != 0:
+                raise RuntimeError(f"run failed:\n{run.text()[-3000:]}")
+            log(f"attempt {attempt}: finished before its kill at {delay:.1f}s")
+            runs.append((run, None, metrics_steps(td / "metrics.jsonl")))
+            break
+        t_kill = run.kill()
+        text = run.text()
+        rec.resumed_from = run.resumed_from()
+        steps = metrics_steps(td / "metrics.jsonl")
+        mine = {s: r for s, r in steps.items() if s >= rec.resumed_from}
+        rec.step_reached = max(mine) if mine else rec.resumed_from - 1
+        ckpts = checkpoints(td)
+        rec.newest_checkpoint = ckpts[-1][0] if ckpts else 0
+        written_here = [(s, t) for s, t in ckpts if t >= run.t0]
+        rec.work_lost_s = round(t_kill - max([run.t0] + [t for _, t in written_here]), 3)
+        if written_here:
+            rec.since_checkpoint_s = round(t_kill - written_here[-1][1], 3)
+        rec.steps_lost = max(0, rec.step_reached + 1 - rec.newest_checkpoint)
+        if "[train] warm start" not in text:
+            rec.landed = "startup"
+        elif not mine:
+            rec.landed = "after warm start, before the first step"
+        elif written_here and rec.newest_checkpoint == rec.step_reached + 1:
+            rec.landed = "right after a checkpoint"
+        else:
+            rec.landed = "mid-training"
+        if "Traceback" in text:
+            rec.notes.append("traceback in log")
+        records.append(rec)
+        runs.append((run, rec, steps))
+        log(f"kill {len(records)}/{kills} at {delay:5.1f}s ({rec.landed}): resumed from "
+            f"{rec.resumed_from}, reached step {rec.step_reached}, newest checkpoint "
+            f"{rec.newest_checkpoint}, work lost {rec.work_lost_s:.2f}s", flush=True)
+    # resumes: after each kill, the next run that decided must start at that kill's checkpoint
+    resumes_ok = 0
+    for i, (_, rec, _) in enumerate(runs):
+        if rec is None:
+            continue
+        nxt = next((r for r, _, _ in runs[i + 1:] if decided(r)), None)
+        ok = nxt is not None and nxt.resumed_from() == rec.newest_checkpoint
+        rec.notes.append("resume ok" if ok else "RESUME MISMATCH")
+        resumes_ok += ok
+    # the steps each run contributed: [its resume step, the step the next deciding run resumed
+    # from); runs that never decided contributed nothing
+    deciding = [(r, steps) for r, _, steps in runs if decided(r)]
+    segments = []
+    for i, (r, steps) in enumerate(deciding):
+        end = deciding[i + 1][0].resumed_from() if i + 1 < len(deciding) else total
+        segments.append((r.resumed_from(), end, steps))
+    leftovers = sorted(p.name for p in (td / "checkpoints").glob(".*"))
+    return {"records": records, "segments": segments, "attempts": attempt,
+            "leftover_temp_entries": leftovers,
+            "resumes_succeeded": resumes_ok, "completed_before_kill": completed_early,
+            "final_manifest": json.loads((td / "manifest.json").read_text())}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--kills", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=240, help="train steps (max_steps)")
+    ap.add_argument("--every", type=int, default=5, help="checkpoint.every_steps")
+    ap.add_argument("--out", type=Path, default=REPO / "bench/results/cpu/fault_injection.json")
+    ap.add_argument("--workdir", type=Path, default=None,
+                    help="keep the workflow copy here (default: a temporary folder, removed)")
+    a = ap.parse_args(argv)
+    import torch
+
+    t_all = time.time()
+    base = Path(a.workdir or tempfile.mkdtemp(prefix="dflash-fault-"))
+    base.mkdir(parents=True, exist_ok=True)
+    logs = base / "fault-logs"
+    logs.mkdir(exist_ok=True)
+    spec = derived_spec("faults", a.steps, a.every)
+    print(f"preparing {base} (snakemake env, warmup, data)", flush=True)
+    w = prepare(base / "wf", spec)
+    print("reference run", flush=True)
+    ref = reference(w, "results_ref", logs)
+    print(f"reference: {ref['wall_s']:.1f}s wall, {ref['steps']} steps, "
+          f"{ref['step_s'] * 1000:.0f} ms/step, startup+export {ref['startup_s']:.1f}s",
+          flush=True)
+    loop = kill_loop(w, "results_kill", logs, a.kills, ref, random.Random(a.seed))
+    td = w.train_dir("results_kill")
+    got_w, got_o = final_tensors(td)
+    w_ok, w_bad = tensors_equal(ref["tensors"][0], got_w)
+    o_ok, o_bad = tensors_equal(ref["tensors"][1], got_o)
+    stitched = stitch(loop["segments"])
+    cmp_stitched = compare_ids(ref["metrics"], stitched)
+    final_metrics = {s: r["sample_ids"] for s, r in metrics_steps(td / "metrics.jsonl").items()}
+    cmp_final = compare_ids(ref["metrics"], final_metrics)
+    all_ids = sorted(_dataset_ids(w))
+    recs = loop["records"]
+    lost = [r.work_lost_s for r in recs]
+    training = [r for r in recs if r.landed != "startup"]
+    since = [r.since_checkpoint_s for r in recs if r.since_checkpoint_s is not None]
+    landed = Counter(r.landed for r in recs)
+    out = {
+        "benchmark": "kill -9 fault injection, train stage",
+        "command": "python bench/fault_injection.py " + " ".join(
+            argv if argv is not None else sys.argv[1:]),
+        "stage_command": " ".join(["python", "-m", "dflash", "train", w.spec_file(),
+                                   "--results", "results_kill"]),
+        "torch": torch.__version__, "python": platform.python_version(),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "spec": {"base": "tests/specs/micro.yaml", "max_steps": a.steps,
+                 "checkpoint_every_steps": a.every, "samples_per_epoch": len(all_ids),
+                 "epochs": len({r["epoch"] for r in ref["metrics"].values()}),
+                 "drafter_threads": 2, "seed": spec["seed"]},
+        "kills": len(recs),
+        "kill_seed": a.seed,
+        "attempts": loop["attempts"],
+        "resumes_succeeded": loop["resumes_succeeded"],
+        "completed_before_a_kill": loop["completed_before_kill"],
+        "samples_lost": cmp_stitched["samples_lost"],
+        "samples_duplicated": cmp_stitched["samples_duplicated"],
+        "steps_identical_to_reference": cmp_stitched["steps_identical"],
+        "every_epoch_exactly_once": epochs_exactly_once(cmp_stitched["epochs"], all_ids),
+        "final_metrics_log": {"samples_lost": cmp_final["samples_lost"],
+                              "samples_duplicated": cmp_final["samples_duplicated"],
+                              "steps_identical": cmp_final["steps_identical"]},
+        "weights_identical": w_ok, "weights_differing": w_bad,
+        "optimizer_state_identical": o_ok, "optimizer_differing": o_bad,
+        "final_resumed_from": loop["final_manifest"]["steps"]["resumed_from"],
+        "work_lost_s": {
+            "definition": "per kill: kill time - max(process start, newest checkpoint that "
+                          "process wrote); includes the restart cost (imports, warm start)",
+            "per_kill": lost, "mean": round(sum(lost) / len(lost), 3) if lost else 0.0,
+            "max": max(lost, default=0.0),
+            "mean_kills_after_warm_start": round(
+                sum(r.work_lost_s for r in training) / len(training), 3) if training else None,
+        },
+        "since_checkpoint_s": {
+            "definition": "kill time - newest checkpoint written by the killed process "
+                          "(kills after that process's first checkpoint)",
+            "per_kill": since, "mean": round(sum(since) / len(since), 3) if since else None,
+            "max": max(since, default=None),
+            "checkpoint_interval_s": round(a.every * ref["step_s"], 3)},
+        "steps_lost_per_kill": [r.steps_lost for r in recs],
+        "kill_delay": f"seeded: with p={STARTUP_SHARE} U(0, expected startup), else "
+                      f"U(expected startup, expected end of the remaining steps)",
+        "leftover_temp_entries_in_checkpoints": loop["leftover_temp_entries"],
+        "landed": dict(landed),
+        "reference": {"wall_s": round(ref["wall_s"], 2), "train_s": ref["train_s"],
+                      "ms_per_step": round(ref["step_s"] * 1000, 1),
+                      "startup_and_export_s": round(ref["startup_s"], 2)},
+        "kill_records": [vars(r) for r in recs],
+        "total_wall_s": round(time.time() - t_all, 1),
+    }
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps({k: out[k] for k in ("kills", "resumes_succeeded", "samples_lost",
+                                          "samples_duplicated", "weights_identical",
+                                          "optimizer_state_identical", "total_wall_s")}),
+          flush=True)
+    print(f"work lost per kill: mean {out['work_lost_s']['mean']}s, max "
+          f"{out['work_lost_s']['max']}s; wrote {a.out}", flush=True)
+    if a.workdir is None:
+        shutil.rmtree(base, ignore_errors=True)
+    ok = (w_ok and o_ok and out["samples_lost"] == 0 and out["samples_duplicated"] == 0
+          and out["kills"] >= a.kills)
+    return 0 if ok else 1
+
+
+def _dataset_ids(w: Workflow) -> list[int]:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(w.res("results") / "data" / "dataset.parquet",
+                         columns=["sample_id"])["sample_id"].to_pylist()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
