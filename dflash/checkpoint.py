@@ -101,7 +101,10 @@ def load_into(path: Path, state: dict, replicas: list) -> None:
             for key, v in otensors.items():
                 pi, name = key.split(".", 1)
                 if int(pi) == i:
-                    st[name] = v.to(p.device) if name != "step" else v.clone()
+                    # a copy per replica: .to() on the same device returns the very tensor,
+                    # and replicas sharing exp_avg/exp_avg_sq would each update it in place
+                    # ("step" stays on the CPU, where non-capturable AdamW wants it)
+                    st[name] = v.to(p.device, copy=True) if name != "step" else v.clone()
             for key, v in state["optim_scalars"].items():
                 pi, name = key.split(".", 1)
                 if int(pi) == i:
