@@ -464,6 +464,7 @@ def main(argv=None) -> int:
         "weights_identical": w_ok, "weights_differing": w_bad,
         "optimizer_state_identical": o_ok, "optimizer_differing": o_bad,
         "final_resumed_from": loop["final_manifest"]["steps"]["resumed_from"],
+        "final_replicas_identical": loop["final_manifest"]["replicas_identical"],
         "work_lost_s": {
             "definition": "per kill: kill time - max(process start, newest checkpoint that "
                           "process wrote); includes the restart cost (imports, warm start)",
