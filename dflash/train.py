@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from . import checkpoint as ckpt
-from .manifest import expect, read_manifest, write_manifest
+from .manifest import atomic_write_text, expect, read_manifest, write_manifest
 from .stage import StageContext, compile_cache_dir
 
 
@@ -56,7 +56,8 @@ class MetricsLog:
                         lines.append(line)
                 except (ValueError, KeyError):
                     break  # a torn last line from a kill: drop it and the rest
-        path.write_text("".join(x + "\n" for x in lines))
+        # atomic: a kill during this rewrite must not lose the lines of steps already done
+        atomic_write_text(path, "".join(x + "\n" for x in lines))
         self.f = open(path, "a", buffering=1)
 
     def write(self, rec: dict) -> None:
