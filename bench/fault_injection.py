@@ -8,13 +8,14 @@ What it does, for real (no mocks), in a temporary copy of the workflow:
    ``tests/specs/micro.yaml`` (random-weight Llama target, two drafter threads on CPU).
 2. A reference run: ``python -m dflash train specs/<spec>.yaml --results <root>`` uninterrupted
    → reference drafter weights, final optimizer state and the consumed sample ids per step.
-3. The kill loop, in a fresh results root: start the same stage command, SIGKILL its process
-   group after a seeded random delay drawn from [0, expected end of this run] (startup + the
-   steps still to do, estimated from the reference), restart — N times; then let it finish.
+3. Campaigns, in a fresh results root: train from scratch with the same stage command,
+   SIGKILL its process group after a seeded random delay between process start and the
+   expected end of this run (startup + the steps still to do, estimated from the reference),
+   restart, ... until a run completes; then start the next campaign, until N kills in all.
    Each kill records where it landed (startup / training), the step reached, the newest
    checkpoint, and the work lost: seconds of that process's work no checkpoint preserved
    (kill time − max(process start, newest checkpoint written by that process)).
-4. Comparison: final exported weights and final optimizer state ``torch.equal`` to the
+4. Comparison, per campaign: final exported weights and final optimizer state ``torch.equal`` to the
    reference on every tensor; the consumed sample ids rebuilt from the *killed runs' own*
    metrics (each run contributes steps [its resume step, the next run's resume step)) compared
    with the reference step by step: samples lost, samples duplicated, each epoch exactly once.
@@ -279,16 +280,20 @@ class KillRecord:
 def reference(w: Workflow, root: str, logs: Path) -> dict:
     w.fresh_root(root)
     run = w.start("train", root, logs / "reference.log")
+    td = w.train_dir(root)
+    wait_until(lambda: max_step(td / "metrics.jsonl") >= 0, run, poll=0.02)
+    first = metrics_steps(td / "metrics.jsonl")
+    # process start -> the pipeline starts (imports, data, replicas, checkpoint, warm start)
+    startup = time.time() - run.t0 - (first[0]["t"] if 0 in first else 0.0)
     rc = run.wait()
     if rc != 0:
         raise RuntimeError(f"reference run failed ({rc}):\n{run.text()[-3000:]}")
-    td = w.train_dir(root)
     manifest = json.loads((td / "manifest.json").read_text())
     wall = time.time() - run.t0
     return {"wall_s": wall, "train_s": manifest["train_s"],
             "steps": manifest["steps"]["total"],
             "step_s": manifest["train_s"] / manifest["steps"]["total"],
-            "startup_s": wall - manifest["train_s"], "manifest": manifest,
+            "startup_s": startup, "manifest": manifest,
             "metrics": metrics_steps(td / "metrics.jsonl"),
             "tensors": final_tensors(td)}
 
@@ -313,44 +318,47 @@ def decided(run: Run) -> bool:
     return bool(RESUME_RE.search(t)) or "[train] warm start" in t
 
 
-def kill_loop(w: Workflow, root: str, logs: Path, kills: int, ref: dict, rng: random.Random,
-              log=print) -> dict:
-    """N seeded random kills of the train stage, each followed by a restart; then finish.
+def campaign(w: Workflow, root: str, logs: Path, budget: int, ref: dict, rng: random.Random,
+             index: int = 1, log=print) -> dict:
+    """One training from scratch, killed at seeded random moments (at most ``budget`` kills)
+    and restarted each time, until a run completes; then compared with the reference.
 
-    A kill's resume succeeded when the next run that got past its resume decision resumed
-    from exactly the newest checkpoint the killed run left (0 when there was none)."""
-    w.fresh_root(root)
+    No kill is drawn once the final checkpoint exists (only export and manifest are left): the
+    next run just finishes. A kill's resume succeeded when the next run that got past its resume
+    decision resumed from exactly the newest checkpoint the killed run left (0: none)."""
     td = w.train_dir(root)
+    shutil.rmtree(td, ignore_errors=True)
     total = ref["steps"]
     records: list[KillRecord] = []
     runs: list[tuple[Run, KillRecord | None, dict]] = []
     attempt = 0
-    completed_early = 0
+    completed_before_kill = 0
     while True:
         attempt += 1
-        run = w.start("train", root, logs / f"attempt-{attempt:02d}.log")
-        if len(records) >= kills:
-            rc = run.wait()
-            if rc != 0:
-                raise RuntimeError(f"final run failed ({rc}):\n{run.text()[-3000:]}")
+        run = w.start("train", root, logs / f"campaign-{index:02d}-attempt-{attempt:02d}.log")
+        remaining = total - max(0, newest_checkpoint(td))
+        if len(records) >= budget or remaining <= 0:
+            if run.wait() != 0:
+                raise RuntimeError(f"final run failed:\n{run.text()[-3000:]}")
             runs.append((run, None, metrics_steps(td / "metrics.jsonl")))
             break
-        delay = kill_delay(rng, ref, total - max(0, newest_checkpoint(td)))
+        delay = kill_delay(rng, ref, remaining)
         rec = KillRecord(attempt=attempt, delay_s=round(delay, 3))
         deadline = run.t0 + delay
         wait_until(lambda: time.time() >= deadline, run, timeout=delay + 600)
         if not run.alive():  # finished before its kill: training is complete
-            completed_early += 1
+            completed_before_kill += 1
             if run.proc.wait() != 0:
                 raise RuntimeError(f"run failed:\n{run.text()[-3000:]}")
-            log(f"attempt {attempt}: finished before its kill at {delay:.1f}s")
+            log(f"campaign {index} attempt {attempt}: finished before its kill at {delay:.1f}s",
+                flush=True)
             runs.append((run, None, metrics_steps(td / "metrics.jsonl")))
             break
         t_kill = run.kill()
         text = run.text()
         rec.resumed_from = run.resumed_from()
         steps = metrics_steps(td / "metrics.jsonl")
-        mine = {s: r for s, r in steps.items() if s >= rec.resumed_from}
+        mine = {s: r for s, r in steps.items() if s >= rec.resumed_from} if decided(run) else {}
         rec.step_reached = max(mine) if mine else rec.resumed_from - 1
         ckpts = checkpoints(td)
         rec.newest_checkpoint = ckpts[-1][0] if ckpts else 0
@@ -363,6 +371,8 @@ def kill_loop(w: Workflow, root: str, logs: Path, kills: int, ref: dict, rng: ra
             rec.landed = "startup"
         elif not mine:
             rec.landed = "after warm start, before the first step"
+        elif rec.newest_checkpoint >= total:
+            rec.landed = "after the final checkpoint (export/manifest)"
         elif written_here and rec.newest_checkpoint == rec.step_reached + 1:
             rec.landed = "right after a checkpoint"
         else:
@@ -371,10 +381,9 @@ def kill_loop(w: Workflow, root: str, logs: Path, kills: int, ref: dict, rng: ra
             rec.notes.append("traceback in log")
         records.append(rec)
         runs.append((run, rec, steps))
-        log(f"kill {len(records)}/{kills} at {delay:5.1f}s ({rec.landed}): resumed from "
-            f"{rec.resumed_from}, reached step {rec.step_reached}, newest checkpoint "
+        log(f"campaign {index} kill {len(records)} at {delay:5.1f}s ({rec.landed}): resumed "
+            f"from {rec.resumed_from}, reached step {rec.step_reached}, newest checkpoint "
             f"{rec.newest_checkpoint}, work lost {rec.work_lost_s:.2f}s", flush=True)
-    # resumes: after each kill, the next run that decided must start at that kill's checkpoint
     resumes_ok = 0
     for i, (_, rec, _) in enumerate(runs):
         if rec is None:
@@ -384,17 +393,37 @@ def kill_loop(w: Workflow, root: str, logs: Path, kills: int, ref: dict, rng: ra
         rec.notes.append("resume ok" if ok else "RESUME MISMATCH")
         resumes_ok += ok
     # the steps each run contributed: [its resume step, the step the next deciding run resumed
-    # from); runs that never decided contributed nothing
+    # from); runs that never got to their resume decision contributed nothing
     deciding = [(r, steps) for r, _, steps in runs if decided(r)]
     segments = []
     for i, (r, steps) in enumerate(deciding):
         end = deciding[i + 1][0].resumed_from() if i + 1 < len(deciding) else total
         segments.append((r.resumed_from(), end, steps))
-    leftovers = sorted(p.name for p in (td / "checkpoints").glob(".*"))
-    return {"records": records, "segments": segments, "attempts": attempt,
-            "leftover_temp_entries": leftovers,
-            "resumes_succeeded": resumes_ok, "completed_before_kill": completed_early,
-            "final_manifest": json.loads((td / "manifest.json").read_text())}
+    manifest = json.loads((td / "manifest.json").read_text())
+    got_w, got_o = final_tensors(td)
+    w_ok, w_bad = tensors_equal(ref["tensors"][0], got_w)
+    o_ok, o_bad = tensors_equal(ref["tensors"][1], got_o)
+    stitched = compare_ids(ref["metrics"], stitch(segments))
+    final = compare_ids(ref["metrics"], {s: r["sample_ids"] for s, r in
+                                         metrics_steps(td / "metrics.jsonl").items()})
+    out = {"campaign": index, "kills": len(records), "attempts": attempt,
+           "resumes_succeeded": resumes_ok, "completed_before_a_kill": completed_before_kill,
+           "final_resumed_from": manifest["steps"]["resumed_from"],
+           "final_replicas_identical": manifest["replicas_identical"],
+           "weights_identical": w_ok, "weights_differing": w_bad,
+           "optimizer_state_identical": o_ok, "optimizer_differing": o_bad,
+           "samples_lost": stitched["samples_lost"],
+           "samples_duplicated": stitched["samples_duplicated"],
+           "steps_identical_to_reference": stitched["steps_identical"],
+           "epochs": stitched["epochs"],
+           "final_metrics_log": {k: final[k] for k in ("samples_lost", "samples_duplicated",
+                                                       "steps_identical")},
+           "leftover_temp_entries": sorted(p.name for p in (td / "checkpoints").glob(".*")),
+           "records": records}
+    log(f"campaign {index}: {len(records)} kills, weights identical {w_ok}, optimizer "
+        f"identical {o_ok}, samples lost {out['samples_lost']}, duplicated "
+        f"{out['samples_duplicated']}", flush=True)
+    return out
 
 
 def main(argv=None) -> int:
@@ -420,88 +449,91 @@ def main(argv=None) -> int:
     print("reference run", flush=True)
     ref = reference(w, "results_ref", logs)
     print(f"reference: {ref['wall_s']:.1f}s wall, {ref['steps']} steps, "
-          f"{ref['step_s'] * 1000:.0f} ms/step, startup+export {ref['startup_s']:.1f}s",
+          f"{ref['step_s'] * 1000:.0f} ms/step, startup {ref['startup_s']:.1f}s",
           flush=True)
-    loop = kill_loop(w, "results_kill", logs, a.kills, ref, random.Random(a.seed))
-    td = w.train_dir("results_kill")
-    got_w, got_o = final_tensors(td)
-    w_ok, w_bad = tensors_equal(ref["tensors"][0], got_w)
-    o_ok, o_bad = tensors_equal(ref["tensors"][1], got_o)
-    stitched = stitch(loop["segments"])
-    cmp_stitched = compare_ids(ref["metrics"], stitched)
-    final_metrics = {s: r["sample_ids"] for s, r in metrics_steps(td / "metrics.jsonl").items()}
-    cmp_final = compare_ids(ref["metrics"], final_metrics)
+    rng = random.Random(a.seed)
+    root = w.fresh_root("results_kill")
+    campaigns = []
+    while sum(c["kills"] for c in campaigns) < a.kills:
+        left = a.kills - sum(c["kills"] for c in campaigns)
+        campaigns.append(campaign(w, root, logs, left, ref, rng, index=len(campaigns) + 1))
     all_ids = sorted(_dataset_ids(w))
-    recs = loop["records"]
+    recs = [r for c in campaigns for r in c["records"]]
     lost = [r.work_lost_s for r in recs]
-    training = [r for r in recs if r.landed != "startup"]
+    after_warm = [r.work_lost_s for r in recs if r.landed != "startup"]
+    training = [r.work_lost_s for r in recs
+                if r.landed in ("mid-training", "right after a checkpoint")]
     since = [r.since_checkpoint_s for r in recs if r.since_checkpoint_s is not None]
-    landed = Counter(r.landed for r in recs)
+
+    def stats(xs):
+        return {"n": len(xs), "mean": round(sum(xs) / len(xs), 3) if xs else None,
+                "max": max(xs, default=None)}
+
+    every_epoch_once = all(epochs_exactly_once(c["epochs"], all_ids) for c in campaigns)
     out = {
         "benchmark": "kill -9 fault injection, train stage",
         "command": "python bench/fault_injection.py " + " ".join(
             argv if argv is not None else sys.argv[1:]),
         "stage_command": " ".join(["python", "-m", "dflash", "train", w.spec_file(),
-                                   "--results", "results_kill"]),
+                                   "--results", root]),
         "torch": torch.__version__, "python": platform.python_version(),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "spec": {"base": "tests/specs/micro.yaml", "max_steps": a.steps,
                  "checkpoint_every_steps": a.every, "samples_per_epoch": len(all_ids),
                  "epochs": len({r["epoch"] for r in ref["metrics"].values()}),
                  "drafter_threads": 2, "seed": spec["seed"]},
-        "kills": len(recs),
         "kill_seed": a.seed,
-        "attempts": loop["attempts"],
-        "resumes_succeeded": loop["resumes_succeeded"],
-        "completed_before_a_kill": loop["completed_before_kill"],
-        "samples_lost": cmp_stitched["samples_lost"],
-        "samples_duplicated": cmp_stitched["samples_duplicated"],
-        "steps_identical_to_reference": cmp_stitched["steps_identical"],
-        "every_epoch_exactly_once": epochs_exactly_once(cmp_stitched["epochs"], all_ids),
-        "final_metrics_log": {"samples_lost": cmp_final["samples_lost"],
-                              "samples_duplicated": cmp_final["samples_duplicated"],
-                              "steps_identical": cmp_final["steps_identical"]},
-        "weights_identical": w_ok, "weights_differing": w_bad,
-        "optimizer_state_identical": o_ok, "optimizer_differing": o_bad,
-        "final_resumed_from": loop["final_manifest"]["steps"]["resumed_from"],
-        "final_replicas_identical": loop["final_manifest"]["replicas_identical"],
+        "kill_delay": f"seeded: with p={STARTUP_SHARE} U(0, expected startup), else "
+                      f"U(expected startup, expected end of the steps still to do); none once "
+                      f"the final checkpoint exists",
+        "kills": len(recs),
+        "campaigns": len(campaigns),
+        "attempts": sum(c["attempts"] for c in campaigns),
+        "resumes_succeeded": sum(c["resumes_succeeded"] for c in campaigns),
+        "samples_lost": sum(c["samples_lost"] for c in campaigns),
+        "samples_duplicated": sum(c["samples_duplicated"] for c in campaigns),
+        "steps_identical_to_reference": all(c["steps_identical_to_reference"]
+                                            for c in campaigns),
+        "every_epoch_exactly_once": every_epoch_once,
+        "weights_identical": all(c["weights_identical"] for c in campaigns),
+        "optimizer_state_identical": all(c["optimizer_state_identical"] for c in campaigns),
+        "replicas_identical": all(c["final_replicas_identical"] for c in campaigns),
         "work_lost_s": {
             "definition": "per kill: kill time - max(process start, newest checkpoint that "
-                          "process wrote); includes the restart cost (imports, warm start)",
-            "per_kill": lost, "mean": round(sum(lost) / len(lost), 3) if lost else 0.0,
-            "max": max(lost, default=0.0),
-            "mean_kills_after_warm_start": round(
-                sum(r.work_lost_s for r in training) / len(training), 3) if training else None,
-        },
+                          "process wrote); includes the restart cost (imports, data, replicas, "
+                          "checkpoint load, warm start) when no checkpoint was written yet",
+            "per_kill": lost, **stats(lost),
+            "kills_after_warm_start": stats(after_warm),
+            "kills_while_training": stats(training)},
         "since_checkpoint_s": {
             "definition": "kill time - newest checkpoint written by the killed process "
                           "(kills after that process's first checkpoint)",
-            "per_kill": since, "mean": round(sum(since) / len(since), 3) if since else None,
-            "max": max(since, default=None),
+            "per_kill": since, **stats(since),
             "checkpoint_interval_s": round(a.every * ref["step_s"], 3)},
         "steps_lost_per_kill": [r.steps_lost for r in recs],
-        "kill_delay": f"seeded: with p={STARTUP_SHARE} U(0, expected startup), else "
-                      f"U(expected startup, expected end of the remaining steps)",
-        "leftover_temp_entries_in_checkpoints": loop["leftover_temp_entries"],
-        "landed": dict(landed),
+        "landed": dict(Counter(r.landed for r in recs)),
         "reference": {"wall_s": round(ref["wall_s"], 2), "train_s": ref["train_s"],
                       "ms_per_step": round(ref["step_s"] * 1000, 1),
-                      "startup_and_export_s": round(ref["startup_s"], 2)},
-        "kill_records": [vars(r) for r in recs],
+                      "startup_s": round(ref["startup_s"], 2)},
+        "per_campaign": [{k: v for k, v in c.items() if k not in ("records", "epochs")}
+                         for c in campaigns],
+        "kill_records": [dict(vars(r), campaign=c["campaign"]) for c in campaigns
+                         for r in c["records"]],
         "total_wall_s": round(time.time() - t_all, 1),
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=1) + "\n")
-    print(json.dumps({k: out[k] for k in ("kills", "resumes_succeeded", "samples_lost",
-                                          "samples_duplicated", "weights_identical",
-                                          "optimizer_state_identical", "total_wall_s")}),
-          flush=True)
+    print(json.dumps({k: out[k] for k in ("kills", "campaigns", "resumes_succeeded",
+                                          "samples_lost", "samples_duplicated",
+                                          "weights_identical", "optimizer_state_identical",
+                                          "total_wall_s")}), flush=True)
     print(f"work lost per kill: mean {out['work_lost_s']['mean']}s, max "
           f"{out['work_lost_s']['max']}s; wrote {a.out}", flush=True)
     if a.workdir is None:
         shutil.rmtree(base, ignore_errors=True)
-    ok = (w_ok and o_ok and out["samples_lost"] == 0 and out["samples_duplicated"] == 0
-          and out["kills"] >= a.kills)
+    ok = (out["weights_identical"] and out["optimizer_state_identical"]
+          and out["samples_lost"] == 0 and out["samples_duplicated"] == 0
+          and out["resumes_succeeded"] == out["kills"] and out["kills"] >= a.kills)
     return 0 if ok else 1
 
 
