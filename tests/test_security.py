@@ -348,7 +348,8 @@ def test_rule_params_are_derived_not_raw_config():
             for line in block.splitlines():
                 key, _, value = line.strip().partition("=")
                 value = value.split("#")[0].strip().rstrip(",")
-                assert re.fullmatch(r"(python_for|lock_sha|spec_params\(\"\w+\"\)|"
+                assert re.fullmatch(r"(python_for|lock_sha|spec_file|upstream\([\"\w, ]+\)|"
+                                    r"spec_params\(\"\w+\"\)|"
                                     r"code_hash\(\"\w+\"\))", value), f"{f.name}: {line}"
         if f.name != "common.smk":      # config values enter only via common.smk's RESULTS/LOGS
             assert not re.search(r"\bconfig\b", text), f
@@ -380,8 +381,8 @@ def test_stage_command_quotes_every_value(stage):
     holes = re.findall(r"(?<!\{)\{([^{}]+)\}(?!\})", template)
     assert holes and all(h.endswith(":q") for h in holes), template
     assert {h[:-2] for h in holes} <= {"params.python", "params.spec", "log", "output"}, holes
-    cmd = smk_format(template, params=types.SimpleNamespace(python=evil["python"]),
-                     input=types.SimpleNamespace(spec=evil["spec"]), log=evil["log"])
+    cmd = smk_format(template, params=types.SimpleNamespace(python=evil["python"],
+                                                            spec=evil["spec"]), log=evil["log"])
     assert shlex.split(cmd) == [evil["python"], "-m", "dflash", stage, evil["spec"],
                                 "--results", evil["results"], "2>&1", "|", "tee", evil["log"]]
 
