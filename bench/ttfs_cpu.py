@@ -35,21 +35,10 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-WORKFLOW_FILES = ["Snakefile", "rules", "config", "profiles", "dflash", "envs"]  # as tests/conftest.py
 
 
-def copy_workflow(dst: Path, spec_files: list[Path]) -> Path:
-    """The same copy tests/conftest.py makes (kept here so the bench does not import pytest)."""
-    for name in WORKFLOW_FILES:
-        src = REPO / name
-        if src.is_dir():
-            shutil.copytree(src, dst / name, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            shutil.copy2(src, dst / name)
-    (dst / "specs").mkdir()
-    for s in spec_files:
-        shutil.copy2(s, dst / "specs" / s.name)
-    return dst
+sys.path.insert(0, str(REPO / "tests"))
+from conftest import copy_workflow  # noqa: E402  (the one workflow copy, shared with the tests)
 
 
 def derived_spec(spec_path: Path, tmp: Path, max_steps: int) -> tuple[Path, dict]:
