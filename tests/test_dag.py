@@ -6,6 +6,7 @@ the failure test runs the stages for real.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -26,11 +27,18 @@ def wf(tmp_path_factory, micro_spec):
     return wf
 
 
-def _edit(wf, fn):
+@contextlib.contextmanager
+def _edited(wf, fn):
+    """The micro spec with ``fn`` applied to its fields, restored afterwards."""
     p = wf / "specs" / "micro.yaml"
-    d = yaml.safe_load(p.read_text())
+    original = p.read_text()
+    d = yaml.safe_load(original)
     fn(d)
     p.write_text(yaml.safe_dump(d))
+    try:
+        yield
+    finally:
+        p.write_text(original)
 
 
 def _would_run(wf) -> dict:
@@ -74,21 +82,13 @@ def test_touching_the_lock_reruns_nothing(wf):
 
 
 def test_lr_change_reruns_train_and_bench_only(wf):
-    original = (wf / "specs" / "micro.yaml").read_text()
-    _edit(wf, lambda d: d["optim"].update(lr=5e-4))
-    try:
+    with _edited(wf, lambda d: d["optim"].update(lr=5e-4)):
         assert _would_run(wf) == {"train": 1, "bench": 1}
-    finally:
-        (wf / "specs" / "micro.yaml").write_text(original)
 
 
 def test_block_size_change_reruns_warmup_train_bench(wf):
-    original = (wf / "specs" / "micro.yaml").read_text()
-    _edit(wf, lambda d: d["drafter"].update(block_size=8))
-    try:
+    with _edited(wf, lambda d: d["drafter"].update(block_size=8)):
         assert _would_run(wf) == {"warmup": 1, "train": 1, "bench": 1}
-    finally:
-        (wf / "specs" / "micro.yaml").write_text(original)
 
 
 def test_lock_content_change_reruns_everything(wf):
@@ -102,9 +102,7 @@ def test_lock_content_change_reruns_everything(wf):
 
 
 def test_failed_train_reruns_train_and_bench_only_and_resumes(wf):
-    original = (wf / "specs" / "micro.yaml").read_text()
-    _edit(wf, lambda d: d["optim"].update(lr=7e-4))
-    try:
+    with _edited(wf, lambda d: d["optim"].update(lr=7e-4)):
         r = snakemake(wf, "bench_micro", env={"DFLASH_FAIL_AT": "drafter-1:3"})
         assert r.returncode != 0
         log = (wf / "logs" / "micro" / "train.log").read_text().strip().splitlines()
@@ -114,8 +112,6 @@ def test_failed_train_reruns_train_and_bench_only_and_resumes(wf):
         assert job_counts(r.stdout + r.stderr) == {"train": 1, "bench": 1}, r.stdout[-3000:] + r.stderr[-3000:]
         train = json.loads((wf / "results" / "micro" / "train" / "manifest.json").read_text())
         assert train["steps"]["resumed_from"] == 2  # checkpoint every 2 steps; failed at step 3
-    finally:
-        (wf / "specs" / "micro.yaml").write_text(original)
 
 
 def test_stale_warmup_manifest_is_refused(wf):
@@ -123,13 +119,9 @@ def test_stale_warmup_manifest_is_refused(wf):
     import subprocess
     import sys
 
-    original = (wf / "specs" / "micro.yaml").read_text()
-    _edit(wf, lambda d: d["batching"].update(max_anchors=8))
-    try:
+    with _edited(wf, lambda d: d["batching"].update(max_anchors=8)):
         r = subprocess.run([sys.executable, "-m", "dflash", "train", "specs/micro.yaml"],
                            cwd=wf, capture_output=True, text=True, timeout=300,
                            env={**__import__("os").environ, "PYTHONPATH": str(wf)})
         assert r.returncode != 0
         assert "fingerprints.shape" in r.stderr and "Traceback" not in r.stderr
-    finally:
-        (wf / "specs" / "micro.yaml").write_text(original)
