@@ -246,6 +246,7 @@ def run(ctx: StageContext) -> dict:
         "recompiles_after_warmup": source["gate"]["recompiles_after_warmup"],
         "race_errors": source["gate"]["race_errors"],
         "gate_wait_s": source["gate"]["shared_wait_s"] + source["gate"]["exclusive_wait_s"],
+        "gate": "on" if source["gate"].get("enabled", True) else "off (DFLASH_GATE=off)",
         "final_loss": source.get("final_loss"),
         "tau": tau.get("tau"), "acceptance": tau,
         "topology": {"targets": spec["topology"]["targets"],

@@ -55,6 +55,7 @@ from dflash.errors import PoisonedProcess
 
 __all__ = [
     "Gate",
+    "NoGate",
     "get_gate",
     "worker_thread_setup",
     "classify_error",
@@ -156,6 +157,8 @@ def _set_stance(name: str) -> None:
 
 class Gate:
     """Writer-preferring, phase-fair readers-writer gate + compile bookkeeping. Use :func:`get_gate`."""
+
+    enabled = True
 
     def __init__(self) -> None:
         self._cv = threading.Condition(threading.Lock())
@@ -373,6 +376,7 @@ class Gate:
     def stats(self) -> dict[str, Any]:
         with self._stats_lock:
             return {
+                "enabled": self.enabled,
                 "warm": self._warm,
                 "compiles": {"count": len(self._compiles), "list": [dict(c) for c in self._compiles]},
                 "recompiles_after_warmup": {"count": len(self._recompiles), "sigs": list(self._recompiles)},
@@ -387,14 +391,58 @@ class Gate:
             }
 
 
+class NoGate(Gate):
+    """``DFLASH_GATE=off``: no coordination at all, for the gate-on-vs-off benchmark only.
+
+    Every call runs directly in its thread; compiles are still recorded (first sight of a sig)
+    and race symptoms still counted, so an ungated run reports what went wrong. The warm stance
+    is never set: an ungated steady state that needs a recompile just compiles (and may race).
+    """
+
+    enabled = False
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        yield
+
+    @contextlib.contextmanager
+    def exclusive(self, reason: str = "") -> Iterator[None]:
+        yield
+
+    def mark_warm(self) -> None:
+        self._warm = True
+
+    def mark_cold(self) -> None:
+        self._warm = False
+
+    def run(self, sig: Hashable, fn: Callable[[], Any]) -> Any:
+        with self._stats_lock:
+            first = sig not in self._seen
+        t0 = time.perf_counter()
+        try:
+            r = fn()
+        except Exception as e:
+            self._note_error(e)
+            raise
+        if first:
+            with self._stats_lock:
+                self._seen.setdefault(sig, time.perf_counter() - t0)
+                self._compiles.append({"sig": sig, "seconds": round(time.perf_counter() - t0, 4),
+                                       "warm": self._warm})
+        return r
+
+
 _GATE: Gate | None = None
 _GATE_LOCK = threading.Lock()
 
 
 def get_gate() -> Gate:
-    """The process-wide singleton. There must be exactly one gate per process."""
+    """The process-wide singleton. There must be exactly one gate per process.
+    ``DFLASH_GATE=off`` in the environment gives a :class:`NoGate` (benchmarks only)."""
     global _GATE
     with _GATE_LOCK:
         if _GATE is None:
-            _GATE = Gate()
+            import os
+
+            _GATE = NoGate() if os.environ.get("DFLASH_GATE", "on") == "off" else Gate()
         return _GATE

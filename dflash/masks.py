@@ -190,6 +190,40 @@ def flex_block_mask(doc_ids: torch.Tensor, blocks: Blocks, *, device=None,
                              BLOCK_SIZE=block_size, _compile=_compile)
 
 
+# ---------------------------------------------------------------------------------------------
+# the target's rule: causal inside each document of a packed row (one mask_mod, two forms)
+# ---------------------------------------------------------------------------------------------
+def document_mask_mod(doc_ids: torch.Tensor):
+    """``mask_mod`` for the target over a packed row: a token sees the earlier tokens of its own
+    document. Padding (doc -1) sees itself only, so no row is fully masked (SDPA would give NaN).
+    Exact: each document's hidden states equal those of the document run alone (tested)."""
+    L = doc_ids.shape[-1]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        q = torch.clamp(q_idx, 0, L - 1)
+        kv = torch.clamp(kv_idx, 0, L - 1)
+        dq = doc_ids[q]
+        return ((dq == doc_ids[kv]) & (q_idx >= kv_idx) & (dq >= 0)) | (q_idx == kv_idx)
+
+    return mask_mod
+
+
+def document_dense_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """[1, 1, L, L] BoolTensor (True = attend) for SDPA, from :func:`document_mask_mod`."""
+    idx = torch.arange(doc_ids.shape[-1], device=doc_ids.device)
+    return document_mask_mod(doc_ids)(0, 0, idx[:, None], idx[None, :])[None, None]
+
+
+def document_block_mask(doc_ids: torch.Tensor, block_size: int = 128):
+    """The same rule as a FlexAttention BlockMask [1, 1, L, L]: blocks of other documents are
+    skipped, so attention costs what the documents need, not L²."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    L = doc_ids.shape[-1]
+    return create_block_mask(document_mask_mod(doc_ids), B=None, H=None, Q_LEN=L, KV_LEN=L,
+                             device=doc_ids.device, BLOCK_SIZE=block_size)
+
+
 def _blocks_to(blocks: Blocks, device) -> Blocks:
     kw = {f.name: getattr(blocks, f.name) for f in fields(Blocks)}
     for name, v in kw.items():
@@ -208,4 +242,5 @@ def block_loss_weights(blocks: Blocks, gamma: float) -> torch.Tensor:
 
 __all__ = ["IGNORE_INDEX", "PackedRow", "Blocks", "anchor_candidates", "sample_anchors",
            "loss_weights", "block_loss_weights", "make_mask_mod", "dense_mask",
-           "flex_block_mask", "mask_shape"]
+           "flex_block_mask", "mask_shape", "document_mask_mod", "document_dense_mask",
+           "document_block_mask"]

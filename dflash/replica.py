@@ -23,7 +23,7 @@ def attention_backend(device: str) -> str:
 
 @dataclass
 class StepResult:
-    loss: float | None  # None: the replica had no batch this step (end of an epoch)
+    loss: torch.Tensor  # 0-d, on the device: read once per step by the recorder (one sync)
     labelled: int       # block positions that carried a loss
     tokens: int         # real target tokens in the packed row
     sample_ids: list[int]
@@ -105,9 +105,11 @@ class DrafterReplica:
             weights = block_loss_weights(blocks_d, self.gamma)
             loss = drafter_loss(hidden, self.lm_head, blocks_d.labels[None], weights[None])
         loss.backward()
-        labelled = int((blocks_d.labels != -100).sum())
+        # counts from the host copies, and the loss stays a device tensor: no host-device sync
+        # here, so this thread goes on queueing work while the GPU runs the backward
+        labelled = int((blocks.labels != -100).sum())
         tokens = int((row.doc_ids >= 0).sum())
-        return StepResult(loss=float(loss.detach()), labelled=labelled, tokens=tokens,
+        return StepResult(loss=loss.detach(), labelled=labelled, tokens=tokens,
                           sample_ids=list(row.sample_ids))
 
     def zero_grad(self) -> None:
@@ -126,13 +128,14 @@ class DrafterReplica:
             p.grad = flat[offset:offset + n].view_as(p).clone()
             offset += n
 
-    def clip_and_step(self) -> float:
+    def clip_and_step(self) -> torch.Tensor:
+        """Clip, step, zero; returns the pre-clip grad norm as a 0-d device tensor (no sync)."""
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.spec["optim"]["grad_clip"],
                                               foreach=True)
         self.opt.step()
         self.sched.step()
         self.zero_grad()
-        return float(norm)
+        return norm.detach()
 
     def lr(self) -> float:
         return self.sched.get_last_lr()[0]

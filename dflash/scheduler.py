@@ -98,6 +98,46 @@ class StepMap:
         return sum(self.steps_in(e) for e in range(epochs))
 
 
+class DeviceBusy:
+    """Seconds of work a thread queued on its CUDA device, from timing-event pairs read once
+    they have completed: no host-device sync (drafter steps run asynchronously). On CPU the
+    work is synchronous and the host clock is the measure."""
+
+    def __init__(self, device: str):
+        self.device = device
+        self.cuda = device.startswith("cuda")
+        self.pending: list = []
+        self.seconds = 0.0
+
+    def start(self):
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def stop(self, start) -> None:
+        if not self.cuda:
+            self.seconds += time.perf_counter() - start
+            return
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        self.pending.append((start, ev))
+        self.collect(block=False)
+
+    def collect(self, block: bool) -> float:
+        keep = []
+        for a, b in self.pending:
+            if block:
+                b.synchronize()
+            if b.query():
+                self.seconds += a.elapsed_time(b) / 1000.0
+            else:
+                keep.append((a, b))
+        self.pending = keep
+        return self.seconds
+
+
 class Stopped(Exception):
     """Internal: the run is stopping because another worker failed."""
 
@@ -235,13 +275,14 @@ class Pipeline:
         try:
             worker_thread_setup(**DYNAMO_SETTINGS)
             pending: dict[int, tuple] = {}
-            busy = wait = 0.0
+            busy = DeviceBusy(rep.device)  # device time of this replica's fwd/bwd + optim
+            wait = 0.0
             for step in range(self.start_step, self.total_steps):
                 t = time.perf_counter()
                 item, feats = self._next_item(r, step, pending)
                 wait += time.perf_counter() - t
                 self._check_fail_hook(name, step)
-                t = time.perf_counter()
+                b0 = busy.start()
                 if item.row is not None:
                     row = item.row
                     g = torch.Generator().manual_seed(
@@ -255,10 +296,10 @@ class Pipeline:
                     with self.gate.shared():
                         rep.zero_grad()
                     res = None
+                busy.stop(b0)
                 self._results[r] = res
-                busy += time.perf_counter() - t
                 t = time.perf_counter()
-                self._barrier()  # every replica's backward is done
+                self._barrier()  # every replica's backward is queued
                 wait += time.perf_counter() - t
                 if r == 0:
                     # snapshot before the next barrier: after it, other replicas move on to the
@@ -269,14 +310,16 @@ class Pipeline:
                 t = time.perf_counter()
                 self._barrier()  # mean gradients are in place on every replica
                 wait += time.perf_counter() - t
-                t = time.perf_counter()
+                b0 = busy.start()
                 with self.gate.shared():
                     norm = rep.clip_and_step()
-                busy += time.perf_counter() - t
-                self.busy_s[name], self.wait_s[name] = busy, wait
-                self.first_step_s.setdefault(name, time.perf_counter() - self.t0)
+                busy.stop(b0)
+                self.busy_s[name], self.wait_s[name] = busy.seconds, wait
                 if r == 0:
                     self._record(step, item.epoch, norm, rep.lr(), snapshot)
+                # first step = its work done (on CUDA the record above synced replica 0)
+                self.first_step_s.setdefault(name, time.perf_counter() - self.t0)
+            self.busy_s[name] = busy.collect(block=True)
         except Stopped:
             pass
         except BaseException as e:  # noqa: BLE001
@@ -295,13 +338,16 @@ class Pipeline:
         for rep in self.replicas:
             rep.set_flat_grad(mean)
 
-    def _record(self, step: int, epoch: int, norm: float, lr: float, results: list) -> None:
+    def _record(self, step: int, epoch: int, norm, lr: float, results: list) -> None:
+        # the step's one host-device sync: losses and the norm read together, after the
+        # optimizer step was queued
         res = [r for r in results if r is not None]
-        losses = [r.loss if r is not None else None for r in results]
+        losses = [float(r.loss) if r is not None else None for r in results]
+        seen = [x for x in losses if x is not None]
         rec = StepRecord(
             step=step, epoch=epoch,
-            loss=sum(r.loss for r in res) / len(res) if res else float("nan"),
-            lr=lr, grad_norm=norm, tokens=sum(r.tokens for r in res),
+            loss=sum(seen) / len(seen) if seen else float("nan"),
+            lr=lr, grad_norm=float(norm), tokens=sum(r.tokens for r in res),
             labelled=sum(r.labelled for r in res),
             sample_ids=[s for r in res for s in r.sample_ids], t_end=time.perf_counter(),
             replica_losses=losses)

@@ -148,11 +148,16 @@ class Target:
     tokenizer: Any
     config: Any
     layer_ids: list[int]
+    attention: str = "sdpa"
 
 
 def load_target(target: dict, device: str, seed: int = 0, need_lm_head: bool = True,
-                num_layers: int | None = None, need_tokenizer: bool = True) -> Target:
+                num_layers: int | None = None, need_tokenizer: bool = True,
+                attention: str = "sdpa") -> Target:
     """Load the frozen target on ``device``.
+
+    ``attention`` "flex" loads it with the FlexAttention interface above: its forward then needs
+    a document BlockMask (:class:`FeatureExtractor` builds it); generation keeps "sdpa".
 
     ``num_layers`` truncates the decoder to its first layers: a feature-only worker needs layers
     up to max(layer_ids) and no lm_head, which saves compute (SmolLM2: 28 of 30 layers).
@@ -163,6 +168,7 @@ def load_target(target: dict, device: str, seed: int = 0, need_lm_head: bool = T
     from .spec import dtype_of
 
     dtype = dtype_of(target["dtype"])
+    impl = _register_flex() if attention == "flex" else "sdpa"
     config = hf_config(target)
     if num_layers is not None:
         config.num_hidden_layers = num_layers
@@ -172,35 +178,56 @@ def load_target(target: dict, device: str, seed: int = 0, need_lm_head: bool = T
         torch.manual_seed(seed)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype,
-                                                     attn_implementation="sdpa")
+                                                     attn_implementation=impl)
     else:
         src = smollm2_hf_dir() if target["model"] in BUILTIN_PRETRAINED else _user_dir(
             target["model"])
         model = AutoModelForCausalLM.from_pretrained(src, config=config, dtype=dtype,
-                                                     attn_implementation="sdpa").to(device)
+                                                     attn_implementation=impl).to(device)
     model.eval().requires_grad_(False)
     # feature workers need no tokenizer (random-weight targets then need no SmolLM2 package)
     tok = AutoTokenizer.from_pretrained(tokenizer_dir(target["model"])) if need_tokenizer \
         else None
     full_cfg = hf_config(target)
     return Target(model=model, tokenizer=tok, config=full_cfg,
-                  layer_ids=layer_ids(target, full_cfg))
+                  layer_ids=layer_ids(target, full_cfg), attention=attention)
 
 
-def packed_causal_mask(doc_ids):
-    """[1, 1, L, L] boolean mask (True = attend): causal inside each document of a packed row.
+def target_attention(device: str) -> str:
+    """CUDA: FlexAttention with the packed rows' document BlockMask (cost of the documents, not
+    of L²; a dense 4-D mask would push SDPA off its flash kernel onto full L² attention). CPU:
+    SDPA with the dense mask of the same mask_mod (fast to start, no compile for the target)."""
+    return "flex" if device.startswith("cuda") else "sdpa"
 
-    Padding (doc -1) attends to itself only, so no row is fully masked (SDPA would give NaN).
-    Exact: each document's hidden states equal those of the document run alone (tested).
-    """
+
+FLEX_IMPL = "packed_doc_flex"  # must not contain "flash": transformers reads that as flash-attn
+_FLEX: dict[str, Any] = {}
+
+
+def _compiled_flex():
+    """The process's one compiled flex_attention for target layers (static shapes: one graph per
+    bucket, compiled on a bucket's first forward, which the gate runs on its exclusive side)."""
     import torch
+    from torch.nn.attention.flex_attention import flex_attention
 
-    idx = torch.arange(doc_ids.shape[-1], device=doc_ids.device)
-    same_doc = doc_ids[:, None] == doc_ids[None, :]
-    causal = idx[:, None] >= idx[None, :]
-    mask = (same_doc & causal & (doc_ids[:, None] >= 0)) | torch.eye(
-        idx.numel(), dtype=torch.bool, device=doc_ids.device)
-    return mask[None, None]
+    if "fn" not in _FLEX:
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    return _FLEX["fn"]
+
+
+def _flex_attention_forward(module, query, key, value, attention_mask, scaling=None,
+                            dropout=0.0, **_kwargs):
+    """transformers attention interface: q/k/v [B, heads, L, D] -> ([B, L, heads, D], None)."""
+    out = _compiled_flex()(query, key, value, block_mask=attention_mask, scale=scaling,
+                           enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_flex() -> str:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(FLEX_IMPL, _flex_attention_forward)
+    return FLEX_IMPL
 
 
 class FeatureExtractor:
@@ -228,11 +255,15 @@ class FeatureExtractor:
     def __call__(self, input_ids, doc_ids, position_ids):
         import torch
 
+        from .masks import document_block_mask, document_dense_mask
+
         self._captured.clear()
+        mask = (document_block_mask(doc_ids) if self.target.attention == "flex"
+                else document_dense_mask(doc_ids))
         # no_grad, not inference_mode: the drafter saves these features for its backward.
         with torch.no_grad():
             self.base(input_ids=input_ids[None], position_ids=position_ids[None],
-                      attention_mask=packed_causal_mask(doc_ids), use_cache=False)
+                      attention_mask=mask, use_cache=False)
             feats = torch.cat([self._captured[i] for i in self.target.layer_ids], dim=-1)
         self._captured.clear()
         return feats

@@ -45,13 +45,14 @@ def make_replicas(spec, cfg: DFlashConfig, init_state: dict, total_steps: int
 
 def make_target_workers(spec) -> list[tuple[str, object]]:
     """One frozen target copy per target device, truncated after the last feature layer."""
-    from .target import FeatureExtractor, hf_config, layer_ids, load_target
+    from .target import FeatureExtractor, hf_config, layer_ids, load_target, target_attention
 
     ids = layer_ids(spec["target"], hf_config(spec["target"]))
     workers = []
     for dev in spec["topology"]["targets"]:
         t = load_target(spec["target"], dev, seed=spec["seed"], need_lm_head=False,
-                        num_layers=max(ids) + 1, need_tokenizer=False)
+                        num_layers=max(ids) + 1, need_tokenizer=False,
+                        attention=target_attention(dev))
         fx = FeatureExtractor(t)
         workers.append((dev, lambda row, fx=fx, dev=dev: fx(row.input_ids.to(dev),
                                                              row.doc_ids.to(dev),
@@ -59,14 +60,17 @@ def make_target_workers(spec) -> list[tuple[str, object]]:
     return workers
 
 
-def synthetic_row(bucket_len: int, vocab_size: int, seed: int = 0) -> PackedRow:
-    """A full row of one document (prompt half, response half) for warming a bucket's shapes."""
+def synthetic_row(bucket_len: int, vocab_size: int, seed: int = 0, docs: int = 1) -> PackedRow:
+    """A full row of ``docs`` equal documents (first quarter prompt, rest response) for warming
+    a bucket's shapes."""
     g = torch.Generator().manual_seed(seed + bucket_len)
     ids = torch.randint(5, vocab_size, (bucket_len,), generator=g)
     lm = torch.zeros(bucket_len, dtype=torch.bool)
     lm[bucket_len // 4:] = True
-    return PackedRow(input_ids=ids, doc_ids=torch.zeros(bucket_len, dtype=torch.long),
-                     position_ids=torch.arange(bucket_len), loss_mask=lm, sample_ids=[-1])
+    doc = torch.arange(bucket_len) * docs // bucket_len
+    starts = torch.searchsorted(doc, doc, right=False)  # first index of each token's document
+    return PackedRow(input_ids=ids, doc_ids=doc, position_ids=torch.arange(bucket_len) - starts,
+                     loss_mask=lm, sample_ids=[-1])
 
 
 def warm_replica(rep: DrafterReplica, bucket_len: int, feat_width: int, feat_dtype,
@@ -106,33 +110,112 @@ def warm_replica(rep: DrafterReplica, bucket_len: int, feat_width: int, feat_dty
             "seconds": round(time.perf_counter() - t0, 3)}
 
 
-def warm_all(replicas: list[DrafterReplica], bucket_lens: list[int], feat_width: int, feat_dtype,
-             optimizer_step: bool, log=None) -> list[dict]:
-    """Warm every (replica, bucket), one replica at a time, each in a worker thread set up
-    exactly like a training worker (dynamo settings are per thread in torch 2.13)."""
+def _in_worker_threads(jobs: list, work) -> None:
+    """Run ``work(job)`` for each job, one at a time, each in a thread set up exactly like a
+    training worker (dynamo settings are per thread in torch 2.13); re-raise here."""
     import threading
 
     from .gate import worker_thread_setup
     from .scheduler import DYNAMO_SETTINGS
 
-    records: list[dict] = []
     errors: list[BaseException] = []
 
-    def work(rep):
+    def run(job):
         try:
             worker_thread_setup(**DYNAMO_SETTINGS)
-            for L in bucket_lens:
-                rec = warm_replica(rep, L, feat_width, feat_dtype, optimizer_step)
-                records.append(rec)
-                if log is not None:
-                    log(rec)
+            work(job)
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
             errors.append(e)
 
-    for rep in replicas:  # one device at a time: compiles never overlap, by construction
-        t = threading.Thread(target=work, args=(rep,), name=f"warm-{rep.index}")
+    for job in jobs:  # one at a time: compiles never overlap, by construction
+        t = threading.Thread(target=run, args=(job,), name="warm")
         t.start()
         t.join()
         if errors:
             raise errors[0]
+
+
+def warm_all(replicas: list[DrafterReplica], bucket_lens: list[int], feat_width: int, feat_dtype,
+             optimizer_step: bool, log=None) -> list[dict]:
+    """Warm every (replica, bucket) in worker threads, one replica at a time."""
+    records: list[dict] = []
+
+    def work(rep):
+        for L in bucket_lens:
+            rec = warm_replica(rep, L, feat_width, feat_dtype, optimizer_step)
+            records.append(rec)
+            if log is not None:
+                log(rec)
+
+    _in_worker_threads(replicas, work)
+    return records
+
+
+def warm_targets(targets: list[tuple[str, object]], bucket_lens: list[int], vocab_size: int,
+                 log=None) -> list[dict]:
+    """One synthetic forward per (target device, bucket) through the gate before training: on
+    CUDA it compiles the target's flex attention for the bucket (a cache hit after the warmup
+    stage), so steady state never compiles."""
+    from .gate import get_gate
+
+    gate = get_gate()
+    records: list[dict] = []
+
+    def work(job):
+        dev, fn = job
+        for L in bucket_lens:
+            row = synthetic_row(L, vocab_size)
+            t0 = time.perf_counter()
+            gate.run(("target_forward", dev, L), lambda: fn(row))
+            # a second, different document layout settles any specialisation on the first
+            # call's mask objects here, under exclusive, not as a refused recompile later
+            with gate.exclusive(f"settle:target_forward:{dev}:{L}"):
+                fn(synthetic_row(L, vocab_size, seed=1, docs=3))
+            if dev.startswith("cuda"):
+                torch.cuda.synchronize(dev)
+            rec = {"callable": "target_forward", "device": dev, "bucket": L,
+                   "seconds": round(time.perf_counter() - t0, 3)}
+            records.append(rec)
+            if log is not None:
+                log(rec)
+
+    _in_worker_threads(targets, work)
+    return records
+
+
+def warm_target_attention(spec, bucket_lens: list[int], log=None) -> list[dict]:
+    """Warmup stage, without loading target weights: compile the target's flex attention for
+    every (target device, bucket) on q/k/v of the target's shapes, dtype and layout, filling the
+    compile cache that the train stage's :func:`warm_targets` then hits. No-op on CPU (SDPA)."""
+    from .gate import get_gate
+    from .masks import document_block_mask
+    from .spec import dtype_of
+    from .target import _compiled_flex, hf_config, target_attention
+
+    tcfg = hf_config(spec["target"])
+    hq, hkv = tcfg.num_attention_heads, tcfg.num_key_value_heads
+    hd = getattr(tcfg, "head_dim", None) or tcfg.hidden_size // hq
+    dtype = dtype_of(spec["target"]["dtype"])
+    gate = get_gate()
+    devices = [d for d in spec["topology"]["targets"] if target_attention(d) == "flex"]
+    records: list[dict] = []
+
+    def work(dev):
+        for L in bucket_lens:
+            # [B, L, heads, D] transposed to [B, heads, L, D]: the layout HF attention passes
+            q, k, v = (torch.randn(1, L, h, hd, device=dev, dtype=dtype).transpose(1, 2)
+                       for h in (hq, hkv, hkv))
+            t0 = time.perf_counter()
+            for docs in (1, 3):  # two layouts: the second settles any specialisation
+                mask = document_block_mask(synthetic_row(L, 8, docs=docs).doc_ids.to(dev))
+                gate.run(("target_attention", dev, L), lambda: _compiled_flex()(
+                    q, k, v, block_mask=mask, scale=hd ** -0.5, enable_gqa=hq != hkv))
+            torch.cuda.synchronize(dev)
+            rec = {"callable": "target_flex_attention", "device": dev, "bucket": L,
+                   "seconds": round(time.perf_counter() - t0, 3)}
+            records.append(rec)
+            if log is not None:
+                log(rec)
+
+    _in_worker_threads(devices, work)
     return records

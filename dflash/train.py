@@ -77,7 +77,7 @@ def run(ctx: StageContext, fail_at: dict | None = None, out: Path | None = None,
     from .scheduler import Pipeline, StepMap
     from .status import StatusReporter
     from .topology import buckets, drafter_config, initial_state, make_replicas, \
-        make_target_workers, warm_all
+        make_target_workers, warm_all, warm_targets
     from .packing import pack_row
 
     spec = ctx.spec
@@ -131,12 +131,13 @@ def run(ctx: StageContext, fail_at: dict | None = None, out: Path | None = None,
 
     warm_records = warm_all(replicas, bks, feat_width, dtype_of(spec["target"]["dtype"]),
                             optimizer_step=False)
+    targets = make_target_workers(spec)
+    warm_records += warm_targets(targets, bks, cfg.vocab_size)
     gate.mark_warm()
     warm_start_s = time.perf_counter() - t0
-    print(f"[train] warm start: {len(warm_records)} (replica, bucket) steps in "
+    print(f"[train] warm start: {len(warm_records)} (worker, bucket) steps in "
           f"{warm_start_s:.1f}s; gate now refuses recompiles", flush=True)
 
-    targets = make_target_workers(spec)
     metrics = MetricsLog(out / "metrics.jsonl", start_step)
     status = StatusReporter(out / "status.json", spec, total_steps)
     seen_ids: dict[int, list[int]] = {}

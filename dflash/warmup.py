@@ -1,7 +1,8 @@
 """The warmup stage: compile every shape bucket on every drafter device once, and record it.
 
 Builds the drafter exactly as training does (dflash.topology), then, on each drafter device in
-turn, runs forward + backward + optimizer step for every bucket through the compile gate. The
+turn, runs forward + backward + optimizer step for every bucket through the compile gate; on
+CUDA target devices it also compiles the target's flex attention per bucket (no weights needed). The
 manifest lists every (callable, device, bucket) with its seconds, the compile cache directory
 (one per env fingerprint) and the env and shape fingerprints that training checks.
 """
@@ -16,7 +17,8 @@ from .stage import StageContext, compile_cache_dir
 def run(ctx: StageContext) -> dict:
     from .gate import get_gate
     from .spec import dtype_of
-    from .topology import buckets, drafter_config, initial_state, make_replicas, warm_all
+    from .topology import buckets, drafter_config, initial_state, make_replicas, warm_all, \
+        warm_target_attention
 
     spec = ctx.spec
     cache = compile_cache_dir(ctx.env_fingerprint)
@@ -26,16 +28,19 @@ def run(ctx: StageContext) -> dict:
     replicas = make_replicas(spec, cfg, initial_state(cfg, spec["seed"]), total_steps=1000)
 
     def log(rec: dict) -> None:
-        print(f"[warmup] {rec['callable']} on {rec['device']} (replica {rec['replica']}) "
+        who = f"replica {rec['replica']}" if "replica" in rec else "target"
+        print(f"[warmup] {rec['callable']} on {rec['device']} ({who}) "
               f"bucket {rec['bucket']}: {rec['seconds']:.1f}s", flush=True)
 
     records = warm_all(replicas, buckets(spec), feat_width, dtype_of(spec["target"]["dtype"]),
                        optimizer_step=True, log=log)
+    # the target's flex attention per (target device, bucket): CUDA only (CPU targets use SDPA)
+    records += warm_target_attention(spec, buckets(spec), log=log)
     st = get_gate().stats()
     total = time.perf_counter() - t0
     per_device: dict[str, float] = {}
     for r in records:
-        key = f"{r['device']}#{r['replica']}"
+        key = f"{r['device']}#{r.get('replica', 'target')}"
         per_device[key] = round(per_device.get(key, 0.0) + r["seconds"], 3)
     manifest = write_manifest(
         ctx.results / "warmup" / "manifest.json", "warmup",

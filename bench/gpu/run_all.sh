@@ -9,12 +9,30 @@ FINAL=${OUT:-/tmp/out}; OUT=/tmp/res; mkdir -p "$OUT" "$FINAL"
 trap 'tar czf "$FINAL/results.tgz" -C "$OUT" .' EXIT  # at most 8 files come back: one archive
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 what=${1:-all}
-if [[ $what == dag || $what == all || $what == dag+stress ]]; then
+if [[ $what == dag* || $what == all ]]; then
   for spec in ${SPECS:-qwen3-8b-1gpu}; do
     timeout ${DAG_TIMEOUT:-900} snakemake --cores all "bench_$spec" 2>&1 | tee "$OUT/snakemake_$spec.log" | grep -E "^\[|rror|Finished" 
     cp logs/$spec/*.log "$OUT/" 2>/dev/null
     for f in results/$spec/*/manifest.json results/$spec/bench/report.json results/$spec/train/metrics.jsonl; do
       [ -f "$f" ] && cp "$f" "$OUT/${spec}__$(basename $(dirname $f))__$(basename $f)"
+    done
+  done
+fi
+if [[ $what == *anchor* ]]; then
+  # isolated target forward: plain HF vs our extractor (flex / dense SDPA), same run, cuda:0
+  timeout ${ANCHOR_TIMEOUT:-400} python bench/gpu/target_anchor.py --models ${ANCHOR_MODELS:-qwen3-8b qwen3-32b} \
+    --out "$OUT/target_anchor.json" 2>&1 | grep -E "^\[anchor\]|rror"
+fi
+if [[ $what == *gateoff* ]]; then
+  # the same train + bench again with DFLASH_GATE=off, on the DAG's env/warmup/data (cache warm)
+  for spec in ${SPECS:-qwen3-8b-1gpu}; do
+    mkdir -p results_off/$spec && cp -r results/$spec/env results/$spec/warmup results/$spec/data results_off/$spec/
+    for stage in train bench; do
+      DFLASH_GATE=off timeout ${DAG_TIMEOUT:-900} python -m dflash $stage specs/$spec.yaml --results results_off \
+        > "$OUT/${spec}__gateoff_$stage.log" 2>&1 || echo "gate-off $stage failed"
+    done
+    for f in results_off/$spec/train/manifest.json results_off/$spec/bench/report.json; do
+      [ -f "$f" ] && cp "$f" "$OUT/${spec}__gateoff_$(basename $(dirname $f))__$(basename $f)"
     done
   done
 fi

@@ -1,0 +1,123 @@
+"""The isolated target forward on one GPU: plain HF against our feature extractor, same run.
+
+For each model (random weights, real architecture, bf16) on one device, with the bf16 matmul
+peak measured in the same process:
+
+* ``hf_plain``: plain transformers, SDPA, ``B × S`` causal batch, ``output_hidden_states=True``
+  (the users' anchor: Qwen3-8B 26–31 K tok/s, Qwen3-32B 7.2–7.8 K tok/s on one H200);
+* ``ours_flex``: :class:`dflash.target.FeatureExtractor` as the train stage runs it on CUDA
+  (FlexAttention + document BlockMask) on ONE packed row of the same B documents of S tokens,
+  every layer of the model, feature layers captured;
+* ``ours_dense_sdpa``: the same packed row with SDPA and the dense 4-D document mask (the path
+  the target workers used before: SDPA leaves its flash kernel and computes all L² scores);
+* ``ours_flex_truncated``: what training actually runs: layers up to the last feature layer.
+
+MFU counts useful FLOPs only (:func:`dflash.bench.target_flops`: causal attention inside each
+document). Ratios are taken within the run.
+
+    python bench/gpu/target_anchor.py --models qwen3-8b qwen3-32b --out $OUT/target_anchor.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+
+def timed(fn, device, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize(device)
+    best = float("inf")
+    for _ in range(3):  # best of three windows: the machine may be shared
+        t = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize(device)
+        best = min(best, (time.perf_counter() - t) / iters)
+    return best
+
+
+def measure(model_name: str, batch: int, seq: int, device: str, peak: float, iters: int) -> dict:
+    from dflash.bench import target_flops
+    from dflash.target import FeatureExtractor, hf_config, layer_ids, load_target
+
+    spec_target = {"model": model_name, "init": "random", "dtype": "bfloat16",
+                   "num_feature_layers": 5}
+    cfg = hf_config(spec_target)
+    n_layers = cfg.num_hidden_layers
+    ids = layer_ids(spec_target, cfg)
+    tokens = batch * seq
+    g = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(5, cfg.vocab_size, (batch, seq), generator=g)
+    doc = torch.arange(batch).repeat_interleave(seq)
+    pos = torch.arange(seq).repeat(batch)
+    out: dict = {"model": model_name, "batch": batch, "seq": seq, "tokens": tokens,
+                 "layers": n_layers, "feature_layers": ids}
+
+    def record(name: str, seconds: float, layers: int) -> None:
+        fl = target_flops(cfg, layers, [seq] * batch)
+        out[name] = {"seconds": round(seconds, 5), "tokens_per_s": round(tokens / seconds, 1),
+                     "layers_run": layers, "mfu": round(fl / seconds / peak, 4)}
+        print(f"[anchor] {model_name} {name}: {tokens / seconds:,.0f} tok/s, "
+              f"MFU {fl / seconds / peak:.1%} ({layers} layers)", flush=True)
+
+    # 1. plain HF, full model's decoder, all hidden states
+    t = load_target(spec_target, device, need_lm_head=False, need_tokenizer=False)
+    base = t.model.get_decoder()
+    x = input_ids.to(device)
+    with torch.no_grad():
+        record("hf_plain", timed(lambda: base(input_ids=x, output_hidden_states=True,
+                                              use_cache=False), device, 2, iters), n_layers)
+    # 2. same weights, our packed path with the dense mask (SDPA)
+    fx = FeatureExtractor(t)
+    xi, di, pi = input_ids.reshape(-1).to(device), doc.to(device), pos.to(device)
+    record("ours_dense_sdpa", timed(lambda: fx(xi, di, pi), device, 2, iters), n_layers)
+    del fx, t, base
+    torch.cuda.empty_cache()
+    # 3. our CUDA path: FlexAttention + document BlockMask, all layers then truncated
+    for name, layers in (("ours_flex", n_layers), ("ours_flex_truncated", max(ids) + 1)):
+        t = load_target(spec_target, device, need_lm_head=False, need_tokenizer=False,
+                        num_layers=layers, attention="flex")
+        fx = FeatureExtractor(t)
+        t0 = time.perf_counter()
+        fx(xi, di, pi)
+        torch.cuda.synchronize(device)
+        out[f"{name}_first_call_s"] = round(time.perf_counter() - t0, 2)  # incl. flex compile
+        record(name, timed(lambda: fx(xi, di, pi), device, 1, iters), layers)
+        del fx, t
+        torch.cuda.empty_cache()
+    hf = out["hf_plain"]["tokens_per_s"]
+    out["ratio_flex_vs_hf"] = round(out["ours_flex"]["tokens_per_s"] / hf, 3)
+    out["ratio_dense_vs_hf"] = round(out["ours_dense_sdpa"]["tokens_per_s"] / hf, 3)
+    out["ratio_flex_vs_dense"] = round(out["ours_flex"]["tokens_per_s"]
+                                       / out["ours_dense_sdpa"]["tokens_per_s"], 3)
+    return out
+
+
+def main() -> None:
+    from dflash.bench import measure_peak_flops
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--models", nargs="+", default=["qwen3-8b"])
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--device", default="cuda:0")
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    peak = measure_peak_flops(a.device, torch.bfloat16)
+    print(f"[anchor] bf16 matmul peak {peak['flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
+    res = {"peak": peak, "device": torch.cuda.get_device_name(a.device),
+           "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+           "runs": []}
+    for m in a.models:
+        res["runs"].append(measure(m, a.batch, a.seq, a.device, peak["flops_per_s"], a.iters))
+        with open(a.out, "w") as f:  # after each model: a later OOM or timeout keeps the first
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""The target side of a packed row: the document mask and the features it produces.
+
+Packing is only correct if every document's features equal those of the document run alone;
+both attention paths (SDPA + dense mask on CPU, FlexAttention + BlockMask on CUDA) must give
+them, so the flex path is checked here on CPU against the same reference.
+"""
+import pytest
+import torch
+
+from dflash.masks import document_block_mask, document_dense_mask
+from dflash.target import FeatureExtractor, load_target
+
+TARGET = {"model": "llama-micro", "init": "random", "dtype": "float32", "num_feature_layers": 3}
+DOC_LENGTHS = [7, 140, 5, 129]  # spans several 128-blocks, a document straddling block edges
+PAD = 31
+
+
+def packed(doc_lengths=DOC_LENGTHS, pad=PAD, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids, doc, pos = [], [], []
+    for d, n in enumerate(doc_lengths):
+        ids.append(torch.randint(5, 49152, (n,), generator=g))
+        doc.append(torch.full((n,), d))
+        pos.append(torch.arange(n))
+    ids.append(torch.full((pad,), 2))
+    doc.append(torch.full((pad,), -1))
+    pos.append(torch.zeros(pad, dtype=torch.long))
+    return torch.cat(ids), torch.cat(doc), torch.cat(pos)
+
+
+def reference_mask(doc):
+    L = doc.numel()
+    m = torch.zeros(L, L, dtype=torch.bool)
+    for q in range(L):
+        for k in range(L):
+            m[q, k] = (q == k) or (doc[q] >= 0 and doc[q] == doc[k] and k <= q)
+    return m
+
+
+def test_document_dense_mask_matches_loop_reference():
+    _, doc, _ = packed([3, 4, 2], pad=3)
+    m = document_dense_mask(doc)
+    assert m.shape == (1, 1, 12, 12)
+    assert torch.equal(m[0, 0], reference_mask(doc))
+    assert m[0, 0].any(dim=-1).all()  # no fully masked row (SDPA would give NaN)
+
+
+def test_document_block_mask_skips_other_documents():
+    # two 256-token documents: the block mask keeps only the 2 diagonal 2×2 block triangles
+    doc = torch.cat([torch.zeros(256, dtype=torch.long), torch.ones(256, dtype=torch.long)])
+    bm = document_block_mask(doc)
+    kept = int(bm.kv_num_blocks.sum()) + int(bm.full_kv_num_blocks.sum())
+    assert kept == 6  # of 16 blocks (a full causal mask would keep 10)
+    dense = bm.to_dense()[0, 0].bool()
+    assert not dense[2:, :2].any() and not dense[:2, 2:].any()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target(TARGET, "cpu", need_tokenizer=False)
+
+
+def _alone(fx, ids, doc, pos):
+    """Features of each document run on its own (no packing, no mask but causal)."""
+    outs = []
+    for d in range(int(doc.max()) + 1):
+        sel = doc == d
+        outs.append(fx(ids[sel], torch.zeros(int(sel.sum()), dtype=torch.long), pos[sel]))
+    return torch.cat(outs, dim=1)
+
+
+def test_packed_features_equal_documents_alone(target):
+    fx = FeatureExtractor(target)
+    ids, doc, pos = packed()
+    feats = fx(ids, doc, pos)
+    n_feat = len(target.layer_ids) * target.config.hidden_size
+    assert feats.shape == (1, ids.numel(), n_feat)
+    real = doc >= 0
+    torch.testing.assert_close(feats[:, real], _alone(fx, ids, doc, pos), atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(feats).all()  # padding rows too
+
+
+def test_flex_target_equals_sdpa_target():
+    """The CUDA path (compiled FlexAttention + BlockMask) computes the same features."""
+    ids, doc, pos = packed()
+    sdpa = FeatureExtractor(load_target(TARGET, "cpu", need_tokenizer=False))
+    flex = FeatureExtractor(load_target(TARGET, "cpu", need_tokenizer=False, attention="flex"))
+    assert flex.target.model.config._attn_implementation == "packed_doc_flex"
+    ref = sdpa(ids, doc, pos)
+    got = flex(ids, doc, pos)
+    real = doc >= 0
+    torch.testing.assert_close(got[:, real], ref[:, real], atol=1e-4, rtol=1e-4)
+    # a different document layout of the same length reuses the compiled graph (no recompile:
+    # training refuses recompiles after its warm start)
+    ids2, doc2, pos2 = packed([64, 64, 64, 64, 25], pad=PAD, seed=1)
+    assert ids2.numel() == ids.numel()
+    torch.compiler.set_stance("fail_on_recompile")
+    try:
+        got2 = flex(ids2, doc2, pos2)
+    finally:
+        torch.compiler.set_stance("default")
+    torch.testing.assert_close(got2, sdpa(ids2, doc2, pos2), atol=1e-4, rtol=1e-4)
