@@ -28,7 +28,7 @@ if [[ $what == *gateoff* ]]; then
   for spec in ${SPECS:-qwen3-8b-1gpu}; do
     mkdir -p results_off/$spec && cp -r results/$spec/env results/$spec/warmup results/$spec/data results_off/$spec/
     for stage in train bench; do
-      DFLASH_GATE=off timeout ${DAG_TIMEOUT:-900} python -m dflash $stage specs/$spec.yaml --results results_off \
+      DFLASH_GATE=off timeout ${GATEOFF_TIMEOUT:-600} python -m dflash $stage specs/$spec.yaml --results results_off \
         > "$OUT/${spec}__gateoff_$stage.log" 2>&1 || echo "gate-off $stage failed"
     done
     for f in results_off/$spec/train/manifest.json results_off/$spec/bench/report.json; do
