@@ -195,7 +195,6 @@ def run(ctx: StageContext) -> dict:
     else:
         source, metrics = train, _read_metrics(ctx.results / "train" / "metrics.jsonl")
     steady = source["steady_state"]
-    train_s = source["train_s"]
 
     # FLOPs from configs and the tokens actually processed in the steady-state window
     tcfg, dcfg = hf_config(spec["target"]), drafter_config(spec)
@@ -219,14 +218,16 @@ def run(ctx: StageContext) -> dict:
         target_mfu, drafter_mfu = t_fl / seconds / t_peak, d_fl / seconds / d_peak
     else:
         target_mfu = drafter_mfu = None
-    busy = source.get("busy_s", {})
-    target_busy = [v / train_s for k, v in busy.items() if k.startswith("target")] if train_s \
-        else []
+    busy, wait = source.get("busy_s", {}), source.get("wait_s", {})
+    # share of each target thread's life spent computing, not waiting for work or for room in
+    # the queues (train_s also holds the final checkpoint, after the targets are done)
+    target_busy = [v / (v + wait.get(k, 0.0)) for k, v in busy.items()
+                   if k.startswith("target") and v + wait.get(k, 0.0) > 0]
     drafter_dir = ctx.results / "train" / "drafter"
     dev_eval = spec["topology"]["targets"][0]
     tau = evaluate_tau(spec, drafter_dir, bcfg["eval_prompts"], bcfg["eval_max_new_tokens"],
                        dev_eval)
-    n_steps = max(1, steady.get("steps") or 1)
+    n_steps = max(1, (source.get("steps") or {}).get("run_now") or steady.get("steps") or 1)
     report = {
         "spec": spec.name, "mode": bcfg["mode"],
         "tokens_per_s": steady.get("tokens_per_s"),
@@ -240,8 +241,10 @@ def run(ctx: StageContext) -> dict:
         "target_busy_fraction": (sum(target_busy) / len(target_busy)) if target_busy else None,
         "step_time": {"mean_s": steady.get("step_time_s"),
                       "busy_s_per_step": {k: v / n_steps for k, v in busy.items()},
-                      "wait_s_per_step": {k: v / n_steps
-                                          for k, v in source.get("wait_s", {}).items()}},
+                      "wait_s_per_step": {k: v / n_steps for k, v in wait.items()},
+                      "steps": n_steps,
+                      "note": "busy: target forward (host-synced) / drafter fwd+bwd+optim "
+                              "(CUDA events); wait: for inputs, room in queues, barriers"},
         "time_to_first_step_s": source.get("time_to_first_step_s"),
         "recompiles_after_warmup": source["gate"]["recompiles_after_warmup"],
         "race_errors": source["gate"]["race_errors"],

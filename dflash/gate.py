@@ -175,6 +175,7 @@ class Gate:
         self._stats_lock = threading.Lock()
         self._compiles: list[dict[str, Any]] = []
         self._recompiles: list[Hashable] = []
+        self._recompile_reasons: list[str] = []
         self._race: dict[str, int] = {}
         self._shared_wait = 0.0
         self._excl_wait = 0.0
@@ -337,6 +338,10 @@ class Gate:
             if is_recompile_refusal(e) and self._depths().shared == 0:
                 with self._stats_lock:
                     self._recompiles.append(sig)
+                    # dynamo's guard-failure text says WHY (which input or global changed)
+                    msg = str(e)
+                    i = msg.find("triggered by")
+                    self._recompile_reasons.append(msg[i if i >= 0 else 0:][:800])
                 return self._run_exclusive(sig, fn, "recompile")
             self._note_error(e)
             raise
@@ -379,7 +384,9 @@ class Gate:
                 "enabled": self.enabled,
                 "warm": self._warm,
                 "compiles": {"count": len(self._compiles), "list": [dict(c) for c in self._compiles]},
-                "recompiles_after_warmup": {"count": len(self._recompiles), "sigs": list(self._recompiles)},
+                "recompiles_after_warmup": {"count": len(self._recompiles),
+                                            "sigs": list(self._recompiles),
+                                            "reasons": list(self._recompile_reasons)},
                 "shared_wait_s": round(self._shared_wait, 4),
                 "exclusive_wait_s": round(self._excl_wait, 4),
                 "exclusive_hold_s": round(self._excl_hold, 4),

@@ -205,6 +205,7 @@ def run(ctx: StageContext, fail_at: dict | None = None, out: Path | None = None,
         gate={"compiles": st["compiles"]["count"],
               "recompiles_after_warmup": st["recompiles_after_warmup"]["count"],
               "recompile_sigs": [repr(s) for s in st["recompiles_after_warmup"]["sigs"]],
+              "recompile_reasons": st["recompiles_after_warmup"]["reasons"],
               "race_errors": st["race_errors"]["count"], "race_by_class":
                   st["race_errors"]["by_class"], "shared_wait_s": st["shared_wait_s"],
               "exclusive_wait_s": st["exclusive_wait_s"],
