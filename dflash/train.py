@@ -129,10 +129,13 @@ def run(ctx: StageContext, fail_at: dict | None = None, out: Path | None = None,
     feat_width = len(cfg.target_layer_ids) * cfg.hidden_size
     from .spec import dtype_of
 
-    warm_records = warm_all(replicas, bks, feat_width, dtype_of(spec["target"]["dtype"]),
-                            optimizer_step=False)
+    # targets first: loading a model imports its modeling module, which registers pytree node
+    # types; a drafter graph compiled before that fails its pytree guard on the first real step
+    # (measured on H200: "len(torch.utils._pytree.SUPPORTED_NODES) != 102")
     targets = make_target_workers(spec)
-    warm_records += warm_targets(targets, bks, cfg.vocab_size)
+    warm_records = warm_targets(targets, bks, cfg.vocab_size)
+    warm_records += warm_all(replicas, bks, feat_width, dtype_of(spec["target"]["dtype"]),
+                             optimizer_step=False)
     gate.mark_warm()
     warm_start_s = time.perf_counter() - t0
     print(f"[train] warm start: {len(warm_records)} (worker, bucket) steps in "

@@ -18,11 +18,6 @@ if [[ $what == dag* || $what == all ]]; then
     done
   done
 fi
-if [[ $what == *anchor* ]]; then
-  # isolated target forward: plain HF vs our extractor (flex / dense SDPA), same run, cuda:0
-  timeout ${ANCHOR_TIMEOUT:-400} python bench/gpu/target_anchor.py --models ${ANCHOR_MODELS:-qwen3-8b qwen3-32b} \
-    --out "$OUT/target_anchor.json" 2>&1 | grep -E "^\[anchor\]|rror"
-fi
 if [[ $what == *gateoff* ]]; then
   # the same train + bench again with DFLASH_GATE=off, on the DAG's env/warmup/data (cache warm)
   for spec in ${SPECS:-qwen3-8b-1gpu}; do
@@ -31,10 +26,15 @@ if [[ $what == *gateoff* ]]; then
       DFLASH_GATE=off timeout ${GATEOFF_TIMEOUT:-600} python -m dflash $stage specs/$spec.yaml --results results_off \
         > "$OUT/${spec}__gateoff_$stage.log" 2>&1 || echo "gate-off $stage failed"
     done
-    for f in results_off/$spec/train/manifest.json results_off/$spec/bench/report.json; do
+    for f in results_off/$spec/train/manifest.json results_off/$spec/bench/report.json results_off/$spec/train/metrics.jsonl; do
       [ -f "$f" ] && cp "$f" "$OUT/${spec}__gateoff_$(basename $(dirname $f))__$(basename $f)"
     done
   done
+fi
+if [[ $what == *anchor* ]]; then
+  # isolated target forward: plain HF vs our extractor (flex / dense SDPA), same run, cuda:0
+  timeout $(( ${DEADLINE:-100000} - SECONDS )) python bench/gpu/target_anchor.py --models ${ANCHOR_MODELS:-qwen3-8b qwen3-32b} \
+    --out "$OUT/target_anchor.json" 2>&1 | grep -E "^\[anchor\]|rror"
 fi
 if [[ $what == stress || $what == all || $what == dag+stress ]]; then
   # ungated: reproduce the FX-tracing race; gated: 0 errors, >= 10 runs (shared compile cache)
