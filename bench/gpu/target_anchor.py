@@ -40,7 +40,11 @@ def timed(fn, device, warmup: int, iters: int) -> float:
     return best
 
 
-def measure(model_name: str, batch: int, seq: int, device: str, peak: float, iters: int) -> dict:
+PATHS = ("hf_plain", "ours_dense_sdpa", "ours_flex", "ours_flex_truncated")
+
+
+def measure(model_name: str, batch: int, seq: int, device: str, peak: float, iters: int,
+            paths=PATHS) -> dict:
     from dflash.bench import target_flops
     from dflash.target import FeatureExtractor, hf_config, layer_ids, load_target
 
@@ -65,20 +69,26 @@ def measure(model_name: str, batch: int, seq: int, device: str, peak: float, ite
               f"MFU {fl / seconds / peak:.1%} ({layers} layers)", flush=True)
 
     # 1. plain HF, full model's decoder, all hidden states
-    t = load_target(spec_target, device, need_lm_head=False, need_tokenizer=False)
-    base = t.model.get_decoder()
-    x = input_ids.to(device)
-    with torch.no_grad():
-        record("hf_plain", timed(lambda: base(input_ids=x, output_hidden_states=True,
-                                              use_cache=False), device, 2, iters), n_layers)
-    # 2. same weights, our packed path with the dense mask (SDPA)
-    fx = FeatureExtractor(t)
     xi, di, pi = input_ids.reshape(-1).to(device), doc.to(device), pos.to(device)
-    record("ours_dense_sdpa", timed(lambda: fx(xi, di, pi), device, 2, iters), n_layers)
-    del fx, t, base
-    torch.cuda.empty_cache()
+    if "hf_plain" in paths or "ours_dense_sdpa" in paths:
+        t = load_target(spec_target, device, need_lm_head=False, need_tokenizer=False)
+        base = t.model.get_decoder()
+        x = input_ids.to(device)
+        if "hf_plain" in paths:
+            with torch.no_grad():
+                record("hf_plain", timed(lambda: base(input_ids=x, output_hidden_states=True,
+                                                      use_cache=False), device, 2, iters),
+                       n_layers)
+        if "ours_dense_sdpa" in paths:  # same weights, packed row, dense mask (SDPA)
+            fx = FeatureExtractor(t)
+            record("ours_dense_sdpa", timed(lambda: fx(xi, di, pi), device, 2, iters), n_layers)
+            del fx
+        del t, base
+        torch.cuda.empty_cache()
     # 3. our CUDA path: FlexAttention + document BlockMask, all layers then truncated
     for name, layers in (("ours_flex", n_layers), ("ours_flex_truncated", max(ids) + 1)):
+        if name not in paths:
+            continue
         t = load_target(spec_target, device, need_lm_head=False, need_tokenizer=False,
                         num_layers=layers, attention="flex")
         fx = FeatureExtractor(t)
@@ -89,11 +99,10 @@ def measure(model_name: str, batch: int, seq: int, device: str, peak: float, ite
         record(name, timed(lambda: fx(xi, di, pi), device, 1, iters), layers)
         del fx, t
         torch.cuda.empty_cache()
-    hf = out["hf_plain"]["tokens_per_s"]
-    out["ratio_flex_vs_hf"] = round(out["ours_flex"]["tokens_per_s"] / hf, 3)
-    out["ratio_dense_vs_hf"] = round(out["ours_dense_sdpa"]["tokens_per_s"] / hf, 3)
-    out["ratio_flex_vs_dense"] = round(out["ours_flex"]["tokens_per_s"]
-                                       / out["ours_dense_sdpa"]["tokens_per_s"], 3)
+    for a, b in (("ours_flex", "hf_plain"), ("ours_dense_sdpa", "hf_plain"),
+                 ("ours_flex", "ours_dense_sdpa")):
+        if a in out and b in out:
+            out[f"ratio_{a}_vs_{b}"] = round(out[a]["tokens_per_s"] / out[b]["tokens_per_s"], 3)
     return out
 
 
@@ -106,6 +115,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--device", default="cuda:0")
+    p.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
     p.add_argument("--out", required=True)
     a = p.parse_args()
     peak = measure_peak_flops(a.device, torch.bfloat16)
@@ -114,7 +124,8 @@ def main() -> None:
            "torch": torch.__version__, "transformers": __import__("transformers").__version__,
            "runs": []}
     for m in a.models:
-        res["runs"].append(measure(m, a.batch, a.seq, a.device, peak["flops_per_s"], a.iters))
+        res["runs"].append(measure(m, a.batch, a.seq, a.device, peak["flops_per_s"], a.iters,
+                                   a.paths))
         with open(a.out, "w") as f:  # after each model: a later OOM or timeout keeps the first
             json.dump(res, f, indent=1)
 
