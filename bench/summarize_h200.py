@@ -28,3 +28,33 @@ for name in ("stress_on_run1.jsonl", "stress_on_run2.jsonl", "stress_off_run2.js
         print(f"stress gate={d['gate']:3s} seed={d['seed']:2d} errors={d['errors_total']:3d} "
               f"{d['errors']} fallbacks={d['fallbacks']} flag_stuck={d['flag_stuck_after']} "
               f"iterations={d['iterations_done']} calls/s={d['calls_per_s']}")
+
+# ---- after the FlexAttention target path (Qwen3-8B 1+1 on two H200s, target anchors) ----------
+Q = D / "qwen3-8b-2gpu"
+on = json.loads((Q / "qwen3-8b-2gpu__bench__report.json").read_text())
+off = json.loads((Q / "qwen3-8b-2gpu__gateoff_bench__report.json").read_text())
+off_t = json.loads((Q / "qwen3-8b-2gpu__gateoff_train__manifest.json").read_text())
+on_t = json.loads((Q / "qwen3-8b-2gpu__train__manifest.json").read_text())
+wq = json.loads((Q / "qwen3-8b-2gpu__warmup__manifest.json").read_text())
+print("\nqwen3-8b-2gpu (1 target on cuda:0 + 1 drafter on cuda:1, block 16, budget 16384)")
+for k in ("tokens_per_s", "samples_per_s", "target_mfu", "drafter_mfu", "target_busy_fraction",
+          "time_to_first_step_s", "recompiles_after_warmup", "race_errors", "gate_wait_s"):
+    print(f"  {k:24s} gate on {on[k]}   gate off {off[k]}")
+print(f"  {'step time (s)':24s} on {on['step_time']['mean_s']:.4f} off "
+      f"{off['step_time']['mean_s']:.4f}; busy/step on {on['step_time']['busy_s_per_step']}")
+print(f"  {'tokens/s on / off':24s} {on['tokens_per_s'] / off['tokens_per_s']:.4f}")
+print(f"  {'gate-off run: gate stats':24s} {off_t['gate']}  (NoGate: no waits, no holds)")
+print(f"  {'warm start (s) on/off':24s} {on_t['warm_start']['seconds']} / "
+      f"{off_t['warm_start']['seconds']}")
+print(f"  {'warmup compiles (s)':24s} {[(c['callable'], c['seconds']) for c in wq['compiled']]}")
+for f in ("target_anchor.json", "target_anchor_32b.json"):
+    a = json.loads((D / f).read_text())
+    print(f"\n{f}: peak {a['peak']['flops_per_s'] / 1e12:.0f} TFLOP/s, {a['device']}, "
+          f"torch {a['torch']}, transformers {a['transformers']}")
+    for r in a["runs"]:
+        for path in ("hf_plain", "ours_dense_sdpa", "ours_flex", "ours_flex_truncated"):
+            if path in r:
+                x = r[path]
+                print(f"  {r['model']:10s} {path:20s} {x['tokens_per_s']:>9,.0f} tok/s  "
+                      f"MFU {x['mfu']:.1%}  ({x['layers_run']} layers)")
+        print("  ratios:", {k: v for k, v in r.items() if k.startswith("ratio")})

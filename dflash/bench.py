@@ -204,7 +204,14 @@ def run(ctx: StageContext) -> dict:
     ddtype = torch.float32 if spec["drafter"]["dtype"] == "float32" else torch.bfloat16
     peak = measure_peak_flops(spec["topology"]["drafters"][0], ddtype)
     seconds = steady.get("seconds") or None
+    busy, wait = source.get("busy_s", {}), source.get("wait_s", {})
+    # share of each target thread's life spent computing, not waiting for work or for room in
+    # the queues (train_s also holds the final checkpoint, after the targets are done)
+    target_busy = [v / (v + wait.get(k, 0.0)) for k, v in busy.items()
+                   if k.startswith("target") and v + wait.get(k, 0.0) > 0]
+    n_run = max(1, (source.get("steps") or {}).get("run_now") or steady.get("steps") or 1)
     n_t, n_d = len(spec["topology"]["targets"]), len(spec["topology"]["drafters"])
+    drafter_mfu_busy = None
     if window and seconds:
         ds_lengths = _doc_lengths_per_step(ctx, window)
         t_fl = sum(target_flops(tcfg, layers_run, d) for d in ds_lengths)
@@ -216,24 +223,25 @@ def run(ctx: StageContext) -> dict:
         t_peak = peak["flops_per_s"] * (1 if on_cpu else n_t)
         d_peak = peak["flops_per_s"] * (1 if on_cpu else n_d)
         target_mfu, drafter_mfu = t_fl / seconds / t_peak, d_fl / seconds / d_peak
+        # the drafter's MFU while it computes (a starved drafter idles; that is the target
+        # side's share, not the drafter's efficiency): window FLOPs over its busy time there
+        d_busy = [v / n_run for k, v in busy.items() if k.startswith("drafter")]
+        if d_busy and not on_cpu and sum(d_busy) > 0:
+            drafter_mfu_busy = d_fl / (sum(d_busy) / len(d_busy) * len(window)) / d_peak
     else:
         target_mfu = drafter_mfu = None
-    busy, wait = source.get("busy_s", {}), source.get("wait_s", {})
-    # share of each target thread's life spent computing, not waiting for work or for room in
-    # the queues (train_s also holds the final checkpoint, after the targets are done)
-    target_busy = [v / (v + wait.get(k, 0.0)) for k, v in busy.items()
-                   if k.startswith("target") and v + wait.get(k, 0.0) > 0]
     drafter_dir = ctx.results / "train" / "drafter"
     dev_eval = spec["topology"]["targets"][0]
     tau = evaluate_tau(spec, drafter_dir, bcfg["eval_prompts"], bcfg["eval_max_new_tokens"],
                        dev_eval)
-    n_steps = max(1, (source.get("steps") or {}).get("run_now") or steady.get("steps") or 1)
+    n_steps = n_run
     report = {
         "spec": spec.name, "mode": bcfg["mode"],
         "tokens_per_s": steady.get("tokens_per_s"),
         "samples_per_s": (sum(m["samples"] for m in window[1:]) / seconds) if window and seconds
         else None,
         "target_mfu": target_mfu, "drafter_mfu": drafter_mfu,
+        "drafter_mfu_while_busy": drafter_mfu_busy,
         "mfu_note": ("CPU: all workers share the machine; MFU is against the whole CPU's "
                      "measured fp32 matmul peak" if all(d == "cpu" for d in spec.devices())
                      else "per-GPU peak measured on the first drafter device × GPUs in role"),

@@ -205,7 +205,7 @@ def run(ctx: StageContext, fail_at: dict | None = None, out: Path | None = None,
                                         if k.startswith("drafter")), default=0.0)
                                    + warm_start_s, 3),
         first_step_s=pipe.first_step_s,
-        gate={"compiles": st["compiles"]["count"],
+        gate={"enabled": st["enabled"], "compiles": st["compiles"]["count"],
               "recompiles_after_warmup": st["recompiles_after_warmup"]["count"],
               "recompile_sigs": [repr(s) for s in st["recompiles_after_warmup"]["sigs"]],
               "recompile_reasons": st["recompiles_after_warmup"]["reasons"],

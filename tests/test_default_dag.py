@@ -55,6 +55,9 @@ def test_bench_report_has_every_field_and_tau(tiny):
                 "recompiles_after_warmup", "race_errors", "gate_wait_s", "tau", "env",
                 "fingerprints"):
         assert rep.get(key) is not None, key
+    assert 0.5 < rep["target_busy_fraction"] <= 1.0  # the CPU target is the bottleneck
+    assert rep["gate"] == "on" and rep["recompiles_after_warmup"] == 0
+    assert set(rep["step_time"]["busy_s_per_step"]) == {"target-0", "drafter-0", "drafter-1"}
     acc = rep["acceptance"]
     assert acc["lossless"] is True          # speculative greedy == target greedy, token for token
     assert acc["tau"] >= 1.0 and len(acc["accept_rate_by_position"]) == 15
