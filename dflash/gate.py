@@ -351,20 +351,24 @@ class Gate:
 
     def _run_exclusive(self, sig: Hashable, fn: Callable[[], Any], why: str) -> Any:
         with self.exclusive(f"{why}:{sig!r}"[:200]):
-            with self._stats_lock:
-                first = sig not in self._seen
-            t0 = time.perf_counter()
-            try:
-                r = fn()
-            except Exception as e:
-                self._note_error(e)
-                raise
-            dt = time.perf_counter() - t0
-            with self._stats_lock:
-                if first:
-                    self._seen[sig] = dt
-                    self._compiles.append({"sig": sig, "seconds": round(dt, 4), "warm": self._warm})
-            return r
+            return self._call_recorded(sig, fn)
+
+    def _call_recorded(self, sig: Hashable, fn: Callable[[], Any]) -> Any:
+        """``fn()``; the first call of ``sig`` is recorded as a compile, errors are classified."""
+        with self._stats_lock:
+            first = sig not in self._seen
+        t0 = time.perf_counter()
+        try:
+            r = fn()
+        except Exception as e:
+            self._note_error(e)
+            raise
+        dt = time.perf_counter() - t0
+        with self._stats_lock:
+            if first and sig not in self._seen:
+                self._seen[sig] = dt
+                self._compiles.append({"sig": sig, "seconds": round(dt, 4), "warm": self._warm})
+        return r
 
     def _note_error(self, e: BaseException) -> None:
         c = classify_error(e)
@@ -423,20 +427,7 @@ class NoGate(Gate):
         self._warm = False
 
     def run(self, sig: Hashable, fn: Callable[[], Any]) -> Any:
-        with self._stats_lock:
-            first = sig not in self._seen
-        t0 = time.perf_counter()
-        try:
-            r = fn()
-        except Exception as e:
-            self._note_error(e)
-            raise
-        if first:
-            with self._stats_lock:
-                self._seen.setdefault(sig, time.perf_counter() - t0)
-                self._compiles.append({"sig": sig, "seconds": round(time.perf_counter() - t0, 4),
-                                       "warm": self._warm})
-        return r
+        return self._call_recorded(sig, fn)
 
 
 _GATE: Gate | None = None

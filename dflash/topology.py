@@ -151,6 +151,16 @@ def warm_all(replicas: list[DrafterReplica], bucket_lens: list[int], feat_width:
     return records
 
 
+def _record_warm(records: list, log, name: str, dev: str, bucket: int, t0: float) -> None:
+    if dev.startswith("cuda"):
+        torch.cuda.synchronize(dev)  # the seconds include the device work
+    rec = {"callable": name, "device": dev, "bucket": bucket,
+           "seconds": round(time.perf_counter() - t0, 3)}
+    records.append(rec)
+    if log is not None:
+        log(rec)
+
+
 def warm_targets(targets: list[tuple[str, object]], bucket_lens: list[int], vocab_size: int,
                  log=None) -> list[dict]:
     """One synthetic forward per (target device, bucket) through the gate before training: on
@@ -171,13 +181,7 @@ def warm_targets(targets: list[tuple[str, object]], bucket_lens: list[int], voca
             # call's mask objects here, under exclusive, not as a refused recompile later
             with gate.exclusive(f"settle:target_forward:{dev}:{L}"):
                 fn(synthetic_row(L, vocab_size, seed=1, docs=3))
-            if dev.startswith("cuda"):
-                torch.cuda.synchronize(dev)
-            rec = {"callable": "target_forward", "device": dev, "bucket": L,
-                   "seconds": round(time.perf_counter() - t0, 3)}
-            records.append(rec)
-            if log is not None:
-                log(rec)
+            _record_warm(records, log, "target_forward", dev, L, t0)
 
     _in_worker_threads(targets, work)
     return records
@@ -210,12 +214,7 @@ def warm_target_attention(spec, bucket_lens: list[int], log=None) -> list[dict]:
                 mask = document_block_mask(synthetic_row(L, 8, docs=docs).doc_ids.to(dev))
                 gate.run(("target_attention", dev, L), lambda: _compiled_flex()(
                     q, k, v, block_mask=mask, scale=hd ** -0.5, enable_gqa=hq != hkv))
-            torch.cuda.synchronize(dev)
-            rec = {"callable": "target_flex_attention", "device": dev, "bucket": L,
-                   "seconds": round(time.perf_counter() - t0, 3)}
-            records.append(rec)
-            if log is not None:
-                log(rec)
+            _record_warm(records, log, "target_flex_attention", dev, L, t0)
 
     _in_worker_threads(devices, work)
     return records
