@@ -224,6 +224,20 @@ def document_block_mask(doc_ids: torch.Tensor, block_size: int = 128):
                              device=doc_ids.device, BLOCK_SIZE=block_size)
 
 
+_COMPILED_FLEX: list = []
+
+
+def compiled_flex_attention():
+    """The process's one compiled ``flex_attention`` (static shapes: a graph per shape bucket),
+    shared by the target layers and the drafter's standalone attention. Its compiles run inside
+    ``gate.run`` like every other compile."""
+    if not _COMPILED_FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _COMPILED_FLEX.append(torch.compile(flex_attention, dynamic=False))
+    return _COMPILED_FLEX[0]
+
+
 def _blocks_to(blocks: Blocks, device) -> Blocks:
     kw = {f.name: getattr(blocks, f.name) for f in fields(Blocks)}
     for name, v in kw.items():
@@ -243,4 +257,4 @@ def block_loss_weights(blocks: Blocks, gamma: float) -> torch.Tensor:
 __all__ = ["IGNORE_INDEX", "PackedRow", "Blocks", "anchor_candidates", "sample_anchors",
            "loss_weights", "block_loss_weights", "make_mask_mod", "dense_mask",
            "flex_block_mask", "mask_shape", "document_mask_mod", "document_dense_mask",
-           "document_block_mask"]
+           "document_block_mask", "compiled_flex_attention"]

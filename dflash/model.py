@@ -204,9 +204,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
-_compiled_flex = None
-
-
 def attend(q, k, v, mask, attention: str, scale: float, compile_flex: bool = False):
     """One attention interface, two exact backends.
 
@@ -214,13 +211,10 @@ def attend(q, k, v, mask, attention: str, scale: float, compile_flex: bool = Fal
     "flex", a bool [N, Q, K] / [Q, K] (True = attend) for "sdpa", or None for full attention.
     """
     if attention == "flex":
-        global _compiled_flex
         from torch.nn.attention.flex_attention import flex_attention
-        fn = flex_attention
-        if compile_flex:
-            if _compiled_flex is None:
-                _compiled_flex = torch.compile(flex_attention, dynamic=False)
-            fn = _compiled_flex
+
+        from .masks import compiled_flex_attention
+        fn = compiled_flex_attention() if compile_flex else flex_attention
         return fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
     if attention == "sdpa":
         if mask is not None:

@@ -201,25 +201,15 @@ def target_attention(device: str) -> str:
 
 
 FLEX_IMPL = "packed_doc_flex"  # must not contain "flash": transformers reads that as flash-attn
-_FLEX: dict[str, Any] = {}
-
-
-def _compiled_flex():
-    """The process's one compiled flex_attention for target layers (static shapes: one graph per
-    bucket, compiled on a bucket's first forward, which the gate runs on its exclusive side)."""
-    import torch
-    from torch.nn.attention.flex_attention import flex_attention
-
-    if "fn" not in _FLEX:
-        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
-    return _FLEX["fn"]
 
 
 def _flex_attention_forward(module, query, key, value, attention_mask, scaling=None,
                             dropout=0.0, **_kwargs):
     """transformers attention interface: q/k/v [B, heads, L, D] -> ([B, L, heads, D], None)."""
-    out = _compiled_flex()(query, key, value, block_mask=attention_mask, scale=scaling,
-                           enable_gqa=query.shape[1] != key.shape[1])
+    from .masks import compiled_flex_attention
+
+    out = compiled_flex_attention()(query, key, value, block_mask=attention_mask,
+                                    scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
 
 

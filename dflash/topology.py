@@ -192,9 +192,9 @@ def warm_target_attention(spec, bucket_lens: list[int], log=None) -> list[dict]:
     every (target device, bucket) on q/k/v of the target's shapes, dtype and layout, filling the
     compile cache that the train stage's :func:`warm_targets` then hits. No-op on CPU (SDPA)."""
     from .gate import get_gate
-    from .masks import document_block_mask
+    from .masks import compiled_flex_attention, document_block_mask
     from .spec import dtype_of
-    from .target import _compiled_flex, hf_config, target_attention
+    from .target import hf_config, target_attention
 
     tcfg = hf_config(spec["target"])
     hq, hkv = tcfg.num_attention_heads, tcfg.num_key_value_heads
@@ -212,7 +212,7 @@ def warm_target_attention(spec, bucket_lens: list[int], log=None) -> list[dict]:
             t0 = time.perf_counter()
             for docs in (1, 3):  # two layouts: the second settles any specialisation
                 mask = document_block_mask(synthetic_row(L, 8, docs=docs).doc_ids.to(dev))
-                gate.run(("target_attention", dev, L), lambda: _compiled_flex()(
+                gate.run(("target_attention", dev, L), lambda: compiled_flex_attention()(
                     q, k, v, block_mask=mask, scale=hd ** -0.5, enable_gqa=hq != hkv))
             _record_warm(records, log, "target_flex_attention", dev, L, t0)
 
