@@ -467,8 +467,15 @@ def _pip_failure(lock: Path, rc: int, out: str, log: Path) -> LockError:
 
 
 def _outer_pip() -> bool:
-    import importlib.util
-    return importlib.util.find_spec("pip") is not None
+    # Not importlib.util.find_spec("pip"): setuptools' distutils shim (a sys.meta_path finder)
+    # takes a lookup of "pip" for pip being imported and disables itself for the whole process;
+    # the next setuptools import (inductor's CPU C++ build does one) then fails an assertion.
+    import importlib.metadata
+    try:
+        importlib.metadata.distribution("pip")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
 
 
 def _pip_cmd(python: Path) -> list[str]:

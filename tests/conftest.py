@@ -9,11 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-# setuptools first: inductor's CPU C++ builder imports it (through torch.utils.cpp_extension) in
-# the middle of a compile, and its distutils shim then asserted that distutils was the stdlib's
-# (seen once, in a fresh clone's first compile of the target's flex attention in this process).
-# Imported here, the shim is set up once, before any test, outside any compile.
-import setuptools  # noqa: F401,E402
 
 REPO = Path(__file__).resolve().parents[1]
 WORKFLOW_FILES = ["Snakefile", "rules", "config", "profiles", "dflash", "envs"]

@@ -289,3 +289,13 @@ def test_audit_bad_input_exits_2_with_one_line(tmp_path, monkeypatch):
     r = audit("--lock", tmp_path / "missing.lock", cwd=tmp_path)
     assert r.returncode == 2 and "missing.lock" in r.stderr and "Traceback" not in r.stderr
     assert lock.is_file()
+
+
+def test_pip_probe_leaves_setuptools_usable():
+    """Probing for pip must not disable setuptools' distutils shim for the process: with
+    importlib.util.find_spec("pip") it did, and the next setuptools import (inductor's CPU C++
+    build makes one mid-compile) failed an assertion — seen as a failed flex compile in the suite."""
+    code = ("from dflash import envstage; assert envstage._outer_pip(); "
+            "import setuptools, distutils.core; assert '_distutils' in distutils.core.__file__")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-2000:]
