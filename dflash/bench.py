@@ -21,28 +21,35 @@ from .stage import StageContext
 # ---------------------------------------------------------------------------------------------
 # peak and FLOP counting
 # ---------------------------------------------------------------------------------------------
+def best_seconds_per_call(fn, device: str, reps: int, warmup: int = 1, windows: int = 3) -> float:
+    """Seconds per call of ``fn``: the best of ``windows`` timed windows of ``reps`` calls each,
+    after ``warmup`` calls (the machine is shared; the best window is what it can do)."""
+    def sync():
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)
+
+    for _ in range(warmup):
+        fn()
+    sync()
+    best = float("inf")
+    for _ in range(windows):
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync()
+        best = min(best, time.perf_counter() - t)
+    return best / reps
+
+
 def measure_peak_flops(device: str, dtype: torch.dtype) -> dict:
     """Dense matmul FLOP/s on ``device`` right now (the MFU denominator, measured not quoted)."""
     n = 8192 if device.startswith("cuda") else 2048
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     reps = 20 if device.startswith("cuda") else 3
-
-    def sync():
-        if device.startswith("cuda"):
-            torch.cuda.synchronize(device)
-
-    a @ b
-    sync()
-    best = float("inf")
-    for _ in range(3):  # best of three: the machine is shared, the peak is what it can do
-        t = time.perf_counter()
-        for _ in range(reps):
-            a @ b
-        sync()
-        best = min(best, time.perf_counter() - t)
+    per_call = best_seconds_per_call(lambda: a @ b, device, reps)
     return {"device": device, "dtype": str(dtype).removeprefix("torch."), "n": n,
-            "flops_per_s": 2 * n ** 3 * reps / best, "threads": torch.get_num_threads()}
+            "flops_per_s": 2 * n ** 3 / per_call, "threads": torch.get_num_threads()}
 
 
 def _linear_params(cfg, layers: int) -> int:
@@ -234,7 +241,6 @@ def run(ctx: StageContext) -> dict:
     dev_eval = spec["topology"]["targets"][0]
     tau = evaluate_tau(spec, drafter_dir, bcfg["eval_prompts"], bcfg["eval_max_new_tokens"],
                        dev_eval)
-    n_steps = n_run
     report = {
         "spec": spec.name, "mode": bcfg["mode"],
         "tokens_per_s": steady.get("tokens_per_s"),
@@ -248,9 +254,9 @@ def run(ctx: StageContext) -> dict:
         "peak": peak,
         "target_busy_fraction": (sum(target_busy) / len(target_busy)) if target_busy else None,
         "step_time": {"mean_s": steady.get("step_time_s"),
-                      "busy_s_per_step": {k: v / n_steps for k, v in busy.items()},
-                      "wait_s_per_step": {k: v / n_steps for k, v in wait.items()},
-                      "steps": n_steps,
+                      "busy_s_per_step": {k: v / n_run for k, v in busy.items()},
+                      "wait_s_per_step": {k: v / n_run for k, v in wait.items()},
+                      "steps": n_run,
                       "note": "busy: target forward (host-synced) / drafter fwd+bwd+optim "
                               "(CUDA events); wait: for inputs, room in queues, barriers"},
         "time_to_first_step_s": source.get("time_to_first_step_s"),

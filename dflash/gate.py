@@ -44,6 +44,7 @@ DEADLOCK RULES
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 import warnings
@@ -355,8 +356,6 @@ class Gate:
 
     def _call_recorded(self, sig: Hashable, fn: Callable[[], Any]) -> Any:
         """``fn()``; the first call of ``sig`` is recorded as a compile, errors are classified."""
-        with self._stats_lock:
-            first = sig not in self._seen
         t0 = time.perf_counter()
         try:
             r = fn()
@@ -365,7 +364,7 @@ class Gate:
             raise
         dt = time.perf_counter() - t0
         with self._stats_lock:
-            if first and sig not in self._seen:
+            if sig not in self._seen:
                 self._seen[sig] = dt
                 self._compiles.append({"sig": sig, "seconds": round(dt, 4), "warm": self._warm})
         return r
@@ -440,7 +439,5 @@ def get_gate() -> Gate:
     global _GATE
     with _GATE_LOCK:
         if _GATE is None:
-            import os
-
             _GATE = NoGate() if os.environ.get("DFLASH_GATE", "on") == "off" else Gate()
         return _GATE

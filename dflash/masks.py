@@ -12,6 +12,7 @@ All functions accept unbatched tensors (``[L]``, ``[A]``) or a leading batch dim
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 
 import torch
@@ -224,18 +225,22 @@ def document_block_mask(doc_ids: torch.Tensor, block_size: int = 128):
                              device=doc_ids.device, BLOCK_SIZE=block_size)
 
 
-_COMPILED_FLEX: list = []
+def attention_backend(device: str) -> str:
+    """The one rule for drafter and target alike. CUDA: compiled flex_attention with a BlockMask
+    (blocks nobody attends are skipped; a dense 4-D mask would push SDPA off its flash kernel
+    onto full L² attention). CPU: SDPA with the dense mask of the same mask_mod (FlexAttention
+    has no backward on CPU in torch 2.13, and the target then starts without a compile)."""
+    return "flex" if device.startswith("cuda") else "sdpa"
 
 
+@functools.cache
 def compiled_flex_attention():
     """The process's one compiled ``flex_attention`` (static shapes: a graph per shape bucket),
     shared by the target layers and the drafter's standalone attention. Its compiles run inside
     ``gate.run`` like every other compile."""
-    if not _COMPILED_FLEX:
-        from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
-        _COMPILED_FLEX.append(torch.compile(flex_attention, dynamic=False))
-    return _COMPILED_FLEX[0]
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def _blocks_to(blocks: Blocks, device) -> Blocks:
@@ -257,4 +262,4 @@ def block_loss_weights(blocks: Blocks, gamma: float) -> torch.Tensor:
 __all__ = ["IGNORE_INDEX", "PackedRow", "Blocks", "anchor_candidates", "sample_anchors",
            "loss_weights", "block_loss_weights", "make_mask_mod", "dense_mask",
            "flex_block_mask", "mask_shape", "document_mask_mod", "document_dense_mask",
-           "document_block_mask", "compiled_flex_attention"]
+           "document_block_mask", "attention_backend", "compiled_flex_attention"]

@@ -11,14 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .masks import Blocks, PackedRow, block_loss_weights, dense_mask, flex_block_mask
+from .masks import (Blocks, PackedRow, attention_backend, block_loss_weights, dense_mask,
+                    flex_block_mask)
 from .model import DFlashConfig, DFlashDrafter, drafter_loss
-
-
-def attention_backend(device: str) -> str:
-    """CUDA: compiled flex_attention. CPU: SDPA with the dense mask from the same mask_mod
-    (FlexAttention has no backward on CPU in torch 2.13)."""
-    return "flex" if device.startswith("cuda") else "sdpa"
 
 
 @dataclass

@@ -156,7 +156,7 @@ def load_target(target: dict, device: str, seed: int = 0, need_lm_head: bool = T
                 attention: str = "sdpa") -> Target:
     """Load the frozen target on ``device``.
 
-    ``attention`` "flex" loads it with the FlexAttention interface above: its forward then needs
+    ``attention`` "flex" loads it with the FlexAttention interface below: its forward then needs
     a document BlockMask (:class:`FeatureExtractor` builds it); generation keeps "sdpa".
 
     ``num_layers`` truncates the decoder to its first layers: a feature-only worker needs layers
@@ -191,13 +191,6 @@ def load_target(target: dict, device: str, seed: int = 0, need_lm_head: bool = T
     full_cfg = hf_config(target)
     return Target(model=model, tokenizer=tok, config=full_cfg,
                   layer_ids=layer_ids(target, full_cfg), attention=attention)
-
-
-def target_attention(device: str) -> str:
-    """CUDA: FlexAttention with the packed rows' document BlockMask (cost of the documents, not
-    of L²; a dense 4-D mask would push SDPA off its flash kernel onto full L² attention). CPU:
-    SDPA with the dense mask of the same mask_mod (fast to start, no compile for the target)."""
-    return "flex" if device.startswith("cuda") else "sdpa"
 
 
 FLEX_IMPL = "packed_doc_flex"  # must not contain "flash": transformers reads that as flash-attn

@@ -45,14 +45,15 @@ def make_replicas(spec, cfg: DFlashConfig, init_state: dict, total_steps: int
 
 def make_target_workers(spec) -> list[tuple[str, object]]:
     """One frozen target copy per target device, truncated after the last feature layer."""
-    from .target import FeatureExtractor, hf_config, layer_ids, load_target, target_attention
+    from .masks import attention_backend
+    from .target import FeatureExtractor, hf_config, layer_ids, load_target
 
     ids = layer_ids(spec["target"], hf_config(spec["target"]))
     workers = []
     for dev in spec["topology"]["targets"]:
         t = load_target(spec["target"], dev, seed=spec["seed"], need_lm_head=False,
                         num_layers=max(ids) + 1, need_tokenizer=False,
-                        attention=target_attention(dev))
+                        attention=attention_backend(dev))
         fx = FeatureExtractor(t)
         workers.append((dev, lambda row, fx=fx, dev=dev: fx(row.input_ids.to(dev),
                                                              row.doc_ids.to(dev),
@@ -102,28 +103,38 @@ def warm_replica(rep: DrafterReplica, bucket_len: int, feat_width: int, feat_dty
             rep.clip_and_step()
         else:
             rep.zero_grad()
-    if rep.device.startswith("cuda"):
-        torch.cuda.synchronize(rep.device)
-    return {"callable": "drafter_step(fwd+bwd" + ("+optim" if optimizer_step else "") + ")",
-            "device": rep.device, "replica": rep.index, "bucket": bucket_len,
-            "num_slots": rep.num_slots(bucket_len), "feature_shape": [1, bucket_len, feat_width],
+    return _warm_record("drafter_step(fwd+bwd" + ("+optim" if optimizer_step else "") + ")",
+                        rep.device, bucket_len, t0, replica=rep.index,
+                        num_slots=rep.num_slots(bucket_len),
+                        feature_shape=[1, bucket_len, feat_width])
+
+
+def _warm_record(name: str, dev: str, bucket: int, t0: float, **extra) -> dict:
+    if dev.startswith("cuda"):
+        torch.cuda.synchronize(dev)  # the seconds include the device work
+    return {"callable": name, "device": dev, **extra, "bucket": bucket,
             "seconds": round(time.perf_counter() - t0, 3)}
 
 
-def _in_worker_threads(jobs: list, work) -> None:
-    """Run ``work(job)`` for each job, one at a time, each in a thread set up exactly like a
-    training worker (dynamo settings are per thread in torch 2.13); re-raise here."""
+def _warm_in_threads(jobs: list, work, log=None) -> list[dict]:
+    """Run the generator ``work(job)`` for each job, one job at a time, each in a thread set up
+    exactly like a training worker (dynamo settings are per thread in torch 2.13); collect and
+    log the records it yields; re-raise its error here."""
     import threading
 
     from .gate import worker_thread_setup
     from .scheduler import DYNAMO_SETTINGS
 
+    records: list[dict] = []
     errors: list[BaseException] = []
 
     def run(job):
         try:
             worker_thread_setup(**DYNAMO_SETTINGS)
-            work(job)
+            for rec in work(job):
+                records.append(rec)
+                if log is not None:
+                    log(rec)
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
             errors.append(e)
 
@@ -133,32 +144,14 @@ def _in_worker_threads(jobs: list, work) -> None:
         t.join()
         if errors:
             raise errors[0]
+    return records
 
 
 def warm_all(replicas: list[DrafterReplica], bucket_lens: list[int], feat_width: int, feat_dtype,
              optimizer_step: bool, log=None) -> list[dict]:
     """Warm every (replica, bucket) in worker threads, one replica at a time."""
-    records: list[dict] = []
-
-    def work(rep):
-        for L in bucket_lens:
-            rec = warm_replica(rep, L, feat_width, feat_dtype, optimizer_step)
-            records.append(rec)
-            if log is not None:
-                log(rec)
-
-    _in_worker_threads(replicas, work)
-    return records
-
-
-def _record_warm(records: list, log, name: str, dev: str, bucket: int, t0: float) -> None:
-    if dev.startswith("cuda"):
-        torch.cuda.synchronize(dev)  # the seconds include the device work
-    rec = {"callable": name, "device": dev, "bucket": bucket,
-           "seconds": round(time.perf_counter() - t0, 3)}
-    records.append(rec)
-    if log is not None:
-        log(rec)
+    return _warm_in_threads(replicas, lambda rep: (
+        warm_replica(rep, L, feat_width, feat_dtype, optimizer_step) for L in bucket_lens), log)
 
 
 def warm_targets(targets: list[tuple[str, object]], bucket_lens: list[int], vocab_size: int,
@@ -169,7 +162,6 @@ def warm_targets(targets: list[tuple[str, object]], bucket_lens: list[int], voca
     from .gate import get_gate
 
     gate = get_gate()
-    records: list[dict] = []
 
     def work(job):
         dev, fn = job
@@ -181,10 +173,9 @@ def warm_targets(targets: list[tuple[str, object]], bucket_lens: list[int], voca
             # call's mask objects here, under exclusive, not as a refused recompile later
             with gate.exclusive(f"settle:target_forward:{dev}:{L}"):
                 fn(synthetic_row(L, vocab_size, seed=1, docs=3))
-            _record_warm(records, log, "target_forward", dev, L, t0)
+            yield _warm_record("target_forward", dev, L, t0)
 
-    _in_worker_threads(targets, work)
-    return records
+    return _warm_in_threads(targets, work, log)
 
 
 def warm_target_attention(spec, bucket_lens: list[int], log=None) -> list[dict]:
@@ -192,17 +183,16 @@ def warm_target_attention(spec, bucket_lens: list[int], log=None) -> list[dict]:
     every (target device, bucket) on q/k/v of the target's shapes, dtype and layout, filling the
     compile cache that the train stage's :func:`warm_targets` then hits. No-op on CPU (SDPA)."""
     from .gate import get_gate
-    from .masks import compiled_flex_attention, document_block_mask
+    from .masks import attention_backend, compiled_flex_attention, document_block_mask
     from .spec import dtype_of
-    from .target import hf_config, target_attention
+    from .target import hf_config
 
     tcfg = hf_config(spec["target"])
     hq, hkv = tcfg.num_attention_heads, tcfg.num_key_value_heads
     hd = getattr(tcfg, "head_dim", None) or tcfg.hidden_size // hq
     dtype = dtype_of(spec["target"]["dtype"])
     gate = get_gate()
-    devices = [d for d in spec["topology"]["targets"] if target_attention(d) == "flex"]
-    records: list[dict] = []
+    devices = [d for d in spec["topology"]["targets"] if attention_backend(d) == "flex"]
 
     def work(dev):
         for L in bucket_lens:
@@ -214,7 +204,6 @@ def warm_target_attention(spec, bucket_lens: list[int], log=None) -> list[dict]:
                 mask = document_block_mask(synthetic_row(L, 8, docs=docs).doc_ids.to(dev))
                 gate.run(("target_attention", dev, L), lambda: compiled_flex_attention()(
                     q, k, v, block_mask=mask, scale=hd ** -0.5, enable_gqa=hq != hkv))
-            _record_warm(records, log, "target_flex_attention", dev, L, t0)
+            yield _warm_record("target_flex_attention", dev, L, t0)
 
-    _in_worker_threads(devices, work)
-    return records
+    return _warm_in_threads(devices, work, log)

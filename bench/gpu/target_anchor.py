@@ -26,26 +26,12 @@ import time
 import torch
 
 
-def timed(fn, device, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize(device)
-    best = float("inf")
-    for _ in range(3):  # best of three windows: the machine may be shared
-        t = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize(device)
-        best = min(best, (time.perf_counter() - t) / iters)
-    return best
-
-
 PATHS = ("hf_plain", "ours_dense_sdpa", "ours_flex", "ours_flex_truncated")
 
 
 def measure(model_name: str, batch: int, seq: int, device: str, peak: float, iters: int,
             paths=PATHS) -> dict:
-    from dflash.bench import target_flops
+    from dflash.bench import best_seconds_per_call as timed, target_flops
     from dflash.target import FeatureExtractor, hf_config, layer_ids, load_target
 
     spec_target = {"model": model_name, "init": "random", "dtype": "bfloat16",
@@ -77,11 +63,12 @@ def measure(model_name: str, batch: int, seq: int, device: str, peak: float, ite
         if "hf_plain" in paths:
             with torch.no_grad():
                 record("hf_plain", timed(lambda: base(input_ids=x, output_hidden_states=True,
-                                                      use_cache=False), device, 2, iters),
+                                                      use_cache=False), device, iters, warmup=2),
                        n_layers)
         if "ours_dense_sdpa" in paths:  # same weights, packed row, dense mask (SDPA)
             fx = FeatureExtractor(t)
-            record("ours_dense_sdpa", timed(lambda: fx(xi, di, pi), device, 2, iters), n_layers)
+            record("ours_dense_sdpa", timed(lambda: fx(xi, di, pi), device, iters, warmup=2),
+                   n_layers)
             del fx
         del t, base
         torch.cuda.empty_cache()
@@ -96,7 +83,7 @@ def measure(model_name: str, batch: int, seq: int, device: str, peak: float, ite
         fx(xi, di, pi)
         torch.cuda.synchronize(device)
         out[f"{name}_first_call_s"] = round(time.perf_counter() - t0, 2)  # incl. flex compile
-        record(name, timed(lambda: fx(xi, di, pi), device, 1, iters), layers)
+        record(name, timed(lambda: fx(xi, di, pi), device, iters, warmup=1), layers)
         del fx, t
         torch.cuda.empty_cache()
     for a, b in (("ours_flex", "hf_plain"), ("ours_dense_sdpa", "hf_plain"),
