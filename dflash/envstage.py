@@ -193,7 +193,10 @@ def _collect_facts(probe_torch: bool = True, allow_subprocess: bool = True) -> d
     import sys
 
     pkgs: dict = {}
-    for d in md.distributions():                # sys.path order: the first one is what imports
+    # not vendored copies: importing setuptools (inductor's CPU C++ builder does, mid-compile)
+    # appends setuptools/_vendor to sys.path, and the same process must report the same env
+    search = [p for p in sys.path if os.path.basename(os.path.normpath(p)) != "_vendor"]
+    for d in md.distributions(path=search):     # sys.path order: the first one is what imports
         try:
             name = d.metadata["Name"]
         except Exception:

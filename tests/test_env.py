@@ -299,3 +299,14 @@ def test_pip_probe_leaves_setuptools_usable():
             "import setuptools, distutils.core; assert '_distutils' in distutils.core.__file__")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_live_env_ignores_vendored_copies():
+    """Importing setuptools (inductor's CPU C++ builder does, mid-compile) appends its _vendor
+    folder to sys.path; the packages the process reports must not change because of it."""
+    code = ("from dflash import envstage; a = envstage.live_env(probe_torch=False)['packages']; "
+            "import setuptools, sys; assert any(p.endswith('_vendor') for p in sys.path); "
+            "b = envstage.live_env(probe_torch=False)['packages']; "
+            "assert a == b, sorted(set(b.items()) ^ set(a.items()))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-2000:]
