@@ -295,11 +295,11 @@ def run(spec, results_dir: Path, on_shard: Callable[[int, Path], None] | None = 
     if resumed:
         _log(f"resuming: {len(done)} samples in {resumed} chunk(s) already done, "
              f"{sum(len(c) for _, c in todo)} samples in {len(todo)} chunk(s) to generate")
-    gen_seconds = _generate(spec, todo, shard_dir, len(chunks), resumed, on_shard)
+    gen = _generate(spec, todo, shard_dir, len(chunks), resumed, on_shard)
 
     table = _merge(shard_dir, chunks, samples)
     manifest = _write(spec, data_dir, table, fingerprints, plan_fp, report, prompts, chunks,
-                      resumed, gen_seconds, time.time() - t0)
+                      resumed, gen, time.time() - t0)
     _log(f"wrote {data_dir / DATASET}: {table.num_rows} samples, "
          f"{manifest['tokens']['total_tokens']} tokens in {time.time() - t0:.1f}s")
     return manifest
@@ -354,9 +354,11 @@ def synthetic_responses(spec, samples) -> tuple[list[list[int]], int]:
     return out, eos
 
 
-def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int, on_shard) -> float:
+def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int, on_shard) -> dict:
+    """Generate the ``todo`` chunks into shards; returns what the manifest records about it."""
+    info: dict = {"seconds": 0.0, "new_tokens": 0, "engine": None, "engines": {}}
     if not todo:
-        return 0.0
+        return info
     if spec["data"]["source"] == SYNTHETIC:
         import pyarrow.parquet as pq
 
@@ -366,7 +368,9 @@ def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int, on_shard
             with atomic_path(shard_path(shard_dir, chunk)) as tmp:
                 pq.write_table(table, tmp)
         _log(f"synthetic responses for {sum(len(c) for _, c in todo)} samples")
-        return 0.0
+        info["engine"] = SYNTHETIC
+        return info
+    from .generate import resolve_engine
     from .target import load_target
 
     d = spec["data"]
@@ -378,6 +382,10 @@ def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int, on_shard
     eos = eos_ids_of(targets[0])
     pad = targets[0].tokenizer.pad_token_id
     pad = eos[0] if pad is None else pad
+    engine = resolve_engine(d["engine"], targets[0].model)
+    info["engine"] = engine
+    # the fast engine's cache holds the longest prompt still to generate + max_new_tokens
+    max_len = max(len(s.prompt_ids) for _, c in todo for s in c) + d["max_new_tokens"]
 
     work: queue.Queue = queue.Queue()
     for item in todo:
@@ -385,40 +393,88 @@ def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int, on_shard
     stop = threading.Event()
     errors: list[BaseException] = []
     lock = threading.Lock()
-    progress = {"chunks": resumed, "new_tokens": 0}
+    progress = {"chunks": resumed, "new_tokens": 0, "logged": 0.0, "setup": 0.0}
     t0 = time.time()
+
+    def write_shard(dev: str, chunk: int, samples, responses, tc: float) -> None:
+        import pyarrow.parquet as pq
+
+        table = _rows_table(samples, responses, set(eos))
+        path = shard_path(shard_dir, chunk)
+        with atomic_path(path) as tmp:
+            pq.write_table(table, tmp)
+        new = sum(len(r) for r in responses)
+        with lock:
+            progress["chunks"] += 1
+            progress["new_tokens"] += new
+            now = time.time()
+            el = now - t0
+            left = n_chunks - progress["chunks"]
+            # a line per chunk, at most one per 5 s (the fast engine finishes several a second)
+            if now - progress["logged"] >= 5 or left == 0 or engine == "hf":
+                progress["logged"] = now
+                rate = progress["new_tokens"] / el if el else 0.0
+                eta = el / max(1, progress["chunks"] - resumed) * left
+                _log(f"chunk {progress['chunks']}/{n_chunks} on {dev}: {len(samples)} "
+                     f"samples, {new} new tokens in {now - tc:.1f}s; overall "
+                     f"{rate:.1f} tok/s, ETA {eta:.0f}s")
+        if on_shard is not None:
+            on_shard(chunk, path)
+
+    def next_chunk():
+        if stop.is_set():
+            return None
+        try:
+            return work.get_nowait()
+        except queue.Empty:
+            return None
+
+    def hf_worker(dev: str, target) -> None:
+        while (item := next_chunk()) is not None:
+            chunk, samples = item
+            tc = time.time()
+            seeds = [sample_seed(spec["seed"], s.sample_id) for s in samples]
+            responses = generate_batch(target.model, [s.prompt_ids for s in samples],
+                                       d["max_new_tokens"], d["temperature"], eos, pad, seeds)
+            write_shard(dev, chunk, samples, responses, tc)
+
+    def fast_worker(dev: str, target) -> None:
+        from .generate import Engine
+
+        eng = Engine(target.model, slots=d["gen_batch_size"], max_len=max_len,
+                     max_new_tokens=d["max_new_tokens"], eos_ids=eos,
+                     temperature=d["temperature"], compile=_engine_compile(spec, dev))
+        t_prep = time.time()
+        eng._prepare()
+        prep = time.time() - t_prep
+        with lock:
+            progress["setup"] = max(progress["setup"], prep)
+        open_chunks: dict[int, tuple[list, dict, float]] = {}
+
+        def feed():
+            while (item := next_chunk()) is not None:
+                chunk, samples = item
+                open_chunks[chunk] = (samples, {}, time.time())
+                for s in samples:
+                    yield (chunk, s.sample_id), s.prompt_ids, sample_seed(spec["seed"],
+                                                                          s.sample_id)
+
+        for (chunk, sid), tokens in eng.stream(feed()):
+            samples, got, tc = open_chunks[chunk]
+            got[sid] = tokens
+            if len(got) == len(samples):
+                del open_chunks[chunk]
+                write_shard(dev, chunk, samples, [got[s.sample_id] for s in samples], tc)
+        with lock:
+            info["engines"][dev] = {
+                "slots": eng.B, "cache_len": eng.S, "compiled": bool(eng.compile),
+                "cuda_graph": eng._graph is not None, "sync_every": eng.sync_every,
+                "setup_seconds": round(prep, 2), "decode_steps": eng.stats["decode_steps"],
+                "prefill_calls": eng.stats["prefill_calls"]}
 
     def worker(dev: str, target) -> None:
         try:
-            while not stop.is_set():
-                try:
-                    chunk, samples = work.get_nowait()
-                except queue.Empty:
-                    return
-                tc = time.time()
-                seeds = [sample_seed(spec["seed"], s.sample_id) for s in samples]
-                responses = generate_batch(target.model, [s.prompt_ids for s in samples],
-                                           d["max_new_tokens"], d["temperature"], eos, pad, seeds)
-                table = _rows_table(samples, responses, set(eos))
-                path = shard_path(shard_dir, chunk)
-                import pyarrow.parquet as pq
-
-                with atomic_path(path) as tmp:
-                    pq.write_table(table, tmp)
-                new = sum(len(r) for r in responses)
-                with lock:
-                    progress["chunks"] += 1
-                    progress["new_tokens"] += new
-                    el = time.time() - t0
-                    left = n_chunks - progress["chunks"]
-                    rate = progress["new_tokens"] / el if el else 0.0
-                    eta = el / max(1, progress["chunks"] - resumed) * left
-                    _log(f"chunk {progress['chunks']}/{n_chunks} on {dev}: {len(samples)} "
-                         f"samples, {new} new tokens in {time.time() - tc:.1f}s "
-                         f"({new / max(1e-9, time.time() - tc):.1f} tok/s); overall "
-                         f"{rate:.1f} tok/s, ETA {eta:.0f}s")
-                if on_shard is not None:
-                    on_shard(chunk, path)
+            (fast_worker if engine == "fast" else hf_worker)(dev, target)
         except BaseException as e:  # noqa: BLE001 - handed to the main thread
             errors.append(e)
             stop.set()
@@ -437,7 +493,18 @@ def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int, on_shard
         raise
     if errors:
         raise errors[0]
-    return time.time() - t0
+    info["seconds"] = time.time() - t0 - progress["setup"]  # compile + capture apart
+    info["new_tokens"] = progress["new_tokens"]
+    return info
+
+
+def _engine_compile(spec, device: str):
+    """The fast engine compiles (spec's compile.backend) and captures its step on CUDA only;
+    on CPU it runs eager (a compile would cost more than the few hundred steps it saves)."""
+    if not device.startswith("cuda"):
+        return False
+    backend = spec["compile"]["backend"]
+    return False if backend == "eager" else backend
 
 
 def _merge(shard_dir: Path, chunks, samples):
@@ -458,7 +525,7 @@ def _merge(shard_dir: Path, chunks, samples):
 
 
 def _write(spec, data_dir: Path, table, fingerprints, plan_fp, report, prompts, chunks,
-           resumed, gen_seconds, seconds) -> dict:
+           resumed, gen: dict, seconds) -> dict:
     import pyarrow.parquet as pq
 
     d = spec["data"]
@@ -483,9 +550,14 @@ def _write(spec, data_dir: Path, table, fingerprints, plan_fp, report, prompts, 
                     "max_prompt_tokens": d["max_prompt_tokens"],
                     "devices": list(spec["topology"]["targets"]), "chunks": len(chunks),
                     "chunks_resumed": resumed, "plan": plan_fp,
-                    "generate_seconds": round(gen_seconds, 2),
-                    "new_tokens_per_second": round(sum(r_tok) / gen_seconds, 2)
-                    if gen_seconds and not resumed else None},
+                    "engine_requested": d["engine"], "engine": gen["engine"],
+                    "engine_settings": gen["engines"],
+                    "generate_seconds": round(gen["seconds"], 2),
+                    "new_tokens_generated": gen["new_tokens"],
+                    # this run's generation only (resumed shards excluded), engine setup and
+                    # compile excluded (engine_settings.*.setup_seconds)
+                    "new_tokens_per_second": round(gen["new_tokens"] / gen["seconds"], 2)
+                    if gen["seconds"] else None},
         seed=spec["seed"],
         dataset={"path": DATASET, "rows": table.num_rows, "sha256": sha256_file(out)},
         seconds=round(seconds, 2),

@@ -276,11 +276,16 @@ class Engine:
         nxt = torch.where(act, nxt, self.tok)
         at = self.gen.clamp(max=self.max_new - 1)
         self.out[self.slot_ar, at] = torch.where(act, nxt, self.out[self.slot_ar, at])
-        finished = act & (torch.isin(nxt, self.eos) | (self.gen + 1 >= self.max_new))
+        finished = act & (self._is_eos(nxt) | (self.gen + 1 >= self.max_new))
         self.gen += act.long()
         self.pos += act.long()
         self.tok.copy_(nxt)
         self.active &= ~finished
+
+    def _is_eos(self, tok):
+        # a broadcast compare, not torch.isin (whose sort-based path is no graph-capture risk
+        # worth taking for a handful of ids)
+        return (tok[:, None] == self.eos[None, :]).any(-1)
 
     def _prepare(self) -> None:
         """Compile the per-layer pieces and capture the decode step (once, exclusive gate)."""
@@ -369,7 +374,7 @@ class Engine:
             self.gen[idx] = 1
             self.keys[idx] = kt
             self.out[idx, 0] = nxt
-            self.active[idx] = ~(torch.isin(nxt, self.eos) | (self.max_new <= 1))
+            self.active[idx] = ~(self._is_eos(nxt) | (self.max_new <= 1))
         self.stats["prefill_calls"] += 1
         self.stats["prefill_seconds"] += time.time() - t0
 
@@ -378,56 +383,67 @@ class Engine:
                ) -> Iterator[tuple[Hashable, list[int]]]:
         """Generate for ``(key, prompt_ids, seed)`` items (read lazily, as slots free up);
         yield ``(key, answer_ids)`` in completion order. An answer ends at its first eos
-        (included) or after ``max_new_tokens``. ``seed`` is ignored when greedy."""
+        (included) or after ``max_new_tokens``. ``seed`` is ignored when greedy.
+
+        Order of work per round, so the host's work overlaps the device's: launch
+        ``sync_every`` decode steps; prefill waiting prompts into the slots freed last round
+        (queued behind those steps on the same stream, so the kernel launches of the eager
+        prefill overlap the decode); hand out last round's answers; then one sync to find the
+        slots that finished.
+        """
         import torch
 
         self._prepare()
         feed = iter(items)
-        exhausted = False
+        state = {"exhausted": False}
         occupied: dict[int, Hashable] = {}
         free = list(range(self.B - 1, -1, -1))  # pop() hands out low slots first
         limit = self.S - self.max_new
+
+        def refill(force: bool) -> None:
+            while free and not state["exhausted"] and (force or len(free) >= self.refill_at):
+                group: list[tuple[int, Hashable, Sequence[int], int]] = []
+                while free and len(group) < self.prefill_batch:
+                    try:
+                        key, ids, seed = next(feed)
+                    except StopIteration:
+                        state["exhausted"] = True
+                        break
+                    if not 0 < len(ids) <= limit:
+                        raise DFlashError(
+                            f"fast generation engine: prompt {key!r} has {len(ids)} tokens; "
+                            f"1..{limit} fit (max_len {self.S} - max_new_tokens {self.max_new})")
+                    group.append((free.pop(), key, ids, int(seed or 0)))
+                if group:
+                    keys = seed_keys(torch.tensor([g[3] & ((1 << 63) - 1) for g in group],
+                                                  dtype=torch.long)).tolist()
+                    self._prefill([g[0] for g in group], [g[2] for g in group], keys)
+                    for slot, key, _, _ in group:
+                        occupied[slot] = key
+                force = False
+
+        pending: list[tuple[Hashable, Any, int]] = []
         with torch.inference_mode():
-            while True:
-                # refill free slots in prefill groups
-                while free and not exhausted and (len(free) >= self.refill_at or not occupied):
-                    group: list[tuple[int, Hashable, Sequence[int], int]] = []
-                    while free and len(group) < self.prefill_batch:
-                        try:
-                            key, ids, seed = next(feed)
-                        except StopIteration:
-                            exhausted = True
-                            break
-                        if not 0 < len(ids) <= limit:
-                            raise DFlashError(
-                                f"fast generation engine: prompt {key!r} has {len(ids)} tokens; "
-                                f"1..{limit} fit (max_len {self.S} - max_new_tokens "
-                                f"{self.max_new})")
-                        group.append((free.pop(), key, ids, int(seed or 0)))
-                    if group:
-                        keys = seed_keys(torch.tensor([g[3] & ((1 << 63) - 1) for g in group],
-                                                      dtype=torch.long)).tolist()
-                        self._prefill([g[0] for g in group], [g[2] for g in group], keys)
-                        for slot, key, _, _ in group:
-                            occupied[slot] = key
-                if not occupied:
-                    if exhausted:
-                        return
-                    continue
-                self._replay(self.sync_every)
-                # harvest finished slots (one host sync)
-                active = self.active.cpu()
-                done = [s for s in occupied if not bool(active[s])]
-                if not done:
-                    continue
-                idx = torch.tensor(done, device=self.device)
-                rows, lens = self.out[idx].cpu(), self.gen[idx].cpu()
-                for i, s in enumerate(done):
-                    n = int(lens[i])
+            refill(force=True)
+            while occupied or pending:
+                if occupied:
+                    self._replay(self.sync_every)
+                refill(force=not occupied)
+                for key, row, n in pending:
                     self.stats["new_tokens"] += n
                     self.stats["answers"] += 1
-                    free.append(s)
-                    yield occupied.pop(s), rows[i, :n].tolist()
+                    yield key, row[:n].tolist()
+                pending = []
+                if not occupied:
+                    continue
+                active = self.active.cpu().tolist()  # the one sync per round
+                done = [s for s in occupied if not active[s]]
+                if done:
+                    idx = torch.tensor(done, device=self.device)
+                    rows, lens = self.out[idx].cpu(), self.gen[idx].cpu().tolist()
+                    for i, s in enumerate(done):
+                        pending.append((occupied.pop(s), rows[i], lens[i]))
+                        free.append(s)
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  seeds: Sequence[int] | None = None) -> list[list[int]]:

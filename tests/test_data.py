@@ -68,6 +68,10 @@ def test_dataset_and_manifest(reference, capsys):
     assert t["total_tokens"] == sum(len(r["input_ids"]) for r in rows)
     assert m["dataset"]["rows"] == 12 and len(m["dataset"]["sha256"]) == 64
     assert m["generation"]["chunks"] == 3 and m["generation"]["temperature"] == 0.0
+    g = m["generation"]
+    assert g["engine_requested"] == "auto" and g["engine"] == "fast"
+    assert g["engine_settings"]["cpu"]["slots"] == 4 and not g["engine_settings"]["cpu"]["compiled"]
+    assert g["new_tokens_generated"] == t["response"]["total"] and g["new_tokens_per_second"] > 0
 
     # loss_mask covers exactly the response; the prompt is the chat-templated prompt
     from transformers import AutoTokenizer
@@ -140,6 +144,14 @@ def test_stale_shards_are_discarded(reference, tmp_path, capsys):
     assert m["tokens"]["response"]["max"] <= 5
     with pytest.raises(StaleArtifact, match="fingerprints.data"):
         data_stage.load_dataset(spec, tmp_path)
+
+
+def test_hf_engine_gives_the_same_greedy_dataset(reference, tmp_path):
+    """engine hf (the batch-by-batch HF loop) and fast agree on greedy answers."""
+    spec, _, ref_m, _ = reference
+    m = data_stage.run(make_spec(engine="hf"), tmp_path)
+    assert m["generation"]["engine"] == "hf" and m["generation"]["engine_settings"] == {}
+    assert m["dataset"]["sha256"] == ref_m["dataset"]["sha256"]
 
 
 def test_sampling_two_devices_deterministic(tmp_path):
