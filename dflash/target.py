@@ -7,10 +7,12 @@ folder ~0.2 s); Qwen3-8B/32B-shaped targets are real architecture configs with r
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import os
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -182,8 +184,9 @@ def load_target(target: dict, device: str, seed: int = 0, need_lm_head: bool = T
     else:
         src = smollm2_hf_dir() if target["model"] in BUILTIN_PRETRAINED else _user_dir(
             target["model"])
-        model = AutoModelForCausalLM.from_pretrained(src, config=config, dtype=dtype,
-                                                     attn_implementation=impl).to(device)
+        with _expected_unexpected_keys(config, dropped_layer_keys(hf_config(target), num_layers)):
+            model = AutoModelForCausalLM.from_pretrained(src, config=config, dtype=dtype,
+                                                         attn_implementation=impl).to(device)
     model.eval().requires_grad_(False)
     # feature workers need no tokenizer (random-weight targets then need no SmolLM2 package)
     tok = AutoTokenizer.from_pretrained(tokenizer_dir(target["model"])) if need_tokenizer \
@@ -191,6 +194,50 @@ def load_target(target: dict, device: str, seed: int = 0, need_lm_head: bool = T
     full_cfg = hf_config(target)
     return Target(model=model, tokenizer=tok, config=full_cfg,
                   layer_ids=layer_ids(target, full_cfg), attention=attention)
+
+
+def dropped_layer_keys(full_config, num_layers: int | None) -> list[str]:
+    """Checkpoint-key patterns of the decoder layers a truncated load leaves out (>= num_layers).
+
+    Exact layer numbers, anchored: a genuinely unexpected key elsewhere (or of a kept layer)
+    does not match and is still reported.
+    """
+    total = full_config.num_hidden_layers
+    if num_layers is None or num_layers >= total:
+        return []
+    ids = "|".join(str(i) for i in range(num_layers, total))
+    return [rf"^model\.layers\.({ids})\."]
+
+
+_LOAD_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _expected_unexpected_keys(config, patterns: list[str]):
+    """Have transformers' load report leave out ``patterns`` (and only those) while loading.
+
+    transformers drops an unexpected key from its report when it matches the model class's
+    ``_keys_to_ignore_on_load_unexpected`` (copied into the instance at construction); we
+    extend that class attribute for the duration of one load (serialised: it is a class
+    global) and restore it. Missing and mismatched keys are never touched.
+    """
+    if not patterns:
+        yield
+        return
+    from transformers import AutoModelForCausalLM
+
+    cls = AutoModelForCausalLM._model_mapping[type(config)]
+    with _LOAD_LOCK:
+        had = "_keys_to_ignore_on_load_unexpected" in cls.__dict__
+        old = cls.__dict__.get("_keys_to_ignore_on_load_unexpected")
+        cls._keys_to_ignore_on_load_unexpected = list(old or []) + patterns
+        try:
+            yield
+        finally:
+            if had:
+                cls._keys_to_ignore_on_load_unexpected = old
+            else:
+                del cls._keys_to_ignore_on_load_unexpected
 
 
 FLEX_IMPL = "packed_doc_flex"  # must not contain "flash": transformers reads that as flash-attn
