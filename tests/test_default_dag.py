@@ -61,7 +61,11 @@ def test_bench_report_has_every_field_and_tau(tiny):
     acc = rep["acceptance"]
     assert acc["lossless"] is True          # speculative greedy == target greedy, token for token
     assert acc["tau"] >= 1.0 and len(acc["accept_rate_by_position"]) == 15
-    for png in ("loss.png", "throughput.png", "acceptance.png"):
+    assert set(acc["sets"]) == {"mtbench", "humaneval", "heldout"}
+    for name, s in acc["sets"].items():
+        assert s["prompts"] == 6 and s["tau"] >= 1.0, name
+        assert s["real"]["lossless"] is True and s["real"]["tokens_equal_simulated"] == 1, name
+    for png in ("loss.png", "throughput.png", "acceptance.png", "tau_by_category.png"):
         assert (tiny / "results" / "tiny" / "bench" / png).stat().st_size > 1000
     cfg = _json(tiny / "results" / "tiny" / "train" / "drafter" / "config.json")
     assert cfg["dflash_config"]["mask_token_id"] == 4 and cfg["block_size"] == 16
