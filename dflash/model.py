@@ -366,18 +366,30 @@ class DFlashDrafter(nn.Module):
 # ---------------------------------------------------------------------------------------------
 # loss
 # ---------------------------------------------------------------------------------------------
-def _chunk_ce_sum(h, w_lm, y, wt):
+def _chunk_ce_sum(h, w_lm, y, wt, k=None, num_positions: int = 0):
     logits = (h @ w_lm.t()).float()
-    return (F.cross_entropy(logits, y, reduction="none") * wt).sum()
+    total = (F.cross_entropy(logits, y, reduction="none") * wt).sum()
+    if k is None:
+        return total
+    # top-1 hits per block position, from the logits the loss computes anyway (no grad, no sync)
+    with torch.no_grad():
+        hit = (logits.argmax(-1) == y).float()
+        hits = torch.zeros(num_positions, device=h.device).scatter_add_(0, k, hit)
+    return total, hits
 
 
 def drafter_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
-                 weights: torch.Tensor, chunk_size: int = 2048) -> torch.Tensor:
+                 weights: torch.Tensor, chunk_size: int = 2048,
+                 positions: torch.Tensor | None = None, num_positions: int = 0):
     """Weighted CE over labelled positions, normalised by the sum of their weights.
 
     Logits are computed ``chunk_size`` positions at a time and recomputed in backward
     (activation checkpointing), so at most one chunk of [chunk, vocab] logits ever exists:
     32768 positions x 151936 vocab would otherwise be ~10 GB.
+
+    With ``positions`` (the block position k of every label, shape of ``labels``) it returns
+    ``(loss, hits)``: hits [num_positions] = labelled positions whose top-1 prediction equals the
+    label, per block position (the draft accuracy the training log shows), a device tensor.
     """
     from torch.utils.checkpoint import checkpoint
 
@@ -387,18 +399,28 @@ def drafter_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: tor
     w = torch.broadcast_to(weights, labels.shape).reshape(-1).to(torch.float32)
     keep = (y != -100) & (w > 0)
     h, y, w = h[keep], y[keep], w[keep]
-    denom = w.sum()
+    k = None
+    if positions is not None:
+        k = torch.broadcast_to(positions, labels.shape).reshape(-1)[keep]
+    hits = hidden.new_zeros(num_positions, dtype=torch.float32)
     if y.numel() == 0:
-        return hidden.sum() * 0.0  # keeps the graph (and DDP) happy on an empty batch
+        empty = hidden.sum() * 0.0  # keeps the graph (and DDP) happy on an empty batch
+        return (empty, hits) if positions is not None else empty
+    denom = w.sum()
     total = hidden.new_zeros((), dtype=torch.float32)
     for s in range(0, y.numel(), chunk_size):
         sl = slice(s, s + chunk_size)
+        args = (h[sl], lm_head_weight, y[sl], w[sl]) + (
+            (k[sl], num_positions) if k is not None else ())
         if torch.is_grad_enabled() and h.requires_grad:
-            total = total + checkpoint(_chunk_ce_sum, h[sl], lm_head_weight, y[sl], w[sl],
-                                       use_reentrant=False)
+            out = checkpoint(_chunk_ce_sum, *args, use_reentrant=False)
         else:
-            total = total + _chunk_ce_sum(h[sl], lm_head_weight, y[sl], w[sl])
-    return total / denom
+            out = _chunk_ce_sum(*args)
+        if k is not None:
+            out, chunk_hits = out
+            hits = hits + chunk_hits
+        total = total + out
+    return (total / denom, hits) if positions is not None else total / denom
 
 
 # ---------------------------------------------------------------------------------------------

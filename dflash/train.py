@@ -153,6 +153,7 @@ def run(ctx: StageContext, fail_at: dict | None = None, out: Path | None = None,
         metrics.write({"step": rec.step, "epoch": rec.epoch, "loss": rec.loss, "lr": rec.lr,
                        "grad_norm": rec.grad_norm, "tokens": rec.tokens,
                        "labelled": rec.labelled, "samples": len(rec.sample_ids),
+                       "draft_acc": rec.draft_acc,
                        "sample_ids": rec.sample_ids, "t": round(rec.t_end - t_pipe[0], 4)})
         status.step(rec)
         if persist and ((rec.step + 1) % every == 0 or rec.step + 1 == total_steps):

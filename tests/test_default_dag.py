@@ -46,6 +46,10 @@ def test_training_is_warm_and_race_free(tiny):
     losses = [json.loads(x)["loss"] for x in
               (tiny / "results" / "tiny" / "train" / "metrics.jsonl").read_text().splitlines()]
     assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4  # it learns
+    acc = [json.loads(x)["draft_acc"] for x in
+           (tiny / "results" / "tiny" / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert all(len(a) == 15 for a in acc)
+    assert sum(a[0] for a in acc[-4:]) > sum(a[0] for a in acc[:4])  # position 1 learns
 
 
 def test_bench_report_has_every_field_and_tau(tiny):

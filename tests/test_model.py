@@ -152,6 +152,35 @@ def test_chunked_loss_equals_full_ce():
     torch.testing.assert_close(g_chunk, g_ref)
 
 
+def test_loss_reports_top1_hits_per_block_position():
+    """The per-position draft accuracy comes from the loss's own logits and equals a direct
+    count; asking for it changes neither the loss nor its gradient."""
+    torch.manual_seed(0)
+    B = 5
+    hid = torch.randn(2, 4 * B, H, requires_grad=True)
+    w_lm = torch.randn(V, H)
+    logits = hid.detach() @ w_lm.t()
+    labels = torch.randint(0, V, (2, 4 * B))
+    labels[0, :7] = logits[0, :7].argmax(-1)           # some hits at known places
+    labels[:, ::B] = IGNORE_INDEX                       # anchors carry no label
+    labels[1, -3:] = IGNORE_INDEX
+    wts = torch.rand(2, 4 * B) + 0.1
+    k = torch.arange(B).repeat(4)[None]
+    loss, hits = drafter_loss(hid, w_lm, labels, wts, chunk_size=7, positions=k,
+                              num_positions=B)
+    plain = drafter_loss(hid, w_lm, labels, wts, chunk_size=7)
+    torch.testing.assert_close(loss, plain)
+    assert not hits.requires_grad
+    kk = k.expand_as(labels)
+    ok = (logits.argmax(-1) == labels) & (labels != IGNORE_INDEX)
+    want = torch.tensor([float(ok[kk == j].sum()) for j in range(B)])
+    torch.testing.assert_close(hits, want)
+    assert hits[0] == 0 and hits.sum() >= 5         # positions 1-4 and 6 of row 0
+    (g1,) = torch.autograd.grad(loss, hid)
+    (g2,) = torch.autograd.grad(drafter_loss(hid, w_lm, labels, wts, chunk_size=7), hid)
+    torch.testing.assert_close(g1, g2)
+
+
 def test_training_drives_loss_down():
     torch.manual_seed(0)
     cfg = tiny_cfg()
