@@ -111,3 +111,26 @@ def test_bench_failure_is_one_message_naming_the_file(tmp_path, exported):
     assert "\n" not in msg and e.value.__cause__ is None and e.value.__suppress_context__
     assert f"loading the exported drafter {broken}" in msg and "drafter.dtype" in msg
     assert (tmp_path / "bench" / "tau_error.txt").read_text().startswith("Traceback")
+
+
+def test_tau_monitor_equals_simulated_tau_of_the_replica(tmp_path):
+    """The training-time τ monitor gives the simulated τ of the replica's current weights."""
+    from dflash.evaluate import TauMonitor, greedy_continuations, heldout_prompts, simulate, \
+        summarize
+    from dflash.target import load_target
+    from dflash.topology import drafter_config, initial_state, make_replicas
+
+    raw = yaml.safe_load((REPO / "tests" / "specs" / "micro.yaml").read_text())
+    path = tmp_path / "micro.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    spec = load_spec(path)
+    cfg = drafter_config(spec)
+    rep = make_replicas(spec, cfg, initial_state(cfg, 0), 10)[0]
+    mon = TauMonitor(spec, tmp_path, "cpu", log=lambda _: None)
+    got = mon(rep)
+    tgt = load_target(spec["target"], "cpu", seed=spec["seed"])
+    prompts, _ = heldout_prompts(spec, tmp_path, tgt.tokenizer, 3)
+    sim = simulate(tgt.model, rep.model, rep.embed, rep.lm_head, prompts, 8, [2],
+                   cfg.target_layer_ids, "cpu")
+    assert mon.conts == sim["continuations"] and len(prompts) == 3
+    assert got["tau"] == summarize(sim["chains"], cfg.block_size)["tau"] >= 1.0

@@ -61,6 +61,9 @@ def test_full_dag_artifacts(wf):
     rows = [json.loads(x) for x in (res / "train" / "metrics.jsonl").read_text().splitlines()]
     assert all(len(r["draft_acc"]) == 3 for r in rows)
     assert all(a is None or 0.0 <= a <= 1.0 for r in rows for a in r["draft_acc"])
+    # the τ monitor (monitor.tau_every_steps: 3) logged at steps 3 and 6
+    assert [r["step"] for r in rows if "tau_heldout" in r] == [2, 5]
+    assert all(r["tau_heldout"] >= 1.0 for r in rows if "tau_heldout" in r)
     warm = json.loads((res / "warmup" / "manifest.json").read_text())
     assert {(c["replica"], c["bucket"]) for c in warm["compiled"]} == {(0, 256), (1, 256)}
     cfg = json.loads((res / "train" / "drafter" / "config.json").read_text())
