@@ -66,8 +66,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sets", default="mtbench,humaneval,heldout")
     ap.add_argument("--prompts", type=int, default=80, help="prompts per set")
     ap.add_argument("--max-new", type=int, default=256)
-    ap.add_argument("--real-prompts", type=int, default=4, help="prompts per real set decoded for "
-                    "real (tokens/s, speed-up, simulated == real)")
+    ap.add_argument("--real-prompts", type=int, default=8, help="prompts of the first set also "
+                    "decoded for real (tokens/s, speed-up, simulated == real)")
     ap.add_argument("--batch-size", type=int, default=80, help="greedy continuation batch")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--legacy", action="store_true", help="time the previous bench path")
