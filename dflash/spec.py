@@ -30,7 +30,7 @@ STAGE_FIELDS: dict[str, list[str]] = {
     "warmup": ["target.model", "target.init", "target.dtype", "target.num_feature_layers",
                "target.layer_ids", "drafter", "batching", "topology.drafters", "compile", "seed"],
     "data": ["target.model", "target.init", "target.dtype", "data", "seed"],
-    "train": ["loss", "optim", "checkpoint", "topology", "seed"],
+    "train": ["loss", "optim", "checkpoint", "topology", "monitor", "seed"],
     "bench": ["bench"],
 }
 

@@ -127,6 +127,15 @@ def layer_ids(target: dict, config) -> list[int]:
     bad = [i for i in ids if i >= n_layers]
     if bad:
         raise SpecError(f"target.layer_ids: {bad} out of range for a {n_layers}-layer target")
+    if n_layers - 1 in ids:
+        # Training reads each feature layer's raw output (a forward hook); inference — ours and
+        # the reference DFlashDraftModel's — reads HF hidden_states[i+1], which for the LAST
+        # layer is the output after the final norm (measured on SmolLM2: difference 2.98 against
+        # a magnitude of 0.81). The two would disagree, so that id is refused.
+        raise SpecError(f"target.layer_ids: {n_layers - 1} is the target's last layer, whose "
+                        f"HF hidden state is taken after the final norm at inference but before "
+                        f"it in training; use ids up to {n_layers - 2} (the default spreads "
+                        f"them over 1..{max(1, n_layers - 3)})")
     return list(ids)
 
 

@@ -141,6 +141,12 @@ def run(ctx: StageContext, fail_at: dict | None = None, out: Path | None = None,
     print(f"[train] warm start: {len(warm_records)} (worker, bucket) steps in "
           f"{warm_start_s:.1f}s; gate now refuses recompiles", flush=True)
 
+    # periodic simulated τ (off by default; never in the bench stage's timed run)
+    monitor, every_tau = None, spec["monitor"]["tau_every_steps"]
+    if every_tau and persist:
+        from .evaluate import TauMonitor
+
+        monitor = TauMonitor(spec, ctx.results, replicas[0].device)
     metrics = MetricsLog(out / "metrics.jsonl", start_step)
     status = StatusReporter(out / "status.json", spec, total_steps)
     seen_ids: dict[int, list[int]] = {}
@@ -150,10 +156,18 @@ def run(ctx: StageContext, fail_at: dict | None = None, out: Path | None = None,
         counters["tokens"] += rec.tokens
         counters["samples"] += len(rec.sample_ids)
         seen_ids.setdefault(rec.epoch, []).extend(rec.sample_ids)
+        extra = {}
+        if monitor is not None and ((rec.step + 1) % every_tau == 0
+                                    or rec.step + 1 == total_steps):
+            # on the first replica's thread, after its step: the others wait at the barrier
+            m = monitor(replicas[0])
+            extra = {"tau_heldout": m["tau"], "tau_seconds": m["seconds"]}
         metrics.write({"step": rec.step, "epoch": rec.epoch, "loss": rec.loss, "lr": rec.lr,
                        "grad_norm": rec.grad_norm, "tokens": rec.tokens,
                        "labelled": rec.labelled, "samples": len(rec.sample_ids),
-                       "sample_ids": rec.sample_ids, "t": round(rec.t_end - t_pipe[0], 4)})
+                       "draft_acc": rec.draft_acc,
+                       "sample_ids": rec.sample_ids, "t": round(rec.t_end - t_pipe[0], 4),
+                       **extra})
         status.step(rec)
         if persist and ((rec.step + 1) % every == 0 or rec.step + 1 == total_steps):
             ckpt.save(out / "checkpoints", rec.step + 1, replicas[0], dict(counters),

@@ -35,7 +35,8 @@ STAGE_MODULES = {
     "data": ["data", "prompts", "target", "stage"],
     "train": ["train", "scheduler", "topology", "replica", "model", "masks", "gate", "packing",
               "checkpoint", "status", "target", "stage"],
-    "bench": ["bench", "spec_decode", "report", "stage"],
+    "bench": ["bench", "evaluate", "spec_decode", "model", "data", "prompts", "target", "stage",
+              "templates/report.md.j2"],
 }
 
 

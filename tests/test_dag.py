@@ -57,6 +57,13 @@ def test_full_dag_artifacts(wf):
     assert train["gate"]["race_errors"] == 0
     assert train["replicas"] == 2 and train["replicas_identical"] is True
     assert train["exactly_once"]["0"]["exactly_once"] is True
+    # per-position draft accuracy is logged with the loss: block 4 -> positions 1..3
+    rows = [json.loads(x) for x in (res / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert all(len(r["draft_acc"]) == 3 for r in rows)
+    assert all(a is None or 0.0 <= a <= 1.0 for r in rows for a in r["draft_acc"])
+    # the τ monitor (monitor.tau_every_steps: 3) logged at steps 3 and 6
+    assert [r["step"] for r in rows if "tau_heldout" in r] == [2, 5]
+    assert all(r["tau_heldout"] >= 1.0 for r in rows if "tau_heldout" in r)
     warm = json.loads((res / "warmup" / "manifest.json").read_text())
     assert {(c["replica"], c["bucket"]) for c in warm["compiled"]} == {(0, 256), (1, 256)}
     cfg = json.loads((res / "train" / "drafter" / "config.json").read_text())
