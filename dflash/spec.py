@@ -118,6 +118,11 @@ def _schema_error(file: str, err: jsonschema.ValidationError) -> SpecError:
         missing = err.message.split("'")[1] if "'" in err.message else err.message
         field = f"{where}.{missing}" if err.absolute_path else missing
         return SpecError(f"{file}: missing required field '{field}'")
+    alts = [r for sub in err.schema.get("oneOf", []) if isinstance(sub, dict)
+            for r in sub.get("required", [])] if err.validator == "oneOf" else []
+    if alts:  # e.g. data: source or sources
+        names = " or ".join(f"'{where}.{a}'" for a in alts)
+        return SpecError(f"{file}: field '{where}': give exactly one of {names}")
     return SpecError(f"{file}: field '{where}': {err.message}")
 
 
