@@ -313,11 +313,17 @@ class Engine:
                 self.stats["compile_seconds"] = round(time.time() - t0, 3)
                 if self.cuda_graph:
                     t1 = time.time()
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, capture_error_mode="thread_local"):
-                        self._decode_step()
-                    torch.cuda.synchronize(self.device)
-                    self._graph = g
+                    try:
+                        g = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(g, capture_error_mode="thread_local"):
+                            self._decode_step()
+                        torch.cuda.synchronize(self.device)
+                        self._graph = g
+                    except Exception as e:  # loud, recorded: the step then runs uncaptured
+                        self.stats["graph_error"] = f"{type(e).__name__}: {e}"[:500]
+                        print(f"[generate] WARNING: CUDA-graph capture of the decode step "
+                              f"failed, running it uncaptured (slower): "
+                              f"{self.stats['graph_error']}", file=sys.stderr, flush=True)
                     self.stats["capture_seconds"] = round(time.time() - t1, 3)
                 self._restore(saved)
         self._ready = True
