@@ -127,7 +127,8 @@ def run_engine(model, prompts, seeds, a, eos, slots: int, device) -> dict:
             "prefill_calls": st["prefill_calls"],
             "prefill_seconds": round(st["prefill_seconds"], 3),
             "slot_utilisation": round(new / max(1, st["decode_steps"] * slots + len(prompts)), 4),
-            "mean_answer_tokens": round(new / len(prompts), 1)}, out
+            "mean_answer_tokens": round(new / len(prompts), 1),
+            "graph_error": st.get("graph_error")}, out
 
 
 def greedy_check(model, prompts, a, eos, pad, device) -> dict:

@@ -32,7 +32,7 @@ wildcard_constraints:
 STAGE_MODULES = {
     "env": ["envstage", "spec", "manifest", "errors", "cli", "schema/spec.schema.yaml"],
     "warmup": ["warmup", "topology", "replica", "model", "masks", "gate", "target", "stage"],
-    "data": ["data", "prompts", "target", "stage"],
+    "data": ["data", "prompts", "generate", "self_written", "target", "stage"],
     "train": ["train", "scheduler", "topology", "replica", "model", "masks", "gate", "packing",
               "checkpoint", "status", "target", "stage"],
     "bench": ["bench", "evaluate", "spec_decode", "model", "data", "prompts", "target", "stage",
