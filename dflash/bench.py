@@ -182,6 +182,22 @@ def _plots(out: Path, metrics: list[dict], tau: dict) -> list[str]:
              xlabel="step", ylabel="loss", title="Training loss")
         plot("throughput.png", lambda ax: ax.plot(t[1:], tps),
              xlabel="seconds", ylabel="target tokens / s", title="Throughput")
+        acc = [(m["step"], m["draft_acc"]) for m in metrics if m.get("draft_acc")]
+        if acc:
+            def draw_acc(ax):
+                n = len(acc[0][1])
+                for k in sorted({1, 2, 4, 8, n} & set(range(1, n + 1))):
+                    ax.plot([s for s, _ in acc],
+                            [a[k - 1] if a[k - 1] is not None else float("nan") for _, a in acc],
+                            label=f"k = {k}")
+                ax.set_ylim(0, 1)
+                ax.legend()
+            plot("draft_accuracy.png", draw_acc, xlabel="step", ylabel="top-1 accuracy",
+                 title="Draft accuracy by block position (training batches)")
+        taus = [(m["step"], m["tau_heldout"]) for m in metrics if "tau_heldout" in m]
+        if taus:
+            plot("tau_training.png", lambda ax: ax.plot(*zip(*taus), marker="o"),
+                 xlabel="step", ylabel="simulated τ (held-out)", title="τ while training")
     sets = {k: v for k, v in (tau.get("sets") or {}).items() if v.get("tau") is not None}
     if sets:
         def by_position(ax):
@@ -287,6 +303,10 @@ def run(ctx: StageContext) -> dict:
         "gate_wait_s": source["gate"]["shared_wait_s"] + source["gate"]["exclusive_wait_s"],
         "gate": "on" if source["gate"].get("enabled", True) else "off (DFLASH_GATE=off)",
         "final_loss": source.get("final_loss"),
+        # per block position k = 1..B-1, mean over the last 10 logged steps
+        "final_draft_acc": _last_draft_acc(metrics),
+        "tau_while_training": [{"step": m["step"], "tau": m["tau_heldout"]} for m in metrics
+                               if "tau_heldout" in m],
         "tau": tau.get("tau"), "acceptance": tau,
         "topology": {"targets": spec["topology"]["targets"],
                      "drafters": spec["topology"]["drafters"]},
@@ -306,6 +326,17 @@ def run(ctx: StageContext) -> dict:
     atomic_write_text(out / "report.md", md)
     print(md, flush=True)
     return report
+
+
+def _last_draft_acc(metrics: list[dict], last: int = 10) -> list[float | None] | None:
+    rows = [m["draft_acc"] for m in metrics[-last:] if m.get("draft_acc")]
+    if not rows:
+        return None
+    out = []
+    for k in range(len(rows[0])):
+        vals = [r[k] for r in rows if r[k] is not None]
+        out.append(round(sum(vals) / len(vals), 4) if vals else None)
+    return out
 
 
 def _doc_lengths_per_step(ctx, window: list[dict]) -> list[list[int]]:
