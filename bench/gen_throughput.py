@@ -146,13 +146,18 @@ def run_engine(model, prompts, seeds, a, eos, slots: int, device) -> dict:
             "graph_error": st.get("graph_error")}, out
 
 
-def greedy_check(model, prompts, a, eos, pad, device) -> dict:
-    """Greedy engine answers vs HF greedy, one prompt at a time (exact in float32; in bf16
-    batch composition changes rounding, so a late divergence is possible)."""
+def greedy_check(target, prompts, a, eos, pad, device) -> dict:
+    """Greedy engine answers (compiled + captured as configured) vs HF greedy, one prompt at a
+    time, on a float32 copy of the target (in bf16 the rounding differs between batch
+    compositions, so two exact implementations may part ways late in a long answer)."""
     import torch
 
+    model = load_target(dict(target, dtype="float32"), device, need_tokenizer=False).model
+
     eng = Engine(model, slots=min(len(prompts), 8), max_len=max(map(len, prompts)) + a.max_new,
-                 max_new_tokens=a.max_new, eos_ids=eos, compile=False, cuda_graph=False)
+                 max_new_tokens=a.max_new, eos_ids=eos,
+                 compile=None if a.compile == "auto" else a.compile == "on",
+                 cuda_graph=None if a.graph == "auto" else a.graph == "on")
     ours = eng.generate(prompts)
     same, prefix = 0, []
     for p, o in zip(prompts, ours):
@@ -165,7 +170,7 @@ def greedy_check(model, prompts, a, eos, pad, device) -> dict:
         same += o == ref
         k = next((i for i, (x, y) in enumerate(zip(o, ref)) if x != y), min(len(o), len(ref)))
         prefix.append(k / max(1, len(ref)))
-    return {"prompts": len(prompts), "identical": same,
+    return {"dtype": "float32", "prompts": len(prompts), "identical": same,
             "mean_common_prefix_fraction": round(sum(prefix) / len(prefix), 4)}
 
 
@@ -188,7 +193,8 @@ def main(argv=None) -> int:
     ap.add_argument("--hf-batch", type=int, default=256)
     ap.add_argument("--loop-prompts", type=int, default=256,
                     help="subset for the old data-stage loop (0: skip)")
-    ap.add_argument("--check", type=int, default=8, help="greedy check vs HF on N prompts")
+    ap.add_argument("--check", type=int, default=8,
+                    help="greedy check vs HF on N prompts (float32 copy; 0: skip)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="JSON path")
     a = ap.parse_args(argv)
@@ -240,7 +246,7 @@ def main(argv=None) -> int:
                                             / res[name]["new_tokens_per_s"], 2)
     if a.check:
         ps, _ = subset(a.check)
-        res["greedy_check"] = greedy_check(tgt.model, ps, a, eos, pad, a.device)
+        res["greedy_check"] = greedy_check(target, ps, a, eos, pad, a.device)
         print(f"greedy vs HF     : {res['greedy_check']}", flush=True)
     print(json.dumps({k: v for k, v in res.items() if k.startswith(("ratio", "engine_best"))}))
     if a.out:

@@ -130,6 +130,8 @@ def source_quotas(d) -> list[tuple[str, int]]:
         if e["source"] == SYNTHETIC:
             raise SpecError(f"data.sources[{i}]: 'synthetic' cannot be mixed (use data.source)")
         fixed += e.get("count") or 0
+    if sum(e["source"] == SELF_WRITTEN for e in entries) > 1:
+        raise SpecError("data.sources: list 'self-written' once (give it the whole count)")
     rest = d["max_prompts"] - fixed
     weighted = [(i, float(e.get("weight") or 1.0)) for i, e in enumerate(entries)
                 if e.get("count") is None]
@@ -193,11 +195,12 @@ def _mix(spec, tokenizer, reject, data_dir: Path | None):
             _log(f"data.sources[{i}] {src}: {len(take)} prompts available, {want} wanted")
         picked[i] = take
         _merge_report(combined, rep)
-        per_source[src] = {"requested": want, "taken": len(take), **rep.to_dict()}
+        per_source[_name(src, i, per_source)] = {"requested": want, "taken": len(take),
+                                                 **rep.to_dict()}
     for i, (src, want) in enumerate(quotas):
         if src == SELF_WRITTEN and want:
-            picked[i], per_source[src] = _self_written(spec, tokenizer, want, reject, seen,
-                                                       data_dir)
+            picked[i], rep = _self_written(spec, tokenizer, want, reject, seen, data_dir)
+            per_source[_name(src, i, per_source)] = rep
     prompts = []
     for i in sorted(picked):
         for p in picked[i]:
@@ -205,6 +208,11 @@ def _mix(spec, tokenizer, reject, data_dir: Path | None):
     if not prompts:
         raise DFlashError("data.sources: no usable prompts")
     return prompts, combined, per_source
+
+
+def _name(src: str, i: int, taken: dict) -> str:
+    """The manifest key of entry ``i`` (the source; ``source#i`` when listed twice)."""
+    return src if src not in taken else f"{src}#{i}"
 
 
 def _self_written(spec, tokenizer, count: int, reject, seen: set[str], data_dir: Path | None):
@@ -234,7 +242,8 @@ def _self_written(spec, tokenizer, count: int, reject, seen: set[str], data_dir:
             return out
         if "engine" not in holder:  # one engine (one compile/capture) for every round
             holder["engine"] = Engine(
-                tgt.model, slots=d["gen_batch_size"], max_len=len(prefix) + sw["max_tokens"],
+                tgt.model, slots=min(d["gen_batch_size"], len(seeds)),
+                max_len=len(prefix) + sw["max_tokens"],
                 max_new_tokens=sw["max_tokens"], eos_ids=eos, temperature=sw["temperature"],
                 compile=_engine_compile(spec, dev))
         return holder["engine"].generate([prefix] * len(seeds), seeds)
@@ -545,6 +554,7 @@ def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int, on_shard
     info["engine"] = engine
     # the fast engine's cache holds the longest prompt still to generate + max_new_tokens
     max_len = max(len(s.prompt_ids) for _, c in todo for s in c) + d["max_new_tokens"]
+    n_todo = sum(len(c) for _, c in todo)  # no more slots than samples (idle slots cost steps)
 
     work: queue.Queue = queue.Queue()
     for item in todo:
@@ -600,7 +610,7 @@ def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int, on_shard
     def fast_worker(dev: str, target) -> None:
         from .generate import Engine
 
-        eng = Engine(target.model, slots=d["gen_batch_size"], max_len=max_len,
+        eng = Engine(target.model, slots=min(d["gen_batch_size"], n_todo), max_len=max_len,
                      max_new_tokens=d["max_new_tokens"], eos_ids=eos,
                      temperature=d["temperature"], compile=_engine_compile(spec, dev))
         t_prep = time.time()

@@ -66,6 +66,10 @@ def unsupported_reason(model) -> str | None:
     if any(t != "full_attention" for t in types) or (
             getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None)):
         return "sliding-window attention layers"
+    rope = (getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) in ("dynamic",
+                                                                              "longrope"):
+        return f"rope_type {rope.get('rope_type', rope.get('type'))!r} (length-dependent)"
     base = getattr(model, "model", None)
     for attr in ("embed_tokens", "layers", "norm", "rotary_emb"):
         if not hasattr(base, attr):

@@ -18,9 +18,10 @@ request and ends it with its end-of-turn token. We sample such turns with the ge
 ``duplicate``      the same normalised text as a prompt already kept (from any source)
 =================  ==========================================================================
 
-Rounds: round ``r`` samples ``ceil(missing × oversample)`` candidates (seeds derived from the
-spec seed, the round and the index), filters them, and stops once ``count`` prompts are kept;
-after ``max_rounds`` it fails naming the counts. Every round's raw samples are written
+Rounds: round 0 samples ``ceil(count × oversample)`` candidates (seeds derived from the spec
+seed, the round and the index) and filters them; each later round samples what is missing
+divided by the keep rate seen so far (× 1.2, at least ``oversample``), until ``count`` prompts
+are kept; after ``max_rounds`` it fails naming the counts. Every round's raw samples are written
 atomically to ``<data>/self_written/round-NNNN.json`` before they are filtered, so a killed data
 stage reuses them (on GPU, bf16 logits depend on batch composition, so regenerating would not be
 bit-identical); a round made from other settings is regenerated.
@@ -110,7 +111,11 @@ def write_prompts(count: int, *, sample: Callable[[list[int], list[int]], list[l
     for rnd in range(settings["max_rounds"]):
         if len(kept) >= count:
             break
-        n = math.ceil((count - len(kept)) * settings["oversample"])
+        factor = settings["oversample"]
+        if report["candidates"]:  # later rounds: size by the keep rate seen so far
+            rate = len(kept) / report["candidates"]
+            factor = max(factor, 1.2 / max(rate, 0.02))
+        n = math.ceil((count - len(kept)) * factor)
         path = round_dir / f"round-{rnd:04d}.json"
         meta = {"ident": ident, "seed": seed, "round": rnd, "n": n}
         samples = None

@@ -53,3 +53,14 @@ if [[ $what == stress || $what == all || $what == dag+stress ]]; then
     done
   done
 fi
+if [[ $what == *gen* ]]; then
+  # target generation: plain HF generate vs the fast engine, same prompts, same run (issue #14)
+  timeout ${GEN_TIMEOUT:-480} python bench/gen_throughput.py ${GEN_ARGS:-} --out "$OUT/gen_throughput.json" \
+    > "$OUT/gen_throughput.log" 2>&1; echo "gen_throughput rc=$?"; grep -vE "UNEXPECTED|^model\.layers|Loading weights" "$OUT/gen_throughput.log" | tail -12
+fi
+if [[ $what == *selfwritten* ]]; then
+  # the data stage: 20K target-written prompts + chatterbot, answered by the fast engine
+  timeout ${SW_TIMEOUT:-540} python -m dflash.data specs/smollm2-data-h200.yaml --results results \
+    > "$OUT/data_smollm2-data-h200.log" 2>&1; echo "data rc=$?"; grep "^\[data\]" "$OUT/data_smollm2-data-h200.log" | tail -12
+  cp results/smollm2-data-h200/data/manifest.json "$OUT/smollm2-data-h200__data__manifest.json" 2>/dev/null
+fi
