@@ -69,6 +69,12 @@ def stage_env(wf: Path) -> dict:
     env.setdefault("DFLASH_CACHE", str(REPO / ".cache" / "dflash"))
     env["PYTHONPATH"] = str(wf)
     env.pop("DFLASH_FAIL_AT", None)
+    # the thread counts Snakemake gives a rule's job (threads: 1): a stage started here must
+    # compute exactly as the same stage started by Snakemake (float sums depend on the number
+    # of intra-op threads), or a run resumed under the other launcher is not bit-identical
+    env.update({k: "1" for k in ("OMP_NUM_THREADS", "GOTO_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                                 "MKL_NUM_THREADS", "VECLIB_MAXIMUM_THREADS",
+                                 "NUMEXPR_NUM_THREADS")})
     return env
 
 

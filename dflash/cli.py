@@ -6,17 +6,22 @@ last line of a failed stage's log says what failed and what to do.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import traceback
 
 from .errors import DFlashError
 
-STAGES = ("env", "warmup", "data", "train", "bench")
+# The one dispatch table: stage -> the module whose run() Snakemake's rule runs. Imported by
+# name, so no stage's code (and code fingerprint, dflash.code_fingerprint) includes another's.
+STAGES = {"env": "dflash.envstage", "warmup": "dflash.warmup", "data": "dflash.data",
+          "train": "dflash.train", "bench": "dflash.bench"}
 
 
 def _stage(name: str, spec_path: str, root: str) -> None:
+    module = importlib.import_module(STAGES[name])
     if name == "env":
-        from . import envstage
+        envstage = module
         from .spec import load_spec
         from .stage import results_dir
 
@@ -28,17 +33,12 @@ def _stage(name: str, spec_path: str, root: str) -> None:
               + ", ".join(f"{k} {v}" for k, v in stack.items() if v) +
               f"; env fingerprint {body['fingerprints']['env']}", flush=True)
         return
-    if name == "data":
-        from . import data
-        from .stage import begin
-
-        ctx = begin(spec_path, "data", root)
-        data.run(ctx.spec, ctx.results)
-        return
     from .stage import begin
 
     ctx = begin(spec_path, name, root)
-    module = __import__(f"dflash.{name}", fromlist=["run"])
+    if name == "data":
+        module.run(ctx.spec, ctx.results)
+        return
     module.run(ctx)
 
 

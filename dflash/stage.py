@@ -4,7 +4,6 @@ Stages are thin: ``dflash <stage> specs/<name>.yaml`` → :func:`begin` → the 
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,17 +38,3 @@ def begin(spec_path: str | Path, stage: str, root: str | Path = "results") -> St
     return StageContext(spec=spec, results=rdir, env_manifest=env,
                         env_fingerprint=checked["env_fingerprint"], drift=drift)
 
-
-def compile_cache_dir(env_fingerprint: str) -> Path:
-    """One inductor/triton cache per env fingerprint: a changed stack never reuses stale kernels.
-
-    Set before the first compile; warmup and train use the same directory, so training starts
-    with the kernels warmup built.
-    """
-    from .target import cache_root
-
-    d = cache_root() / "compile" / env_fingerprint
-    d.mkdir(parents=True, exist_ok=True)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(d / "inductor")
-    os.environ["TRITON_CACHE_DIR"] = str(d / "triton")
-    return d

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .cache import cache_root
 from .errors import SpecError
 from .manifest import fingerprint
 
@@ -39,10 +40,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
                         pad_token_id=2),
 }
 BUILTIN_PRETRAINED = {"smollm2-135m-instruct"}
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("DFLASH_CACHE", ".cache/dflash")).resolve()
 
 
 def _smollm2_gguf() -> Path:

@@ -15,7 +15,8 @@ import torch
 
 from . import checkpoint as ckpt
 from .manifest import atomic_write_text, expect, read_manifest, write_manifest
-from .stage import StageContext, compile_cache_dir
+from .cache import compile_cache_dir
+from .stage import StageContext
 
 
 def total_steps_for(spec, step_map) -> int:
@@ -41,6 +42,39 @@ def injected_failures() -> dict[str, int]:
         name, _, step = part.partition(":")
         out[name.strip()] = int(step)
     return out
+
+
+class EpochLedger:
+    """Which sample ids every epoch of the run trained on, across resumes.
+
+    Its state travels in every checkpoint, so a resumed run proves exactly-once over the whole
+    run, like an uninterrupted one. An epoch still running keeps its ids; once a later epoch
+    starts, a finished one keeps only its verdict (a checkpoint stays small).
+    """
+
+    def __init__(self, all_ids, state: dict | None = None):
+        self.all_ids = sorted(all_ids)
+        self.epochs: dict[int, dict] = {int(e): dict(v) for e, v in (state or {}).items()}
+
+    def add(self, epoch: int, ids: list[int]) -> None:
+        for e, v in self.epochs.items():
+            if e < epoch and "ids" in v:
+                self.epochs[e] = self._verdict(v["ids"])
+        self.epochs.setdefault(epoch, {"ids": []})["ids"].extend(ids)
+
+    def _verdict(self, ids: list[int]) -> dict:
+        return {"samples": len(ids), "distinct": len(set(ids)),
+                "exactly_once": sorted(ids) == self.all_ids}
+
+    def state(self) -> dict:
+        return {str(e): {k: (list(x) if isinstance(x, list) else x) for k, x in v.items()}
+                for e, v in sorted(self.epochs.items())}
+
+    def report(self) -> dict:
+        """Per epoch: samples trained on, distinct ids, and whether each id came exactly once
+        (an epoch cut short by ``max_steps`` is not exactly-once)."""
+        return {str(e): self._verdict(v["ids"]) if "ids" in v else dict(v)
+                for e, v in sorted(self.epochs.items())}
 
 
 class MetricsLog:
@@ -107,6 +141,7 @@ def run(ctx: StageContext, fail_at: dict | None = None, out: Path | None = None,
     replicas = make_replicas(spec, cfg, initial_state(cfg, spec["seed"]), total_steps)
 
     start_step, counters = 0, {"tokens": 0, "samples": 0}
+    ledger_state = None
     # a checkpoint only resumes the run it came from: same spec fields, data and shapes
     run_fp = {"train": spec.fingerprint("train"), "shape": spec.fingerprint("warmup"),
               "dataset_sha256": ds.manifest["dataset"]["sha256"]}
@@ -120,6 +155,7 @@ def run(ctx: StageContext, fail_at: dict | None = None, out: Path | None = None,
         path, state = found
         ckpt.load_into(path, state, replicas)
         start_step, counters = state["step"], state["counters"]
+        ledger_state = state.get("epochs_seen")
         print(f"[train] resuming from {path} (step {start_step}/{total_steps})", flush=True)
 
     # Warm start: every (replica, bucket) compiles once under the exclusive gate (fast: the
@@ -143,13 +179,13 @@ def run(ctx: StageContext, fail_at: dict | None = None, out: Path | None = None,
 
     metrics = MetricsLog(out / "metrics.jsonl", start_step)
     status = StatusReporter(out / "status.json", spec, total_steps)
-    seen_ids: dict[int, list[int]] = {}
+    ledger = EpochLedger(ds.sample_ids, ledger_state)
     every = spec["checkpoint"]["every_steps"]
 
     def on_step(rec) -> None:
         counters["tokens"] += rec.tokens
         counters["samples"] += len(rec.sample_ids)
-        seen_ids.setdefault(rec.epoch, []).extend(rec.sample_ids)
+        ledger.add(rec.epoch, rec.sample_ids)
         metrics.write({"step": rec.step, "epoch": rec.epoch, "loss": rec.loss, "lr": rec.lr,
                        "grad_norm": rec.grad_norm, "tokens": rec.tokens,
                        "labelled": rec.labelled, "samples": len(rec.sample_ids),
@@ -157,7 +193,7 @@ def run(ctx: StageContext, fail_at: dict | None = None, out: Path | None = None,
         status.step(rec)
         if persist and ((rec.step + 1) % every == 0 or rec.step + 1 == total_steps):
             ckpt.save(out / "checkpoints", rec.step + 1, replicas[0], dict(counters),
-                      spec["checkpoint"]["keep"], run_fp)
+                      spec["checkpoint"]["keep"], run_fp, ledger.state())
 
     t_pipe = [time.perf_counter()]
     pipe = Pipeline(target_workers=targets, replicas=replicas, step_map=step_map,
@@ -218,7 +254,7 @@ def run(ctx: StageContext, fail_at: dict | None = None, out: Path | None = None,
         wall_s=round(time.perf_counter() - t_start, 3), train_s=round(train_s, 3),
         steady_state=steady, final_loss=pipe.last_record.loss if pipe.last_record else None,
         replicas=len(replicas), replicas_identical=replicas_identical,
-        exactly_once=_exactly_once(seen_ids, ds),
+        exactly_once=ledger.report(),
         drafter_dir=str(export_dir), env_drift_overridden=ctx.drift,
         topology=spec["topology"])
     status.done(manifest)
@@ -228,13 +264,3 @@ def run(ctx: StageContext, fail_at: dict | None = None, out: Path | None = None,
           f"{manifest['gate']['race_errors']}", flush=True)
     return manifest
 
-
-def _exactly_once(seen: dict[int, list[int]], ds) -> dict:
-    """For every epoch fully run in this process: did each sample id arrive exactly once?"""
-    everyone = sorted(ds.sample_ids)
-    out = {}
-    for epoch, ids in seen.items():
-        complete = len(ids) == len(everyone)
-        out[str(epoch)] = {"samples": len(ids), "distinct": len(set(ids)),
-                           "exactly_once": complete and sorted(ids) == everyone}
-    return out

@@ -11,7 +11,8 @@ from __future__ import annotations
 import time
 
 from .manifest import write_manifest
-from .stage import StageContext, compile_cache_dir
+from .cache import compile_cache_dir
+from .stage import StageContext
 
 
 def run(ctx: StageContext) -> dict:

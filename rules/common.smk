@@ -6,8 +6,9 @@ from pathlib import Path
 
 sys.path.insert(0, workflow.basedir)  # the dflash package lives beside this Snakefile
 
+from dflash.code_fingerprint import stage_code_fingerprint
 from dflash.errors import DFlashError
-from dflash.manifest import fingerprint, sha256_file
+from dflash.manifest import sha256_file
 from dflash.spec import STAGE_FIELDS, load_spec
 
 
@@ -27,25 +28,12 @@ LOGS = config.get("logs", "logs")
 wildcard_constraints:
     spec="|".join(SPECS) or "no-specs",
 
-# Package modules each stage runs. Snakemake does not track what a script imports, so their
-# content hash is a rule param: editing dflash/train.py reruns train and bench, not env/warmup.
-STAGE_MODULES = {
-    "env": ["envstage", "spec", "manifest", "errors", "cli", "schema/spec.schema.yaml"],
-    "warmup": ["warmup", "topology", "replica", "model", "masks", "gate", "target", "stage"],
-    "data": ["data", "prompts", "target", "stage"],
-    "train": ["train", "scheduler", "topology", "replica", "model", "masks", "gate", "packing",
-              "checkpoint", "status", "target", "stage"],
-    "bench": ["bench", "spec_decode", "report", "stage"],
-}
-
 
 def code_hash(stage):
-    files = []
-    for mod in STAGE_MODULES[stage]:
-        p = Path(workflow.basedir, "dflash", mod if "." in mod else mod + ".py")
-        if p.exists():
-            files.append(sha256_file(p))
-    return fingerprint(files)
+    """Content hash of the package code and data the stage runs: its module's import closure
+    inside dflash/ (computed, see dflash/code_fingerprint.py). Editing dflash/scheduler.py
+    reruns warmup, train and bench; editing the report template reruns bench only."""
+    return stage_code_fingerprint(stage, Path(workflow.basedir, "dflash"))
 
 
 def spec_params(stage):

@@ -28,17 +28,24 @@ def wf(tmp_path_factory, micro_spec):
 
 
 @contextlib.contextmanager
-def _edited(wf, fn):
-    """The micro spec with ``fn`` applied to its fields, restored afterwards."""
-    p = wf / "specs" / "micro.yaml"
-    original = p.read_text()
-    d = yaml.safe_load(original)
-    fn(d)
-    p.write_text(yaml.safe_dump(d))
+def _rewritten(path, fn):
+    """``path`` with its text replaced by ``fn(text)``, restored afterwards."""
+    original = path.read_text()
+    path.write_text(fn(original))
     try:
         yield
     finally:
-        p.write_text(original)
+        path.write_text(original)
+
+
+def _edited(wf, fn):
+    """The micro spec with ``fn`` applied to its fields, restored afterwards."""
+    def edit(text):
+        d = yaml.safe_load(text)
+        fn(d)
+        return yaml.safe_dump(d)
+
+    return _rewritten(wf / "specs" / "micro.yaml", edit)
 
 
 def _would_run(wf) -> dict:
@@ -91,6 +98,17 @@ def test_block_size_change_reruns_warmup_train_bench(wf):
         assert _would_run(wf) == {"warmup": 1, "train": 1, "bench": 1}
 
 
+def test_report_template_edit_reruns_bench_only(wf):
+    with _rewritten(wf / "dflash" / "templates" / "report.md.j2", lambda t: t + "\n{# edited #}\n"):
+        assert _would_run(wf) == {"bench": 1}
+
+
+def test_scheduler_edit_reruns_every_stage_that_imports_it(wf):
+    """scheduler.py holds the workers' dynamo settings, which warmup's compile threads use too."""
+    with _rewritten(wf / "dflash" / "scheduler.py", lambda t: t + "\n# edited\n"):
+        assert _would_run(wf) == {"warmup": 1, "train": 1, "bench": 1}
+
+
 def test_lock_content_change_reruns_everything(wf):
     lock = wf / "envs" / "cpu-py311.lock"
     original = lock.read_text()
@@ -112,6 +130,11 @@ def test_failed_train_reruns_train_and_bench_only_and_resumes(wf):
         assert job_counts(r.stdout + r.stderr) == {"train": 1, "bench": 1}, r.stdout[-3000:] + r.stderr[-3000:]
         train = json.loads((wf / "results" / "micro" / "train" / "manifest.json").read_text())
         assert train["steps"]["resumed_from"] == 2  # checkpoint every 2 steps; failed at step 3
+        # the exactly-once record covers the steps before the resume too (from the checkpoint)
+        epochs = {json.loads(x)["epoch"] for x in
+                  (wf / "results" / "micro" / "train" / "metrics.jsonl").read_text().splitlines()}
+        assert set(train["exactly_once"]) == {str(e) for e in epochs}
+        assert train["exactly_once"]["0"] == {"samples": 12, "distinct": 12, "exactly_once": True}
 
 
 def test_stale_warmup_manifest_is_refused(wf):

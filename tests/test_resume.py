@@ -220,10 +220,21 @@ def test_consumed_samples_equal_one_uninterrupted_run(killed, ref, w):
     # the final metrics.jsonl (cut back to the resume step, then continued) agrees too
     final = {s: r["sample_ids"] for s, r in fi.metrics_steps(killed["td"] / "metrics.jsonl").items()}
     assert final == {s: r["sample_ids"] for s, r in ref["metrics"].items()}
-    # and the final process saw each sample exactly once in every epoch it ran whole
+
+
+
+def test_resumed_run_proves_exactly_once_over_the_whole_run(killed, ref, w):
+    """The exactly-once record covers every epoch of the run, not only the steps since the last
+    resume (it travels in the checkpoints): the resumed run's record equals the uninterrupted
+    run's, and every epoch run whole saw each sample exactly once."""
     once = killed["manifest"]["exactly_once"]
-    assert once and all(v["exactly_once"] for v in once.values()
-                        if v["samples"] == len(fi._dataset_ids(w)))
+    epochs = {str(r["epoch"]) for r in ref["metrics"].values()}
+    assert set(once) == epochs and len(epochs) >= 3, once
+    assert once == ref["manifest"]["exactly_once"]
+    n = len(fi._dataset_ids(w))
+    whole = {e: v for e, v in once.items() if v["samples"] >= n}
+    assert len(whole) >= 2 and all(v["exactly_once"] and v["distinct"] == n
+                                   for v in whole.values()), once
 
 
 def test_corrupt_or_truncated_checkpoints_are_skipped(ref, w, tmp_path):
