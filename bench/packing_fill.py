@@ -13,7 +13,7 @@ import argparse
 import json
 
 from dflash import packing
-from dflash.data import synthetic_responses, synthetic_samples
+from dflash.stages.data import synthetic_responses, synthetic_samples
 from dflash.spec import load_spec
 
 

@@ -106,9 +106,7 @@ def data_read_by(modules: set[str], root: Path = PACKAGE_DIR) -> set[Path]:
 
 def stage_files(stage: str, root: Path = PACKAGE_DIR) -> tuple[Path, ...]:
     """Every file under ``root`` that the ``dflash <stage>`` command runs or reads."""
-    from .cli import STAGES
-
-    mods = import_closure((STAGES[stage],) + ENTRY_MODULES, root)
+    mods = import_closure((f"{PACKAGE}.stages.{stage}",) + ENTRY_MODULES, root)
     files = {module_file(m, root) for m in mods} | data_read_by(mods, root)
     return tuple(sorted(files))
 

@@ -48,7 +48,7 @@ def lock_sha(wc):
 
 def python_for(wc):
     """The interpreter the stages run in: the built venv (env.mode build) or this one."""
-    from dflash.envstage import interpreter_for
+    from dflash.env.venv import interpreter_for
 
     return interpreter_for(SPECS[wc.spec])
 

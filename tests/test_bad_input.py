@@ -398,15 +398,16 @@ def test_lock_with_bad_hash_refused_by_env_stage_cli(tmp_path):
 
 
 def test_missing_lock_file_is_one_message(tmp_path, monkeypatch):
-    from dflash import envstage
     from dflash.spec import parse_spec
+    from dflash.stages import StageContext
+    from dflash.stages import env as env_stage
 
     monkeypatch.chdir(tmp_path)
     data = copy.deepcopy(BASE)
     data["env"] = {"lock": "envs/nope.lock", "mode": "adopt"}
     spec = parse_spec(data, str(tmp_path / "specs" / "tiny.yaml"))
     with pytest.raises(DFlashError) as e:
-        envstage.run(spec, tmp_path / "results" / "tiny")
+        env_stage.run(StageContext(spec=spec, results=tmp_path / "results" / "tiny"))
     assert str(e.value) == "envs/nope.lock: lock file not found"
     assert not (tmp_path / "results").exists()
 

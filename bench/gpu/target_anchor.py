@@ -12,7 +12,7 @@ peak measured in the same process:
   the target workers used before: SDPA leaves its flash kernel and computes all L² scores);
 * ``ours_flex_truncated``: what training actually runs: layers up to the last feature layer.
 
-MFU counts useful FLOPs only (:func:`dflash.bench.target_flops`: causal attention inside each
+MFU counts useful FLOPs only (:func:`dflash.flops.target_flops`: causal attention inside each
 document). Ratios are taken within the run.
 
     python bench/gpu/target_anchor.py --models qwen3-8b qwen3-32b --out $OUT/target_anchor.json
@@ -31,7 +31,7 @@ PATHS = ("hf_plain", "ours_dense_sdpa", "ours_flex", "ours_flex_truncated")
 
 def measure(model_name: str, batch: int, seq: int, device: str, peak: float, iters: int,
             paths=PATHS) -> dict:
-    from dflash.bench import best_seconds_per_call as timed, target_flops
+    from dflash.flops import best_seconds_per_call as timed, target_flops
     from dflash.target import FeatureExtractor, hf_config, layer_ids, load_target
 
     spec_target = {"model": model_name, "init": "random", "dtype": "bfloat16",
@@ -94,7 +94,7 @@ def measure(model_name: str, batch: int, seq: int, device: str, peak: float, ite
 
 
 def main() -> None:
-    from dflash.bench import measure_peak_flops
+    from dflash.flops import measure_peak_flops
 
     p = argparse.ArgumentParser()
     p.add_argument("--models", nargs="+", default=["qwen3-8b"])

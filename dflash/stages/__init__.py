@@ -1,22 +1,24 @@
-"""What every stage does first: load the spec, check devices and the pinned environment.
+"""The stages Snakemake runs, one module each with one shape: ``run(ctx) -> manifest``.
 
-Stages are thin: ``dflash <stage> specs/<name>.yaml`` → :func:`begin` → the stage's ``run``.
+``dflash <stage> specs/<name>.yaml`` → :func:`begin` (load the spec, check devices and the pinned
+environment) → ``dflash.stages.<stage>.run(ctx)``. The env stage is the one that makes the
+environment, so it starts without the environment check.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from .spec import Spec, load_spec
+from ..spec import Spec, load_spec
 
 
 @dataclass
 class StageContext:
     spec: Spec
     results: Path           # results/<spec>
-    env_manifest: dict      # the verified env manifest
-    env_fingerprint: str
-    drift: list             # packages that differ, when the user overrode the refusal
+    env_manifest: dict = field(default_factory=dict)  # the verified env manifest
+    env_fingerprint: str | None = None
+    drift: list = field(default_factory=list)  # what differs, when the user overrode the refusal
 
 
 def results_dir(spec: Spec, root: str | Path = "results") -> Path:
@@ -25,9 +27,12 @@ def results_dir(spec: Spec, root: str | Path = "results") -> Path:
 
 def begin(spec_path: str | Path, stage: str, root: str | Path = "results") -> StageContext:
     """Validate the spec (devices included) and refuse to run on a drifted environment."""
-    from .envstage import check_env
-    from .manifest import read_manifest
+    from ..env.drift import check_env
+    from ..manifest import read_manifest
 
+    if stage == "env":  # it checks the devices itself, without torch (build mode has none)
+        spec = load_spec(spec_path)
+        return StageContext(spec=spec, results=results_dir(spec, root))
     spec = load_spec(spec_path, check_devices_present=True)
     rdir = results_dir(spec, root)
     checked = check_env(rdir)

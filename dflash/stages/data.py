@@ -1,6 +1,6 @@
 """The data stage: prompts -> target-regenerated responses -> token ids (+ manifest).
 
-    python -m dflash.data specs/tiny.yaml            # writes results/tiny/data/
+    dflash data specs/tiny.yaml            # writes results/tiny/data/
 
 Output (``results/<spec>/data/``): ``dataset.parquet`` (one row per sample, sorted by
 ``sample_id``) and ``manifest.json``. Generation is split into fixed chunks of
@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import queue
 import shutil
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -26,12 +25,12 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .errors import DFlashError
-from .manifest import (atomic_path, atomic_write_json, expect, fingerprint, read_manifest,
-                       sha256_file, write_manifest)
-from .prompts import is_mtbench, load_prompts
+from ..errors import DFlashError
+from ..dataset import DATASET
+from ..manifest import atomic_path, atomic_write_json, fingerprint, sha256_file, write_manifest
+from ..prompts import is_mtbench, load_prompts
+from . import StageContext
 
-DATASET = "dataset.parquet"
 SHARDS = "shards"
 SHARD_META = "meta.json"
 
@@ -55,7 +54,7 @@ class Sample:
 def _tokenizer(model: str):
     from transformers import AutoTokenizer
 
-    from .target import tokenizer_dir
+    from ..target import tokenizer_dir
 
     return AutoTokenizer.from_pretrained(tokenizer_dir(model))
 
@@ -266,17 +265,18 @@ def _stats(values: list[int]) -> dict:
             "min": min(values, default=0), "max": max(values, default=0), "total": sum(values)}
 
 
-def run(spec, results_dir: Path, on_shard: Callable[[int, Path], None] | None = None) -> dict:
-    """Build (or resume) ``results_dir/data``; returns the manifest.
+def run(ctx: StageContext, on_shard: Callable[[int, Path], None] | None = None) -> dict:
+    """Build (or resume) ``results/<spec>/data``; returns the manifest.
 
     ``on_shard(chunk_index, path)`` is called after each shard is written (tests use it to
     simulate an interruption).
     """
-    from .target import target_fingerprint
+    from ..target import target_fingerprint
 
+    spec = ctx.spec
     t0 = time.time()
     d = spec["data"]
-    data_dir = Path(results_dir) / "data"
+    data_dir = ctx.results / "data"
     shard_dir = data_dir / SHARDS
     fingerprints = {"data": spec.fingerprint("data"), "target": target_fingerprint(spec["target"])}
 
@@ -309,7 +309,7 @@ SYNTHETIC = "synthetic"
 
 
 def _synthetic_vocab_eos(spec) -> tuple[int, int]:
-    from .target import hf_config
+    from ..target import hf_config
 
     cfg = hf_config(spec["target"])
     eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else 2
@@ -325,7 +325,7 @@ def synthetic_samples(spec):
     """
     import random
 
-    from .prompts import BadReport
+    from ..prompts import BadReport
 
     d = spec["data"]
     vocab, _ = _synthetic_vocab_eos(spec)
@@ -367,7 +367,7 @@ def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int, on_shard
                 pq.write_table(table, tmp)
         _log(f"synthetic responses for {sum(len(c) for _, c in todo)} samples")
         return 0.0
-    from .target import load_target
+    from ..target import load_target
 
     d = spec["data"]
     devices = list(spec["topology"]["targets"])[:len(todo)]
@@ -490,67 +490,3 @@ def _write(spec, data_dir: Path, table, fingerprints, plan_fp, report, prompts, 
         dataset={"path": DATASET, "rows": table.num_rows, "sha256": sha256_file(out)},
         seconds=round(seconds, 2),
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# reading the dataset (train stage)
-# ---------------------------------------------------------------------------------------------
-class TokenDataset:
-    """The verified dataset: ``lengths[i]`` and ``sample(i) -> (sample_id, input_ids, loss_mask)``."""
-
-    def __init__(self, table, manifest: dict):
-        self.manifest = manifest
-        self.sample_ids: list[int] = table["sample_id"].to_pylist()
-        self.input_ids: list[list[int]] = table["input_ids"].to_pylist()
-        self.loss_mask: list[list[int]] = table["loss_mask"].to_pylist()
-        self.lengths = [len(x) for x in self.input_ids]
-
-    def __len__(self) -> int:
-        return len(self.sample_ids)
-
-    def sample(self, i: int) -> tuple[int, list[int], list[int]]:
-        return self.sample_ids[i], self.input_ids[i], self.loss_mask[i]
-
-
-def load_dataset(spec, results_dir: Path) -> TokenDataset:
-    """Read ``results_dir/data``, refusing a stale (other spec/target) or modified dataset."""
-    import pyarrow.parquet as pq
-
-    from .target import target_fingerprint
-
-    data_dir = Path(results_dir) / "data"
-    mpath = data_dir / "manifest.json"
-    manifest = read_manifest(mpath, "data")
-    expect(manifest, mpath, {"data": spec.fingerprint("data"),
-                             "target": target_fingerprint(spec["target"])})
-    path = data_dir / manifest["dataset"]["path"]
-    if not path.is_file():
-        raise DFlashError(f"{path}: missing dataset; rerun the data stage")
-    found = sha256_file(path)
-    if found != manifest["dataset"]["sha256"]:
-        raise DFlashError(f"{path}: stale artifact — field 'dataset.sha256' expected "
-                          f"{manifest['dataset']['sha256']!r}, found {found!r}; rerun the data "
-                          f"stage")
-    return TokenDataset(pq.read_table(path), manifest)
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    from .spec import load_spec
-
-    ap = argparse.ArgumentParser(prog="python -m dflash.data", description=__doc__.split("\n")[0])
-    ap.add_argument("spec", help="specs/<name>.yaml")
-    ap.add_argument("--results", default="results", help="results root (default: results)")
-    args = ap.parse_args(argv)
-    try:
-        spec = load_spec(args.spec, check_devices_present=True)
-        run(spec, Path(args.results) / spec.name)
-    except DFlashError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import time
 
-from .manifest import write_manifest
-from .cache import compile_cache_dir
-from .stage import StageContext
+from ..manifest import write_manifest
+from ..cache import compile_cache_dir
+from . import StageContext
 
 
 def run(ctx: StageContext) -> dict:
-    from .gate import get_gate
-    from .spec import dtype_of
-    from .topology import buckets, drafter_config, initial_state, make_replicas, warm_all, \
-        warm_target_attention
+    from ..gate import get_gate
+    from ..spec import dtype_of
+    from ..topology import buckets, drafter_config, initial_state, make_replicas
+    from ..warm import warm_all, warm_target_attention
 
     spec = ctx.spec
     cache = compile_cache_dir(ctx.env_fingerprint)
