@@ -37,7 +37,7 @@ def load_dataset(spec, results_dir: Path) -> TokenDataset:
     mpath = data_dir / "manifest.json"
     manifest = read_manifest(mpath, "data")
     expect(manifest, mpath, {"data": spec.fingerprint("data"),
-                             "target": target_fingerprint(spec["target"])})
+                             "target": target_fingerprint(spec.target)})
     path = data_dir / manifest["dataset"]["path"]
     if not path.is_file():
         raise DFlashError(f"{path}: missing dataset; rerun the data stage")

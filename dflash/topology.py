@@ -15,15 +15,15 @@ from .replica import DrafterReplica
 def drafter_config(spec) -> DFlashConfig:
     from .target import hf_config, layer_ids
 
-    tcfg = hf_config(spec["target"])
-    d = spec["drafter"]
-    return DFlashConfig.from_target_config(tcfg, d["num_layers"], d["block_size"],
-                                           d["mask_token_id"], layer_ids(spec["target"], tcfg))
+    tcfg = hf_config(spec.target)
+    d = spec.drafter
+    return DFlashConfig.from_target_config(tcfg, d.num_layers, d.block_size,
+                                           d.mask_token_id, layer_ids(spec.target, tcfg))
 
 
 def buckets(spec) -> list[int]:
-    b = spec["batching"]
-    return bucket_lengths(b["token_budget"], b["num_buckets"])
+    b = spec.batching
+    return bucket_lengths(b.token_budget, b.num_buckets)
 
 
 def initial_state(cfg: DFlashConfig, seed: int) -> dict:
@@ -35,9 +35,9 @@ def make_replicas(spec, cfg: DFlashConfig, init_state: dict, total_steps: int
                   ) -> list[DrafterReplica]:
     from .target import target_embeddings
 
-    embed, head = target_embeddings(spec["target"], spec["seed"])
+    embed, head = target_embeddings(spec.target, spec.seed)
     return [DrafterReplica(i, dev, cfg, spec, embed, head, init_state, total_steps)
-            for i, dev in enumerate(spec["topology"]["drafters"])]
+            for i, dev in enumerate(spec.topology.drafters)]
 
 
 def make_target_workers(spec) -> list[tuple[str, object]]:
@@ -45,10 +45,10 @@ def make_target_workers(spec) -> list[tuple[str, object]]:
     from .masks import attention_backend
     from .target import FeatureExtractor, hf_config, layer_ids, load_target
 
-    ids = layer_ids(spec["target"], hf_config(spec["target"]))
+    ids = layer_ids(spec.target, hf_config(spec.target))
     workers = []
-    for dev in spec["topology"]["targets"]:
-        t = load_target(spec["target"], dev, seed=spec["seed"], need_lm_head=False,
+    for dev in spec.topology.targets:
+        t = load_target(spec.target, dev, seed=spec.seed, need_lm_head=False,
                         num_layers=max(ids) + 1, need_tokenizer=False,
                         attention=attention_backend(dev))
         fx = FeatureExtractor(t)

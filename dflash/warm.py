@@ -137,12 +137,12 @@ def warm_target_attention(spec, bucket_lens: list[int], log=None) -> list[dict]:
     from .spec import dtype_of
     from .target import hf_config
 
-    tcfg = hf_config(spec["target"])
+    tcfg = hf_config(spec.target)
     hq, hkv = tcfg.num_attention_heads, tcfg.num_key_value_heads
     hd = getattr(tcfg, "head_dim", None) or tcfg.hidden_size // hq
-    dtype = dtype_of(spec["target"]["dtype"])
+    dtype = dtype_of(spec.target.dtype)
     gate = get_gate()
-    devices = [d for d in spec["topology"]["targets"] if attention_backend(d) == "flex"]
+    devices = [d for d in spec.topology.targets if attention_backend(d) == "flex"]
 
     def work(dev):
         for L in bucket_lens:

@@ -9,7 +9,7 @@ sys.path.insert(0, workflow.basedir)  # the dflash package lives beside this Sna
 from dflash.code_fingerprint import stage_code_fingerprint
 from dflash.errors import DFlashError
 from dflash.manifest import sha256_file
-from dflash.spec import STAGE_FIELDS, load_spec
+from dflash.spec import load_spec
 
 
 def _load_specs():
@@ -42,7 +42,7 @@ def spec_params(stage):
 
 
 def lock_sha(wc):
-    lock = Path(workflow.basedir, SPECS[wc.spec]["env"]["lock"])
+    lock = Path(workflow.basedir, SPECS[wc.spec].env.lock)
     return sha256_file(lock) if lock.exists() else f"missing:{lock}"
 
 

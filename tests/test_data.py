@@ -70,7 +70,7 @@ def test_dataset_and_manifest(reference, capsys):
     assert m["source"] == "chatterbot-corpus"
     assert m["fingerprints"]["data"] == spec.fingerprint("data")
     t = m["tokens"]
-    assert t["response"]["max"] <= 8 and t["prompt"]["max"] <= spec["data"]["max_prompt_tokens"]
+    assert t["response"]["max"] <= 8 and t["prompt"]["max"] <= spec.data.max_prompt_tokens
     assert t["total_tokens"] == sum(len(r["input_ids"]) for r in rows)
     assert m["dataset"]["rows"] == 12 and len(m["dataset"]["sha256"]) == 64
     assert m["generation"]["chunks"] == 3 and m["generation"]["temperature"] == 0.0
@@ -82,7 +82,7 @@ def test_dataset_and_manifest(reference, capsys):
     from dflash.target import tokenizer_dir
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir("llama-micro"))
-    prompts, _ = load_prompts("chatterbot-corpus", 12, spec["seed"], 0.05)
+    prompts, _ = load_prompts("chatterbot-corpus", 12, spec.seed, 0.05)
     by_id = {p.prompt_id: p for p in prompts}
     for r in rows:
         P, R = r["num_prompt_tokens"], r["num_response_tokens"]
@@ -207,7 +207,7 @@ def test_real_smollm2_generation(tmp_path):
     m = run_data(spec, tmp_path)
     assert m["counts"]["samples"] == 2
     rows = read_rows(tmp_path)
-    tgt = load_target(spec["target"], "cpu")
+    tgt = load_target(spec.target, "cpu")
     for r in rows:
         P = r["num_prompt_tokens"]
         ref = tgt.model.generate(torch.tensor([r["input_ids"][:P]]), max_new_tokens=8,

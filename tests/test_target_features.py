@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from dflash.masks import document_block_mask, document_dense_mask
+from dflash.spec import section_spec
 from dflash.target import FeatureExtractor, load_target
 
-TARGET = {"model": "llama-micro", "init": "random", "dtype": "float32", "num_feature_layers": 3}
+TARGET = section_spec("target", {"model": "llama-micro", "init": "random", "dtype": "float32",
+                                 "num_feature_layers": 3})
 DOC_LENGTHS = [7, 140, 5, 129]  # spans several 128-blocks, a document straddling block edges
 PAD = 31
 

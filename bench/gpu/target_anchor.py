@@ -32,10 +32,11 @@ PATHS = ("hf_plain", "ours_dense_sdpa", "ours_flex", "ours_flex_truncated")
 def measure(model_name: str, batch: int, seq: int, device: str, peak: float, iters: int,
             paths=PATHS) -> dict:
     from dflash.flops import best_seconds_per_call as timed, target_flops
+    from dflash.spec import section_spec
     from dflash.target import FeatureExtractor, hf_config, layer_ids, load_target
 
-    spec_target = {"model": model_name, "init": "random", "dtype": "bfloat16",
-                   "num_feature_layers": 5}
+    spec_target = section_spec("target", {"model": model_name, "init": "random",
+                                          "dtype": "bfloat16", "num_feature_layers": 5})
     cfg = hf_config(spec_target)
     n_layers = cfg.num_hidden_layers
     ids = layer_ids(spec_target, cfg)

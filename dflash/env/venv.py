@@ -38,9 +38,8 @@ def _venv_python(venv: Path) -> Path:
 def interpreter_for(spec) -> str:
     """The python later stages run with: the lock's venv in build mode, this one in adopt mode.
     (The path is returned even before the env stage built it.)"""
-    env = spec["env"]
-    if env.get("mode", "adopt") == "build":
-        return str(_venv_python(venv_path(env["lock"])).absolute())
+    if spec.env.mode == "build":
+        return str(_venv_python(venv_path(spec.env.lock)).absolute())
     # one spelling: `python`, `python3` and `python3.11` name the same interpreter, and Snakemake
     # treats this path as a rule param (a different spelling must not rerun every stage). Not
     # realpath: a venv's bin/python is a symlink to the base interpreter, outside the venv.

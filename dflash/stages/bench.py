@@ -30,12 +30,12 @@ def evaluate_tau(spec, drafter_dir: Path, n_prompts: int, max_new: int, device: 
 
     if n_prompts == 0:
         return {"skipped": "bench.eval_prompts is 0"}
-    if spec["target"]["init"] == "random":
+    if spec.target.init == "random":
         return {"skipped": "random-weight target: acceptance is meaningless"}
-    tgt = load_target(spec["target"], device, seed=spec["seed"])
+    tgt = load_target(spec.target, device, seed=spec.seed)
     drafter, cfg = load_drafter(drafter_dir, device=device)
     drafter.eval()
-    embed, head = target_embeddings(spec["target"], spec["seed"])
+    embed, head = target_embeddings(spec.target, spec.seed)
     embed, head = embed.to(device), head.to(device)
     tok = tgt.tokenizer
     eos = tok.eos_token_id
@@ -123,9 +123,9 @@ def run(ctx: StageContext) -> dict:
     source, metrics = throughput_source(ctx, train, out)
     perf = throughput(ctx, source, metrics)
     drafter_dir = ctx.results / "train" / "drafter"
-    b = ctx.spec["bench"]
-    tau = evaluate_tau(ctx.spec, drafter_dir, b["eval_prompts"], b["eval_max_new_tokens"],
-                       ctx.spec["topology"]["targets"][0])
+    b = ctx.spec.bench
+    tau = evaluate_tau(ctx.spec, drafter_dir, b.eval_prompts, b.eval_max_new_tokens,
+                       ctx.spec.topology.targets[0])
     report = {**perf, **run_facts(ctx, source), "tau": tau.get("tau"), "acceptance": tau,
               "drafter_dir": str(drafter_dir)}
     return write_report(out, report, metrics, tau)
@@ -142,13 +142,13 @@ def verify_train(ctx: StageContext) -> dict:
 def throughput_source(ctx: StageContext, train: dict, out: Path) -> tuple[dict, list[dict]]:
     """The manifest and per-step metrics throughput is read from: the train stage's
     (bench.mode train_metrics), or a fresh timed run's past its warm-up steps (bench.mode run)."""
-    b = ctx.spec["bench"]
-    if b["mode"] != "run":
+    b = ctx.spec.bench
+    if b.mode != "run":
         return train, _read_metrics(ctx.results / "train" / "metrics.jsonl")
     from .train import timed_run
 
-    timed = timed_run(ctx, out / "run", b["warmup_steps"] + b["steps"])
-    return timed, _read_metrics(out / "run" / "metrics.jsonl")[b["warmup_steps"]:]
+    timed = timed_run(ctx, out / "run", b.warmup_steps + b.steps)
+    return timed, _read_metrics(out / "run" / "metrics.jsonl")[b.warmup_steps:]
 
 
 def throughput(ctx: StageContext, source: dict, metrics: list[dict]) -> dict:
@@ -160,11 +160,11 @@ def throughput(ctx: StageContext, source: dict, metrics: list[dict]) -> dict:
 
     spec = ctx.spec
     steady = source["steady_state"]
-    tcfg, dcfg = hf_config(spec["target"]), drafter_config(spec)
+    tcfg, dcfg = hf_config(spec.target), drafter_config(spec)
     layers_run = max(dcfg.target_layer_ids) + 1
     skip = len(metrics) - steady["steps"] if steady.get("steps") else 0
     window = metrics[skip:] if metrics else []
-    peak = measure_peak_flops(spec["topology"]["drafters"][0], dtype_of(spec["drafter"]["dtype"]))
+    peak = measure_peak_flops(spec.topology.drafters[0], dtype_of(spec.drafter.dtype))
     seconds = steady.get("seconds") or None
     busy, wait = source.get("busy_s", {}), source.get("wait_s", {})
     # share of each target thread's life spent computing, not waiting for work or for room in
@@ -172,7 +172,7 @@ def throughput(ctx: StageContext, source: dict, metrics: list[dict]) -> dict:
     target_busy = [v / (v + wait.get(k, 0.0)) for k, v in busy.items()
                    if k.startswith("target") and v + wait.get(k, 0.0) > 0]
     n_run = max(1, (source.get("steps") or {}).get("run_now") or steady.get("steps") or 1)
-    n_t, n_d = len(spec["topology"]["targets"]), len(spec["topology"]["drafters"])
+    n_t, n_d = len(spec.topology.targets), len(spec.topology.drafters)
     on_cpu = all(d == "cpu" for d in spec.devices())
     target_mfu = drafter_mfu = drafter_mfu_busy = None
     if window and seconds:
@@ -214,15 +214,15 @@ def run_facts(ctx: StageContext, source: dict) -> dict:
     """What the report is about: the spec, the gate, the topology, the environment."""
     spec = ctx.spec
     return {
-        "spec": spec.name, "mode": spec["bench"]["mode"],
+        "spec": spec.name, "mode": spec.bench.mode,
         "time_to_first_step_s": source.get("time_to_first_step_s"),
         "recompiles_after_warmup": source["gate"]["recompiles_after_warmup"],
         "race_errors": source["gate"]["race_errors"],
         "gate_wait_s": source["gate"]["shared_wait_s"] + source["gate"]["exclusive_wait_s"],
         "gate": "on" if source["gate"].get("enabled", True) else "off (DFLASH_GATE=off)",
         "final_loss": source.get("final_loss"),
-        "topology": {"targets": spec["topology"]["targets"],
-                     "drafters": spec["topology"]["drafters"]},
+        "topology": {"targets": spec.topology.targets,
+                     "drafters": spec.topology.drafters},
         "env": {k: ctx.env_manifest.get(k) for k in ("python", "torch", "transformers",
                                                      "triton", "cuda", "driver", "gpus")
                 if k in ctx.env_manifest},

@@ -66,7 +66,7 @@ def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
 
 def build_samples(spec, tokenizer) -> tuple[list[Sample], object, list]:
     """Load prompts (dropping over-long and MT-Bench ones as bad records), render, expand."""
-    d = spec["data"]
+    d = spec.data
     rendered: dict[str, list[int]] = {}
 
     def reject(messages: list[dict]) -> str | None:
@@ -76,15 +76,15 @@ def build_samples(spec, tokenizer) -> tuple[list[Sample], object, list]:
         ids = rendered.get(key)
         if ids is None:
             ids = rendered[key] = render_prompt(tokenizer, messages)
-        if len(ids) > d["max_prompt_tokens"]:
+        if len(ids) > d.max_prompt_tokens:
             return "too_long"
         return None
 
-    if d["source"] == SYNTHETIC:
+    if d.source == SYNTHETIC:
         return synthetic_samples(spec)
-    prompts, report = load_prompts(d["source"], d["max_prompts"], spec["seed"],
-                                   d["max_bad_fraction"], reject=reject)
-    spp = d["samples_per_prompt"]
+    prompts, report = load_prompts(d.source, d.max_prompts, spec.seed,
+                                   d.max_bad_fraction, reject=reject)
+    spp = d.samples_per_prompt
     samples = []
     for p in prompts:
         ids = tuple(rendered[json.dumps(p.messages, sort_keys=True)])
@@ -275,19 +275,19 @@ def run(ctx: StageContext, on_shard: Callable[[int, Path], None] | None = None) 
 
     spec = ctx.spec
     t0 = time.time()
-    d = spec["data"]
+    d = spec.data
     data_dir = ctx.results / "data"
     shard_dir = data_dir / SHARDS
-    fingerprints = {"data": spec.fingerprint("data"), "target": target_fingerprint(spec["target"])}
+    fingerprints = {"data": spec.fingerprint("data"), "target": target_fingerprint(spec.target)}
 
-    tokenizer = None if d["source"] == SYNTHETIC else _tokenizer(spec["target"]["model"])
+    tokenizer = None if d.source == SYNTHETIC else _tokenizer(spec.target.model)
     samples, report, prompts = build_samples(spec, tokenizer)
-    chunks = make_chunks(samples, d["gen_batch_size"])
+    chunks = make_chunks(samples, d.gen_batch_size)
     plan_fp = fingerprint([[s.sample_id, list(s.prompt_ids)] for c in chunks for s in c])
     meta = {"fingerprints": fingerprints, "plan": plan_fp}
-    _log(f"{len(prompts)} prompts from {d['source']} ({report.total} records, {report.bad} bad "
+    _log(f"{len(prompts)} prompts from {d.source} ({report.total} records, {report.bad} bad "
          f"{dict(report.counts)}, {report.duplicates} duplicates) -> {len(samples)} samples in "
-         f"{len(chunks)} chunks of <= {d['gen_batch_size']}")
+         f"{len(chunks)} chunks of <= {d.gen_batch_size}")
 
     done = _prepare_shards(shard_dir, meta, chunks)
     todo = [(i, c) for i, c in enumerate(chunks) if c[0].sample_id not in done]
@@ -311,7 +311,7 @@ SYNTHETIC = "synthetic"
 def _synthetic_vocab_eos(spec) -> tuple[int, int]:
     from ..target import hf_config
 
-    cfg = hf_config(spec["target"])
+    cfg = hf_config(spec.target)
     eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else 2
     return cfg.vocab_size, eos
 
@@ -327,17 +327,17 @@ def synthetic_samples(spec):
 
     from ..prompts import BadReport
 
-    d = spec["data"]
+    d = spec.data
     vocab, _ = _synthetic_vocab_eos(spec)
     samples = []
-    for pid in range(d["max_prompts"]):
-        rnd = random.Random(f"synthetic-prompt:{spec['seed']}:{pid}")
-        n = rnd.randint(max(1, d["max_prompt_tokens"] // 2), d["max_prompt_tokens"])
+    for pid in range(d.max_prompts):
+        rnd = random.Random(f"synthetic-prompt:{spec.seed}:{pid}")
+        n = rnd.randint(max(1, d.max_prompt_tokens // 2), d.max_prompt_tokens)
         ids = tuple(rnd.randrange(5, vocab) for _ in range(n))
-        for k in range(d["samples_per_prompt"]):
-            samples.append(Sample(pid * d["samples_per_prompt"] + k, pid, k, ids))
-    return samples, BadReport(source=SYNTHETIC, total=d["max_prompts"]), list(
-        range(d["max_prompts"]))
+        for k in range(d.samples_per_prompt):
+            samples.append(Sample(pid * d.samples_per_prompt + k, pid, k, ids))
+    return samples, BadReport(source=SYNTHETIC, total=d.max_prompts), list(
+        range(d.max_prompts))
 
 
 def synthetic_responses(spec, samples) -> tuple[list[list[int]], int]:
@@ -345,10 +345,10 @@ def synthetic_responses(spec, samples) -> tuple[list[list[int]], int]:
     import random
 
     vocab, eos = _synthetic_vocab_eos(spec)
-    n = spec["data"]["max_new_tokens"]
+    n = spec.data.max_new_tokens
     out = []
     for s in samples:
-        rnd = random.Random(sample_seed(spec["seed"], s.sample_id))
+        rnd = random.Random(sample_seed(spec.seed, s.sample_id))
         length = rnd.randint(max(1, n // 2), n)
         out.append([rnd.randrange(5, vocab) for _ in range(length - 1)] + [eos])
     return out, eos
@@ -357,7 +357,7 @@ def synthetic_responses(spec, samples) -> tuple[list[list[int]], int]:
 def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int, on_shard) -> float:
     if not todo:
         return 0.0
-    if spec["data"]["source"] == SYNTHETIC:
+    if spec.data.source == SYNTHETIC:
         import pyarrow.parquet as pq
 
         for chunk, samples in todo:
@@ -369,10 +369,10 @@ def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int, on_shard
         return 0.0
     from ..target import load_target
 
-    d = spec["data"]
-    devices = list(spec["topology"]["targets"])[:len(todo)]
+    d = spec.data
+    devices = list(spec.topology.targets)[:len(todo)]
     t_load = time.time()
-    targets = [load_target(spec["target"], dev, seed=spec["seed"]) for dev in devices]
+    targets = [load_target(spec.target, dev, seed=spec.seed) for dev in devices]
     _log(f"loaded {len(targets)} target cop{'y' if len(targets) == 1 else 'ies'} on "
          f"{', '.join(devices)} in {time.time() - t_load:.1f}s")
     eos = eos_ids_of(targets[0])
@@ -396,9 +396,9 @@ def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int, on_shard
                 except queue.Empty:
                     return
                 tc = time.time()
-                seeds = [sample_seed(spec["seed"], s.sample_id) for s in samples]
+                seeds = [sample_seed(spec.seed, s.sample_id) for s in samples]
                 responses = generate_batch(target.model, [s.prompt_ids for s in samples],
-                                           d["max_new_tokens"], d["temperature"], eos, pad, seeds)
+                                           d.max_new_tokens, d.temperature, eos, pad, seeds)
                 table = _rows_table(samples, responses, set(eos))
                 path = shard_path(shard_dir, chunk)
                 import pyarrow.parquet as pq
@@ -461,7 +461,7 @@ def _write(spec, data_dir: Path, table, fingerprints, plan_fp, report, prompts, 
            resumed, gen_seconds, seconds) -> dict:
     import pyarrow.parquet as pq
 
-    d = spec["data"]
+    d = spec.data
     out = data_dir / DATASET
     with atomic_path(out) as tmp:
         pq.write_table(table, tmp)
@@ -470,23 +470,23 @@ def _write(spec, data_dir: Path, table, fingerprints, plan_fp, report, prompts, 
     eos_stops = sum(table["stopped_at_eos"].to_pylist())
     return write_manifest(
         data_dir / "manifest.json", "data", fingerprints=fingerprints,
-        source=d["source"],
+        source=d.source,
         counts={"prompts": len(prompts), "samples": table.num_rows,
                 "stopped_at_eos": eos_stops, "hit_max_new_tokens": table.num_rows - eos_stops,
                 **report.to_dict()},
         tokens={"prompt": _stats(p_tok), "response": _stats(r_tok),
                 "sequence_max": max(p + r for p, r in zip(p_tok, r_tok)),
                 "total_tokens": sum(p_tok) + sum(r_tok)},
-        generation={"max_new_tokens": d["max_new_tokens"], "temperature": d["temperature"],
-                    "samples_per_prompt": d["samples_per_prompt"],
-                    "gen_batch_size": d["gen_batch_size"],
-                    "max_prompt_tokens": d["max_prompt_tokens"],
-                    "devices": list(spec["topology"]["targets"]), "chunks": len(chunks),
+        generation={"max_new_tokens": d.max_new_tokens, "temperature": d.temperature,
+                    "samples_per_prompt": d.samples_per_prompt,
+                    "gen_batch_size": d.gen_batch_size,
+                    "max_prompt_tokens": d.max_prompt_tokens,
+                    "devices": list(spec.topology.targets), "chunks": len(chunks),
                     "chunks_resumed": resumed, "plan": plan_fp,
                     "generate_seconds": round(gen_seconds, 2),
                     "new_tokens_per_second": round(sum(r_tok) / gen_seconds, 2)
                     if gen_seconds and not resumed else None},
-        seed=spec["seed"],
+        seed=spec.seed,
         dataset={"path": DATASET, "rows": table.num_rows, "sha256": sha256_file(out)},
         seconds=round(seconds, 2),
     )

@@ -33,7 +33,7 @@ def run(ctx: StageContext) -> dict:
     from ..spec import check_devices
 
     spec = ctx.spec
-    mode, lock = spec["env"]["mode"], Path(spec["env"]["lock"])
+    mode, lock = spec.env.mode, Path(spec.env.lock)
     found = found_devices()
     check_devices(spec, found)                      # seconds, before any install
     digest = lock_digest(lock)
@@ -42,7 +42,7 @@ def run(ctx: StageContext) -> dict:
     t0 = time.time()
     venv, reused = None, None
     if mode == "build":                 # pip's log goes beside the venv (.venvs/<venv>.log)
-        venv, facts, reused = build_venv(lock, spec["env"]["wheel_dir"])
+        venv, facts, reused = build_venv(lock, spec.env.wheel_dir)
     else:
         facts = live_env(None, probe_torch=True)
     pins = locked_pins(lock, facts)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +26,8 @@ from . import StageContext
 
 def total_steps_for(spec, step_map) -> int:
     """One step trains one batch on every drafter replica."""
-    o = spec["optim"]
-    return o["max_steps"] if o["max_steps"] is not None else step_map.total_for_epochs(o["epochs"])
+    o = spec.optim
+    return o.max_steps if o.max_steps is not None else step_map.total_for_epochs(o.epochs)
 
 
 def verify_warmup(ctx: StageContext) -> dict:
@@ -177,15 +177,15 @@ def prepare(ctx: StageContext, out: Path, persist: bool, max_steps: int | None) 
     cache = compile_cache_dir(ctx.env_fingerprint)
     ds = load_dataset(spec, ctx.results)
     out.mkdir(parents=True, exist_ok=True)
-    b = spec["batching"]
+    b = spec.batching
 
     def epoch_batches(epoch: int) -> list[list[int]]:
-        return plan_epoch(ds.lengths, b["token_budget"], b["max_batch_size"], spec["seed"], epoch)
+        return plan_epoch(ds.lengths, b.token_budget, b.max_batch_size, spec.seed, epoch)
 
-    step_map = StepMap(epoch_batches, len(spec["topology"]["drafters"]))
+    step_map = StepMap(epoch_batches, len(spec.topology.drafters))
     total_steps = max_steps if max_steps is not None else total_steps_for(spec, step_map)
     cfg = drafter_config(spec)
-    replicas = make_replicas(spec, cfg, initial_state(cfg, spec["seed"]), total_steps)
+    replicas = make_replicas(spec, cfg, initial_state(cfg, spec.seed), total_steps)
     run_fp = {"train": spec.fingerprint("train"), "shape": spec.fingerprint("warmup"),
               "dataset_sha256": ds.manifest["dataset"]["sha256"]}
     return Job(ctx=ctx, out=out, persist=persist, warmup=warm, compile_cache=cache, ds=ds,
@@ -229,7 +229,7 @@ def warm_start(job: Job) -> tuple[list, float, list[dict]]:
     targets = make_target_workers(spec)
     records = warm_targets(targets, job.bucket_lens, cfg.vocab_size)
     records += warm_all(job.replicas, job.bucket_lens, feat_width,
-                        dtype_of(spec["target"]["dtype"]), optimizer_step=False)
+                        dtype_of(spec.target.dtype), optimizer_step=False)
     get_gate().mark_warm()
     seconds = time.perf_counter() - t0
     print(f"[train] warm start: {len(records)} (worker, bucket) steps in "
@@ -249,7 +249,7 @@ def train_steps(job: Job, progress: Progress, targets: list, fail_at: dict) -> T
     metrics = MetricsLog(out / "metrics.jsonl", progress.start_step)
     status = StatusReporter(out / "status.json", spec, job.total_steps)
     ledger = EpochLedger(ds.sample_ids, progress.epochs_seen)
-    every = spec["checkpoint"]["every_steps"]
+    every = spec.checkpoint.every_steps
     pad_id = 0
 
     def make_row(batch: list[int]):
@@ -267,14 +267,14 @@ def train_steps(job: Job, progress: Progress, targets: list, fail_at: dict) -> T
         status.step(rec)
         if job.persist and ((rec.step + 1) % every == 0 or rec.step + 1 == job.total_steps):
             ckpt.save(out / "checkpoints", rec.step + 1, job.replicas[0], dict(counters),
-                      spec["checkpoint"]["keep"], job.run_fingerprint, ledger.state())
+                      spec.checkpoint.keep, job.run_fingerprint, ledger.state())
 
     t0 = time.perf_counter()
     pipe = Pipeline(target_workers=targets, replicas=job.replicas, step_map=job.step_map,
                     make_row=make_row, start_step=progress.start_step,
-                    total_steps=job.total_steps, seed=spec["seed"],
+                    total_steps=job.total_steps, seed=spec.seed,
                     mask_token_id=job.cfg.mask_token_id,
-                    queue_depth=spec["topology"]["queue_depth"], on_step=on_step,
+                    queue_depth=spec.topology.queue_depth, on_step=on_step,
                     fail_at=fail_at)
     try:
         pipe.run(on_tick=status.tick, tick_s=5.0)
@@ -343,7 +343,7 @@ def write_train_manifest(job: Job, progress: Progress, trained: Trained, warm_st
         replicas=len(job.replicas), replicas_identical=replicas_identical,
         exactly_once=trained.ledger.report(),
         drafter_dir=str(job.out / "drafter"), env_drift_overridden=ctx.drift,
-        topology=spec["topology"])
+        topology=asdict(spec.topology))
     trained.status.done(manifest)
     print(f"[train] done: {steps_run} steps in {trained.seconds:.1f}s, final loss "
           f"{manifest['final_loss']}, recompiles after warmup "

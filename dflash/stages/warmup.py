@@ -26,14 +26,14 @@ def run(ctx: StageContext) -> dict:
     t0 = time.perf_counter()
     cfg = drafter_config(spec)
     feat_width = len(cfg.target_layer_ids) * cfg.hidden_size
-    replicas = make_replicas(spec, cfg, initial_state(cfg, spec["seed"]), total_steps=1000)
+    replicas = make_replicas(spec, cfg, initial_state(cfg, spec.seed), total_steps=1000)
 
     def log(rec: dict) -> None:
         who = f"replica {rec['replica']}" if "replica" in rec else "target"
         print(f"[warmup] {rec['callable']} on {rec['device']} ({who}) "
               f"bucket {rec['bucket']}: {rec['seconds']:.1f}s", flush=True)
 
-    records = warm_all(replicas, buckets(spec), feat_width, dtype_of(spec["target"]["dtype"]),
+    records = warm_all(replicas, buckets(spec), feat_width, dtype_of(spec.target.dtype),
                        optimizer_step=True, log=log)
     # the target's flex attention per (target device, bucket): CUDA only (CPU targets use SDPA)
     records += warm_target_attention(spec, buckets(spec), log=log)
