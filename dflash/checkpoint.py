@@ -2,10 +2,10 @@
 
 ``checkpoints/step-00000040/`` holds ``model.safetensors`` (drafter weights, fp32 masters),
 ``optim.safetensors`` (AdamW moments and step counters) and ``state.json`` (step, LR schedule,
-counters, the sample ids each epoch trained on, the sha256 of both tensor files). The folder is written under a temporary name and
-renamed, so it exists complete or not at all. Nothing is unpickled: tensors via safetensors,
-the rest JSON. The sampler position and the anchor RNG are functions of (seed, step), so the
-step number is the whole data-order state.
+counters, the sample ids each epoch trained on, the sha256 of both tensor files). The folder is
+written under a temporary name and renamed, so it exists complete or not at all. Nothing is
+unpickled: tensors via safetensors, the rest JSON. The sampler position and the anchor RNG are
+functions of (seed, step), so the step number is the whole data-order state.
 """
 from __future__ import annotations
 

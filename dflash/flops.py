@@ -7,6 +7,8 @@ import time
 
 import torch
 
+from .model import head_dim_of
+
 
 def best_seconds_per_call(fn, device: str, reps: int, warmup: int = 1, windows: int = 3) -> float:
     """Seconds per call of ``fn``: the best of ``windows`` timed windows of ``reps`` calls each,
@@ -42,7 +44,7 @@ def measure_peak_flops(device: str, dtype: torch.dtype) -> dict:
 def _linear_params(cfg, layers: int) -> int:
     """Matmul parameters of ``layers`` Llama/Qwen-style decoder layers."""
     H, I = cfg.hidden_size, cfg.intermediate_size
-    hd = getattr(cfg, "head_dim", None) or H // cfg.num_attention_heads
+    hd = head_dim_of(cfg)
     attn = H * hd * (cfg.num_attention_heads * 2 + cfg.num_key_value_heads * 2)
     return layers * (attn + 3 * H * I)
 
@@ -50,7 +52,7 @@ def _linear_params(cfg, layers: int) -> int:
 def target_flops(tcfg, layers_run: int, doc_lengths: list[int]) -> float:
     """Forward FLOPs of the (truncated) target over packed documents: 2·params·tokens plus
     causal attention (QK and AV: 2·2·heads·head_dim per visible key, ~len/2 keys on average)."""
-    hd = getattr(tcfg, "head_dim", None) or tcfg.hidden_size // tcfg.num_attention_heads
+    hd = head_dim_of(tcfg)
     tokens = sum(doc_lengths)
     attn = sum(4 * layers_run * tcfg.num_attention_heads * hd * n * (n + 1) / 2
                for n in doc_lengths)

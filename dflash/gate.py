@@ -62,7 +62,6 @@ __all__ = [
     "classify_error",
     "is_recompile_refusal",
     "check_flags",
-    "thread_is_set_up",
     "FX_NESTED",
 ]
 
@@ -140,16 +139,7 @@ def worker_thread_setup(**dynamo_cfg: Any) -> dict[str, Any]:
         applied[k] = v
     if applied.get("error_on_nested_fx_trace") is False:
         warnings.warn("error_on_nested_fx_trace=False turns the FX race into silent eager runs", stacklevel=2)
-    _SETUP.done = True
     return applied
-
-
-_SETUP = threading.local()
-
-
-def thread_is_set_up() -> bool:
-    """True if :func:`worker_thread_setup` ran in the calling thread."""
-    return bool(getattr(_SETUP, "done", False))
 
 
 def _set_stance(name: str) -> None:
@@ -313,10 +303,6 @@ class Gate:
     @property
     def warm(self) -> bool:
         return self._warm
-
-    def seen(self, sig: Hashable) -> bool:
-        with self._stats_lock:
-            return sig in self._seen
 
     # ---- the worker API ---------------------------------------------------------------------
     def run(self, sig: Hashable, fn: Callable[[], Any]) -> Any:

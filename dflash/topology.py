@@ -48,9 +48,8 @@ def make_target_workers(spec) -> list[tuple[str, object]]:
     ids = layer_ids(spec.target, hf_config(spec.target))
     workers = []
     for dev in spec.topology.targets:
-        t = load_target(spec.target, dev, seed=spec.seed, need_lm_head=False,
-                        num_layers=max(ids) + 1, need_tokenizer=False,
-                        attention=attention_backend(dev))
+        t = load_target(spec.target, dev, seed=spec.seed, num_layers=max(ids) + 1,
+                        need_tokenizer=False, attention=attention_backend(dev))
         fx = FeatureExtractor(t)
         workers.append((dev, lambda row, fx=fx, dev=dev: fx(row.input_ids.to(dev),
                                                              row.doc_ids.to(dev),

@@ -13,6 +13,7 @@ import time
 import torch
 
 from .masks import PackedRow, sample_anchors
+from .model import head_dim_of
 from .replica import DrafterReplica
 
 
@@ -79,7 +80,6 @@ def _warm_in_threads(jobs: list, work, log=None) -> list[dict]:
     from concurrent.futures import ThreadPoolExecutor
 
     from .gate import worker_thread_setup
-    from .scheduler import DYNAMO_SETTINGS
 
     def collect(job) -> list[dict]:
         records = []
@@ -91,7 +91,7 @@ def _warm_in_threads(jobs: list, work, log=None) -> list[dict]:
 
     records: list[dict] = []
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="warm",
-                            initializer=lambda: worker_thread_setup(**DYNAMO_SETTINGS)) as pool:
+                            initializer=worker_thread_setup) as pool:
         for job in jobs:  # the next job starts only after this one finished without error
             records += pool.submit(collect, job).result()
     return records
@@ -139,7 +139,7 @@ def warm_target_attention(spec, bucket_lens: list[int], log=None) -> list[dict]:
 
     tcfg = hf_config(spec.target)
     hq, hkv = tcfg.num_attention_heads, tcfg.num_key_value_heads
-    hd = getattr(tcfg, "head_dim", None) or tcfg.hidden_size // hq
+    hd = head_dim_of(tcfg)
     dtype = dtype_of(spec.target.dtype)
     gate = get_gate()
     devices = [d for d in spec.topology.targets if attention_backend(d) == "flex"]

@@ -12,7 +12,7 @@ import json
 import pytest
 import yaml
 
-from conftest import copy_workflow, job_counts, snakemake
+from dflash.harness import copy_workflow, job_counts, snakemake
 
 pytestmark = pytest.mark.e2e
 
@@ -103,10 +103,13 @@ def test_report_template_edit_reruns_bench_only(wf):
         assert _would_run(wf) == {"bench": 1}
 
 
-def test_scheduler_edit_reruns_every_stage_that_imports_it(wf):
-    """scheduler.py holds the workers' dynamo settings, which warmup's compile threads use too."""
-    with _rewritten(wf / "dflash" / "scheduler.py", lambda t: t + "\n# edited\n"):
-        assert _would_run(wf) == {"warmup": 1, "train": 1, "bench": 1}
+@pytest.mark.parametrize("module, reruns", [
+    ("scheduler.py", {"train": 1, "bench": 1}),  # the training pipeline (bench's timed run too)
+    ("gate.py", {"warmup": 1, "train": 1, "bench": 1}),  # warmup's threads: its dynamo settings
+])
+def test_module_edit_reruns_every_stage_that_imports_it(wf, module, reruns):
+    with _rewritten(wf / "dflash" / module, lambda t: t + "\n# edited\n"):
+        assert _would_run(wf) == reruns
 
 
 def test_lock_content_change_reruns_everything(wf):

@@ -58,7 +58,7 @@ def measure(model_name: str, batch: int, seq: int, device: str, peak: float, ite
     # 1. plain HF, full model's decoder, all hidden states
     xi, di, pi = input_ids.reshape(-1).to(device), doc.to(device), pos.to(device)
     if "hf_plain" in paths or "ours_dense_sdpa" in paths:
-        t = load_target(spec_target, device, need_lm_head=False, need_tokenizer=False)
+        t = load_target(spec_target, device, need_tokenizer=False)
         base = t.model.get_decoder()
         x = input_ids.to(device)
         if "hf_plain" in paths:
@@ -68,8 +68,8 @@ def measure(model_name: str, batch: int, seq: int, device: str, peak: float, ite
                        n_layers)
         if "ours_dense_sdpa" in paths:  # same weights, packed row, dense mask (SDPA)
             fx = FeatureExtractor(t)
-            record("ours_dense_sdpa", timed(lambda: fx(xi, di, pi), device, iters, warmup=2),
-                   n_layers)
+            record("ours_dense_sdpa", timed(lambda: fx(xi, di, pi), device, iters,  # noqa: F821
+                                            warmup=2), n_layers)  # (fx is deleted below)
             del fx
         del t, base
         torch.cuda.empty_cache()
@@ -77,14 +77,14 @@ def measure(model_name: str, batch: int, seq: int, device: str, peak: float, ite
     for name, layers in (("ours_flex", n_layers), ("ours_flex_truncated", max(ids) + 1)):
         if name not in paths:
             continue
-        t = load_target(spec_target, device, need_lm_head=False, need_tokenizer=False,
+        t = load_target(spec_target, device, need_tokenizer=False,
                         num_layers=layers, attention="flex")
         fx = FeatureExtractor(t)
         t0 = time.perf_counter()
         fx(xi, di, pi)
         torch.cuda.synchronize(device)
         out[f"{name}_first_call_s"] = round(time.perf_counter() - t0, 2)  # incl. flex compile
-        record(name, timed(lambda: fx(xi, di, pi), device, iters, warmup=1), layers)
+        record(name, timed(lambda: fx(xi, di, pi), device, iters, warmup=1), layers)  # noqa: F821
         del fx, t
         torch.cuda.empty_cache()
     for a, b in (("ours_flex", "hf_plain"), ("ours_dense_sdpa", "hf_plain"),
