@@ -245,16 +245,26 @@ class Attention(nn.Module):
     def _heads(self, x, n):
         return x.view(*x.shape[:2], n, self.hd)
 
-    def forward(self, x, ctx, rope_q, rope_ctx, mask, attention, compile_flex):
+    def context_kv(self, ctx, rope_ctx):
+        """K/V of the injected context (k_norm, then RoPE at the context positions).
+
+        They depend only on the context features and their positions, never on the block, so
+        speculative decoding computes them once per verified position and appends (the drafter
+        KV cache, :class:`dflash.speculative.DrafterCache`).
+        """
+        k = self.k_norm(self._heads(self.k_proj(ctx), self.nkv)).transpose(1, 2)
+        v = self._heads(self.v_proj(ctx), self.nkv).transpose(1, 2)
+        return apply_rope(k, *rope_ctx), v
+
+    def forward(self, x, ctx, rope_q, rope_ctx, mask, attention, compile_flex, ctx_kv=None):
         N, Q, _ = x.shape
         q = self.q_norm(self._heads(self.q_proj(x), self.nh)).transpose(1, 2)
         # K/V injection: context keys/values precede the block's own keys/values
-        k_ctx = self.k_norm(self._heads(self.k_proj(ctx), self.nkv)).transpose(1, 2)
+        k_ctx, v_ctx = ctx_kv if ctx_kv is not None else self.context_kv(ctx, rope_ctx)
         k_blk = self.k_norm(self._heads(self.k_proj(x), self.nkv)).transpose(1, 2)
-        v_ctx = self._heads(self.v_proj(ctx), self.nkv).transpose(1, 2)
         v_blk = self._heads(self.v_proj(x), self.nkv).transpose(1, 2)
         q = apply_rope(q, *rope_q)
-        k = torch.cat([apply_rope(k_ctx, *rope_ctx), apply_rope(k_blk, *rope_q)], dim=2)
+        k = torch.cat([k_ctx, apply_rope(k_blk, *rope_q)], dim=2)
         v = torch.cat([v_ctx, v_blk], dim=2)
         o = attend(q, k, v, mask, attention, self.hd ** -0.5, compile_flex)
         return self.o_proj(o.transpose(1, 2).reshape(N, Q, self.nh * self.hd))
@@ -280,10 +290,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, ctx, rope_q, rope_ctx, mask, attention, compile_flex):
+    def forward(self, x, ctx, rope_q, rope_ctx, mask, attention, compile_flex, ctx_kv=None):
         # the context features are not re-normalised per layer: hidden_norm already did that
         x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_ctx, mask,
-                               attention, compile_flex)
+                               attention, compile_flex, ctx_kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -308,42 +318,84 @@ class DFlashDrafter(nn.Module):
             elif isinstance(m, RMSNorm):
                 m.weight.fill_(1.0)
 
-    def forward(self, block_embeds: torch.Tensor, target_hidden: torch.Tensor,
-                block_position_ids: torch.Tensor, context_position_ids: torch.Tensor,
-                mask=None, attention: str | None = None) -> torch.Tensor:
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def _compute_dtype(self, block_embeds: torch.Tensor) -> torch.dtype:
+        """The dtype the drafter computes in. Under autocast (training: fp32 master weights,
+        bf16 compute) the caller already gives the block embeddings in the compute dtype;
+        otherwise the drafter's own parameters decide, whatever dtype the target's embeddings
+        and features come in (a bf16 target feeding an fp32 drafter, or the reverse)."""
+        if torch.is_autocast_enabled(block_embeds.device.type):
+            return block_embeds.dtype
+        return self.dtype
+
+    def context(self, target_hidden: torch.Tensor, context_position_ids: torch.Tensor,
+                dtype: torch.dtype | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer context K/V [N, Hkv, C, D] of ``target_hidden`` [N, C, n*H] at the given
+        positions. Appending the K/V of new positions along dim 2 equals recomputing them from
+        all features (each position's K/V depends only on its own features and position)."""
+        dt = dtype or self.dtype
+        ctx = self.hidden_norm(self.fc(target_hidden.to(dt)))
+        rope_ctx = rope_cos_sin(context_position_ids, self.cfg.head_dim, self.cfg.rope_theta, dt)
+        return [layer.self_attn.context_kv(ctx, rope_ctx) for layer in self.layers]
+
+    def forward(self, block_embeds: torch.Tensor, target_hidden: torch.Tensor | None,
+                block_position_ids: torch.Tensor, context_position_ids: torch.Tensor | None,
+                mask=None, attention: str | None = None,
+                ctx_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
         """Final hidden states (after ``norm``) of the block tokens.
 
         block_embeds [N, Q, H] (target embedding of the block tokens); target_hidden [N, C, n*H]
         (concatenated feature-layer states, see :func:`extract_features`); position ids [N, Q] and
         [N, C]; mask: BlockMask ("flex"), bool [N, Q, C+Q] ("sdpa") or None (everything visible,
-        which is right for one block at inference).
+        which is right for one block at inference). ``ctx_kv`` (from :meth:`context`, e.g. a
+        drafter KV cache) replaces ``target_hidden`` and ``context_position_ids``.
         """
         attention = attention or self.attention
-        x = block_embeds
-        ctx = self.hidden_norm(self.fc(target_hidden.to(x.dtype)))
+        dt = self._compute_dtype(block_embeds)
+        x = block_embeds.to(dt)
         D, th = self.cfg.head_dim, self.cfg.rope_theta
-        rope_q = rope_cos_sin(block_position_ids, D, th, x.dtype)
-        rope_ctx = rope_cos_sin(context_position_ids, D, th, x.dtype)
-        for layer in self.layers:
-            x = layer(x, ctx, rope_q, rope_ctx, mask, attention, self.compile_flex)
+        rope_q = rope_cos_sin(block_position_ids, D, th, dt)
+        if ctx_kv is None:
+            ctx = self.hidden_norm(self.fc(target_hidden.to(dt)))
+            rope_ctx = rope_cos_sin(context_position_ids, D, th, dt)
+            ctx_kv = [None] * len(self.layers)
+        else:
+            ctx = rope_ctx = None
+        for layer, kv in zip(self.layers, ctx_kv):
+            x = layer(x, ctx, rope_q, rope_ctx, mask, attention, self.compile_flex, kv)
         return self.norm(x)
 
 
 # ---------------------------------------------------------------------------------------------
 # loss
 # ---------------------------------------------------------------------------------------------
-def _chunk_ce_sum(h, w_lm, y, wt):
+def _chunk_ce_sum(h, w_lm, y, wt, k=None, num_positions: int = 0):
     logits = (h @ w_lm.t()).float()
-    return (F.cross_entropy(logits, y, reduction="none") * wt).sum()
+    total = (F.cross_entropy(logits, y, reduction="none") * wt).sum()
+    if k is None:
+        return total
+    # top-1 hits per block position, from the logits the loss computes anyway (no grad, no sync)
+    with torch.no_grad():
+        hit = (logits.argmax(-1) == y).float()
+        hits = torch.zeros(num_positions, device=h.device).scatter_add_(0, k, hit)
+    return total, hits
 
 
 def drafter_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
-                 weights: torch.Tensor, chunk_size: int = 2048) -> torch.Tensor:
+                 weights: torch.Tensor, chunk_size: int = 2048,
+                 positions: torch.Tensor | None = None, num_positions: int = 0):
     """Weighted CE over labelled positions, normalised by the sum of their weights.
 
     Logits are computed ``chunk_size`` positions at a time and recomputed in backward
     (activation checkpointing), so at most one chunk of [chunk, vocab] logits ever exists:
     32768 positions x 151936 vocab would otherwise be ~10 GB.
+
+    With ``positions`` (the block position k of every label, shape of ``labels``) it returns
+    ``(loss, hits)``: hits [num_positions] = labelled positions whose top-1 prediction equals the
+    label, per block position (the draft accuracy the training log shows), a device tensor.
     """
     from torch.utils.checkpoint import checkpoint
 
@@ -353,18 +405,28 @@ def drafter_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: tor
     w = torch.broadcast_to(weights, labels.shape).reshape(-1).to(torch.float32)
     keep = (y != -100) & (w > 0)
     h, y, w = h[keep], y[keep], w[keep]
-    denom = w.sum()
+    k = None
+    if positions is not None:
+        k = torch.broadcast_to(positions, labels.shape).reshape(-1)[keep]
+    hits = hidden.new_zeros(num_positions, dtype=torch.float32)
     if y.numel() == 0:
-        return hidden.sum() * 0.0  # keeps the graph (and DDP) happy on an empty batch
+        empty = hidden.sum() * 0.0  # keeps the graph (and DDP) happy on an empty batch
+        return (empty, hits) if positions is not None else empty
+    denom = w.sum()
     total = hidden.new_zeros((), dtype=torch.float32)
     for s in range(0, y.numel(), chunk_size):
         sl = slice(s, s + chunk_size)
+        args = (h[sl], lm_head_weight, y[sl], w[sl]) + (
+            (k[sl], num_positions) if k is not None else ())
         if torch.is_grad_enabled() and h.requires_grad:
-            total = total + checkpoint(_chunk_ce_sum, h[sl], lm_head_weight, y[sl], w[sl],
-                                       use_reentrant=False)
+            out = checkpoint(_chunk_ce_sum, *args, use_reentrant=False)
         else:
-            total = total + _chunk_ce_sum(h[sl], lm_head_weight, y[sl], w[sl])
-    return total / denom
+            out = _chunk_ce_sum(*args)
+        if k is not None:
+            out, chunk_hits = out
+            hits = hits + chunk_hits
+        total = total + out
+    return (total / denom, hits) if positions is not None else total / denom
 
 
 # ---------------------------------------------------------------------------------------------

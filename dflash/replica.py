@@ -22,6 +22,9 @@ class StepResult:
     labelled: int       # block positions that carried a loss
     tokens: int         # real target tokens in the packed row
     sample_ids: list[int]
+    # per block position k: top-1 hits (device tensor, read with the loss) and labelled count
+    hits: torch.Tensor | None = None
+    counts: list[int] | None = None
 
 
 def lr_lambda(total_steps: int, warmup_ratio: float):
@@ -98,14 +101,19 @@ class DrafterReplica:
             hidden = self.forward(block_embeds, feats.to(dev, non_blocking=True),
                                   blocks_d.block_position_ids[None], ctx_pos, mask)
             weights = block_loss_weights(blocks_d, self.gamma)
-            loss = drafter_loss(hidden, self.lm_head, blocks_d.labels[None], weights[None])
+            B = self.block_size
+            k = torch.arange(B, device=dev).repeat(blocks_d.labels.shape[-1] // B)
+            loss, hits = drafter_loss(hidden, self.lm_head, blocks_d.labels[None], weights[None],
+                                      positions=k[None], num_positions=B)
         loss.backward()
-        # counts from the host copies, and the loss stays a device tensor: no host-device sync
+        # counts from the host copies, and loss/hits stay device tensors: no host-device sync
         # here, so this thread goes on queueing work while the GPU runs the backward
-        labelled = int((blocks.labels != -100).sum())
+        has_label = (blocks.labels != -100).reshape(-1, B)
+        labelled = int(has_label.sum())
         tokens = int((row.doc_ids >= 0).sum())
         return StepResult(loss=loss.detach(), labelled=labelled, tokens=tokens,
-                          sample_ids=list(row.sample_ids))
+                          sample_ids=list(row.sample_ids), hits=hits,
+                          counts=has_label.sum(0).tolist())
 
     def zero_grad(self) -> None:
         for p in self.params:

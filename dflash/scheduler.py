@@ -65,6 +65,8 @@ class StepRecord:
     sample_ids: list[int]
     t_end: float
     replica_losses: list[float | None] = field(default_factory=list)
+    # top-1 accuracy of block position k = 1..B-1 over this step's labelled positions
+    draft_acc: list[float | None] = field(default_factory=list)
 
 
 class StepMap:
@@ -341,7 +343,22 @@ class Pipeline:
         # the step's one host-device sync: losses and the norm read together, after the
         # optimizer step was queued
         res = [r for r in results if r is not None]
-        losses = [float(r.loss) if r is not None else None for r in results]
+        losses, hits, counts = [], None, None
+        for r in results:
+            if r is None:
+                losses.append(None)
+                continue
+            if r.hits is None:
+                losses.append(float(r.loss))
+                continue
+            # loss and per-position hits in one transfer
+            vals = torch.cat([r.loss.reshape(1).float(), r.hits.float().to(r.loss.device)]
+                             ).tolist()
+            losses.append(vals[0])
+            hits = vals[1:] if hits is None else [a + b for a, b in zip(hits, vals[1:])]
+            counts = r.counts if counts is None else [a + b for a, b in zip(counts, r.counts)]
+        draft_acc = ([round(h / c, 4) if c else None for h, c in zip(hits[1:], counts[1:])]
+                     if hits is not None else [])
         seen = [x for x in losses if x is not None]
         rec = StepRecord(
             step=step, epoch=epoch,
@@ -349,7 +366,7 @@ class Pipeline:
             lr=lr, grad_norm=float(norm), tokens=sum(r.tokens for r in res),
             labelled=sum(r.labelled for r in res),
             sample_ids=[s for r in res for s in r.sample_ids], t_end=time.perf_counter(),
-            replica_losses=losses)
+            replica_losses=losses, draft_acc=draft_acc)
         self.steps_done = step + 1
         self.last_record = rec
         if self.on_step is not None:

@@ -81,6 +81,7 @@ class DataSpec:
     max_new_tokens: int
     temperature: float
     gen_batch_size: int
+    engine: str
     max_bad_fraction: float
 
 
@@ -101,6 +102,13 @@ class CheckpointSpec:
 
 
 @dataclass(frozen=True)
+class MonitorSpec:
+    tau_every_steps: int | None
+    tau_prompts: int
+    tau_max_new_tokens: int
+
+
+@dataclass(frozen=True)
 class CompileSpec:
     backend: str
 
@@ -110,8 +118,11 @@ class BenchSpec:
     mode: str
     steps: int
     warmup_steps: int
+    eval_sets: tuple[str, ...]
     eval_prompts: int
     eval_max_new_tokens: int
+    real_prompts: int
+    eval_batch_size: int
 
 
 @dataclass(frozen=True)
@@ -124,7 +135,8 @@ class EnvSpec:
 SECTIONS: dict[str, type] = {
     "target": TargetSpec, "drafter": DrafterSpec, "batching": BatchingSpec, "loss": LossSpec,
     "topology": TopologySpec, "data": DataSpec, "optim": OptimSpec,
-    "checkpoint": CheckpointSpec, "compile": CompileSpec, "bench": BenchSpec, "env": EnvSpec,
+    "checkpoint": CheckpointSpec, "monitor": MonitorSpec, "compile": CompileSpec,
+    "bench": BenchSpec, "env": EnvSpec,
 }
 
 
@@ -150,6 +162,7 @@ class Spec:
     data: DataSpec
     optim: OptimSpec
     checkpoint: CheckpointSpec
+    monitor: MonitorSpec
     compile: CompileSpec
     bench: BenchSpec
     env: EnvSpec
@@ -204,7 +217,7 @@ def stage_fields(spec: Spec) -> dict[str, dict[str, Any]]:
                    "compile": spec.compile, "seed": spec.seed},
         "data": {**target_identity, "data": spec.data, "seed": spec.seed},
         "train": {"loss": spec.loss, "optim": spec.optim, "checkpoint": spec.checkpoint,
-                  "topology": spec.topology, "seed": spec.seed},
+                  "topology": spec.topology, "monitor": spec.monitor, "seed": spec.seed},
         "bench": {"bench": spec.bench},
     }
 

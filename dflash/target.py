@@ -7,10 +7,12 @@ folder ~0.2 s); Qwen3-8B/32B-shaped targets are real architecture configs with r
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import os
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -121,6 +123,15 @@ def layer_ids(target: TargetSpec, config) -> list[int]:
     bad = [i for i in ids if i >= n_layers]
     if bad:
         raise SpecError(f"target.layer_ids: {bad} out of range for a {n_layers}-layer target")
+    if n_layers - 1 in ids:
+        # Training reads each feature layer's raw output (a forward hook); inference — ours and
+        # the reference DFlashDraftModel's — reads HF hidden_states[i+1], which for the LAST
+        # layer is the output after the final norm (measured on SmolLM2: difference 2.98 against
+        # a magnitude of 0.81). The two would disagree, so that id is refused.
+        raise SpecError(f"target.layer_ids: {n_layers - 1} is the target's last layer, whose "
+                        f"HF hidden state is taken after the final norm at inference but before "
+                        f"it in training; use ids up to {n_layers - 2} (the default spreads "
+                        f"them over 1..{max(1, n_layers - 3)})")
     return list(ids)
 
 
@@ -136,6 +147,20 @@ def target_fingerprint(target: TargetSpec) -> str:
         d = _user_dir(model)
         ident["files"] = {p.name: p.stat().st_size for p in sorted(d.iterdir()) if p.is_file()}
     return fingerprint(ident)
+
+
+def kv_cache(model) -> tuple[str, Any]:
+    """A fresh KV cache the model fills in place, and the keyword its forward takes it by:
+    ``cache`` (transformers >= 5.2x) or ``past_key_values`` (older; the GPU image's 5.17)."""
+    import inspect
+
+    from transformers import DynamicCache
+
+    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    try:
+        return kw, DynamicCache(config=model.config)
+    except TypeError:
+        return kw, DynamicCache()
 
 
 @dataclass
@@ -178,8 +203,9 @@ def load_target(target: TargetSpec, device: str, seed: int = 0,
     else:
         src = smollm2_hf_dir() if target.model in BUILTIN_PRETRAINED else _user_dir(
             target.model)
-        model = AutoModelForCausalLM.from_pretrained(src, config=config, dtype=dtype,
-                                                     attn_implementation=impl).to(device)
+        with _expected_unexpected_keys(config, dropped_layer_keys(hf_config(target), num_layers)):
+            model = AutoModelForCausalLM.from_pretrained(src, config=config, dtype=dtype,
+                                                         attn_implementation=impl).to(device)
     model.eval().requires_grad_(False)
     # feature workers need no tokenizer (random-weight targets then need no SmolLM2 package)
     tok = AutoTokenizer.from_pretrained(tokenizer_dir(target.model)) if need_tokenizer \
@@ -187,6 +213,50 @@ def load_target(target: TargetSpec, device: str, seed: int = 0,
     full_cfg = hf_config(target)
     return Target(model=model, tokenizer=tok, config=full_cfg,
                   layer_ids=layer_ids(target, full_cfg), attention=attention)
+
+
+def dropped_layer_keys(full_config, num_layers: int | None) -> list[str]:
+    """Checkpoint-key patterns of the decoder layers a truncated load leaves out (>= num_layers).
+
+    Exact layer numbers, anchored: a genuinely unexpected key elsewhere (or of a kept layer)
+    does not match and is still reported.
+    """
+    total = full_config.num_hidden_layers
+    if num_layers is None or num_layers >= total:
+        return []
+    ids = "|".join(str(i) for i in range(num_layers, total))
+    return [rf"^model\.layers\.({ids})\."]
+
+
+_LOAD_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _expected_unexpected_keys(config, patterns: list[str]):
+    """Have transformers' load report leave out ``patterns`` (and only those) while loading.
+
+    transformers drops an unexpected key from its report when it matches the model class's
+    ``_keys_to_ignore_on_load_unexpected`` (copied into the instance at construction); we
+    extend that class attribute for the duration of one load (serialised: it is a class
+    global) and restore it. Missing and mismatched keys are never touched.
+    """
+    if not patterns:
+        yield
+        return
+    from transformers import AutoModelForCausalLM
+
+    cls = AutoModelForCausalLM._model_mapping[type(config)]
+    with _LOAD_LOCK:
+        had = "_keys_to_ignore_on_load_unexpected" in cls.__dict__
+        old = cls.__dict__.get("_keys_to_ignore_on_load_unexpected")
+        cls._keys_to_ignore_on_load_unexpected = list(old or []) + patterns
+        try:
+            yield
+        finally:
+            if had:
+                cls._keys_to_ignore_on_load_unexpected = old
+            else:
+                del cls._keys_to_ignore_on_load_unexpected
 
 
 FLEX_IMPL = "packed_doc_flex"  # must not contain "flash": transformers reads that as flash-attn

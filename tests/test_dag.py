@@ -64,6 +64,13 @@ def test_full_dag_artifacts(wf):
     assert train["gate"]["race_errors"] == 0
     assert train["replicas"] == 2 and train["replicas_identical"] is True
     assert train["exactly_once"]["0"]["exactly_once"] is True
+    # per-position draft accuracy is logged with the loss: block 4 -> positions 1..3
+    rows = [json.loads(x) for x in (res / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert all(len(r["draft_acc"]) == 3 for r in rows)
+    assert all(a is None or 0.0 <= a <= 1.0 for r in rows for a in r["draft_acc"])
+    # the τ monitor (monitor.tau_every_steps: 3) logged at steps 3 and 6
+    assert [r["step"] for r in rows if "tau_heldout" in r] == [2, 5]
+    assert all(r["tau_heldout"] >= 1.0 for r in rows if "tau_heldout" in r)
     warm = json.loads((res / "warmup" / "manifest.json").read_text())
     assert {(c["replica"], c["bucket"]) for c in warm["compiled"]} == {(0, 256), (1, 256)}
     cfg = json.loads((res / "train" / "drafter" / "config.json").read_text())
@@ -105,7 +112,7 @@ def test_report_template_edit_reruns_bench_only(wf):
 
 @pytest.mark.parametrize("module, reruns", [
     ("scheduler.py", {"train": 1, "bench": 1}),  # the training pipeline (bench's timed run too)
-    ("gate.py", {"warmup": 1, "train": 1, "bench": 1}),  # warmup's threads: its dynamo settings
+    ("packing.py", {"warmup": 1, "train": 1, "bench": 1}),  # warmup builds its buckets
 ])
 def test_module_edit_reruns_every_stage_that_imports_it(wf, module, reruns):
     with _rewritten(wf / "dflash" / module, lambda t: t + "\n# edited\n"):

@@ -11,7 +11,7 @@ import yaml
 
 from dflash.dataset import load_dataset
 from dflash.errors import DFlashError, StaleArtifact
-from dflash.prompts import load_mtbench
+from dflash.prompts import load_mtbench, render_prompt
 from dflash.spec import parse_spec
 from dflash.stages import StageContext
 from dflash.stages import data as data_stage
@@ -74,6 +74,10 @@ def test_dataset_and_manifest(reference, capsys):
     assert t["total_tokens"] == sum(len(r["input_ids"]) for r in rows)
     assert m["dataset"]["rows"] == 12 and len(m["dataset"]["sha256"]) == 64
     assert m["generation"]["chunks"] == 3 and m["generation"]["temperature"] == 0.0
+    g = m["generation"]
+    assert g["engine_requested"] == "auto" and g["engine"] == "fast"
+    assert g["engine_settings"]["cpu"]["slots"] == 4 and not g["engine_settings"]["cpu"]["compiled"]
+    assert g["new_tokens_generated"] == t["response"]["total"] and g["new_tokens_per_second"] > 0
 
     # loss_mask covers exactly the response; the prompt is the chat-templated prompt
     from transformers import AutoTokenizer
@@ -88,7 +92,7 @@ def test_dataset_and_manifest(reference, capsys):
         P, R = r["num_prompt_tokens"], r["num_response_tokens"]
         assert len(r["input_ids"]) == len(r["loss_mask"]) == P + R
         assert r["loss_mask"] == [0] * P + [1] * R
-        assert r["input_ids"][:P] == data_stage.render_prompt(tok, by_id[r["prompt_id"]].messages)
+        assert r["input_ids"][:P] == render_prompt(tok, by_id[r["prompt_id"]].messages)
         assert tok.decode(r["input_ids"][:P]).endswith("<|im_start|>assistant\n")
         eos_at = [i for i, x in enumerate(r["input_ids"][P:]) if x == 2]
         assert eos_at in ([], [R - 1]) and r["stopped_at_eos"] == (eos_at == [R - 1])
@@ -146,6 +150,14 @@ def test_stale_shards_are_discarded(reference, tmp_path, capsys):
     assert m["tokens"]["response"]["max"] <= 5
     with pytest.raises(StaleArtifact, match="fingerprints.data"):
         load_dataset(spec, tmp_path)
+
+
+def test_hf_engine_gives_the_same_greedy_dataset(reference, tmp_path):
+    """engine hf (the batch-by-batch HF loop) and fast agree on greedy answers."""
+    spec, _, ref_m, _ = reference
+    m = run_data(make_spec(engine="hf"), tmp_path)
+    assert m["generation"]["engine"] == "hf" and m["generation"]["engine_settings"] == {}
+    assert m["dataset"]["sha256"] == ref_m["dataset"]["sha256"]
 
 
 def test_sampling_two_devices_deterministic(tmp_path):

@@ -46,6 +46,10 @@ def test_training_is_warm_and_race_free(tiny):
     losses = [json.loads(x)["loss"] for x in
               (tiny / "results" / "tiny" / "train" / "metrics.jsonl").read_text().splitlines()]
     assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4  # it learns
+    acc = [json.loads(x)["draft_acc"] for x in
+           (tiny / "results" / "tiny" / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert all(len(a) == 15 for a in acc)
+    assert sum(a[0] for a in acc[-4:]) > sum(a[0] for a in acc[:4])  # position 1 learns
 
 
 def test_bench_report_has_every_field_and_tau(tiny):
@@ -61,7 +65,12 @@ def test_bench_report_has_every_field_and_tau(tiny):
     acc = rep["acceptance"]
     assert acc["lossless"] is True          # speculative greedy == target greedy, token for token
     assert acc["tau"] >= 1.0 and len(acc["accept_rate_by_position"]) == 15
-    for png in ("loss.png", "throughput.png", "acceptance.png"):
+    assert set(acc["sets"]) == {"mtbench", "humaneval", "heldout"}
+    for name, s in acc["sets"].items():
+        assert s["prompts"] == 6 and s["tau"] >= 1.0, name
+    real = acc["sets"]["mtbench"]["real"]
+    assert real["lossless"] is True and real["tokens_equal_simulated"] == 2
+    for png in ("loss.png", "throughput.png", "acceptance.png", "tau_by_category.png"):
         assert (tiny / "results" / "tiny" / "bench" / png).stat().st_size > 1000
     cfg = _json(tiny / "results" / "tiny" / "train" / "drafter" / "config.json")
     assert cfg["dflash_config"]["mask_token_id"] == 4 and cfg["block_size"] == 16

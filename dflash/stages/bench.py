@@ -2,74 +2,85 @@
 
 Writes results/<spec>/bench/report.json, report.md (jinja2) and PNG plots. Throughput comes
 from the train stage's steady state (bench.mode train_metrics) or from a fresh timed run of
-``bench.warmup_steps + bench.steps`` steps (bench.mode run). τ comes from greedy speculative
-decoding with the exported drafter on MT-Bench first turns (never trained on), with a check
-that the output equals the target's own greedy output token for token.
+``bench.warmup_steps + bench.steps`` steps (bench.mode run). τ of the exported drafter comes
+from :mod:`dflash.evaluate`: simulated acceptance on every ``bench.eval_sets`` set (MT-Bench
+first turns, HumanEval, held-out training-source prompts), real speculative decoding on
+``bench.real_prompts`` prompts of each (speed-up, and a check that its output equals the target's
+own greedy output token for token and the simulated blocks).
 """
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
-import torch
 
+from ..errors import DFlashError
 from ..flops import drafter_flops_per_step, measure_peak_flops, target_flops
 from ..manifest import atomic_path, atomic_write_json, atomic_write_text, expect, read_manifest
 from . import StageContext
 
 
 # ---------------------------------------------------------------------------------------------
-# acceptance length τ
+# acceptance length τ (the work is in dflash.evaluate)
 # ---------------------------------------------------------------------------------------------
-def evaluate_tau(spec, drafter_dir: Path, n_prompts: int, max_new: int, device: str) -> dict:
+def evaluate_tau(spec, drafter_dir: Path, device: str, results_dir: Path | None = None) -> dict:
+    """τ of the exported drafter on the spec's eval sets (``bench.*``), as a dict for the report.
+
+    Any failure becomes ONE message naming what failed and the spec fields / files involved;
+    the traceback goes to ``bench/tau_error.txt`` beside the report, not to the console.
+    """
+    from ..generate import eos_ids_of
+    from ..evaluate import evaluate_sets, load_eval_sets
     from ..model import load_drafter
-    from ..prompts import load_mtbench
-    from ..speculative import speculative_generate, target_greedy
+    from ..spec import dtype_of
     from ..target import load_target, target_embeddings
 
-    if n_prompts == 0:
-        return {"skipped": "bench.eval_prompts is 0"}
+    b = spec.bench
+    if b.eval_prompts == 0 or not b.eval_sets:
+        return {"skipped": "bench.eval_prompts is 0 or bench.eval_sets is empty"}
     if spec.target.init == "random":
         return {"skipped": "random-weight target: acceptance is meaningless"}
-    tgt = load_target(spec.target, device, seed=spec.seed)
-    drafter, cfg = load_drafter(drafter_dir, device=device)
-    drafter.eval()
-    embed, head = target_embeddings(spec.target, spec.seed)
-    embed, head = embed.to(device), head.to(device)
-    tok = tgt.tokenizer
-    eos = tok.eos_token_id
-    per_prompt, counts = [], [0] * (cfg.block_size - 1)
-    t_base = t_spec = 0.0
-    produced = forwards = blocks = 0
-    lossless = True
-    for q in load_mtbench(n_prompts):
-        ids = tok.apply_chat_template([{"role": "user", "content": q}],
-                                      add_generation_prompt=True, return_tensors="pt")
-        ids = (ids["input_ids"] if hasattr(ids, "keys") else ids).to(device)
-        with torch.no_grad():
-            t = time.perf_counter()
-            base = target_greedy(tgt.model, ids, max_new, eos)
-            t_base += time.perf_counter() - t
-            t = time.perf_counter()
-            res = speculative_generate(tgt.model, drafter, cfg, embed, head, ids, max_new, eos)
-            t_spec += time.perf_counter() - t
-        same = res.tokens == base
-        lossless &= same
-        produced += sum(res.block_lengths)
-        forwards += res.target_forwards
-        blocks += len(res.block_lengths)
-        counts = [a + b for a, b in zip(counts, res.accept_counts)]
-        per_prompt.append({"tau": res.tau, "tokens": len(res.tokens), "lossless": same})
-    n_tokens = sum(p["tokens"] for p in per_prompt)
-    return {
-        "prompts": len(per_prompt), "max_new_tokens": max_new, "tau": produced / max(1, forwards),
-        "accept_rate_by_position": [c / max(1, blocks) for c in counts],
-        "lossless": lossless, "per_prompt": per_prompt,
-        "target_only_tokens_per_s": n_tokens / t_base if t_base else None,
-        "speculative_tokens_per_s": n_tokens / t_spec if t_spec else None,
-        "speedup": (t_base / t_spec) if t_spec else None, "device": device,
-    }
+    step = "loading the target (target.model, target.dtype)"
+    try:
+        tgt = load_target(spec.target, device, seed=spec.seed)
+        step = f"loading the exported drafter {drafter_dir} (drafter.dtype)"
+        drafter, cfg = load_drafter(drafter_dir, device=device,
+                                    dtype=dtype_of(spec.drafter.dtype))
+        drafter.eval()
+        embed, head = target_embeddings(spec.target, spec.seed)
+        step = "loading the eval prompts (bench.eval_sets)"
+        sets = load_eval_sets(spec, results_dir, tgt.tokenizer, b.eval_sets,
+                              b.eval_prompts)
+        step = (f"evaluating τ on {device} (target.dtype {spec.target.dtype}, "
+                f"drafter.dtype {spec.drafter.dtype}, bench.eval_max_new_tokens "
+                f"{b.eval_max_new_tokens}, bench.real_prompts {b.real_prompts})")
+        per_set = evaluate_sets(tgt.model, drafter, embed, head, sets, b.eval_max_new_tokens,
+                                eos_ids_of(tgt), b.real_prompts, device, b.eval_batch_size)
+    except DFlashError:
+        raise
+    except Exception as e:  # noqa: BLE001 - one message for the user, the traceback to a file
+        import traceback
+
+        where = ""
+        if results_dir is not None:
+            path = results_dir / "bench" / "tau_error.txt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(path, traceback.format_exc())
+            where = f" (traceback in {path})"
+        raise DFlashError(f"bench: τ evaluation failed while {step}: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}{where}") from None
+    # the headline figures are the first evaluated set's (mtbench by default)
+    primary = next((k for k, v in per_set.items() if "tau" in v), None)
+    first = per_set.get(primary, {})
+    real = first.get("real") or {}
+    return {"sets": per_set, "primary_set": primary, "tau": first.get("tau"),
+            "prompts": first.get("prompts"), "block_size": cfg.block_size,
+            "max_new_tokens": b.eval_max_new_tokens, "device": device,
+            "accept_rate_by_position": first.get("accept_rate_by_position"),
+            "lossless": real.get("lossless"), "real_prompts": real.get("prompts"),
+            "target_only_tokens_per_s": real.get("target_only_tokens_per_s"),
+            "speculative_tokens_per_s": real.get("speculative_tokens_per_s"),
+            "speedup": real.get("speedup")}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,11 +117,21 @@ def _plots(out: Path, metrics: list[dict], tau: dict) -> list[str]:
              xlabel="step", ylabel="loss", title="Training loss")
         plot("throughput.png", lambda ax: ax.plot(t[1:], tps),
              xlabel="seconds", ylabel="target tokens / s", title="Throughput")
-    rates = tau.get("accept_rate_by_position")
-    if rates:
-        plot("acceptance.png", lambda ax: ax.bar(range(1, len(rates) + 1), rates),
-             xlabel="block position k", ylabel="accepted fraction",
-             title=f"Acceptance by position (τ = {tau['tau']:.2f})")
+    sets = {k: v for k, v in (tau.get("sets") or {}).items() if v.get("tau") is not None}
+    if sets:
+        def by_position(ax):
+            for name, v in sets.items():
+                r = v["accept_rate_by_position"]
+                ax.plot(range(1, len(r) + 1), [x if x is not None else float("nan") for x in r],
+                        marker="o", label=f"{name} (τ = {v['tau']:.2f})")
+            ax.set_ylim(0, 1)
+            ax.legend()
+        plot("acceptance.png", by_position, xlabel="block position k",
+             ylabel="P(drafts 1..k accepted)", title="Acceptance by position (simulated)")
+    cats = (sets.get("mtbench") or {}).get("tau_by_category")
+    if cats:
+        plot("tau_by_category.png", lambda ax: ax.bar(list(cats), list(cats.values())),
+             xlabel="MT-Bench category", ylabel="τ", title="τ per MT-Bench category")
     return made
 
 
@@ -123,9 +144,7 @@ def run(ctx: StageContext) -> dict:
     source, metrics = throughput_source(ctx, train, out)
     perf = throughput(ctx, source, metrics)
     drafter_dir = ctx.results / "train" / "drafter"
-    b = ctx.spec.bench
-    tau = evaluate_tau(ctx.spec, drafter_dir, b.eval_prompts, b.eval_max_new_tokens,
-                       ctx.spec.topology.targets[0])
+    tau = evaluate_tau(ctx.spec, drafter_dir, ctx.spec.topology.targets[0], ctx.results)
     report = {**perf, **run_facts(ctx, source), "tau": tau.get("tau"), "acceptance": tau,
               "drafter_dir": str(drafter_dir)}
     return write_report(out, report, metrics, tau)

@@ -20,6 +20,7 @@ import queue
 import shutil
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -28,7 +29,8 @@ from typing import Callable, Sequence
 from ..errors import DFlashError
 from ..dataset import DATASET
 from ..manifest import atomic_path, atomic_write_json, fingerprint, sha256_file, write_manifest
-from ..prompts import is_mtbench, load_prompts
+from ..generate import eos_ids_of, generate_batch, sample_seed
+from ..prompts import is_mtbench, load_prompts, render_prompt
 from . import StageContext
 
 SHARDS = "shards"
@@ -57,11 +59,6 @@ def _tokenizer(model: str):
     from ..target import tokenizer_dir
 
     return AutoTokenizer.from_pretrained(tokenizer_dir(model))
-
-
-def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def build_samples(spec, tokenizer) -> tuple[list[Sample], object, list]:
@@ -97,94 +94,6 @@ def make_chunks(samples: Sequence[Sample], chunk_size: int) -> list[list[Sample]
     """Fixed chunks: similar prompt lengths together (little left padding), ties by sample_id."""
     order = sorted(samples, key=lambda s: (len(s.prompt_ids), s.sample_id))
     return [order[i:i + chunk_size] for i in range(0, len(order), chunk_size)]
-
-
-# ---------------------------------------------------------------------------------------------
-# generation
-# ---------------------------------------------------------------------------------------------
-def eos_ids_of(target) -> list[int]:
-    ids = set()
-    for src in (target.tokenizer.eos_token_id,
-                getattr(getattr(target.model, "generation_config", None), "eos_token_id", None)):
-        if isinstance(src, int):
-            ids.add(src)
-        elif isinstance(src, (list, tuple)):
-            ids.update(int(x) for x in src)
-    if not ids:
-        raise DFlashError("target tokenizer has no eos token: generation could not stop")
-    return sorted(ids)
-
-
-def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                   temperature: float, eos_ids: Sequence[int], pad_id: int,
-                   seeds: Sequence[int] | None = None) -> list[list[int]]:
-    """Left-padded batched generation with a KV cache; each response ends at eos (inclusive).
-
-    Greedy when ``temperature == 0``; otherwise row ``i`` samples with its own generator seeded
-    with ``seeds[i]``.
-    """
-    import torch
-
-    device = next(model.parameters()).device
-    B, P = len(prompts), max(len(p) for p in prompts)
-    ids = torch.full((B, P), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, P), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, P - len(p):] = torch.tensor(list(p), dtype=torch.long)
-        attn[i, P - len(p):] = 1
-    ids, attn = ids.to(device), attn.to(device)
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    eos = torch.tensor(list(eos_ids), device=device)
-    gens = None
-    if temperature > 0:
-        gens = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
-    out = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
-    lengths = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)
-    done = torch.zeros(B, dtype=torch.bool, device=device)
-    cache_kw, cache = _new_cache(model)
-    step_ids, step_pos = ids, pos
-    with torch.inference_mode():
-        for t in range(max_new_tokens):
-            res = model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos,
-                        use_cache=True, logits_to_keep=1, **{cache_kw: cache})
-            logits = res.logits[:, -1].float()
-            if gens is None:
-                nxt = logits.argmax(-1)
-            else:
-                probs = torch.softmax(logits / temperature, dim=-1)
-                nxt = torch.cat([torch.multinomial(probs[i], 1, generator=gens[i])
-                                 for i in range(B)])
-            nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
-            out[:, t] = nxt
-            hit = torch.isin(nxt, eos) & ~done
-            lengths = torch.where(hit, torch.full_like(lengths, t + 1), lengths)
-            done |= hit
-            if bool(done.all()):
-                break
-            step_ids = nxt[:, None]
-            step_pos = step_pos[:, -1:] + 1
-            attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=device)], -1)
-    out, lengths = out.cpu(), lengths.cpu()
-    return [out[i, :int(lengths[i])].tolist() for i in range(B)]
-
-
-def _new_cache(model):
-    """A KV cache the model fills in place; its kwarg is ``cache`` (transformers >= 5.2x) or
-    ``past_key_values`` (older)."""
-    import inspect
-
-    from transformers import DynamicCache
-
-    params = inspect.signature(model.forward).parameters
-    kw = "cache" if "cache" in params else "past_key_values"
-    try:
-        return kw, DynamicCache(config=model.config)
-    except TypeError:
-        return kw, DynamicCache()
-
-
-def sample_seed(seed: int, sample_id: int) -> int:
-    return int(fingerprint(["sample", seed, sample_id]), 16) & ((1 << 63) - 1)
 
 
 def _schema():
@@ -295,11 +204,11 @@ def run(ctx: StageContext, on_shard: Callable[[int, Path], None] | None = None) 
     if resumed:
         _log(f"resuming: {len(done)} samples in {resumed} chunk(s) already done, "
              f"{sum(len(c) for _, c in todo)} samples in {len(todo)} chunk(s) to generate")
-    gen_seconds = _generate(spec, todo, shard_dir, len(chunks), resumed, on_shard)
+    gen = _generate(spec, todo, shard_dir, len(chunks), resumed, on_shard)
 
     table = _merge(shard_dir, chunks, samples)
     manifest = _write(spec, data_dir, table, fingerprints, plan_fp, report, prompts, chunks,
-                      resumed, gen_seconds, time.time() - t0)
+                      resumed, gen, time.time() - t0)
     _log(f"wrote {data_dir / DATASET}: {table.num_rows} samples, "
          f"{manifest['tokens']['total_tokens']} tokens in {time.time() - t0:.1f}s")
     return manifest
@@ -354,9 +263,11 @@ def synthetic_responses(spec, samples) -> tuple[list[list[int]], int]:
     return out, eos
 
 
-def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int, on_shard) -> float:
+def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int, on_shard) -> dict:
+    """Generate the ``todo`` chunks into shards; returns what the manifest records about it."""
+    info: dict = {"seconds": 0.0, "new_tokens": 0, "engine": None, "engines": {}}
     if not todo:
-        return 0.0
+        return info
     if spec.data.source == SYNTHETIC:
         import pyarrow.parquet as pq
 
@@ -366,7 +277,9 @@ def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int, on_shard
             with atomic_path(shard_path(shard_dir, chunk)) as tmp:
                 pq.write_table(table, tmp)
         _log(f"synthetic responses for {sum(len(c) for _, c in todo)} samples")
-        return 0.0
+        info["engine"] = SYNTHETIC
+        return info
+    from ..generate import resolve_engine
     from ..target import load_target
 
     d = spec.data
@@ -378,66 +291,124 @@ def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int, on_shard
     eos = eos_ids_of(targets[0])
     pad = targets[0].tokenizer.pad_token_id
     pad = eos[0] if pad is None else pad
+    engine = resolve_engine(d.engine, targets[0].model)
+    info["engine"] = engine
+    # the fast engine's cache holds the longest prompt still to generate + max_new_tokens
+    max_len = max(len(s.prompt_ids) for _, c in todo for s in c) + d.max_new_tokens
 
     work: queue.Queue = queue.Queue()
     for item in todo:
         work.put(item)
     stop = threading.Event()
-    errors: list[BaseException] = []
     lock = threading.Lock()
-    progress = {"chunks": resumed, "new_tokens": 0}
+    progress = {"chunks": resumed, "new_tokens": 0, "logged": 0.0, "setup": 0.0}
     t0 = time.time()
+
+    def write_shard(dev: str, chunk: int, samples, responses, tc: float) -> None:
+        import pyarrow.parquet as pq
+
+        table = _rows_table(samples, responses, set(eos))
+        path = shard_path(shard_dir, chunk)
+        with atomic_path(path) as tmp:
+            pq.write_table(table, tmp)
+        new = sum(len(r) for r in responses)
+        with lock:
+            progress["chunks"] += 1
+            progress["new_tokens"] += new
+            now = time.time()
+            el = now - t0
+            left = n_chunks - progress["chunks"]
+            # a line per chunk, at most one per 5 s (the fast engine finishes several a second)
+            if now - progress["logged"] >= 5 or left == 0 or engine == "hf":
+                progress["logged"] = now
+                rate = progress["new_tokens"] / el if el else 0.0
+                eta = el / max(1, progress["chunks"] - resumed) * left
+                _log(f"chunk {progress['chunks']}/{n_chunks} on {dev}: {len(samples)} "
+                     f"samples, {new} new tokens in {now - tc:.1f}s; overall "
+                     f"{rate:.1f} tok/s, ETA {eta:.0f}s")
+        if on_shard is not None:
+            on_shard(chunk, path)
+
+    def next_chunk():
+        if stop.is_set():
+            return None
+        try:
+            return work.get_nowait()
+        except queue.Empty:
+            return None
+
+    def hf_worker(dev: str, target) -> None:
+        while (item := next_chunk()) is not None:
+            chunk, samples = item
+            tc = time.time()
+            seeds = [sample_seed(spec.seed, s.sample_id) for s in samples]
+            responses = generate_batch(target.model, [s.prompt_ids for s in samples],
+                                       d.max_new_tokens, d.temperature, eos, pad, seeds)
+            write_shard(dev, chunk, samples, responses, tc)
+
+    def fast_worker(dev: str, target) -> None:
+        from ..generate import Engine
+
+        eng = Engine(target.model, slots=d.gen_batch_size, max_len=max_len,
+                     max_new_tokens=d.max_new_tokens, eos_ids=eos,
+                     temperature=d.temperature, compile=_engine_compile(spec, dev))
+        t_prep = time.time()
+        eng._prepare()
+        prep = time.time() - t_prep
+        with lock:
+            progress["setup"] = max(progress["setup"], prep)
+        open_chunks: dict[int, tuple[list, dict, float]] = {}
+
+        def feed():
+            while (item := next_chunk()) is not None:
+                chunk, samples = item
+                open_chunks[chunk] = (samples, {}, time.time())
+                for s in samples:
+                    yield (chunk, s.sample_id), s.prompt_ids, sample_seed(spec.seed,
+                                                                          s.sample_id)
+
+        for (chunk, sid), tokens in eng.stream(feed()):
+            samples, got, tc = open_chunks[chunk]
+            got[sid] = tokens
+            if len(got) == len(samples):
+                del open_chunks[chunk]
+                write_shard(dev, chunk, samples, [got[s.sample_id] for s in samples], tc)
+        with lock:
+            info["engines"][dev] = {
+                "slots": eng.B, "cache_len": eng.S, "compiled": bool(eng.compile),
+                "cuda_graph": eng._graph is not None, "sync_every": eng.sync_every,
+                "setup_seconds": round(prep, 2), "decode_steps": eng.stats["decode_steps"],
+                "prefill_calls": eng.stats["prefill_calls"]}
 
     def worker(dev: str, target) -> None:
         try:
-            while not stop.is_set():
-                try:
-                    chunk, samples = work.get_nowait()
-                except queue.Empty:
-                    return
-                tc = time.time()
-                seeds = [sample_seed(spec.seed, s.sample_id) for s in samples]
-                responses = generate_batch(target.model, [s.prompt_ids for s in samples],
-                                           d.max_new_tokens, d.temperature, eos, pad, seeds)
-                table = _rows_table(samples, responses, set(eos))
-                path = shard_path(shard_dir, chunk)
-                import pyarrow.parquet as pq
+            (fast_worker if engine == "fast" else hf_worker)(dev, target)
+        except BaseException:
+            stop.set()  # the other workers stop after their current chunk
+            raise
 
-                with atomic_path(path) as tmp:
-                    pq.write_table(table, tmp)
-                new = sum(len(r) for r in responses)
-                with lock:
-                    progress["chunks"] += 1
-                    progress["new_tokens"] += new
-                    el = time.time() - t0
-                    left = n_chunks - progress["chunks"]
-                    rate = progress["new_tokens"] / el if el else 0.0
-                    eta = el / max(1, progress["chunks"] - resumed) * left
-                    _log(f"chunk {progress['chunks']}/{n_chunks} on {dev}: {len(samples)} "
-                         f"samples, {new} new tokens in {time.time() - tc:.1f}s "
-                         f"({new / max(1e-9, time.time() - tc):.1f} tok/s); overall "
-                         f"{rate:.1f} tok/s, ETA {eta:.0f}s")
-                if on_shard is not None:
-                    on_shard(chunk, path)
-        except BaseException as e:  # noqa: BLE001 - handed to the main thread
-            errors.append(e)
+    # one worker thread per target copy; the first error (or Ctrl-C) stops them all, finished
+    # shards stay and the rerun resumes from them
+    with ThreadPoolExecutor(max_workers=len(devices), thread_name_prefix="gen") as pool:
+        futures = [pool.submit(worker, dev, tgt) for dev, tgt in zip(devices, targets)]
+        try:
+            for f in as_completed(futures):
+                f.result()
+        except BaseException:
             stop.set()
+            raise
+    info["seconds"] = time.time() - t0 - progress["setup"]  # compile + capture apart
+    info["new_tokens"] = progress["new_tokens"]
+    return info
 
-    threads = [threading.Thread(target=worker, args=(dev, tgt), name=f"gen-{i}-{dev}",
-                                daemon=True)
-               for i, (dev, tgt) in enumerate(zip(devices, targets))]
-    for t in threads:
-        t.start()
-    try:
-        for t in threads:
-            while t.is_alive():
-                t.join(0.5)
-    except BaseException:
-        stop.set()  # Ctrl-C: finished shards stay; the rerun resumes from them
-        raise
-    if errors:
-        raise errors[0]
-    return time.time() - t0
+
+def _engine_compile(spec, device: str):
+    """The fast engine compiles (spec's compile.backend) and captures its step on CUDA only;
+    on CPU it runs eager (a compile would cost more than the few hundred steps it saves)."""
+    if not device.startswith("cuda"):
+        return False
+    backend = spec.compile.backend
+    return False if backend == "eager" else backend
 
 
 def _merge(shard_dir: Path, chunks, samples):
@@ -458,7 +429,7 @@ def _merge(shard_dir: Path, chunks, samples):
 
 
 def _write(spec, data_dir: Path, table, fingerprints, plan_fp, report, prompts, chunks,
-           resumed, gen_seconds, seconds) -> dict:
+           resumed, gen: dict, seconds) -> dict:
     import pyarrow.parquet as pq
 
     d = spec.data
@@ -483,9 +454,14 @@ def _write(spec, data_dir: Path, table, fingerprints, plan_fp, report, prompts, 
                     "max_prompt_tokens": d.max_prompt_tokens,
                     "devices": list(spec.topology.targets), "chunks": len(chunks),
                     "chunks_resumed": resumed, "plan": plan_fp,
-                    "generate_seconds": round(gen_seconds, 2),
-                    "new_tokens_per_second": round(sum(r_tok) / gen_seconds, 2)
-                    if gen_seconds and not resumed else None},
+                    "engine_requested": d.engine, "engine": gen["engine"],
+                    "engine_settings": gen["engines"],
+                    "generate_seconds": round(gen["seconds"], 2),
+                    "new_tokens_generated": gen["new_tokens"],
+                    # this run's generation only (resumed shards excluded), engine setup and
+                    # compile excluded (engine_settings.*.setup_seconds)
+                    "new_tokens_per_second": round(gen["new_tokens"] / gen["seconds"], 2)
+                    if gen["seconds"] else None},
         seed=spec.seed,
         dataset={"path": DATASET, "rows": table.num_rows, "sha256": sha256_file(out)},
         seconds=round(seconds, 2),

@@ -239,7 +239,9 @@ def warm_start(job: Job) -> tuple[list, float, list[dict]]:
 
 def train_steps(job: Job, progress: Progress, targets: list, fail_at: dict) -> Trained:
     """The threaded pipeline from ``progress.start_step`` to the last step: every step logged
-    to metrics.jsonl and status.json, a checkpoint every ``checkpoint.every_steps``."""
+    to metrics.jsonl and status.json, a checkpoint every ``checkpoint.every_steps``, simulated τ
+    on held-out prompts every ``monitor.tau_every_steps`` (off by default; never in the bench
+    stage's timed run)."""
     from ..packing import bucket_for, pack_row
     from ..scheduler import Pipeline
     from ..status import StatusReporter
@@ -250,6 +252,12 @@ def train_steps(job: Job, progress: Progress, targets: list, fail_at: dict) -> T
     status = StatusReporter(out / "status.json", spec, job.total_steps)
     ledger = EpochLedger(ds.sample_ids, progress.epochs_seen)
     every = spec.checkpoint.every_steps
+    every_tau = spec.monitor.tau_every_steps if job.persist else None
+    monitor = None
+    if every_tau:
+        from ..evaluate import TauMonitor
+
+        monitor = TauMonitor(spec, job.ctx.results, job.replicas[0].device)
     pad_id = 0
 
     def make_row(batch: list[int]):
@@ -260,10 +268,17 @@ def train_steps(job: Job, progress: Progress, targets: list, fail_at: dict) -> T
         counters["tokens"] += rec.tokens
         counters["samples"] += len(rec.sample_ids)
         ledger.add(rec.epoch, rec.sample_ids)
+        extra = {}
+        if monitor is not None and ((rec.step + 1) % every_tau == 0
+                                    or rec.step + 1 == job.total_steps):
+            # on the first replica's thread, after its step: the others wait at the barrier
+            m = monitor(job.replicas[0])
+            extra = {"tau_heldout": m["tau"], "tau_seconds": m["seconds"]}
         metrics.write({"step": rec.step, "epoch": rec.epoch, "loss": rec.loss, "lr": rec.lr,
                        "grad_norm": rec.grad_norm, "tokens": rec.tokens,
                        "labelled": rec.labelled, "samples": len(rec.sample_ids),
-                       "sample_ids": rec.sample_ids, "t": round(rec.t_end - t0, 4)})
+                       "draft_acc": rec.draft_acc,
+                       "sample_ids": rec.sample_ids, "t": round(rec.t_end - t0, 4), **extra})
         status.step(rec)
         if job.persist and ((rec.step + 1) % every == 0 or rec.step + 1 == job.total_steps):
             ckpt.save(out / "checkpoints", rec.step + 1, job.replicas[0], dict(counters),

@@ -1,0 +1,549 @@
+"""Acceptance length τ the way a serving system sees it (greedy, lossless, block = drafter's).
+
+Simulated acceptance for every eval set (DESIGN.md §9; SpecForge's ``simulated_acc_len``). With
+greedy decoding every token speculative decoding emits is the target's own greedy token, so:
+
+1. the target's greedy continuation of each prompt, batched (:func:`greedy_continuations`);
+2. one target forward over prompt + continuation gives every feature the drafter would see
+   (:func:`target_features`, batched and padded);
+3. the drafter drafts a block at EVERY continuation position in a few large batched calls: each
+   position is an anchor whose context is the features strictly before it, blocks do not see
+   each other — exactly the training layout (:mod:`dflash.masks`), so one dense mask per call
+   (:func:`draft_every_position`);
+4. the host walks the chain (:func:`walk_chain`): the block at s_j accepts the longest prefix of
+   its drafts that matches the continuation; the next block starts at s_j + accepted_j + 1.
+
+Step 3 drafts at every position although only ~1/τ of them start a block: that is at most B×
+the drafter work of the blocks actually used, but a handful of big batched calls instead of one
+small call per round per prompt (measured in docs/benchmarks.md). The drafts at every position
+also give the teacher-forced per-position accuracy (the training metric) on eval data.
+
+Real speculative decoding (:mod:`dflash.speculative`, with the drafter KV cache) runs on a few
+prompts of the first set: wall-clock tokens/s of target-only vs speculative decoding, the speed-up, and
+a check that its tokens and block lengths equal the simulated ones and target greedy's.
+
+Eval sets: ``mtbench`` (80 first turns, τ per category), ``humaneval`` (164 problems, wrapped in
+the chat template with the reference benchmark's instruction: an instruct model is served
+through its chat template, and the reference DFlash numbers are measured that way), ``heldout``
+(prompts of the training source that the data stage did not use; see :func:`heldout_prompts`).
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .errors import DFlashError
+
+SETS = ("mtbench", "humaneval", "heldout")
+# the reference benchmark's HumanEval format (z-lab/dflash benchmark.py), so τ is comparable
+HUMANEVAL_FORMAT = ("Write a solution to the following problem and make sure that it passes "
+                    "the tests:\n```python\n{prompt}\n```")
+
+
+@dataclass
+class EvalSet:
+    name: str
+    prompts: list[list[int]]                  # rendered prompt token ids
+    categories: list[str] | None = None       # per prompt (MT-Bench), else None
+    note: str = ""
+
+
+@dataclass
+class Chain:
+    """The blocks of one prompt's speculative decode: per block its start (index of the anchor
+    in the continuation), the drafts accepted (truncated at the continuation's end), the tokens
+    it produced and the continuation tokens that were left after its anchor."""
+    starts: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    produced: list[int] = field(default_factory=list)
+    remaining: list[int] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------
+# eval sets
+# ---------------------------------------------------------------------------------------------
+def render(tokenizer, user_text: str) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": user_text}],
+                                         add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def mtbench_questions() -> list[dict]:
+    """(first turn, category) of every MT-Bench question, file order."""
+    from .prompts import mtbench_path
+
+    path = mtbench_path()
+    out = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                q = json.loads(line)
+                out.append({"text": q["turns"][0], "category": q.get("category", "unknown")})
+            except (ValueError, KeyError, IndexError) as e:
+                raise DFlashError(f"{path}:{lineno}: not an MT-Bench question ({e})") from None
+    return out
+
+
+def heldout_prompts(spec, results_dir: Path | None, tokenizer, n: int) -> tuple[list[list[int]],
+                                                                                str]:
+    """Up to ``n`` prompts of the training source that the training data does not contain.
+
+    The data stage takes the first ``data.max_prompts`` prompts of a seeded order; here the same
+    source is read in the same seeded order and taken from the END, and any prompt whose
+    rendered token ids occur as a prompt in the training dataset (read from its parquet, so this
+    holds whatever the data stage did) is dropped, as are MT-Bench overlaps and prompts longer
+    than ``data.max_prompt_tokens``. Returns (prompts, note); empty when every prompt was used.
+    """
+    from .prompts import CHATTERBOT, is_mtbench, load_prompts
+
+    d = spec.data
+    src = d.source
+    if src != CHATTERBOT and not Path(src).is_file():
+        return [], f"data.source {src!r} has no prompt file to hold prompts out of"
+    used: set[tuple[int, ...]] = set()
+    ds_path = Path(results_dir) / "data" / "dataset.parquet" if results_dir else None
+    if ds_path is not None and ds_path.is_file():
+        import pyarrow.parquet as pq
+
+        t = pq.read_table(ds_path, columns=["input_ids", "num_prompt_tokens"])
+        for ids, npt in zip(t["input_ids"].to_pylist(), t["num_prompt_tokens"].to_pylist()):
+            used.add(tuple(ids[:npt]))
+    prompts, _ = load_prompts(src, 10_000_000, spec.seed, 1.0)
+    out: list[list[int]] = []
+    for p in reversed(prompts):
+        if len(out) >= n:
+            break
+        if any(m["role"] == "user" and is_mtbench(m["content"]) for m in p.messages):
+            continue
+        text = tokenizer.apply_chat_template(p.messages, add_generation_prompt=True,
+                                             tokenize=False)
+        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if tuple(ids) in used or len(ids) > d.max_prompt_tokens:
+            continue
+        out.append(ids)
+    note = (f"{len(out)} prompts of {src} not in the training data ({len(used)} training "
+            f"prompts excluded), from the end of the seeded order")
+    return out, note
+
+
+def load_eval_sets(spec, results_dir: Path | None, tokenizer, names: Sequence[str],
+                   n: int) -> list[EvalSet]:
+    """The named eval sets, ``n`` prompts each (MT-Bench has 80, HumanEval 164)."""
+    from .prompts import load_humaneval
+
+    sets = []
+    for name in names:
+        if name == "mtbench":
+            qs = mtbench_questions()[:n]
+            sets.append(EvalSet(name, [render(tokenizer, q["text"]) for q in qs],
+                                [q["category"] for q in qs], "MT-Bench first turns"))
+        elif name == "humaneval":
+            sets.append(EvalSet(name, [render(tokenizer, HUMANEVAL_FORMAT.format(prompt=p))
+                                       for p in load_humaneval(n)],
+                                note="HumanEval prompts in the chat template, with the "
+                                     "reference benchmark's instruction"))
+        elif name == "heldout":
+            ps, note = heldout_prompts(spec, results_dir, tokenizer, n)
+            sets.append(EvalSet(name, ps, note=note))
+        else:
+            raise DFlashError(f"bench.eval_sets: unknown set {name!r} (known: "
+                              f"{', '.join(SETS)})")
+    return sets
+
+
+# ---------------------------------------------------------------------------------------------
+# 1-2: the target's greedy continuation and its features
+# ---------------------------------------------------------------------------------------------
+def greedy_continuations(model, prompts: Sequence[Sequence[int]], max_new: int,
+                         eos_ids: Sequence[int], batch_size: int = 64) -> list[list[int]]:
+    """The target's greedy continuation of every prompt (ends at eos, inclusive, or max_new).
+
+    Prompts of similar length are batched together (little left padding). The generator is
+    one line below: swap in a faster engine there.
+    """
+    from .generate import generate_batch
+
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out: list[list[int]] = [[] for _ in prompts]
+    for s in range(0, len(order), batch_size):
+        idx = order[s:s + batch_size]
+        gen = generate_batch(model, [prompts[i] for i in idx], max_new, 0.0, eos_ids,
+                             pad_id=eos_ids[0])
+        for i, g in zip(idx, gen):
+            out[i] = g
+    return out
+
+
+@torch.no_grad()
+def target_features(model, seqs: Sequence[Sequence[int]], layer_ids: list[int],
+                    batch_size: int = 16) -> list[torch.Tensor]:
+    """Feature-layer hidden states [len, n*H] of every sequence: one forward per batch of
+    right-padded sequences (padding after a causal sequence changes nothing before it)."""
+    from .model import extract_features
+
+    dev = next(model.parameters()).device
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    out: list[torch.Tensor | None] = [None] * len(seqs)
+    for s in range(0, len(order), batch_size):
+        idx = order[s:s + batch_size]
+        L = max(len(seqs[i]) for i in idx)
+        ids = torch.zeros((len(idx), L), dtype=torch.long)
+        attn = torch.zeros((len(idx), L), dtype=torch.long)
+        for r, i in enumerate(idx):
+            ids[r, :len(seqs[i])] = torch.tensor(list(seqs[i]))
+            attn[r, :len(seqs[i])] = 1
+        res = model(input_ids=ids.to(dev), attention_mask=attn.to(dev),
+                    output_hidden_states=True, logits_to_keep=1, use_cache=False)
+        feats = extract_features(res.hidden_states, layer_ids)
+        for r, i in enumerate(idx):
+            out[i] = feats[r, :len(seqs[i])]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 3: the drafter's block at every position, batched
+# ---------------------------------------------------------------------------------------------
+@torch.no_grad()
+def draft_every_position(drafter, embed: torch.Tensor, lm_head: torch.Tensor,
+                         seqs: Sequence[Sequence[int]], feats: Sequence[torch.Tensor],
+                         starts: Sequence[int], query_tokens: int = 4096,
+                         logit_rows: int = 2048) -> list[torch.Tensor]:
+    """Greedy drafts [n_i - 1, B-1] for every prompt: row j = the block anchored at sequence
+    position ``starts[i] + j`` (the j-th continuation token), context = positions before it.
+
+    Rows of (prompt, chunk of anchors) are grouped into calls of about ``query_tokens`` block
+    tokens; the mask is the training mask (:func:`dflash.masks.dense_mask`), so this is exactly
+    the computation of :func:`dflash.speculative.draft_block` at each anchor, batched.
+    ``embed``/``lm_head`` should already be in the drafter's dtype and on its device.
+    """
+    from .masks import Blocks, dense_mask
+
+    cfg = drafter.cfg
+    B, dev = cfg.block_size, embed.device
+    # anchors per row: at most 64, so that the block-to-block part of the dense mask (Q x Q,
+    # all but the diagonal blocks masked) stays small next to the context part (Q x L)
+    n_max = max((len(s) - st - 1 for s, st in zip(seqs, starts)), default=0)
+    per_row = max(1, min(64, n_max, query_tokens // B))
+    rows = []                                           # (prompt, first anchor j, count)
+    for i, (seq, st) in enumerate(zip(seqs, starts)):
+        n_anchor = len(seq) - st - 1
+        for j in range(0, max(0, n_anchor), per_row):
+            rows.append((i, j, min(per_row, n_anchor - j)))
+    rows.sort(key=lambda r: len(seqs[r[0]]))
+    out = [torch.empty((max(0, len(s) - st - 1), B - 1), dtype=torch.long)
+           for s, st in zip(seqs, starts)]
+    rows_per_call = max(1, query_tokens // (per_row * B))
+    k = torch.arange(B)
+    for c in range(0, len(rows), rows_per_call):
+        group = rows[c:c + rows_per_call]
+        R, A = len(group), per_row
+        L = max(len(seqs[i]) for i, _, _ in group)
+        doc = torch.full((R, L), -1, dtype=torch.long)
+        ctx = torch.zeros((R, L, feats[group[0][0]].shape[-1]), dtype=feats[group[0][0]].dtype,
+                          device=dev)
+        anchor = torch.zeros((R, A), dtype=torch.long)
+        valid = torch.zeros((R, A), dtype=torch.bool)
+        ids = torch.full((R, A, B), cfg.mask_token_id, dtype=torch.long)
+        for r, (i, j, cnt) in enumerate(group):
+            seq = torch.tensor(list(seqs[i]))
+            doc[r, :len(seq)] = 0
+            ctx[r, :len(seq)] = feats[i].to(dev)
+            a = starts[i] + j + torch.arange(cnt)
+            anchor[r, :cnt] = a
+            valid[r, :cnt] = True
+            ids[r, :cnt, 0] = seq[a]
+        bpos = (anchor[:, :, None] + k).reshape(R, A * B)
+        blocks = Blocks(anchor_pos=anchor, valid=valid, block_input_ids=ids.reshape(R, A * B),
+                        block_position_ids=bpos, labels=torch.zeros_like(bpos),
+                        block_doc=torch.where(valid, 0, -1), block_size=B)
+        mask = dense_mask(doc.to(dev), Blocks(**{f: (v.to(dev) if torch.is_tensor(v) else v)
+                                                 for f, v in vars(blocks).items()}))
+        emb = torch.nn.functional.embedding(ids.reshape(R, A * B).to(dev), embed)
+        h = drafter(emb, ctx, bpos.to(dev), torch.arange(L, device=dev).expand(R, L),
+                    mask=mask, attention="sdpa")
+        h = h.reshape(R, A, B, -1)[:, :, 1:].reshape(R * A * (B - 1), -1)
+        head = lm_head.to(h.dtype)
+        best = torch.cat([(h[s:s + logit_rows] @ head.t()).argmax(-1)
+                          for s in range(0, h.shape[0], logit_rows)]).reshape(R, A, B - 1).cpu()
+        for r, (i, j, cnt) in enumerate(group):
+            out[i][j:j + cnt] = best[r, :cnt]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 4: the chain of blocks, and what it adds up to
+# ---------------------------------------------------------------------------------------------
+def walk_chain(drafts: torch.Tensor, continuation: Sequence[int]) -> Chain:
+    """The blocks real greedy speculative decoding would run, given the drafts at every anchor.
+
+    ``drafts[j]`` are the B-1 drafts after continuation token j. A block at j accepts the
+    longest prefix matching ``continuation[j+1:]``; it produces accepted + 1 tokens (the bonus),
+    truncated to what is left, and the next block starts there. As in
+    :func:`dflash.speculative.speculative_generate`, the first token (from the prefill) is not
+    a block.
+    """
+    n = len(continuation)
+    cont = torch.tensor(list(continuation), dtype=torch.long)
+    ch = Chain()
+    j = 0
+    while j < n - 1:
+        r = n - 1 - j
+        w = min(drafts.shape[1], r)
+        m = int((drafts[j, :w] == cont[j + 1:j + 1 + w]).long().cumprod(0).sum())
+        produced = min(m + 1, r)
+        ch.starts.append(j)
+        ch.accepted.append(m)
+        ch.produced.append(produced)
+        ch.remaining.append(r)
+        j += produced
+    return ch
+
+
+def summarize(chains: Sequence[Chain], block_size: int) -> dict:
+    """τ (tokens per verification forward, over all blocks), the reference's per-prompt mean,
+    the histogram of tokens per forward, and the acceptance rate by block position k: the share
+    of blocks whose drafts 1..k were all accepted, among blocks with at least k tokens left."""
+    produced = sum(sum(c.produced) for c in chains)
+    forwards = sum(len(c.produced) for c in chains)
+    per_prompt = [sum(c.produced) / len(c.produced) for c in chains if c.produced]
+    rate = []
+    for k in range(1, block_size):
+        eligible = [a for c in chains for a, r in zip(c.accepted, c.remaining) if r >= k]
+        rate.append(sum(a >= k for a in eligible) / len(eligible) if eligible else None)
+    hist = [0] * (block_size + 1)
+    for c in chains:
+        for p in c.produced:
+            hist[p] += 1
+    return {"tau": produced / forwards if forwards else None,
+            "tau_prompt_mean": sum(per_prompt) / len(per_prompt) if per_prompt else None,
+            "prompts": len(chains), "forwards": forwards, "tokens": produced,
+            "accept_rate_by_position": rate,
+            "tokens_per_forward_histogram": hist}
+
+
+def teacher_forced_accuracy(drafts: Sequence[torch.Tensor], conts: Sequence[Sequence[int]]
+                            ) -> list[float | None]:
+    """Top-1 accuracy of draft position k at EVERY anchor (the training metric, on eval data)."""
+    B1 = drafts[0].shape[1] if drafts else 0
+    hit, tot = [0] * B1, [0] * B1
+    for d, c in zip(drafts, conts):
+        cont = torch.tensor(list(c), dtype=torch.long)
+        for k in range(B1):
+            n = len(c) - 1 - k                       # anchors with a label at k+1
+            if n > 0 and d.shape[0]:
+                hit[k] += int((d[:n, k] == cont[k + 1:k + 1 + n]).sum())
+                tot[k] += n
+    return [h / t if t else None for h, t in zip(hit, tot)]
+
+
+# ---------------------------------------------------------------------------------------------
+# the evaluation
+# ---------------------------------------------------------------------------------------------
+def _sync(device: str) -> None:
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def simulate(target_model, drafter, embed, lm_head, prompts: Sequence[Sequence[int]],
+             max_new: int, eos_ids: Sequence[int], layer_ids: list[int], device: str,
+             batch_size: int = 64) -> dict:
+    """Simulated acceptance of one prompt list: continuations, chains, timings."""
+    timings = {}
+    t = time.perf_counter()
+    conts = greedy_continuations(target_model, prompts, max_new, eos_ids, batch_size)
+    _sync(device)
+    timings["generate_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    seqs = [list(p) + list(c) for p, c in zip(prompts, conts)]
+    feats = target_features(target_model, seqs, layer_ids, max(1, batch_size // 4))
+    _sync(device)
+    timings["features_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    on_gpu = str(device).startswith("cuda")
+    drafts = draft_every_position(drafter, embed, lm_head, seqs, feats,
+                                  [len(p) for p in prompts],
+                                  query_tokens=32768 if on_gpu else 2048,
+                                  logit_rows=8192 if on_gpu else 1024)
+    _sync(device)
+    timings["draft_s"] = time.perf_counter() - t
+    chains = [walk_chain(d, c) for d, c in zip(drafts, conts)]
+    return {"continuations": conts, "chains": chains, "drafts": drafts, "timings": timings}
+
+
+def real_decode(target_model, drafter, cfg, embed, lm_head, prompts: Sequence[Sequence[int]],
+                max_new: int, eos_ids: Sequence[int], device: str) -> dict:
+    """Target-only and speculative decoding, one prompt at a time, timed (after one untimed
+    warm-up of both, so lazy initialisation is not timed)."""
+    from .speculative import speculative_generate, target_greedy
+
+    if not prompts:
+        return {"results": [], "greedy": []}
+    as_ids = [torch.tensor(list(p), device=device) for p in prompts]
+    target_greedy(target_model, as_ids[0], 4, eos_ids)
+    speculative_generate(target_model, drafter, cfg, embed, lm_head, as_ids[0], 4, eos_ids)
+    t_base = t_spec = 0.0
+    results, greedy = [], []
+    for ids in as_ids:
+        _sync(device)
+        t = time.perf_counter()
+        base = target_greedy(target_model, ids, max_new, eos_ids)
+        _sync(device)
+        t_base += time.perf_counter() - t
+        t = time.perf_counter()
+        res = speculative_generate(target_model, drafter, cfg, embed, lm_head, ids, max_new,
+                                   eos_ids)
+        _sync(device)
+        t_spec += time.perf_counter() - t
+        results.append(res)
+        greedy.append(base)
+    n_tok = sum(len(r.tokens) for r in results)
+    n_base = sum(len(g) for g in greedy)
+    return {"results": results, "greedy": greedy, "target_only_s": t_base,
+            "speculative_s": t_spec,
+            "target_only_tokens_per_s": n_base / t_base if t_base else None,
+            "speculative_tokens_per_s": n_tok / t_spec if t_spec else None,
+            "speedup": (n_tok / t_spec) / (n_base / t_base) if t_spec and t_base else None}
+
+
+def real_chain(res, n_tokens: int) -> Chain:
+    """A real decode's blocks in :class:`Chain` terms (accepted truncated at the end)."""
+    ch, j = Chain(), 0
+    for a, p in zip(res.accepted, res.block_lengths):
+        r = n_tokens - 1 - j
+        ch.starts.append(j)
+        ch.accepted.append(min(a, r))
+        ch.produced.append(p)
+        ch.remaining.append(r)
+        j += p
+    return ch
+
+
+def evaluate_sets(target_model, drafter, embed, lm_head, sets: Sequence[EvalSet], max_new: int,
+                  eos: Sequence[int], real_prompts: int, device: str, batch_size: int = 64,
+                  log=print) -> dict:
+    """Simulated τ on every set; real decoding of the first ``real_prompts`` prompts of the
+    FIRST set (the primary one: its speed-up and the simulated == real check; on CPU real
+    decoding costs far more than simulation, so it is not repeated on every set).
+
+    ``embed``/``lm_head`` are the target's (any dtype: they are cast to the drafter's once)."""
+    cfg = drafter.cfg
+    B = cfg.block_size
+    embed = embed.to(device=device, dtype=drafter.dtype)
+    lm_head = lm_head.to(device=device, dtype=drafter.dtype)
+    out: dict = {}
+    for n_set, es in enumerate(sets):
+        if not es.prompts:
+            out[es.name] = {"skipped": es.note or "no prompts"}
+            log(f"[bench] τ {es.name}: skipped ({out[es.name]['skipped']})")
+            continue
+        t0 = time.perf_counter()
+        sim = simulate(target_model, drafter, embed, lm_head, es.prompts, max_new, eos,
+                       cfg.target_layer_ids, device, batch_size)
+        rep = summarize(sim["chains"], B)
+        rep["simulated_s"] = round(time.perf_counter() - t0, 3)
+        rep["timings_s"] = {k: round(v, 3) for k, v in sim["timings"].items()}
+        rep["teacher_forced_accuracy_by_position"] = teacher_forced_accuracy(
+            sim["drafts"], sim["continuations"])
+        rep["note"] = es.note
+        if es.categories:
+            cats: dict[str, list[Chain]] = {}
+            for c, ch in zip(es.categories, sim["chains"]):
+                cats.setdefault(c, []).append(ch)
+            rep["tau_by_category"] = {c: summarize(v, B)["tau"] for c, v in sorted(cats.items())}
+        n_real = min(real_prompts, len(es.prompts)) if n_set == 0 else 0
+        if n_real:
+            t1 = time.perf_counter()
+            real = real_decode(target_model, drafter, cfg, embed, lm_head,
+                               es.prompts[:n_real], max_new, eos, device)
+            rchains = [real_chain(r, len(r.tokens)) for r in real["results"]]
+            same_tokens = [r.tokens == c for r, c in zip(real["results"],
+                                                         sim["continuations"])]
+            rep["real"] = {
+                **summarize(rchains, B), "seconds": round(time.perf_counter() - t1, 3),
+                "target_only_tokens_per_s": real["target_only_tokens_per_s"],
+                "speculative_tokens_per_s": real["speculative_tokens_per_s"],
+                "speedup": real["speedup"],
+                # lossless: speculative output == the target's own greedy output, token for token
+                "lossless": all(r.tokens == g for r, g in zip(real["results"], real["greedy"])),
+                "lossless_prompts": sum(r.tokens == g for r, g in zip(real["results"],
+                                                                      real["greedy"])),
+                # simulated == real: same tokens (batched vs one-at-a-time greedy) and the same
+                # blocks wherever the tokens agree
+                "tokens_equal_simulated": sum(same_tokens),
+                "blocks_equal_simulated": sum(
+                    s and rc.produced == sc.produced
+                    for s, rc, sc in zip(same_tokens, rchains, sim["chains"])),
+            }
+            rep["real"]["tau_simulated_same_prompts"] = summarize(sim["chains"][:n_real], B)["tau"]
+        out[es.name] = rep
+        log(f"[bench] τ {es.name}: {_f(rep['tau'])} over {rep['prompts']} prompts "
+            f"(simulated in {rep['simulated_s']:.1f}s"
+            + (f"; real on {n_real}: τ {_f(rep['real']['tau'])}, speed-up "
+               f"{_f(rep['real']['speedup'])}, lossless {rep['real']['lossless']}"
+               if n_real else "") + ")")
+    return out
+
+
+class TauMonitor:
+    """Periodic simulated τ of the drafter being trained, on held-out prompts
+    (``monitor.tau_every_steps``; off by default).
+
+    The target's part (greedy continuations and their features) is computed once, before
+    training, by a full target copy that is freed afterwards; each check is then only the
+    drafter's batched all-position drafts + the chain walk, run on the first replica under the
+    shared side of the gate (eager SDPA: nothing is compiled or traced).
+    """
+
+    def __init__(self, spec, results_dir: Path, device: str, log=print):
+        from .generate import eos_ids_of
+        from .target import load_target
+
+        m = spec.monitor
+        t0 = time.perf_counter()
+        tgt = load_target(spec.target, spec.topology.targets[0], seed=spec.seed)
+        prompts, note = heldout_prompts(spec, results_dir, tgt.tokenizer, m.tau_prompts)
+        if not prompts:
+            raise DFlashError(f"monitor.tau_every_steps: no held-out prompts ({note})")
+        eos = eos_ids_of(tgt)
+        from .target import layer_ids
+
+        ids = layer_ids(spec.target, tgt.config)
+        conts = greedy_continuations(tgt.model, prompts, m.tau_max_new_tokens, eos)
+        self.seqs = [list(p) + list(c) for p, c in zip(prompts, conts)]
+        self.feats = [f.to(device) for f in target_features(tgt.model, self.seqs, ids)]
+        self.starts = [len(p) for p in prompts]
+        self.conts = conts
+        del tgt
+        self.seconds_setup = time.perf_counter() - t0
+        log(f"[train] τ monitor: {len(prompts)} held-out prompts, continuations and features "
+            f"ready in {self.seconds_setup:.1f}s")
+
+    @torch.no_grad()
+    def __call__(self, replica) -> dict:
+        from .gate import get_gate
+
+        t = time.perf_counter()
+        with get_gate().shared(), replica._autocast():
+            drafts = draft_every_position(replica.model, replica.embed, replica.lm_head,
+                                          self.seqs, self.feats, self.starts,
+                                          query_tokens=8192 if replica.device.startswith(
+                                              "cuda") else 2048)
+        chains = [walk_chain(d, c) for d, c in zip(drafts, self.conts)]
+        s = summarize(chains, replica.cfg.block_size)
+        return {"tau": s["tau"], "seconds": round(time.perf_counter() - t, 3)}
+
+
+def _f(x) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
+
+
+__all__ = ["SETS", "EvalSet", "Chain", "load_eval_sets", "heldout_prompts",
+           "greedy_continuations", "target_features", "draft_every_position", "walk_chain",
+           "summarize", "teacher_forced_accuracy", "simulate", "real_decode", "real_chain",
+           "evaluate_sets", "TauMonitor"]

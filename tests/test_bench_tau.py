@@ -1,0 +1,136 @@
+"""The bench stage's τ on the real SmolLM2 target: eval sets, the report, one-line failures."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from dflash.errors import DFlashError
+from dflash.spec import load_spec
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_torch_thread):
+    """Small shapes: one intra-op thread is faster and robust to a busy machine."""
+
+
+def spec_with(tmp_path, **bench):
+    raw = yaml.safe_load((REPO / "specs" / "tiny.yaml").read_text())
+    raw["bench"].update(bench)
+    path = tmp_path / "specs" / "tiny.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(raw))
+    return load_spec(path)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A random-weight drafter for the tiny spec, exported as the train stage does."""
+    from dflash.model import DFlashDrafter, export_drafter
+    from dflash.topology import drafter_config
+
+    spec = load_spec(REPO / "specs" / "tiny.yaml")
+    cfg = drafter_config(spec)
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("drafter") / "drafter"
+    export_drafter(DFlashDrafter(cfg), cfg, out)
+    return out
+
+
+def test_eval_sets_mtbench_categories_humaneval_heldout(tmp_path):
+    from dflash.evaluate import heldout_prompts, load_eval_sets
+    from dflash.target import load_target
+
+    spec = spec_with(tmp_path)
+    tok = load_target(spec.target, "cpu").tokenizer
+    mt, he = load_eval_sets(spec, None, tok, ["mtbench", "humaneval"], 1000)
+    assert len(mt.prompts) == 80 and len(set(mt.categories)) == 8
+    assert all(mt.categories.count(c) == 10 for c in set(mt.categories))
+    assert len(he.prompts) == 164
+    assert "def " in tok.decode(he.prompts[0]) and "<|im_start|>user" in tok.decode(he.prompts[0])
+    # held out: never a prompt the training data holds (read from the dataset parquet)
+    first, _ = heldout_prompts(spec, None, tok, 5)
+    assert len(first) == 5
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "data").mkdir()
+    used = first[:3]
+    pq.write_table(pa.table({"input_ids": [p + [1, 2] for p in used],
+                             "num_prompt_tokens": [len(p) for p in used]}),
+                   tmp_path / "data" / "dataset.parquet")
+    again, note = heldout_prompts(spec, tmp_path, tok, 5)
+    assert len(again) == 5 and not any(p in used for p in again)
+    assert again[:2] == first[3:5] and "3 training prompts excluded" in note
+
+
+def test_evaluate_tau_report_and_markdown(tmp_path, exported):
+    from jinja2 import Environment, FileSystemLoader, StrictUndefined
+
+    from dflash.stages.bench import _fmt, _plots, evaluate_tau
+
+    spec = spec_with(tmp_path, eval_sets=["mtbench", "humaneval", "heldout"], eval_prompts=2,
+                     eval_max_new_tokens=6, real_prompts=1)
+    tau = evaluate_tau(spec, exported, "cpu", tmp_path)
+    assert set(tau["sets"]) == {"mtbench", "humaneval", "heldout"}
+    assert tau["primary_set"] == "mtbench" and tau["tau"] >= 1.0
+    for name, s in tau["sets"].items():
+        assert s["prompts"] == 2 and len(s["accept_rate_by_position"]) == 15, name
+        assert ("real" in s) == (name == "mtbench"), name      # real decoding: first set only
+    real = tau["sets"]["mtbench"]["real"]
+    assert real["prompts"] == 1 and real["lossless"] is True and real["tokens_equal_simulated"] == 1
+    assert set(tau["sets"]["mtbench"]["tau_by_category"]) == {"writing"}
+    assert tau["lossless"] is True
+    report = {"acceptance": tau}
+    assert _plots(tmp_path, [], tau) == ["acceptance.png", "tau_by_category.png"]
+    env = Environment(loader=FileSystemLoader(REPO / "dflash" / "templates"),
+                      undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    src = env.loader.get_source(env, "report.md.j2")[0]
+    part = src[src.index("## Acceptance length"):src.index("## Step time")]
+    md = env.from_string(part).render(r=report, fmt=_fmt)
+    assert "| mtbench | 2 |" in md and "| humaneval | 2 |" in md and "writing" in md
+
+
+def test_bench_failure_is_one_message_naming_the_file(tmp_path, exported):
+    from dflash.stages.bench import evaluate_tau
+
+    spec = spec_with(tmp_path, eval_prompts=1, eval_max_new_tokens=4)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    cfg = json.loads((exported / "config.json").read_text())
+    cfg["hidden_size"] = 32                      # weights no longer fit the config
+    (broken / "config.json").write_text(json.dumps(cfg))
+    (broken / "model.safetensors").write_bytes((exported / "model.safetensors").read_bytes())
+    with pytest.raises(DFlashError) as e:
+        evaluate_tau(spec, broken, "cpu", tmp_path)
+    msg = str(e.value)
+    # no cause: the CLI then prints this one line and no traceback (dflash/cli.py)
+    assert "\n" not in msg and e.value.__cause__ is None and e.value.__suppress_context__
+    assert f"loading the exported drafter {broken}" in msg and "drafter.dtype" in msg
+    assert (tmp_path / "bench" / "tau_error.txt").read_text().startswith("Traceback")
+
+
+def test_tau_monitor_equals_simulated_tau_of_the_replica(tmp_path):
+    """The training-time τ monitor gives the simulated τ of the replica's current weights."""
+    from dflash.evaluate import TauMonitor, heldout_prompts, simulate, \
+        summarize
+    from dflash.target import load_target
+    from dflash.topology import drafter_config, initial_state, make_replicas
+
+    raw = yaml.safe_load((REPO / "tests" / "specs" / "micro.yaml").read_text())
+    path = tmp_path / "micro.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    spec = load_spec(path)
+    cfg = drafter_config(spec)
+    rep = make_replicas(spec, cfg, initial_state(cfg, 0), 10)[0]
+    mon = TauMonitor(spec, tmp_path, "cpu", log=lambda _: None)
+    got = mon(rep)
+    tgt = load_target(spec.target, "cpu", seed=spec.seed)
+    prompts, _ = heldout_prompts(spec, tmp_path, tgt.tokenizer, 3)
+    sim = simulate(tgt.model, rep.model, rep.embed, rep.lm_head, prompts, 8, [2],
+                   cfg.target_layer_ids, "cpu")
+    assert mon.conts == sim["continuations"] and len(prompts) == 3
+    assert got["tau"] == summarize(sim["chains"], cfg.block_size)["tau"] >= 1.0

@@ -1,0 +1,124 @@
+"""The fast generation engine (dflash/generate.py) on the real SmolLM2-135M-Instruct, float32, CPU."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dflash.errors import DFlashError
+from dflash.generate import (Engine, _mix32, eos_ids_of, generate, gumbel_noise, resolve_engine,
+                             seed_keys)
+from dflash.prompts import render_prompt
+from dflash.prompts import load_prompts
+from dflash.spec import section_spec
+from dflash.target import load_target
+
+TARGET = section_spec("target", {"model": "smollm2-135m-instruct", "init": "pretrained",
+                                 "dtype": "float32", "num_feature_layers": 5})
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return load_target(TARGET, "cpu")
+
+
+@pytest.fixture(scope="module")
+def prompts(smol):
+    """Chatterbot prompts 0, 1, 2, 6, 3 (seed 0): with 20 new tokens, #1 ends at eos after 16
+    tokens and #6 after 10, the others run to the limit; plus a bare 3-token prompt."""
+    ps, _ = load_prompts("chatterbot-corpus", 7, 0, 0.05)
+    out = [render_prompt(smol.tokenizer, ps[i].messages) for i in (0, 1, 2, 6, 3)]
+    return out + [[1, 504, 3458]]
+
+
+def hf_greedy(model, p, n, eos):
+    out = model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False,
+                         eos_token_id=eos, pad_token_id=eos[0])[0, len(p):].tolist()
+    return out[:next((i + 1 for i, t in enumerate(out) if t in eos), len(out))]
+
+
+def test_greedy_equals_hf_generate_prompt_by_prompt(smol, prompts):
+    eos = eos_ids_of(smol)
+    assert len({len(p) for p in prompts}) == len(prompts)  # all lengths differ
+    eng = Engine(smol.model, slots=2, max_len=max(map(len, prompts)) + 20, max_new_tokens=20,
+                 eos_ids=eos)
+    ours = eng.generate(prompts)
+    refs = [hf_greedy(smol.model, p, 20, eos) for p in prompts]
+    assert ours == refs
+    lengths = [len(o) for o in ours]
+    ended = sorted(n for o, n in zip(ours, lengths) if o[-1] in eos)
+    assert ended[:2] == [10, 16] and lengths.count(20) >= 3  # eos at different steps + limit
+    assert eng.stats["prefill_calls"] >= 3  # more prompts than slots: slots were refilled
+    assert eng.stats["answers"] == len(prompts) and eng.stats["new_tokens"] == sum(lengths)
+    # the engine is reusable, and one slot per prompt gives the same answers
+    assert eng.generate(prompts[:3]) == refs[:3]
+    assert generate(smol.model, prompts, 20, eos_ids=eos, slots=8) == refs
+
+
+def test_sampling_is_seeded_and_independent_of_slots_and_order(smol, prompts):
+    eos = eos_ids_of(smol)
+    ps = prompts[:4]
+    seeds = [11, 22, 33, 44]
+    kw = dict(max_len=max(map(len, ps)) + 8, max_new_tokens=8, eos_ids=eos, temperature=1.0)
+    a = Engine(smol.model, slots=4, **kw).generate(ps, seeds)
+    b = Engine(smol.model, slots=1, **kw).generate(ps[::-1], seeds[::-1])[::-1]
+    c = Engine(smol.model, slots=3, **kw).generate(ps, seeds)
+    assert a == b == c
+    greedy = Engine(smol.model, slots=4, **dict(kw, temperature=0.0)).generate(ps)
+    assert a != greedy  # T=1 really samples
+    other = Engine(smol.model, slots=4, **kw).generate(ps, [s + 1 for s in seeds])
+    assert sum(x != y for x, y in zip(a, other)) >= 3  # the seed matters
+
+
+def test_gumbel_max_samples_the_softmax():
+    """Counter-based noise: argmax(logits + G) hits each token at its softmax probability."""
+    V, n = 6, 40_000
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    vh = _mix32(torch.arange(V, dtype=torch.int64) * 0x9E3779B1 & 0xFFFFFFFF)
+    keys = seed_keys(torch.arange(n, dtype=torch.int64) * 7919 + 5)
+    steps = torch.full((n,), 3, dtype=torch.int64)
+    picks = (logits[None] + gumbel_noise(keys, steps, vh)).argmax(-1)
+    freq = torch.bincount(picks, minlength=V).double() / n
+    probs = torch.softmax(logits.double(), -1)
+    assert torch.allclose(freq, probs, atol=4 * math.sqrt(0.25 / n)), (freq, probs)
+    # pure function of (key, step, index): same inputs same noise, next step different noise
+    g = gumbel_noise(keys[:4], steps[:4], vh)
+    assert torch.equal(g, gumbel_noise(keys[:4], steps[:4], vh))
+    assert not torch.equal(g, gumbel_noise(keys[:4], steps[:4] + 1, vh))
+
+
+def test_compiled_decode_step_compiles_once_for_all_layers(smol, prompts):
+    """Regional compile (aot_eager here: no C++ build): one graph per piece serves all 30
+    layers, and the compiled engine gives the eager engine's greedy answers."""
+    from torch._dynamo.utils import counters
+
+    eos = eos_ids_of(smol)
+    ps = prompts[:3]
+    kw = dict(slots=2, max_len=max(map(len, ps)) + 6, max_new_tokens=6, eos_ids=eos)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = Engine(smol.model, compile="aot_eager", **kw)
+    got = compiled.generate(ps)
+    assert counters["stats"]["unique_graphs"] == 3, dict(counters["stats"])
+    assert compiled.stats["compile_seconds"] > 0
+    assert got == Engine(smol.model, **kw).generate(ps)
+
+
+def test_engine_choice_and_errors(smol):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    assert resolve_engine("auto", smol.model) == "fast"
+    assert resolve_engine("hf", smol.model) == "hf"
+    gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=64))
+    assert resolve_engine("auto", gpt2) == "hf"
+    with pytest.raises(DFlashError, match="data.engine 'fast'.*gpt2"):
+        resolve_engine("fast", gpt2)
+    with pytest.raises(DFlashError, match="data.engine: 'vllm'"):
+        resolve_engine("vllm", smol.model)
+    eng = Engine(smol.model, slots=1, max_len=16, max_new_tokens=8, eos_ids=[2])
+    with pytest.raises(DFlashError, match="prompt 0 has 9 tokens; 1..8 fit"):
+        eng.generate([[1] * 9])
+    with pytest.raises(DFlashError, match="no eos"):
+        Engine(smol.model, slots=1, max_len=16, max_new_tokens=8, eos_ids=[])
