@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-WORKFLOW_FILES = ["Snakefile", "rules", "config", "profiles", "dflash", "envs"]
+WORKFLOW_FILES = ["Snakefile", "rules", "config", "profiles", "report", "dflash", "envs"]
 # The thread counts Snakemake gives a rule's job (threads: 1). A stage started alone must compute
 # exactly as the same stage under Snakemake: float sums depend on the number of intra-op threads,
 # so a run resumed under the other launcher would not be bit-identical.

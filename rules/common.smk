@@ -23,8 +23,11 @@ def _load_specs():
 
 
 SPECS = _load_specs()
-RESULTS = config.get("results", "results")
-LOGS = config.get("logs", "logs")
+# the config (validated by the Snakefile) enters here only
+DEFAULT_SPEC = config["default_spec"]
+RESULTS = config["results"]
+LOGS = config["logs"]
+BENCHMARKS = config["benchmarks"]
 wildcard_constraints:
     spec="|".join(SPECS) or "no-specs",
 
@@ -53,8 +56,24 @@ def python_for(wc):
     return interpreter_for(SPECS[wc.spec])
 
 
+# GPUs, from the specs only. Snakemake never picks devices (the stages use the spec's device
+# names), so each job holds every CUDA device its spec names: a resource of capacity 1 per device
+# (cuda_0, cuda_1, ...), and two jobs never share a GPU on any machine. `gpu` is the count (for
+# executors that place jobs by it; limit it with --resources gpu=N if you like).
+CUDA_DEVICES = sorted({d for s in SPECS.values() for d in s.devices() if d != "cpu"})
+for _device in CUDA_DEVICES:
+    workflow.register_resource(_device.replace(":", "_"), 1)
+
+
 def gpus(wc):
     return len({d for d in SPECS[wc.spec].devices() if d != "cpu"})
+
+
+def device_resources():
+    def holds(device):
+        return lambda wc: int(device in SPECS[wc.spec].devices())
+
+    return {"gpu": gpus, **{d.replace(":", "_"): holds(d) for d in CUDA_DEVICES}}
 
 
 def spec_file(wc):
@@ -66,12 +85,24 @@ def stage_cmd(stage):
     # Every value is shell-quoted: the interpreter path derives from the spec's env.lock (build
     # mode) and the results/logs roots from the config, so none may reach the shell raw.
     results = shlex.quote(RESULTS).replace("{", "{{").replace("}", "}}")
-    return ("{params.python:q} -m dflash " + stage + " {params.spec:q} --results " + results +
-            " 2>&1 | tee {log:q}")
+    return f"{{params.python:q}} -m dflash {stage} {{params.spec:q}} --results {results} 2>&1 | tee {{log:q}}"
+
+
+PLOTS = ("loss", "throughput", "acceptance", "tau_by_category")  # dflash.stages.bench.PLOTS
 
 
 def bench_outputs(spec):
-    return [f"{RESULTS}/{spec}/bench/report.json", f"{RESULTS}/{spec}/bench/report.md"]
+    return [f"{RESULTS}/{spec}/bench/report.json", f"{RESULTS}/{spec}/bench/report.md"] + [
+        f"{RESULTS}/{spec}/bench/{p}.png" for p in PLOTS]
+
+
+def default_outputs(wc):
+    """The default target: the default spec through bench (checked only when it runs: a workflow copy
+    may hold other specs only)."""
+    if DEFAULT_SPEC not in SPECS:
+        raise WorkflowError(f"config: default_spec {DEFAULT_SPEC!r} is not a spec in specs/ "
+                            f"(have: {', '.join(SPECS) or 'none'})")
+    return bench_outputs(DEFAULT_SPEC)
 
 
 def upstream(*stages):

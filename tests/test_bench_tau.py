@@ -85,7 +85,11 @@ def test_evaluate_tau_report_and_markdown(tmp_path, exported):
     assert set(tau["sets"]["mtbench"]["tau_by_category"]) == {"writing"}
     assert tau["lossless"] is True
     report = {"acceptance": tau}
-    assert _plots(tmp_path, [], tau) == ["acceptance.png", "tau_by_category.png"]
+    # every declared plot is written (a report output of the bench rule); without training
+    # steps, loss and throughput say so instead of plotting
+    assert _plots(tmp_path, [], tau) == ["loss.png", "throughput.png", "acceptance.png",
+                                         "tau_by_category.png"]
+    assert all((tmp_path / p).stat().st_size > 1000 for p in _plots(tmp_path, [], tau))
     env = Environment(loader=FileSystemLoader(REPO / "dflash" / "templates"),
                       undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     src = env.loader.get_source(env, "report.md.j2")[0]

@@ -12,7 +12,7 @@ import json
 import pytest
 import yaml
 
-from dflash.harness import copy_workflow, job_counts, snakemake
+from dflash.harness import REPO, copy_workflow, job_counts, snakemake
 
 pytestmark = pytest.mark.e2e
 
@@ -84,6 +84,40 @@ def test_full_dag_artifacts(wf):
     assert (res / "bench" / "report.md").read_text().startswith("# DFlash bench report")
     for stage in ("env", "warmup", "data", "train", "bench"):
         assert (wf / "logs" / "micro" / f"{stage}.log").stat().st_size > 0
+        bench = (wf / "benchmarks" / "micro" / f"{stage}.tsv").read_text().splitlines()
+        assert bench[0].split("\t")[:2] == ["s", "h:m:s"] and float(bench[1].split("\t")[0]) > 0
+    for png in ("loss.png", "throughput.png", "acceptance.png", "tau_by_category.png"):
+        assert (res / "bench" / png).stat().st_size > 1000  # declared outputs, always written
+
+
+def test_report_holds_the_plots_with_their_captions(wf):
+    r = snakemake(wf, "--report", "report.html", "bench_micro")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    html = (wf / "report.html").read_text()
+    for name in ("loss.png", "throughput.png", "acceptance.png", "tau_by_category.png",
+                 "report.md"):
+        assert name in html, name
+    for caption in ("Training loss per step", "Target tokens per second",
+                    "Simulated acceptance by block position", "per MT-Bench category"):
+        assert caption in html, caption
+
+
+@pytest.mark.parametrize("config, message", [
+    ("resultz=out", "Additional properties are not allowed ('resultz' was unexpected)"),
+    ("default_spec=nope", "default_spec 'nope' is not a spec in specs/"),
+])
+def test_bad_config_is_refused_before_anything_runs(wf, config, message):
+    r = snakemake(wf, "-n", "--config", config)
+    assert r.returncode != 0 and message in r.stdout + r.stderr, r.stdout[-2000:] + r.stderr
+
+
+def test_gpu_jobs_hold_the_devices_their_spec_names(tmp_path, micro_spec):
+    """GPU resources come from the specs only: a job holds each CUDA device its spec names."""
+    gpu = copy_workflow(tmp_path, [micro_spec, REPO / "specs" / "qwen3-8b-2gpu.yaml"])
+    r = snakemake(gpu, "-n", "train_qwen3-8b-2gpu")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = [ln.strip() for ln in (r.stdout + r.stderr).splitlines() if "gpu=" in ln]
+    assert len(res) == 4 and set(res) == {"resources: tmpdir=/tmp, gpu=2, cuda_0=1, cuda_1=1"}, res
 
 
 def test_nothing_reruns_when_nothing_changed(wf):

@@ -352,11 +352,12 @@ def test_rule_params_are_derived_not_raw_config():
                 assert re.fullmatch(r"(python_for|lock_sha|spec_file|upstream\([\"\w, ]+\)|"
                                     r"spec_params\(\"\w+\"\)|"
                                     r"code_hash\(\"\w+\"\))", value), f"{f.name}: {line}"
-        if f.name != "common.smk":      # config values enter only via common.smk's RESULTS/LOGS
+        if f.name != "common.smk":      # config values enter only via common.smk's constants
             assert not re.search(r"\bconfig\b", text), f
     common = (REPO / "rules" / "common.smk").read_text()
-    assert re.findall(r"\bconfig(?:\[|\.get)\S*", common) == ['config.get("results",',
-                                                                  'config.get("logs",'], common
+    assert re.findall(r"\bconfig(?:\[|\.get)\S*", common) == [
+        'config["default_spec"]', 'config["results"]', 'config["logs"]', 'config["benchmarks"]'
+    ], common
 
 
 def _stage_cmd(results: str):

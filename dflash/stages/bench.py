@@ -92,47 +92,56 @@ def _read_metrics(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
+# The bench rule declares these as report outputs (rules/bench.smk), so every run writes all
+# of them: a plot without data says why instead.
+PLOTS = ("loss.png", "throughput.png", "acceptance.png", "tau_by_category.png")
+
+
 def _plots(out: Path, metrics: list[dict], tau: dict) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    made = []
-
-    def plot(name: str, draw, **labels) -> None:
+    def plot(name: str, draw, missing: str | None, **labels) -> None:
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        draw(ax)
-        ax.set(**labels)
+        if missing is None:
+            draw(ax)
+            ax.set(**labels)
+        else:
+            ax.set(title=labels.get("title"), xticks=[], yticks=[])
+            ax.text(0.5, 0.5, missing, ha="center", va="center", wrap=True,
+                    transform=ax.transAxes)
         fig.tight_layout()
         with atomic_path(out / name) as tmp:
             fig.savefig(tmp, format="png", dpi=100)
         plt.close(fig)
-        made.append(name)
 
-    if metrics:
-        steps, t = [m["step"] for m in metrics], [m["t"] for m in metrics]
-        tps = [m["tokens"] / max(1e-9, t[i] - t[i - 1]) for i, m in enumerate(metrics) if i > 0]
-        plot("loss.png", lambda ax: ax.plot(steps, [m["loss"] for m in metrics]),
-             xlabel="step", ylabel="loss", title="Training loss")
-        plot("throughput.png", lambda ax: ax.plot(t[1:], tps),
-             xlabel="seconds", ylabel="target tokens / s", title="Throughput")
+    no_steps = None if metrics else "no training steps recorded"
+    steps, t = [m["step"] for m in metrics], [m["t"] for m in metrics]
+    tps = [m["tokens"] / max(1e-9, t[i] - t[i - 1]) for i, m in enumerate(metrics) if i > 0]
+    plot("loss.png", lambda ax: ax.plot(steps, [m["loss"] for m in metrics]), no_steps,
+         xlabel="step", ylabel="loss", title="Training loss")
+    plot("throughput.png", lambda ax: ax.plot(t[1:], tps), no_steps,
+         xlabel="seconds", ylabel="target tokens / s", title="Throughput")
     sets = {k: v for k, v in (tau.get("sets") or {}).items() if v.get("tau") is not None}
-    if sets:
-        def by_position(ax):
-            for name, v in sets.items():
-                r = v["accept_rate_by_position"]
-                ax.plot(range(1, len(r) + 1), [x if x is not None else float("nan") for x in r],
-                        marker="o", label=f"{name} (τ = {v['tau']:.2f})")
-            ax.set_ylim(0, 1)
-            ax.legend()
-        plot("acceptance.png", by_position, xlabel="block position k",
-             ylabel="P(drafts 1..k accepted)", title="Acceptance by position (simulated)")
+    no_tau = None if sets else f"τ not evaluated: {tau.get('skipped', 'no eval set gave a τ')}"
+
+    def by_position(ax):
+        for name, v in sets.items():
+            r = v["accept_rate_by_position"]
+            ax.plot(range(1, len(r) + 1), [x if x is not None else float("nan") for x in r],
+                    marker="o", label=f"{name} (τ = {v['tau']:.2f})")
+        ax.set_ylim(0, 1)
+        ax.legend()
+
+    plot("acceptance.png", by_position, no_tau, xlabel="block position k",
+         ylabel="P(drafts 1..k accepted)", title="Acceptance by position (simulated)")
     cats = (sets.get("mtbench") or {}).get("tau_by_category")
-    if cats:
-        plot("tau_by_category.png", lambda ax: ax.bar(list(cats), list(cats.values())),
-             xlabel="MT-Bench category", ylabel="τ", title="τ per MT-Bench category")
-    return made
+    plot("tau_by_category.png", lambda ax: ax.bar(list(cats), list(cats.values())),
+         None if cats else (no_tau or "no MT-Bench set evaluated (bench.eval_sets)"),
+         xlabel="MT-Bench category", ylabel="τ", title="τ per MT-Bench category")
+    return list(PLOTS)
 
 
 def run(ctx: StageContext) -> dict:
