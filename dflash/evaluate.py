@@ -1,6 +1,6 @@
 """Acceptance length τ the way a serving system sees it (greedy, lossless, block = drafter's).
 
-Simulated acceptance for every eval set (DESIGN.md §9; SpecForge's ``simulated_acc_len``). With
+Simulated acceptance for every eval set (docs/design.md §7; SpecForge's ``simulated_acc_len``). With
 greedy decoding every token speculative decoding emits is the target's own greedy token, so:
 
 1. the target's greedy continuation of each prompt, batched (:func:`greedy_continuations`);

@@ -1,12 +1,13 @@
 """The ONE process-wide compile gate: a writer-preferring, phase-fair readers-writer gate.
 
-Why (DESIGN §6): torch keeps two *process-global* flags, ``torch.fx._symbolic_trace._is_fx_tracing_flag``
-and ``torch.compiler.is_compiling()``. Any FX tracing (make_fx, AOTAutograd, uncompiled flex_attention,
-``create_block_mask(_compile=True)``) flips them outside any lock, so a warm compiled call in another
-thread raises "Detected that you are using FX to symbolically trace a dynamo-optimized function", the
-FX flag can be left stuck True by a lost update, and eager code elsewhere sees ``is_compiling()`` True
-(``Adam(foreach=True).step()`` then raises). The cure is to never let anything that may trace run at
-the same time as anything else:
+Why (docs/design.md §4, docs/gate.md): torch keeps two *process-global* flags,
+``torch.fx._symbolic_trace._is_fx_tracing_flag`` and ``torch.compiler.is_compiling()``. Any FX
+tracing (make_fx, AOTAutograd, uncompiled flex_attention, ``create_block_mask(_compile=True)``)
+flips them outside any lock, so a warm compiled call in another thread raises "Detected that you
+are using FX to symbolically trace a dynamo-optimized function", the FX flag can be left stuck
+True by a lost update, and eager code elsewhere sees ``is_compiling()`` True
+(``Adam(foreach=True).step()`` then raises). The cure is to never let anything that may trace run
+at the same time as anything else:
 
 * ``gate.shared()``    -- warm work: compiled calls that will not compile, eager optimizer steps, eager
   tensor code. Any number of threads at once. On entry a watchdog asserts both global flags are clear

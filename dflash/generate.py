@@ -9,7 +9,7 @@ decode step captured once as a CUDA graph.
 
 Why not HF ``generate``: on an H200 it makes 8.8K new tokens/s for SmolLM2-135M at batch 256 (33K
 with its static cache + compile), because it pads finished answers until the longest one in the
-batch is done and, with the static cache, attends over the whole cache (DESIGN §9).
+batch is done and, with the static cache, attends over the whole cache (docs/design.md §7).
 
 How (the model's own modules do the math; only the attention + cache glue is written here):
 

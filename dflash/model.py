@@ -9,7 +9,7 @@ Shapes: N rows, Q block tokens per row (all blocks of a row, flattened), C conte
 The target's token embedding and lm_head are frozen and shared, so they are not parameters here:
 the caller embeds the block tokens and :func:`drafter_loss` takes the lm_head weight.
 
-Parameter names match the reference ``DFlashDraftModel`` export exactly (see DESIGN.md §5).
+Parameter names match the reference ``DFlashDraftModel`` export exactly (docs/design.md §6).
 """
 from __future__ import annotations
 

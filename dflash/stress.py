@@ -1,5 +1,5 @@
 """``python -m dflash.stress``: drive real compiled drafter-like training steps from several threads,
-with and without the compile gate, beside the adversarial mixes of DESIGN §6. Prints ONE JSON line.
+with and without the compile gate, beside the adversarial mixes of docs/gate.md. Prints ONE JSON line.
 
 Workers: each owns a small transformer block (attention + MLP; its own code object, so its own dynamo
 cache), compiled with ``torch.compile(dynamic=False)``; an iteration is forward + backward +
