@@ -103,9 +103,13 @@ def heldout_prompts(spec, results_dir: Path | None, tokenizer, n: int) -> tuple[
     from .prompts import CHATTERBOT, is_mtbench, load_prompts
 
     d = spec.data
-    src = d.source
-    if src != CHATTERBOT and not Path(src).is_file():
-        return [], f"data.source {src!r} has no prompt file to hold prompts out of"
+    # a mix (data.sources) holds out of its corpus/file sources; self-written prompts are
+    # written fresh each run, so there is nothing of theirs to hold out
+    srcs = [d.source] if d.source else [e.source for e in d.sources or ()]
+    held = [s for s in srcs if s == CHATTERBOT or Path(s).is_file()]
+    if not held:
+        return [], f"data sources {srcs} have no prompt file to hold prompts out of"
+    src = held[0]
     used: set[tuple[int, ...]] = set()
     ds_path = Path(results_dir) / "data" / "dataset.parquet" if results_dir else None
     if ds_path is not None and ds_path.is_file():

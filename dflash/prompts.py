@@ -16,10 +16,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
+import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 from .errors import DFlashError
 
@@ -326,3 +327,69 @@ def load_humaneval(n: int | None = None) -> list[str]:
     """The first ``n`` HumanEval prompts (function signature + docstring), file order."""
     prompts = [p["prompt"] for p in _humaneval_problems()]
     return prompts if n is None else prompts[:n]
+
+
+# ---------------------------------------------------------------------------------------------
+# decontamination: no evaluation prompt may enter training data
+# ---------------------------------------------------------------------------------------------
+DEFAULT_NGRAM = 8
+_WORD = re.compile(r"\w+")
+
+
+def words(text: str) -> list[str]:
+    """Lower-cased word tokens (runs of letters/digits/underscore): case, punctuation and
+    whitespace do not hide a copy."""
+    return _WORD.findall(str(text).lower())
+
+
+class NgramIndex:
+    """Word n-grams of evaluation texts, by evaluation set.
+
+    A training text *overlaps* an evaluation set when it shares a word n-gram with one of its
+    texts, or, for an evaluation text shorter than ``n`` words, when it is that text (same
+    words). ``n`` = 8 by default, not the 13 of GPT-3's decontamination (Brown et al. 2020):
+    MT-Bench turns are short (40 of its 160 turns have fewer than 13 words, median ~20), so
+    13-grams would only catch verbatim copies of the longer questions; 8 consecutive words
+    are still specific enough not to flag generic chat phrasing (PaLM's decontamination also
+    used 8-grams). Whole-text equality for the short ones keeps e.g. "Prove the Pythagorean
+    theorem." out without dropping every prompt that mentions the theorem.
+    """
+
+    def __init__(self, sets: dict[str, Sequence[str]], n: int = DEFAULT_NGRAM):
+        self.n = n
+        self.grams: dict[tuple[str, ...], str] = {}
+        self.whole: dict[tuple[str, ...], str] = {}
+        for name, texts in sets.items():
+            for text in texts:
+                w = words(text)
+                if len(w) >= n:
+                    for i in range(len(w) - n + 1):
+                        self.grams.setdefault(tuple(w[i:i + n]), name)
+                elif w:
+                    self.whole.setdefault(tuple(w), name)
+
+    def match(self, text: str) -> str | None:
+        """The evaluation set ``text`` overlaps (None when it overlaps none)."""
+        w = words(text)
+        n = self.n
+        for i in range(len(w) - n + 1):
+            hit = self.grams.get(tuple(w[i:i + n]))
+            if hit is not None:
+                return hit
+        return self.whole.get(tuple(w))
+
+
+@lru_cache(maxsize=4)
+def eval_index(n: int = DEFAULT_NGRAM) -> NgramIndex:
+    """MT-Bench (every turn) and HumanEval (every prompt)."""
+    return NgramIndex({"mtbench": [t for q in _mtbench_questions() for t in q["turns"]],
+                       "humaneval": load_humaneval()}, n)
+
+
+def eval_overlap(messages: Sequence[dict], n: int = DEFAULT_NGRAM) -> str | None:
+    """``"<set>_overlap"`` (a bad-record kind) when a user turn overlaps an evaluation set."""
+    idx = eval_index(n)
+    for m in messages:
+        if m["role"] == "user" and (hit := idx.match(m["content"])):
+            return f"{hit}_overlap"
+    return None

@@ -73,8 +73,29 @@ class TopologySpec:
 
 
 @dataclass(frozen=True)
-class DataSpec:
+class SourceSpec:
+    """One entry of ``data.sources``: count, or weight (a share of the rest), or neither."""
     source: str
+    count: int | None = None
+    weight: float | None = None
+
+
+@dataclass(frozen=True)
+class SelfWrittenSpec:
+    temperature: float
+    max_tokens: int
+    min_chars: int
+    max_chars: int
+    oversample: float
+    max_rounds: int
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    source: str | None
+    sources: tuple[SourceSpec, ...] | None
+    self_written: SelfWrittenSpec
+    decontaminate_ngram: int
     max_prompts: int
     samples_per_prompt: int
     max_prompt_tokens: int
@@ -140,12 +161,43 @@ SECTIONS: dict[str, type] = {
 }
 
 
+# sections' fields that are objects themselves: field -> dataclass (a list: a tuple of them)
+NESTED: dict[type, dict[str, type]] = {
+    DataSpec: {"self_written": SelfWrittenSpec, "sources": SourceSpec},
+}
+
+
 def _frozen(value: Any) -> Any:
     return tuple(_frozen(v) for v in value) if isinstance(value, list) else value
 
 
+def _build(cls: type, values: dict):
+    nested = NESTED.get(cls, {})
+
+    def field_value(k: str, v: Any) -> Any:
+        if k not in nested or v is None:
+            return _frozen(v)
+        if isinstance(v, (list, tuple)):
+            return tuple(_build(nested[k], x) for x in v)
+        return _build(nested[k], v)
+
+    return cls(**{k: field_value(k, v) for k, v in values.items()})
+
+
 def _section(name: str, values: dict):
-    return SECTIONS[name](**{k: _frozen(v) for k, v in values.items()})
+    return _build(SECTIONS[name], values)
+
+
+def _plain(value: Any) -> Any:
+    """A section (or field) as the validated dict held it: a source entry without the count or
+    weight it did not give."""
+    if isinstance(value, SourceSpec):
+        return {k: v for k, v in asdict(value).items() if v is not None}
+    if is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    return value
 
 
 @dataclass(frozen=True)
@@ -176,8 +228,7 @@ class Spec:
 
     def to_dict(self) -> dict:
         """The validated dict again (JSON-able; lists as tuples)."""
-        return {f.name: getattr(self, f.name) if f.name in ("name", "seed")
-                else asdict(getattr(self, f.name)) for f in fields(self) if f.name != "path"}
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name != "path"}
 
     def replace(self, **sections: dict) -> "Spec":
         """A copy with some fields of some sections changed, validated again like a spec file:
@@ -188,14 +239,13 @@ class Spec:
                 data[name] = {**data[name], **values}
             else:
                 data[name] = values
-        return parse_spec(_thawed(data), str(self.path))
+        return parse_spec(_absent_nulls(_thawed(data), schema()), str(self.path))
 
     def section(self, stage: str) -> dict:
         """The spec fields a stage's output depends on, as {field path: value}. Snakemake turns
         them into rule params, so changing optim.lr reruns train+bench only, and changing
         drafter.block_size reruns warmup too."""
-        return {k: asdict(v) if is_dataclass(v) else v
-                for k, v in stage_fields(self)[stage].items()}
+        return {k: _plain(v) for k, v in stage_fields(self)[stage].items()}
 
     def fingerprint(self, stage: str) -> str:
         return fingerprint(self.section(stage))
@@ -228,6 +278,16 @@ def _thawed(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_thawed(v) for v in value]
     return value
+
+
+def _absent_nulls(node: Any, sch: dict) -> Any:
+    """Drop fields whose value is a null default: the same as absent (``data.source`` or
+    ``data.sources`` is one of a pair that may not both be given)."""
+    if not isinstance(node, dict) or sch.get("type") != "object":
+        return node
+    props = sch.get("properties", {})
+    return {k: _absent_nulls(v, props.get(k, {})) for k, v in node.items()
+            if not (v is None and k in props and props[k].get("default", 0) is None)}
 
 
 def section_spec(name: str, values: dict, file: str = "<spec>"):
@@ -296,6 +356,11 @@ def _schema_error(file: str, err: jsonschema.ValidationError, prefix: tuple = ()
         missing = err.message.split("'")[1] if "'" in err.message else err.message
         field = f"{where}.{missing}" if at else missing
         return SpecError(f"{file}: missing required field '{field}'")
+    alts = [r for sub in err.schema.get("oneOf", []) if isinstance(sub, dict)
+            for r in sub.get("required", [])] if err.validator == "oneOf" else []
+    if alts:  # e.g. data: source or sources
+        names = " or ".join(f"'{where}.{a}'" for a in alts)
+        return SpecError(f"{file}: field '{where}': give exactly one of {names}")
     return SpecError(f"{file}: field '{where}': {err.message}")
 
 
@@ -347,10 +412,12 @@ def _check_cross_fields(spec: Spec, file: str) -> None:
         raise SpecError(f"{file}: field '{field}': {msg}")
 
     b, d, t, o, data = spec.batching, spec.drafter, spec.target, spec.optim, spec.data
-    if d.block_size * b.max_anchors > b.token_budget:
-        fail("batching.max_anchors", f"max_anchors × block_size = {b.max_anchors} × "
-             f"{d.block_size} = {b.max_anchors * d.block_size} exceeds "
-             f"batching.token_budget = {b.token_budget}")
+    # each anchor is a distinct position of the row, so more slots than tokens stay empty;
+    # blocks are NOT bounded by the budget: the DFlash recipe's density (one anchor per 4-6
+    # response tokens, block 16) needs max_anchors × block_size ≈ 3× token_budget
+    if b.max_anchors > b.token_budget:
+        fail("batching.max_anchors", f"{b.max_anchors} anchors exceed "
+             f"batching.token_budget = {b.token_budget} (one anchor per row position at most)")
     if b.max_batch_size > b.token_budget:
         fail("batching.max_batch_size", f"{b.max_batch_size} sequences cannot fit in "
              f"token_budget {b.token_budget}")

@@ -151,8 +151,8 @@ CASES = [
     Case("grad-clip-inf", ["field 'optim.grad_clip'", "not a finite number"],
          put("optim.grad_clip", float("inf"))),
     # --- cross-field rules ------------------------------------------------------------------
-    Case("anchors-over-budget", ["field 'batching.max_anchors'", "exceeds batching.token_budget"],
-         put("batching.max_anchors", 100)),
+    Case("anchors-over-budget", ["field 'batching.max_anchors'", "exceed batching.token_budget"],
+         put("batching.max_anchors", 1025)),
     Case("batch-over-budget", ["field 'batching.max_batch_size'"],
          both(put("batching.max_batch_size", 2000), put("batching.max_anchors", 8))),
     Case("too-many-buckets", ["field 'batching.num_buckets'"], put("batching.num_buckets", 7)),

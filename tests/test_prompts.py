@@ -155,7 +155,8 @@ def test_user_file_mtbench_question_dropped_and_counted(tmp_path):
     raw["data"].update(source=str(src), max_prompts=1000)
     spec = parse_spec(raw, "specs/tiny.yaml")
     tok = AutoTokenizer.from_pretrained(tokenizer_dir("llama-micro"))
-    samples, report, prompts = build_samples(spec, tok)
+    samples, report, prompts, per_source = build_samples(spec, tok)
+    assert per_source[str(src)]["taken"] == 30
     assert report.counts == {"mtbench_overlap": 1}
     assert report.examples["mtbench_overlap"] == [f"{src}:8"]
     assert len(prompts) == 30 and not any(is_mtbench(p.user_text) for p in prompts)

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from dflash.errors import SpecError
-from dflash.spec import SECTIONS, Spec, load_spec, schema, section_spec
+from dflash.spec import (SECTIONS, SelfWrittenSpec, SourceSpec, Spec, load_spec, schema,
+                         section_spec)
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC_FILES = sorted((REPO / "specs").glob("*.yaml")) + [REPO / "tests" / "specs" / "micro.yaml"]
@@ -24,6 +25,9 @@ def test_dataclass_fields_are_the_schema_properties():
     assert set(SECTIONS) == {k for k, v in props.items() if v.get("type") == "object"}
     for name, cls in SECTIONS.items():
         assert _names(cls) == set(props[name]["properties"]), name
+    data = props["data"]["properties"]
+    assert _names(SelfWrittenSpec) == set(data["self_written"]["properties"])
+    assert _names(SourceSpec) == set(data["sources"]["items"]["properties"])
 
 
 @pytest.mark.parametrize("path", SPEC_FILES, ids=lambda p: p.stem)

@@ -21,16 +21,16 @@ import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Sequence
 
-from ..errors import DFlashError
 from ..dataset import DATASET
-from ..manifest import atomic_path, atomic_write_json, fingerprint, sha256_file, write_manifest
+from ..errors import DFlashError
 from ..generate import eos_ids_of, generate_batch, sample_seed
-from ..prompts import is_mtbench, load_prompts, render_prompt
+from ..manifest import atomic_path, atomic_write_json, fingerprint, sha256_file, write_manifest
+from ..prompts import BadReport, Prompt, eval_overlap, load_prompts, normalize, render_prompt
 from . import StageContext
 
 SHARDS = "shards"
@@ -61,14 +61,20 @@ def _tokenizer(model: str):
     return AutoTokenizer.from_pretrained(tokenizer_dir(model))
 
 
-def build_samples(spec, tokenizer) -> tuple[list[Sample], object, list]:
-    """Load prompts (dropping over-long and MT-Bench ones as bad records), render, expand."""
+def build_samples(spec, tokenizer, data_dir: Path | None = None):
+    """Load prompts (dropping over-long ones and any that overlap an evaluation set as bad
+    records), render, expand. Returns (samples, combined report, prompts, per-source counts).
+    """
     d = spec.data
+    if d.source == SYNTHETIC:
+        samples, report, prompts = synthetic_samples(spec)
+        return samples, report, prompts, {SYNTHETIC: {"taken": len(prompts)}}
     rendered: dict[str, list[int]] = {}
 
     def reject(messages: list[dict]) -> str | None:
-        if any(m["role"] == "user" and is_mtbench(m["content"]) for m in messages):
-            return "mtbench_overlap"
+        why = eval_overlap(messages, d.decontaminate_ngram)
+        if why:
+            return why
         key = json.dumps(messages, sort_keys=True)
         ids = rendered.get(key)
         if ids is None:
@@ -77,17 +83,162 @@ def build_samples(spec, tokenizer) -> tuple[list[Sample], object, list]:
             return "too_long"
         return None
 
-    if d.source == SYNTHETIC:
-        return synthetic_samples(spec)
-    prompts, report = load_prompts(d.source, d.max_prompts, spec.seed,
-                                   d.max_bad_fraction, reject=reject)
+    if d.source is not None and d.source != SELF_WRITTEN:  # one source: as always
+        prompts, report = load_prompts(d.source, d.max_prompts, spec.seed,
+                                       d.max_bad_fraction, reject=reject)
+        per_source = {d.source: {"requested": d.max_prompts, "taken": len(prompts),
+                                    **report.to_dict()}}
+    else:
+        prompts, report, per_source = _mix(spec, tokenizer, reject, data_dir)
     spp = d.samples_per_prompt
     samples = []
     for p in prompts:
         ids = tuple(rendered[json.dumps(p.messages, sort_keys=True)])
         for k in range(spp):
             samples.append(Sample(p.prompt_id * spp + k, p.prompt_id, k, ids))
-    return samples, report, prompts
+    return samples, report, prompts, per_source
+
+
+SELF_WRITTEN = "self-written"
+
+
+def source_quotas(d) -> list[tuple[str, int]]:
+    """(source, prompts wanted) per entry of ``data.sources`` (or the one ``data.source``).
+
+    ``count`` entries get their count; the others share ``max_prompts`` minus the counts by
+    ``weight`` (default 1; largest remainder, ties to the earlier entry).
+    """
+    from ..errors import SpecError
+    from ..spec import SourceSpec
+
+    entries = d.sources or (SourceSpec(source=d.source, count=d.max_prompts),)
+    fixed = 0
+    for i, e in enumerate(entries):
+        if e.count is not None and e.weight is not None:
+            raise SpecError(f"data.sources[{i}]: give 'count' or 'weight', not both")
+        if e.source == SYNTHETIC:
+            raise SpecError(f"data.sources[{i}]: 'synthetic' cannot be mixed (use data.source)")
+        fixed += e.count or 0
+    rest = d.max_prompts - fixed
+    weighted = [(i, float(e.weight or 1.0)) for i, e in enumerate(entries) if e.count is None]
+    if rest < 0 or (weighted and rest == 0):
+        raise SpecError(f"data.sources: the counts add up to {fixed}, "
+                        f"{'more than' if rest < 0 else 'all of'} data.max_prompts "
+                        f"{d.max_prompts}" + (", leaving none for the weighted entries"
+                                                 if rest == 0 else ""))
+    share = {i: 0 for i, _ in weighted}
+    if weighted:
+        total = sum(w for _, w in weighted)
+        exact = {i: rest * w / total for i, w in weighted}
+        share = {i: int(x) for i, x in exact.items()}
+        left = rest - sum(share.values())
+        for i in sorted(exact, key=lambda i: (-(exact[i] - share[i]), i))[:left]:
+            share[i] += 1
+    return [(e.source, e.count if e.count is not None else share[i])
+            for i, e in enumerate(entries)]
+
+
+def _merge_report(into: BadReport, rep: BadReport) -> None:
+    into.total += rep.total
+    into.duplicates += rep.duplicates
+    for kind, n in rep.counts.items():
+        into.counts[kind] = into.counts.get(kind, 0) + n
+        ex = into.examples.setdefault(kind, [])
+        ex.extend(rep.examples.get(kind, [])[:max(0, 3 - len(ex))])
+    if into.first is None:
+        into.first = rep.first
+
+
+def _mix(spec, tokenizer, reject, data_dir: Path | None):
+    """Prompts from several sources, deduplicated across them; ids in ``data.sources`` order.
+
+    Files and the chatterbot corpus are read first (each checked against its own
+    ``max_bad_fraction``, seeded-shuffled, then the first ``count`` not already taken); the
+    self-written prompts come last, so they are written to fill their count after dedup
+    against everything else.
+    """
+    d = spec.data
+    quotas = source_quotas(d)
+    combined = BadReport(source="mix")
+    per_source: dict[str, dict] = {}
+    picked: dict[int, list] = {}
+    seen: set[str] = set()
+    for i, (src, want) in enumerate(quotas):
+        if src == SELF_WRITTEN or want == 0:
+            continue
+        ps, rep = load_prompts(src, 10 ** 9, spec.seed, d.max_bad_fraction, reject=reject)
+        take = []
+        for p in ps:
+            if len(take) == want:
+                break
+            key = normalize(p.user_text)
+            if key in seen:
+                rep.duplicates += 1
+                continue
+            seen.add(key)
+            take.append(p)
+        if len(take) < want:
+            _log(f"data.sources[{i}] {src}: {len(take)} prompts available, {want} wanted")
+        picked[i] = take
+        _merge_report(combined, rep)
+        per_source[src] = {"requested": want, "taken": len(take), **rep.to_dict()}
+    for i, (src, want) in enumerate(quotas):
+        if src == SELF_WRITTEN and want:
+            picked[i], per_source[src] = _self_written(spec, tokenizer, want, reject, seen,
+                                                       data_dir)
+    prompts = []
+    for i in sorted(picked):
+        for p in picked[i]:
+            prompts.append(Prompt(prompt_id=len(prompts), messages=p.messages, where=p.where))
+    if not prompts:
+        raise DFlashError("data.sources: no usable prompts")
+    return prompts, combined, per_source
+
+
+def _self_written(spec, tokenizer, count: int, reject, seen: set[str], data_dir: Path | None):
+    """``count`` prompts written by the target (dflash/self_written.py) with the data engine."""
+    from ..generate import Engine, resolve_engine
+    from ..self_written import write_prompts
+    from ..target import load_target, target_fingerprint
+
+    d = spec.data
+    sw = d.self_written
+    dev = spec.topology.targets[0]
+    t0 = time.time()
+    tgt = load_target(spec.target, dev, seed=spec.seed)
+    eos = eos_ids_of(tgt)
+    pad = tgt.tokenizer.pad_token_id
+    pad = eos[0] if pad is None else pad
+    engine = resolve_engine(d.engine, tgt.model)
+    holder: dict = {}
+
+    def sample(prefix: list[int], seeds: list[int]) -> list[list[int]]:
+        if engine == "hf":
+            out = []
+            for j in range(0, len(seeds), d.gen_batch_size):
+                part = seeds[j:j + d.gen_batch_size]
+                out += generate_batch(tgt.model, [prefix] * len(part), sw.max_tokens,
+                                      sw.temperature, eos, pad, part)
+            return out
+        if "engine" not in holder:  # one engine (one compile/capture) for every round
+            holder["engine"] = Engine(
+                tgt.model, slots=d.gen_batch_size, max_len=len(prefix) + sw.max_tokens,
+                max_new_tokens=sw.max_tokens, eos_ids=eos, temperature=sw.temperature,
+                compile=_engine_compile(spec, dev))
+        return holder["engine"].generate([prefix] * len(seeds), seeds)
+
+    ident = fingerprint({"target": target_fingerprint(spec.target), "engine": engine,
+                         "settings": asdict(sw), "eos": eos})
+    round_dir = (Path(data_dir) if data_dir is not None else Path(".")) / "self_written"
+    prompts, rep = write_prompts(count, sample=sample, tokenizer=tokenizer, eos_ids=eos,
+                                 settings=sw, seed=spec.seed, ident=ident,
+                                 round_dir=round_dir, seen=seen, reject=reject, log=_log)
+    rep.update(engine=engine, seconds=round(time.time() - t0, 2))
+    _log(f"self-written: {len(prompts)} prompts from {rep['candidates']} candidates in "
+         f"{rep['rounds']} round(s), {rep['seconds']}s")
+    tgt = None  # free the copy before the answers are generated
+    holder.clear()
+    return prompts, rep
 
 
 def make_chunks(samples: Sequence[Sample], chunk_size: int) -> list[list[Sample]]:
@@ -190,11 +341,12 @@ def run(ctx: StageContext, on_shard: Callable[[int, Path], None] | None = None) 
     fingerprints = {"data": spec.fingerprint("data"), "target": target_fingerprint(spec.target)}
 
     tokenizer = None if d.source == SYNTHETIC else _tokenizer(spec.target.model)
-    samples, report, prompts = build_samples(spec, tokenizer)
+    samples, report, prompts, per_source = build_samples(spec, tokenizer, data_dir)
     chunks = make_chunks(samples, d.gen_batch_size)
     plan_fp = fingerprint([[s.sample_id, list(s.prompt_ids)] for c in chunks for s in c])
     meta = {"fingerprints": fingerprints, "plan": plan_fp}
-    _log(f"{len(prompts)} prompts from {d.source} ({report.total} records, {report.bad} bad "
+    _log(f"{len(prompts)} prompts from {d.source or ', '.join(per_source)} "
+         f"({report.total} records, {report.bad} bad "
          f"{dict(report.counts)}, {report.duplicates} duplicates) -> {len(samples)} samples in "
          f"{len(chunks)} chunks of <= {d.gen_batch_size}")
 
@@ -208,7 +360,7 @@ def run(ctx: StageContext, on_shard: Callable[[int, Path], None] | None = None) 
 
     table = _merge(shard_dir, chunks, samples)
     manifest = _write(spec, data_dir, table, fingerprints, plan_fp, report, prompts, chunks,
-                      resumed, gen, time.time() - t0)
+                      resumed, gen, time.time() - t0, per_source)
     _log(f"wrote {data_dir / DATASET}: {table.num_rows} samples, "
          f"{manifest['tokens']['total_tokens']} tokens in {time.time() - t0:.1f}s")
     return manifest
@@ -429,7 +581,7 @@ def _merge(shard_dir: Path, chunks, samples):
 
 
 def _write(spec, data_dir: Path, table, fingerprints, plan_fp, report, prompts, chunks,
-           resumed, gen: dict, seconds) -> dict:
+           resumed, gen: dict, seconds, per_source: dict) -> dict:
     import pyarrow.parquet as pq
 
     d = spec.data
@@ -441,7 +593,8 @@ def _write(spec, data_dir: Path, table, fingerprints, plan_fp, report, prompts, 
     eos_stops = sum(table["stopped_at_eos"].to_pylist())
     return write_manifest(
         data_dir / "manifest.json", "data", fingerprints=fingerprints,
-        source=d.source,
+        source=d.source or "mix",
+        sources=per_source,
         counts={"prompts": len(prompts), "samples": table.num_rows,
                 "stopped_at_eos": eos_stops, "hit_max_new_tokens": table.num_rows - eos_stops,
                 **report.to_dict()},

@@ -1,0 +1,167 @@
+"""Prompt mixes, target-written prompts (Magpie) and decontamination against MT-Bench/HumanEval."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from dflash.errors import DFlashError, SpecError
+from dflash.prompts import (CHATTERBOT, NgramIndex, eval_index, eval_overlap, load_humaneval,
+                            load_mtbench, load_prompts)
+from dflash.self_written import check, user_turn_prefix
+from dflash.spec import parse_spec, section_spec
+from dflash.stages import StageContext
+from dflash.stages import data as data_stage
+
+ROOT = Path(__file__).resolve().parents[1]
+SETTINGS = dataclasses.replace(section_spec("data", {"source": CHATTERBOT}).self_written,
+                               max_chars=200)
+
+
+def tiny_raw(**data):
+    raw = yaml.safe_load((ROOT / "specs" / "tiny.yaml").read_text())
+    raw["data"].update(data)
+    return raw
+
+
+def test_user_turn_prefix_is_the_template_up_to_the_user_text():
+    from dflash.stages.data import _tokenizer
+
+    tok = _tokenizer("smollm2-135m-instruct")
+    text = tok.decode(user_turn_prefix(tok))
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_end|>\n<|im_start|>user\n")
+
+
+@pytest.mark.parametrize("text,terminated,kind", [
+    ("How do I sort a list of tuples by the second item in Python?", True, None),
+    ("How do I sort a list of tuples by the second item in Python?", False, "unterminated"),
+    ("Explain recursion.<|im_start|>assistant", True, "template_leak"),
+    ("Hi there", True, "too_short"),
+    ("Tell me " + "about the sea " * 30, True, "too_long"),
+    ("Пожалуйста, объясни рекурсию простыми словами.", True, "not_english"),
+    ("?? ## !! ** ?? ## !! ** ?? ## !!", True, "not_english"),
+    ("What is the the the the the the the the the the the best?", True, "repetitive"),
+    ("Why is the sky blue and why are sunsets red" + "!" * 18, True, "repetitive"),
+])
+def test_self_written_filters(text, terminated, kind):
+    assert check(text, terminated, SETTINGS, ["<|im_start|>", "<|im_end|>"]) == kind
+
+
+def test_ngram_overlap_catches_copies_not_topics():
+    mt = load_mtbench()
+    long_q = next(q for q in mt if len(q.split()) > 30)
+    words = long_q.split()
+    # a copied span of 8+ words inside other text, with case and punctuation changed
+    assert eval_overlap([{"role": "user", "content": "Please help: " + " ".join(
+        words[3:14]).upper().replace(",", " ;") + " thanks"}]) == "mtbench_overlap"
+    assert eval_overlap([{"role": "user", "content": " ".join(words[3:9])}]) is None  # 6 words
+    he = load_humaneval()[10]
+    assert eval_overlap([{"role": "user", "content": "Complete this:\n" + he}]) == \
+        "humaneval_overlap"
+    # a short evaluation turn matches as a whole, not as a topic
+    assert eval_overlap([{"role": "user", "content": "prove the pythagorean THEOREM"}]) == \
+        "mtbench_overlap"
+    assert eval_overlap([{"role": "user", "content": "Who first proved the Pythagorean "
+                                                     "theorem, and how?"}]) is None
+    # only user turns count
+    assert eval_overlap([{"role": "system", "content": long_q},
+                         {"role": "user", "content": "hello there"}]) is None
+    idx = NgramIndex({"a": ["one two three four five"]}, n=3)
+    assert idx.match("x one two three y") == "a" and idx.match("one two x three") is None
+    # the chatterbot corpus (the default source) is clean: today's datasets do not change
+    prompts, _ = load_prompts(CHATTERBOT, 10_000, 0, 0.05)
+    assert not [p.user_text for p in prompts if eval_overlap(p.messages)]
+    assert len(eval_index().grams) > 10_000
+
+
+def test_source_quotas():
+    q = data_stage.source_quotas
+    d = lambda sources, n=10: section_spec("data", {"sources": sources, "max_prompts": n})  # noqa
+    assert q(d([{"source": "a", "count": 3}, {"source": "b"}, {"source": "c", "weight": 2}])) \
+        == [("a", 3), ("b", 2), ("c", 5)]
+    assert q(d([{"source": "a", "weight": 1}, {"source": "b", "weight": 1}], 5)) == \
+        [("a", 3), ("b", 2)]
+    assert q(section_spec("data", {"source": "self-written", "max_prompts": 7})) == \
+        [("self-written", 7)]
+    with pytest.raises(SpecError, match="data.sources\\[0\\]: give 'count' or 'weight'"):
+        q(d([{"source": "a", "count": 3, "weight": 1}]))
+    with pytest.raises(SpecError, match="add up to 12, more than data.max_prompts 10"):
+        q(d([{"source": "a", "count": 12}]))
+    with pytest.raises(SpecError, match="leaving none for the weighted"):
+        q(d([{"source": "a", "count": 10}, {"source": "b"}]))
+    with pytest.raises(SpecError, match="give exactly one of 'data.source' or 'data.sources'"):
+        parse_spec(tiny_raw(sources=[{"source": "a"}]), "t.yaml")
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    """A real mix on SmolLM2 (CPU, float32): 4 chatterbot + a user file (with copies of
+    MT-Bench and HumanEval prompts) + 6 prompts the target writes itself."""
+    tmp = tmp_path_factory.mktemp("mix")
+    mt, he = load_mtbench(), load_humaneval()
+    recs = [{"messages": [{"role": "user", "content": f"Give me a fun fact about the number {i}."}]}
+            for i in range(20)]
+    recs[3] = {"messages": [{"role": "user", "content": "Quick one: " + mt[7]}]}
+    recs[9] = {"messages": [{"role": "user", "content": he[3]}]}
+    src = tmp / "user.jsonl"
+    src.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    raw = tiny_raw(sources=[{"source": CHATTERBOT, "count": 4}, {"source": str(src)},
+                            {"source": "self-written", "count": 6}],
+                   max_prompts=14, max_new_tokens=4, max_bad_fraction=0.2,
+                   self_written={"max_tokens": 48, "oversample": 1.5})
+    del raw["data"]["source"]
+    spec = parse_spec(raw, "specs/mix.yaml")
+    return spec, tmp, src, data_stage.run(StageContext(spec=spec, results=tmp / "out"))
+
+
+def test_mix_counts_and_no_eval_overlap(mixed):
+    spec, tmp, src, m = mixed
+    s = m["sources"]
+    assert m["source"] == "mix" and m["counts"]["prompts"] == 14 == m["counts"]["samples"]
+    assert s[CHATTERBOT]["taken"] == 4 and s[str(src)]["taken"] == 4
+    assert s[str(src)]["bad_by_kind"] == {"mtbench_overlap": 1, "humaneval_overlap": 1}
+    sw = s["self-written"]
+    assert sw["requested"] == sw["kept"] == 6 and sw["candidates"] >= 9
+    assert sw["candidates"] - sw["kept"] >= sum(sw["filtered"].values()) + sw["duplicates"] - 0
+    assert sw["engine"] == "fast" and sw["rounds"] >= 1
+    # the produced training set shares no n-gram with either evaluation set
+    from dflash.stages.data import _tokenizer
+
+    tok = _tokenizer("smollm2-135m-instruct")
+    rows = pq.read_table(tmp / "out" / "data" / "dataset.parquet").to_pylist()
+    texts = [tok.decode(r["input_ids"][:r["num_prompt_tokens"]], skip_special_tokens=True)
+             for r in rows]
+    idx = eval_index(spec.data.decontaminate_ngram)
+    assert [t for t in texts if idx.match(t)] == []
+    # the self-written user turns are real text, distinct from each other and the rest
+    users = [t.split("user\n", 1)[1].rsplit("assistant", 1)[0].strip() for t in texts]
+    assert len({u.lower() for u in users}) == 14 and all(len(u) >= 12 for u in users)
+
+
+def test_self_written_rounds_are_reused_on_rerun(mixed):
+    spec, tmp, _, m = mixed
+    rounds = sorted((tmp / "out" / "data" / "self_written").glob("round-*.json"))
+    assert len(rounds) == m["sources"]["self-written"]["rounds"]
+    shutil_out = tmp / "out" / "data" / "dataset.parquet"
+    shutil_out.unlink()
+    (tmp / "out" / "data" / "manifest.json").unlink()
+    again = data_stage.run(StageContext(spec=spec, results=tmp / "out"))
+    sw = again["sources"]["self-written"]
+    assert sw["rounds_reused"] == sw["rounds"] == len(rounds)
+    assert again["dataset"]["sha256"] == m["dataset"]["sha256"]
+    assert again["generation"]["chunks_resumed"] == again["generation"]["chunks"]
+
+
+def test_self_written_that_cannot_be_met_fails_clearly(tmp_path):
+    """A random-weight model writes no English: a clear error after max_rounds, with counts."""
+    raw = tiny_raw(source="self-written", max_prompts=3,
+                   self_written={"max_tokens": 8, "max_rounds": 2})
+    raw["target"].update(model="llama-micro", init="random")
+    spec = parse_spec(raw, "specs/t.yaml")
+    with pytest.raises(DFlashError, match=r"data.self_written: only 0 of 3 prompts after 2 "
+                                          r"rounds .*unterminated"):
+        data_stage.run(StageContext(spec=spec, results=tmp_path))
