@@ -26,7 +26,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def legacy(tgt, drafter, cfg, embed, head, sets, max_new, eos, device) -> dict:
