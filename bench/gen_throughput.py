@@ -115,6 +115,18 @@ def run_engine(model, prompts, seeds, a, eos, slots: int, device) -> dict:
     s = time.time() - t0
     new = sum(len(r) for r in out)
     st = eng.stats
+    # where the time went: one decode step alone (the same work with every slot idle), so
+    # decode_steps × step_ms is the decode share and the rest is prefill/refill/host
+    reps = 32
+    steps_before = st["decode_steps"]
+    import torch
+
+    t1 = time.time()
+    with torch.inference_mode():
+        eng._replay(reps)
+    _sync(device)
+    step_ms = (time.time() - t1) / reps * 1e3
+    st["decode_steps"] = steps_before
     return {"slots": slots, "prompts": len(prompts), "new_tokens": new, "seconds": round(s, 3),
             "new_tokens_per_s": round(new / s, 1),
             "setup_seconds": round(prep, 3), "compile_seconds": st["compile_seconds"],
@@ -124,7 +136,11 @@ def run_engine(model, prompts, seeds, a, eos, slots: int, device) -> dict:
             "prefill_calls": st["prefill_calls"],
             "prefill_seconds": round(st["prefill_seconds"], 3),
             "slot_utilisation": round(new / max(1, st["decode_steps"] * slots + len(prompts)), 4),
-            "mean_answer_tokens": round(new / len(prompts), 1)}, out
+            "mean_answer_tokens": round(new / len(prompts), 1),
+            "decode_step_ms": round(step_ms, 3),
+            "decode_share_of_time": round(st["decode_steps"] * step_ms / 1e3 / s, 3),
+            "decode_bound_new_tokens_per_s": round(slots / step_ms * 1e3, 1),
+            "graph_error": st.get("graph_error")}, out
 
 
 def greedy_check(model, prompts, a, eos, pad, device) -> dict:

@@ -408,11 +408,30 @@ def real_decode(target_model, drafter, cfg, embed, lm_head, prompts: Sequence[Se
         greedy.append(base)
     n_tok = sum(len(r.tokens) for r in results)
     n_base = sum(len(g) for g in greedy)
-    return {"results": results, "greedy": greedy, "target_only_s": t_base,
+    divergences = [_divergence(target_model, p, r.tokens, g, device)
+                   for p, r, g in zip(prompts, results, greedy) if r.tokens != g]
+    return {"results": results, "greedy": greedy, "divergences": divergences,
+            "target_only_s": t_base,
             "speculative_s": t_spec,
             "target_only_tokens_per_s": n_base / t_base if t_base else None,
             "speculative_tokens_per_s": n_tok / t_spec if t_spec else None,
             "speedup": (n_tok / t_spec) / (n_base / t_base) if t_spec and t_base else None}
+
+
+@torch.no_grad()
+def _divergence(target_model, prompt, spec_tokens, greedy_tokens, device) -> dict:
+    """Where speculative and target-only output first differ, and the target's top-1 / top-2
+    logit margin there (one plain forward over the shared prefix). In bf16 a tiny margin means
+    a numerical near-tie (verifying 16 tokens at once vs one at a time rounds differently), not
+    a decoding bug; in fp32 the outputs are identical (tests/test_evaluate.py)."""
+    i = next(j for j, (a, b) in enumerate(zip(spec_tokens, greedy_tokens)) if a != b) \
+        if any(a != b for a, b in zip(spec_tokens, greedy_tokens)) \
+        else min(len(spec_tokens), len(greedy_tokens))
+    ids = torch.tensor([list(prompt) + list(greedy_tokens[:i])], device=device)
+    top = target_model(input_ids=ids, logits_to_keep=1).logits[0, -1].float().topk(2)
+    return {"index": i, "margin": float(top.values[0] - top.values[1]),
+            "greedy_token": greedy_tokens[i] if i < len(greedy_tokens) else None,
+            "speculative_token": spec_tokens[i] if i < len(spec_tokens) else None}
 
 
 def real_chain(res, n_tokens: int) -> Chain:
@@ -480,6 +499,8 @@ def evaluate_sets(target_model, drafter, embed, lm_head, sets: Sequence[EvalSet]
                 # simulated == real: same tokens (batched vs one-at-a-time greedy) and the same
                 # blocks wherever the tokens agree
                 "tokens_equal_simulated": sum(same_tokens),
+                # first difference per non-identical prompt, with the target's logit margin there
+                "divergences": real["divergences"],
                 "blocks_equal_simulated": sum(
                     s and rc.produced == sc.produced
                     for s, rc, sc in zip(same_tokens, rchains, sim["chains"])),

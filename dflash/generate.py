@@ -389,11 +389,17 @@ class Engine:
                 self.stats["compile_seconds"] = round(time.time() - t0, 3)
                 if self.cuda_graph:
                     t1 = time.time()
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, capture_error_mode="thread_local"):
-                        self._decode_step()
-                    torch.cuda.synchronize(self.device)
-                    self._graph = g
+                    try:
+                        g = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(g, capture_error_mode="thread_local"):
+                            self._decode_step()
+                        torch.cuda.synchronize(self.device)
+                        self._graph = g
+                    except Exception as e:  # loud, recorded: the step then runs uncaptured
+                        self.stats["graph_error"] = f"{type(e).__name__}: {e}"[:500]
+                        print(f"[generate] WARNING: CUDA-graph capture of the decode step "
+                              f"failed, running it uncaptured (slower): "
+                              f"{self.stats['graph_error']}", file=sys.stderr, flush=True)
                     self.stats["capture_seconds"] = round(time.time() - t1, 3)
                 self._restore(saved)
         self._ready = True
@@ -414,6 +420,13 @@ class Engine:
                     self._decode_step()
         self.stats["decode_steps"] += n
 
+    def _to_device(self, t):
+        """Host -> device without a stream sync (a plain copy from pageable memory waits for
+        the decode steps already queued; a pinned, non-blocking one is queued behind them)."""
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
     # -------------------------------------------------------------------------------------
     def _prefill(self, slots: list[int], prompts: list[Sequence[int]], keys: list[int]) -> None:
         """Run ``prompts`` (right-padded, causal) into ``slots``; pick each first token."""
@@ -426,10 +439,10 @@ class Engine:
         ids = torch.zeros(n, P, dtype=torch.long)
         for i, p in enumerate(prompts):
             ids[i, :len(p)] = torch.as_tensor(list(p), dtype=torch.long)
-        ids = ids.to(dev)
-        lens = torch.tensor([len(p) for p in prompts], device=dev)
-        idx = torch.tensor(slots, device=dev)
-        kt = torch.tensor(keys, dtype=torch.long, device=dev)
+        ids = self._to_device(ids)
+        lens = self._to_device(torch.tensor([len(p) for p in prompts]))
+        idx = self._to_device(torch.tensor(slots))
+        kt = self._to_device(torch.tensor(keys, dtype=torch.long))
         with self.gate.shared():
             x = self.base.embed_tokens(ids)
             cos, sin = self.cos[:P][None], self.sin[:P][None]

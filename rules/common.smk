@@ -88,7 +88,8 @@ def stage_cmd(stage):
     return f"{{params.python:q}} -m dflash {stage} {{params.spec:q}} --results {results} 2>&1 | tee {{log:q}}"
 
 
-PLOTS = ("loss", "throughput", "acceptance", "tau_by_category")  # dflash.stages.bench.PLOTS
+# dflash.stages.bench.PLOTS
+PLOTS = ("loss", "throughput", "draft_accuracy", "tau_training", "acceptance", "tau_by_category")
 
 
 def bench_outputs(spec):

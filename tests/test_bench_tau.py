@@ -87,7 +87,8 @@ def test_evaluate_tau_report_and_markdown(tmp_path, exported):
     report = {"acceptance": tau}
     # every declared plot is written (a report output of the bench rule); without training
     # steps, loss and throughput say so instead of plotting
-    assert _plots(tmp_path, [], tau) == ["loss.png", "throughput.png", "acceptance.png",
+    assert _plots(tmp_path, [], tau) == ["loss.png", "throughput.png", "draft_accuracy.png",
+                                         "tau_training.png", "acceptance.png",
                                          "tau_by_category.png"]
     assert all((tmp_path / p).stat().st_size > 1000 for p in _plots(tmp_path, [], tau))
     env = Environment(loader=FileSystemLoader(REPO / "dflash" / "templates"),

@@ -86,7 +86,8 @@ def test_full_dag_artifacts(wf):
         assert (wf / "logs" / "micro" / f"{stage}.log").stat().st_size > 0
         bench = (wf / "benchmarks" / "micro" / f"{stage}.tsv").read_text().splitlines()
         assert bench[0].split("\t")[:2] == ["s", "h:m:s"] and float(bench[1].split("\t")[0]) > 0
-    for png in ("loss.png", "throughput.png", "acceptance.png", "tau_by_category.png"):
+    for png in ("loss.png", "throughput.png", "draft_accuracy.png", "tau_training.png",
+                "acceptance.png", "tau_by_category.png"):
         assert (res / "bench" / png).stat().st_size > 1000  # declared outputs, always written
 
 
@@ -94,10 +95,11 @@ def test_report_holds_the_plots_with_their_captions(wf):
     r = snakemake(wf, "--report", "report.html", "bench_micro")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     html = (wf / "report.html").read_text()
-    for name in ("loss.png", "throughput.png", "acceptance.png", "tau_by_category.png",
-                 "report.md"):
+    for name in ("loss.png", "throughput.png", "draft_accuracy.png", "tau_training.png",
+                 "acceptance.png", "tau_by_category.png", "report.md"):
         assert name in html, name
-    for caption in ("Training loss per step", "Target tokens per second",
+    for caption in ("Training loss per step", "Target tokens per second", "Top-1 draft accuracy",
+                    "of the drafter being trained",
                     "Simulated acceptance by block position", "per MT-Bench category"):
         assert caption in html, caption
 

@@ -209,3 +209,14 @@ def test_summary_of_an_untrained_drafter(world):
     assert len(s["tokens_per_forward_histogram"]) == B + 1
     assert sum(s["tokens_per_forward_histogram"]) == s["forwards"]
     assert isinstance(sim["chains"][0], Chain)
+
+
+def test_divergence_report_finds_the_first_difference(world):
+    from dflash.evaluate import _divergence
+
+    target, _, ps, conts, _ = world
+    c = conts[0]
+    wrong = c[:5] + [(c[5] + 1) % MASK] + c[6:]
+    d = _divergence(target, ps[0], wrong, c, "cpu")
+    assert d["index"] == 5 and d["greedy_token"] == c[5] and d["speculative_token"] == wrong[5]
+    assert d["margin"] > 0

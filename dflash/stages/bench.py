@@ -94,7 +94,8 @@ def _read_metrics(path: Path) -> list[dict]:
 
 # The bench rule declares these as report outputs (rules/bench.smk), so every run writes all
 # of them: a plot without data says why instead.
-PLOTS = ("loss.png", "throughput.png", "acceptance.png", "tau_by_category.png")
+PLOTS = ("loss.png", "throughput.png", "draft_accuracy.png", "tau_training.png", "acceptance.png",
+         "tau_by_category.png")
 
 
 def _plots(out: Path, metrics: list[dict], tau: dict) -> list[str]:
@@ -124,6 +125,24 @@ def _plots(out: Path, metrics: list[dict], tau: dict) -> list[str]:
          xlabel="step", ylabel="loss", title="Training loss")
     plot("throughput.png", lambda ax: ax.plot(t[1:], tps), no_steps,
          xlabel="seconds", ylabel="target tokens / s", title="Throughput")
+    acc = [(m["step"], m["draft_acc"]) for m in metrics if m.get("draft_acc")]
+
+    def draw_acc(ax):
+        n = len(acc[0][1])
+        for k in sorted({1, 2, 4, 8, n} & set(range(1, n + 1))):
+            ax.plot([s for s, _ in acc],
+                    [a[k - 1] if a[k - 1] is not None else float("nan") for _, a in acc],
+                    label=f"k = {k}")
+        ax.set_ylim(0, 1)
+        ax.legend()
+
+    plot("draft_accuracy.png", draw_acc, None if acc else "no draft accuracy in the metrics",
+         xlabel="step", ylabel="top-1 accuracy",
+         title="Draft accuracy by block position (training batches)")
+    taus = [(m["step"], m["tau_heldout"]) for m in metrics if "tau_heldout" in m]
+    plot("tau_training.png", lambda ax: ax.plot(*zip(*taus), marker="o"),
+         None if taus else "τ not monitored while training (monitor.tau_every_steps)",
+         xlabel="step", ylabel="simulated τ (held-out)", title="τ while training")
     sets = {k: v for k, v in (tau.get("sets") or {}).items() if v.get("tau") is not None}
     no_tau = None if sets else f"τ not evaluated: {tau.get('skipped', 'no eval set gave a τ')}"
 
@@ -154,7 +173,8 @@ def run(ctx: StageContext) -> dict:
     perf = throughput(ctx, source, metrics)
     drafter_dir = ctx.results / "train" / "drafter"
     tau = evaluate_tau(ctx.spec, drafter_dir, ctx.spec.topology.targets[0], ctx.results)
-    report = {**perf, **run_facts(ctx, source), "tau": tau.get("tau"), "acceptance": tau,
+    report = {**perf, **run_facts(ctx, source), **training_curves(metrics),
+              "tau": tau.get("tau"), "acceptance": tau,
               "drafter_dir": str(drafter_dir)}
     return write_report(out, report, metrics, tau)
 
@@ -272,6 +292,28 @@ def write_report(out: Path, report: dict, metrics: list[dict], tau: dict) -> dic
     atomic_write_text(out / "report.md", md)
     print(md, flush=True)
     return report
+
+
+def training_curves(metrics: list[dict]) -> dict:
+    """What the drafter learnt while training: draft accuracy at the end, τ on held-out prompts
+    along the way (when monitored)."""
+    return {
+        # per block position k = 1..B-1, mean over the last 10 logged steps
+        "final_draft_acc": _last_draft_acc(metrics),
+        "tau_while_training": [{"step": m["step"], "tau": m["tau_heldout"]} for m in metrics
+                               if "tau_heldout" in m],
+    }
+
+
+def _last_draft_acc(metrics: list[dict], last: int = 10) -> list[float | None] | None:
+    rows = [m["draft_acc"] for m in metrics[-last:] if m.get("draft_acc")]
+    if not rows:
+        return None
+    out = []
+    for k in range(len(rows[0])):
+        vals = [r[k] for r in rows if r[k] is not None]
+        out.append(round(sum(vals) / len(vals), 4) if vals else None)
+    return out
 
 
 def _doc_lengths_per_step(ctx, window: list[dict]) -> list[list[int]]:

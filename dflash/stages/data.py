@@ -10,8 +10,16 @@ keeps the shards made from the same inputs and generates only the missing sample
 generated twice and nothing is lost; shards made from other inputs are discarded (and said so).
 
 Chunks are spread over ``topology.targets`` (one thread per entry, each with its own target copy;
-several ``cpu`` entries share the CPU). Sampling (``temperature > 0``) uses one seeded generator
-per sample, so a sample does not depend on which device or batch produced it.
+several ``cpu`` entries share the CPU). ``data.engine`` picks the generator: ``fast``
+(:mod:`dflash.generate`: every chunk of a worker streams through one continuous batch of
+``gen_batch_size`` slots; a chunk's shard is written when its last sample finishes) or ``hf``
+(:func:`generate_batch`, one chunk per batch); ``auto`` takes ``fast`` where it supports the
+architecture. Sampling (``temperature > 0``) is seeded per sample (``sample_seed``), so a sample
+does not depend on which device or batch produced it.
+
+Prompts: one ``data.source`` or a mix (``data.sources``, with target-written prompts from
+:mod:`dflash.self_written`); every prompt overlapping MT-Bench or HumanEval is dropped
+(:func:`dflash.prompts.eval_overlap`). docs/data.md has the details.
 """
 from __future__ import annotations
 
@@ -530,7 +538,9 @@ def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int, on_shard
                 "slots": eng.B, "cache_len": eng.S, "compiled": bool(eng.compile),
                 "cuda_graph": eng._graph is not None, "sync_every": eng.sync_every,
                 "setup_seconds": round(prep, 2), "decode_steps": eng.stats["decode_steps"],
-                "prefill_calls": eng.stats["prefill_calls"]}
+                "prefill_calls": eng.stats["prefill_calls"],
+                **({"graph_error": eng.stats["graph_error"]} if "graph_error" in eng.stats
+                   else {})}
 
     def worker(dev: str, target) -> None:
         try:
