@@ -2,12 +2,21 @@
 # One spec = one experiment (specs/<name>.yaml). Named targets per spec:
 #   env_<spec>, warmup_<spec>, data_<spec>, train_<spec>, bench_<spec>
 # `snakemake --cores all` runs the default spec (config/config.yaml) through bench.
-from snakemake.utils import min_version
+#
+# No conda: or container: directives, on purpose: the env stage is the one environment mechanism.
+# It installs (build mode) or verifies (adopt mode, the GPU image) the hash-pinned lock in
+# envs/, records it, and every later stage refuses a drifted environment (docs/env.md); a conda
+# env or container per rule would be a second, unverified one. `snakemake --lint` flags only
+# that (.ci/run checks it).
+from snakemake.utils import min_version, validate
 
 min_version("9.0")
 
 
 configfile: "config/config.yaml"
+
+
+validate(config, "config/config.schema.yaml")  # and fills its defaults
 
 
 include: "rules/common.smk"
@@ -20,7 +29,7 @@ include: "rules/bench.smk"
 
 rule all:
     input:
-        bench_outputs(config["default_spec"]),
+        default_outputs,
     default_target: True
 
 

@@ -20,7 +20,8 @@ What it does, for real (no mocks), in a temporary copy of the workflow:
    metrics (each run contributes steps [its resume step, the next run's resume step)) compared
    with the reference step by step: samples lost, samples duplicated, each epoch exactly once.
 
-``tests/test_resume.py`` uses the same functions (a short version with >= 3 kills).
+The machinery is :mod:`dflash.faults`, shared with ``tests/test_resume.py`` (a short version
+with >= 3 kills).
 """
 from __future__ import annotations
 
@@ -29,10 +30,7 @@ import json
 import os
 import platform
 import random
-import re
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,224 +38,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-from conftest import copy_workflow, snakemake  # noqa: E402  (the tests' workflow copy)
-
-RESUME_RE = re.compile(r"\[train\] resuming from (\S+) \(step (\d+)/(\d+)\)")
-CORRUPT_RE = re.compile(r"\[train\] checkpoint (\S+) is corrupted")
-
-
-# ---------------------------------------------------------------------------------------------
-# the workflow copy and the stage processes
-# ---------------------------------------------------------------------------------------------
-def derived_spec(name: str, max_steps: int, every_steps: int, keep: int = 2,
-                 **data: object) -> dict:
-    """tests/specs/micro.yaml with another name, step count and checkpoint interval."""
-    import yaml
-
-    d = yaml.safe_load((REPO / "tests" / "specs" / "micro.yaml").read_text())
-    d["name"] = name
-    d["optim"]["max_steps"] = max_steps
-    d["checkpoint"] = {"every_steps": every_steps, "keep": keep}
-    d["data"].update(data)
-    return d
-
-
-def stage_env(wf: Path) -> dict:
-    env = dict(os.environ)
-    env.setdefault("DFLASH_CACHE", str(REPO / ".cache" / "dflash"))
-    env["PYTHONPATH"] = str(wf)
-    env.pop("DFLASH_FAIL_AT", None)
-    return env
-
-
-@dataclass
-class Workflow:
-    wf: Path
-    spec: str
-
-    def spec_file(self) -> str:
-        return f"specs/{self.spec}.yaml"
-
-    def res(self, root: str) -> Path:
-        return self.wf / root / self.spec
-
-    def train_dir(self, root: str) -> Path:
-        return self.res(root) / "train"
-
-    def fresh_root(self, root: str, stages=("env", "warmup", "data")) -> str:
-        """A results root holding copies of the upstream stages made by Snakemake."""
-        shutil.rmtree(self.wf / root, ignore_errors=True)
-        for st in stages:
-            shutil.copytree(self.res("results") / st, self.res(root) / st)
-        return root
-
-    def start(self, stage: str, root: str, log: Path) -> "Run":
-        cmd = [sys.executable, "-m", "dflash", stage, self.spec_file(), "--results", root]
-        fh = open(log, "w")
-        t0 = time.time()
-        p = subprocess.Popen(cmd, cwd=self.wf, env=stage_env(self.wf), stdout=fh,
-                             stderr=subprocess.STDOUT, start_new_session=True)
-        fh.close()
-        return Run(p, t0, log, cmd)
-
-
-def prepare(base: Path, spec: dict, stages=("data", "warmup")) -> Workflow:
-    """Copy the workflow, add the spec, run env → warmup → data once through Snakemake."""
-    import yaml
-
-    base.mkdir(parents=True, exist_ok=True)
-    wf = copy_workflow(base, [])
-    (wf / "specs" / f"{spec['name']}.yaml").write_text(yaml.safe_dump(spec))
-    r = snakemake(wf, *[f"{st}_{spec['name']}" for st in stages])
-    if r.returncode != 0:
-        raise RuntimeError(f"snakemake failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-    return Workflow(wf, spec["name"])
-
-
-@dataclass
-class Run:
-    proc: subprocess.Popen
-    t0: float
-    log: Path
-    cmd: list
-    killed_at: float | None = None
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def kill(self) -> float:
-        """SIGKILL the stage's process group (the stage and anything it started)."""
-        t = time.time()
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
-        self.killed_at = t
-        return t
-
-    def wait(self, timeout: float = 600) -> int:
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def resumed_from(self) -> int:
-        m = RESUME_RE.search(self.text())
-        return int(m.group(2)) if m else 0
-
-
-def wait_until(pred, run: Run, timeout: float = 300, poll: float = 0.01) -> bool:
-    """Poll ``pred()`` until true (→ True) or the process exits first (→ False)."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if pred():
-            return True
-        if not run.alive():
-            return bool(pred())
-        time.sleep(poll)
-    raise TimeoutError(f"condition not met within {timeout}s; log:\n{run.text()[-2000:]}")
-
-
-# ---------------------------------------------------------------------------------------------
-# reading what a run left behind
-# ---------------------------------------------------------------------------------------------
-def metrics_steps(path: Path) -> dict[int, dict]:
-    """step -> record of metrics.jsonl (a torn last line from a kill is ignored)."""
-    out = {}
-    if not path.exists():
-        return out
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            rec = json.loads(line)
-            out[rec["step"]] = rec
-        except (ValueError, KeyError, TypeError):
-            break
-    return out
-
-
-def max_step(path: Path) -> int:
-    """Highest step number in metrics.jsonl (-1: none); cheap enough to poll."""
-    steps = metrics_steps(path)
-    return max(steps) if steps else -1
-
-
-def checkpoints(train_dir: Path) -> list[tuple[int, float]]:
-    """(step, time its state.json was written) of every complete checkpoint folder."""
-    out = []
-    for p in sorted((train_dir / "checkpoints").glob("step-*")):
-        try:
-            out.append((int(p.name.split("-")[1]), (p / "state.json").stat().st_mtime))
-        except (OSError, ValueError):
-            continue  # pruned while we looked
-    return out
-
-
-def newest_checkpoint(train_dir: Path) -> int:
-    c = checkpoints(train_dir)
-    return c[-1][0] if c else -1
-
-
-def load_tensors(path: Path) -> dict:
-    from safetensors.torch import load_file
-
-    return load_file(str(path))
-
-
-def tensors_equal(a: dict, b: dict) -> tuple[bool, list[str]]:
-    """Bit-identical: same keys, and torch.equal (same dtype, shape, every element) for each."""
-    import torch
-
-    bad = sorted(set(a) ^ set(b))
-    bad += [k for k in sorted(set(a) & set(b))
-            if a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])]
-    return not bad, bad
-
-
-def final_tensors(train_dir: Path) -> tuple[dict, dict]:
-    """The exported drafter weights and the optimizer state of the final checkpoint."""
-    last = sorted((train_dir / "checkpoints").glob("step-*"))[-1]
-    return (load_tensors(train_dir / "drafter" / "model.safetensors"),
-            load_tensors(last / "optim.safetensors"))
-
-
-def id_counts(per_step: dict[int, list[int]]) -> Counter:
-    return Counter(i for ids in per_step.values() for i in ids)
-
-
-def compare_ids(ref: dict[int, dict], got: dict[int, list[int]]) -> dict:
-    """Consumed ids vs the reference: per step, as multisets, and per epoch exactly once."""
-    ref_ids = {s: r["sample_ids"] for s, r in ref.items()}
-    lost = id_counts(ref_ids) - id_counts(got)
-    dup = id_counts(got) - id_counts(ref_ids)
-    epochs: dict[int, list[int]] = {}
-    for s, r in ref.items():
-        epochs.setdefault(r["epoch"], []).extend(got.get(s, []))
-    return {"samples_lost": sum(lost.values()), "samples_duplicated": sum(dup.values()),
-            "steps_identical": ref_ids == got,
-            "epochs": {e: sorted(ids) for e, ids in epochs.items()}}
-
-
-def epochs_exactly_once(epochs: dict[int, list[int]], all_ids: list[int]) -> bool:
-    return all(ids == sorted(all_ids) for ids in epochs.values())
-
-
-def stitch(segments: list[tuple[int, int, dict[int, dict]]]) -> dict[int, list[int]]:
-    """The ids the final weights were trained on, from the runs' own metrics: run i counts for
-    steps [start_i, end_i) (end_i = the step the next run resumed from). A step claimed twice
-    is kept twice (a duplicate); a step nobody wrote is missing (a loss)."""
-    got: dict[int, list[int]] = {}
-    for start, end, steps in segments:
-        for s in range(start, end):
-            if s in steps:
-                got[s] = got.get(s, []) + steps[s]["sample_ids"]
-    return got
+from dflash.faults import (REPO, Run, Workflow, checkpoints, compare_ids, dataset_ids, decided,
+                           derived_spec, epochs_exactly_once, final_tensors, metrics_steps,
+                           newest_checkpoint, prepare, reference, stitch, tensors_equal,
+                           wait_until)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,27 +61,6 @@ class KillRecord:
     notes: list = field(default_factory=list)
 
 
-def reference(w: Workflow, root: str, logs: Path) -> dict:
-    w.fresh_root(root)
-    run = w.start("train", root, logs / "reference.log")
-    td = w.train_dir(root)
-    wait_until(lambda: max_step(td / "metrics.jsonl") >= 0, run, poll=0.02)
-    first = metrics_steps(td / "metrics.jsonl")
-    # process start -> the pipeline starts (imports, data, replicas, checkpoint, warm start)
-    startup = time.time() - run.t0 - (first[0]["t"] if 0 in first else 0.0)
-    rc = run.wait()
-    if rc != 0:
-        raise RuntimeError(f"reference run failed ({rc}):\n{run.text()[-3000:]}")
-    manifest = json.loads((td / "manifest.json").read_text())
-    wall = time.time() - run.t0
-    return {"wall_s": wall, "train_s": manifest["train_s"],
-            "steps": manifest["steps"]["total"],
-            "step_s": manifest["train_s"] / manifest["steps"]["total"],
-            "startup_s": startup, "manifest": manifest,
-            "metrics": metrics_steps(td / "metrics.jsonl"),
-            "tensors": final_tensors(td)}
-
-
 STARTUP_SHARE = 0.3
 
 
@@ -310,12 +73,6 @@ def kill_delay(rng: random.Random, ref: dict, remaining_steps: int) -> float:
     if rng.random() < STARTUP_SHARE:
         return rng.uniform(0.0, startup)
     return rng.uniform(startup, startup + train)
-
-
-def decided(run: Run) -> bool:
-    """Did this run get past its resume decision (the resume line, or the warm start after it)?"""
-    t = run.text()
-    return bool(RESUME_RE.search(t)) or "[train] warm start" in t
 
 
 def campaign(w: Workflow, root: str, logs: Path, budget: int, ref: dict, rng: random.Random,
@@ -457,7 +214,7 @@ def main(argv=None) -> int:
     while sum(c["kills"] for c in campaigns) < a.kills:
         left = a.kills - sum(c["kills"] for c in campaigns)
         campaigns.append(campaign(w, root, logs, left, ref, rng, index=len(campaigns) + 1))
-    all_ids = sorted(_dataset_ids(w))
+    all_ids = sorted(dataset_ids(w))
     recs = [r for c in campaigns for r in c["records"]]
     lost = [r.work_lost_s for r in recs]
     after_warm = [r.work_lost_s for r in recs if r.landed != "startup"]
@@ -535,13 +292,6 @@ def main(argv=None) -> int:
           and out["samples_lost"] == 0 and out["samples_duplicated"] == 0
           and out["resumes_succeeded"] == out["kills"] and out["kills"] >= a.kills)
     return 0 if ok else 1
-
-
-def _dataset_ids(w: Workflow) -> list[int]:
-    import pyarrow.parquet as pq
-
-    return pq.read_table(w.res("results") / "data" / "dataset.parquet",
-                         columns=["sample_id"])["sample_id"].to_pylist()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """New tokens/s of the target's generation: plain HF ``generate``, the data stage's old HF loop
-(``dflash.data.generate_batch``) and the fast engine (``dflash.generate.Engine``), on the same
+(``dflash.generate.generate_batch``) and the fast engine (``dflash.generate.Engine``), on the same
 prompts, in one process.
 
 Prompts are real: chatterbot-corpus first turns through the target's chat template, repeated
@@ -24,12 +24,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dflash.data import eos_ids_of, generate_batch, render_prompt, sample_seed  # noqa: E402
-from dflash.generate import Engine  # noqa: E402
-from dflash.prompts import load_prompts  # noqa: E402
-from dflash.target import load_target  # noqa: E402
+from dflash.generate import Engine, eos_ids_of, generate_batch, sample_seed
+from dflash.prompts import load_prompts, render_prompt
+from dflash.target import load_target
 
 
 def _sync(device: str) -> None:
@@ -89,7 +86,7 @@ def run_hf_generate(model, prompts, seeds, a, eos, pad, device) -> dict:
 
 
 def run_loop(model, prompts, seeds, a, eos, pad, device) -> dict:
-    """The data stage's former path (``dflash.data.generate_batch``), batches of --hf-batch."""
+    """The data stage's former path (``dflash.generate.generate_batch``), batches of --hf-batch."""
     t0 = time.time()
     new = 0
     for i in range(0, len(prompts), a.hf_batch):

@@ -7,20 +7,26 @@
 sequence per step; per variant the (loss, grad norm) of every step. Variants: unit weights
 (ours = the reference's Qwen3 init), 0.1, 0.3, and the target's own final-norm weights.
 """
-import torch, math, sys, time, json
-torch.set_num_threads(1)
+import json
+import sys
+import time
+
+import torch
+
+from dflash.evaluate import greedy_continuations, load_eval_sets, target_features
+from dflash.generate import eos_ids_of
+from dflash.masks import PackedRow, block_loss_weights, dense_mask, sample_anchors
+from dflash.model import DFlashDrafter, drafter_loss
+from dflash.replica import lr_lambda
 from dflash.spec import load_spec
 from dflash.target import load_target, target_embeddings
 from dflash.topology import drafter_config
-from dflash.model import DFlashDrafter, drafter_loss
-from dflash.evaluate import load_eval_sets, greedy_continuations, target_features
-from dflash.data import eos_ids_of
-from dflash.masks import PackedRow, sample_anchors, dense_mask, block_loss_weights
-from dflash.replica import lr_lambda
+
+torch.set_num_threads(1)
 spec = load_spec("specs/tiny.yaml")
-tgt = load_target(spec["target"], "cpu")
+tgt = load_target(spec.target, "cpu")
 cfg = drafter_config(spec)
-emb, head = target_embeddings(spec["target"])
+emb, head = target_embeddings(spec.target)
 sets = load_eval_sets(spec, None, tgt.tokenizer, ["heldout"], 16)
 ps = sets[0].prompts
 conts = greedy_continuations(tgt.model, ps, 48, eos_ids_of(tgt), 16)
@@ -29,13 +35,19 @@ feats = target_features(tgt.model, seqs, cfg.target_layer_ids)
 rows = []
 for p, s, f in zip(ps, seqs, feats):
     L = len(s)
-    rows.append((PackedRow(torch.tensor(s), torch.zeros(L, dtype=torch.long), torch.arange(L), torch.tensor([0]*len(p)+[1]*(L-len(p))).bool(), [0]), f))
+    loss_mask = torch.tensor([0] * len(p) + [1] * (L - len(p))).bool()
+    rows.append((PackedRow(torch.tensor(s), torch.zeros(L, dtype=torch.long), torch.arange(L),
+                           loss_mask, [0]), f))
 res = {}
 STEPS = int(sys.argv[1])
 for name, w in [("ref_norm1", 1.0), ("norm0.1", 0.1), ("norm0.3", 0.3), ("target_norm", None)]:
     torch.manual_seed(0)
     d = DFlashDrafter(cfg)
-    with torch.no_grad(): d.norm.weight.copy_(tgt.model.model.norm.weight) if w is None else d.norm.weight.fill_(w)
+    with torch.no_grad():
+        if w is None:
+            d.norm.weight.copy_(tgt.model.model.norm.weight)
+        else:
+            d.norm.weight.fill_(w)
     opt = torch.optim.AdamW(d.parameters(), lr=6e-4, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(STEPS, 0.04))
     g = torch.Generator().manual_seed(0)
@@ -44,12 +56,16 @@ for name, w in [("ref_norm1", 1.0), ("norm0.1", 0.1), ("norm0.3", 0.3), ("target
     for step in range(STEPS):
         row, f = rows[step % len(rows)]
         b = sample_anchors(row, 12, 16, g, cfg.mask_token_id)
-        h = d(emb[b.block_input_ids][None], f[None], b.block_position_ids[None], row.position_ids[None], dense_mask(row.doc_ids, b)[None])
+        h = d(emb[b.block_input_ids][None], f[None], b.block_position_ids[None],
+              row.position_ids[None], dense_mask(row.doc_ids, b)[None])
         loss = drafter_loss(h, head, b.labels[None], block_loss_weights(b, 7.0)[None])
-        opt.zero_grad(); loss.backward()
+        opt.zero_grad()
+        loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(d.parameters(), 1.0)
-        opt.step(); sched.step()
+        opt.step()
+        sched.step()
         curve.append((round(loss.item(), 3), round(gn.item(), 2)))
     res[name] = curve
-    print(name, "first", curve[:3], "last10 mean", sum(c[0] for c in curve[-10:]) / 10, time.time() - t, flush=True)
+    print(name, "first", curve[:3], "last10 mean", sum(c[0] for c in curve[-10:]) / 10,
+          time.time() - t, flush=True)
 json.dump(res, open(sys.argv[2], "w"))

@@ -13,7 +13,7 @@ import argparse
 import json
 
 from dflash import packing
-from dflash.data import synthetic_responses, synthetic_samples
+from dflash.stages.data import synthetic_responses, synthetic_samples
 from dflash.spec import load_spec
 
 
@@ -28,23 +28,23 @@ def main() -> None:
     samples, _, _ = synthetic_samples(spec)
     responses, _ = synthetic_responses(spec, samples)
     lengths = [len(s.prompt_ids) + len(r) for s, r in zip(samples, responses)]
-    b = spec["batching"]
+    b = spec.batching
     default = packing.WINDOW_BATCHES
     rows = []
     try:
         for w in a.windows:
             packing.WINDOW_BATCHES = w
             for epoch in range(a.epochs):
-                plan = packing.plan_epoch(lengths, b["token_budget"], b["max_batch_size"],
-                                          spec["seed"], epoch)
-                fill = sum(lengths) / (b["token_budget"] * len(plan))
+                plan = packing.plan_epoch(lengths, b.token_budget, b.max_batch_size,
+                                          spec.seed, epoch)
+                fill = sum(lengths) / (b.token_budget * len(plan))
                 rows.append({"window_batches": w, "epoch": epoch, "rows": len(plan),
                              "fill": round(fill, 4)})
                 print(f"window {w:>7} epoch {epoch}: {len(plan)} rows, fill {fill:.4f}")
     finally:
         packing.WINDOW_BATCHES = default
     res = {"spec": a.spec, "samples": len(lengths), "tokens": sum(lengths),
-           "token_budget": b["token_budget"], "default_window_batches": default, "plans": rows}
+           "token_budget": b.token_budget, "default_window_batches": default, "plans": rows}
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
 

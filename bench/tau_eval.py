@@ -26,14 +26,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def legacy(tgt, drafter, cfg, embed, head, sets, max_new, eos, device) -> dict:
     """The old bench path: target_greedy + speculative_generate (no drafter cache) per prompt."""
     import torch
 
-    from dflash.spec_decode import speculative_generate, target_greedy
+    from dflash.speculative import speculative_generate, target_greedy
 
     out = {}
     for es in sets:
@@ -76,7 +75,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from dflash.data import eos_ids_of
+    from dflash.generate import eos_ids_of
     from dflash.errors import DFlashError
     from dflash.evaluate import evaluate_sets, load_eval_sets
     from dflash.model import load_drafter
@@ -89,14 +88,14 @@ def main(argv=None) -> int:
     try:
         spec = load_spec(a.spec)
         if a.target_dtype:
-            spec["target"]["dtype"] = a.target_dtype
-        ddtype = a.drafter_dtype or spec["drafter"]["dtype"]
+            spec = spec.replace(target={"dtype": a.target_dtype})
+        ddtype = a.drafter_dtype or spec.drafter.dtype
         results = Path(a.results) if a.results else REPO / "results" / spec.name
         t0 = time.perf_counter()
-        tgt = load_target(spec["target"], device, seed=spec["seed"])
+        tgt = load_target(spec.target, device, seed=spec.seed)
         drafter, cfg = load_drafter(a.drafter, device=device, dtype=dtype_of(ddtype))
         drafter.eval()
-        embed, head = target_embeddings(spec["target"], spec["seed"])
+        embed, head = target_embeddings(spec.target, spec.seed)
         sets = load_eval_sets(spec, results, tgt.tokenizer, a.sets.split(","), a.prompts)
         load_s = time.perf_counter() - t0
         eos = eos_ids_of(tgt)
@@ -118,7 +117,7 @@ def main(argv=None) -> int:
         "device_name": torch.cuda.get_device_name(device) if device.startswith("cuda")
         else platform.processor() or platform.machine(),
         "torch": torch.__version__, "threads": torch.get_num_threads(),
-        "target": spec["target"]["model"], "target_dtype": spec["target"]["dtype"],
+        "target": spec.target.model, "target_dtype": spec.target.dtype,
         "drafter_dtype": ddtype, "block_size": cfg.block_size,
         "drafter_layers": cfg.num_hidden_layers, "max_new_tokens": a.max_new,
         "prompts_per_set": a.prompts, "real_prompts": a.real_prompts, "legacy": a.legacy,

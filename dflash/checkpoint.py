@@ -2,10 +2,10 @@
 
 ``checkpoints/step-00000040/`` holds ``model.safetensors`` (drafter weights, fp32 masters),
 ``optim.safetensors`` (AdamW moments and step counters) and ``state.json`` (step, LR schedule,
-counters, the sha256 of both tensor files). The folder is written under a temporary name and
-renamed, so it exists complete or not at all. Nothing is unpickled: tensors via safetensors,
-the rest JSON. The sampler position and the anchor RNG are functions of (seed, step), so the
-step number is the whole data-order state.
+counters, the sample ids each epoch trained on, the sha256 of both tensor files). The folder is
+written under a temporary name and renamed, so it exists complete or not at all. Nothing is
+unpickled: tensors via safetensors, the rest JSON. The sampler position and the anchor RNG are
+functions of (seed, step), so the step number is the whole data-order state.
 """
 from __future__ import annotations
 
@@ -35,8 +35,9 @@ def _optim_tensors(opt: torch.optim.Optimizer, params: list) -> tuple[dict, dict
 
 
 def save(ckpt_dir: Path, step: int, replica, counters: dict, keep: int,
-         run_fingerprint: dict) -> Path:
-    """Write ``ckpt_dir/step-XXXXXXXX`` atomically; prune to the newest ``keep``."""
+         run_fingerprint: dict, epochs_seen: dict | None = None) -> Path:
+    """Write ``ckpt_dir/step-XXXXXXXX`` atomically; prune to the newest ``keep``.
+    ``epochs_seen``: the sample ids each epoch trained on so far (the exactly-once record)."""
     from safetensors.torch import save_file
 
     ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -52,7 +53,7 @@ def save(ckpt_dir: Path, step: int, replica, counters: dict, keep: int,
         with open(tmp / f, "rb") as fh:
             os.fsync(fh.fileno())
     state = {"version": CKPT_VERSION, "step": step, "counters": counters,
-             "run_fingerprint": run_fingerprint,
+             "run_fingerprint": run_fingerprint, "epochs_seen": epochs_seen or {},
              "optim_scalars": oscalars, "sched": replica.sched.state_dict(),
              "param_groups": [{k: v for k, v in g.items() if k != "params"}
                               for g in replica.opt.param_groups],

@@ -1,4 +1,4 @@
-"""`dflash <command>`: the stages Snakemake runs, plus validate / audit / status / stress.
+"""`dflash <command>`: the stages Snakemake runs, plus validate and the tools (audit, status, ...).
 
 Every user-facing failure is one message (naming the file and field) and a non-zero exit; the
 last line of a failed stage's log says what failed and what to do.
@@ -6,40 +6,30 @@ last line of a failed stage's log says what failed and what to do.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import traceback
 
 from .errors import DFlashError
 
+# The one dispatch table. Stages: dflash.stages.<name>.run(ctx), what Snakemake's rules run;
+# imported by name, so no stage's code (nor its code fingerprint, dflash.code_fingerprint)
+# includes another's. Tools: dflash.<module>.main(argv) takes the rest of the command line.
 STAGES = ("env", "warmup", "data", "train", "bench")
+TOOLS = {
+    "audit": ("env.audit", "pinned vs live environment; non-zero on drift"),
+    "check-env": ("env.drift", "this interpreter against results/<spec>/env; exit 1 on drift"),
+    "lock-from-freeze": ("env.freeze", "an adopt-mode lock from `pip list --format=freeze`"),
+    "status": ("status", "live status of a training run"),
+    "stress": ("stress", "race stress harness (gate on/off)"),
+}
 
 
-def _stage(name: str, spec_path: str, root: str) -> None:
-    if name == "env":
-        from . import envstage
-        from .spec import load_spec
-        from .stage import results_dir
-
-        spec = load_spec(spec_path)
-        body = envstage.run(spec, results_dir(spec, root))
-        stack = envstage.key_stack(body)
-        print(f"[env] {body['mode']} {body['lock']['path']} -> {body['interpreter']}: "
-              f"{len(body.get('packages', {}))} packages recorded; "
-              + ", ".join(f"{k} {v}" for k, v in stack.items() if v) +
-              f"; env fingerprint {body['fingerprints']['env']}", flush=True)
-        return
-    if name == "data":
-        from . import data
-        from .stage import begin
-
-        ctx = begin(spec_path, "data", root)
-        data.run(ctx.spec, ctx.results)
-        return
-    from .stage import begin
+def run_stage(name: str, spec_path: str, root: str = "results") -> dict:
+    from .stages import begin
 
     ctx = begin(spec_path, name, root)
-    module = __import__(f"dflash.{name}", fromlist=["run"])
-    module.run(ctx)
+    return importlib.import_module(f"dflash.stages.{name}").run(ctx)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,16 +44,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("specs", nargs="+")
     p.add_argument("--no-devices", action="store_true",
                    help="skip the check that the spec's devices exist here")
-    for name, hlp in (("audit", "pinned vs live environment; non-zero on drift"),
-                      ("status", "live status of a training run"),
-                      ("stress", "race stress harness (gate on/off)")):
+    for name, (_, hlp) in TOOLS.items():
         p = sub.add_parser(name, help=hlp, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
-    a = ap.parse_args(argv[:1] if argv and argv[0] in ("audit", "status", "stress") else argv)
+    a = ap.parse_args(argv[:1] if argv and argv[0] in TOOLS else argv)
     try:
-        if a.cmd in ("audit", "status", "stress"):
-            module = __import__(f"dflash.{a.cmd}", fromlist=["main"])
-            return module.main(argv[1:])
+        if a.cmd in TOOLS:
+            return importlib.import_module(f"dflash.{TOOLS[a.cmd][0]}").main(argv[1:])
         if a.cmd == "validate":
             from .spec import load_spec
 
@@ -71,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
                 s = load_spec(path, check_devices_present=not a.no_devices)
                 print(f"ok: {path} (spec '{s.name}', devices {', '.join(s.devices())})")
             return 0
-        _stage(a.cmd, a.spec, a.results)
+        run_stage(a.cmd, a.spec, a.results)
         return 0
     except DFlashError as e:
         if getattr(e, "__cause__", None) is not None and a.cmd in STAGES:

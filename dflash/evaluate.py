@@ -1,6 +1,6 @@
 """Acceptance length τ the way a serving system sees it (greedy, lossless, block = drafter's).
 
-Simulated acceptance for every eval set (DESIGN.md §9; SpecForge's ``simulated_acc_len``). With
+Simulated acceptance for every eval set (docs/design.md §7; SpecForge's ``simulated_acc_len``). With
 greedy decoding every token speculative decoding emits is the target's own greedy token, so:
 
 1. the target's greedy continuation of each prompt, batched (:func:`greedy_continuations`);
@@ -18,7 +18,7 @@ the drafter work of the blocks actually used, but a handful of big batched calls
 small call per round per prompt (measured in docs/benchmarks.md). The drafts at every position
 also give the teacher-forced per-position accuracy (the training metric) on eval data.
 
-Real speculative decoding (:mod:`dflash.spec_decode`, with the drafter KV cache) runs on a few
+Real speculative decoding (:mod:`dflash.speculative`, with the drafter KV cache) runs on a few
 prompts of the first set: wall-clock tokens/s of target-only vs speculative decoding, the speed-up, and
 a check that its tokens and block lengths equal the simulated ones and target greedy's.
 
@@ -102,10 +102,10 @@ def heldout_prompts(spec, results_dir: Path | None, tokenizer, n: int) -> tuple[
     """
     from .prompts import CHATTERBOT, is_mtbench, load_prompts
 
-    d = spec["data"]
+    d = spec.data
     # a mix (data.sources) holds out of its corpus/file sources; self-written prompts are
     # written fresh each run, so there is nothing of theirs to hold out
-    srcs = [d["source"]] if d.get("source") else [e["source"] for e in d.get("sources") or []]
+    srcs = [d.source] if d.source else [e.source for e in d.sources or ()]
     held = [s for s in srcs if s == CHATTERBOT or Path(s).is_file()]
     if not held:
         return [], f"data sources {srcs} have no prompt file to hold prompts out of"
@@ -118,7 +118,7 @@ def heldout_prompts(spec, results_dir: Path | None, tokenizer, n: int) -> tuple[
         t = pq.read_table(ds_path, columns=["input_ids", "num_prompt_tokens"])
         for ids, npt in zip(t["input_ids"].to_pylist(), t["num_prompt_tokens"].to_pylist()):
             used.add(tuple(ids[:npt]))
-    prompts, _ = load_prompts(src, 10_000_000, spec["seed"], 1.0)
+    prompts, _ = load_prompts(src, 10_000_000, spec.seed, 1.0)
     out: list[list[int]] = []
     for p in reversed(prompts):
         if len(out) >= n:
@@ -128,7 +128,7 @@ def heldout_prompts(spec, results_dir: Path | None, tokenizer, n: int) -> tuple[
         text = tokenizer.apply_chat_template(p.messages, add_generation_prompt=True,
                                              tokenize=False)
         ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-        if tuple(ids) in used or len(ids) > d["max_prompt_tokens"]:
+        if tuple(ids) in used or len(ids) > d.max_prompt_tokens:
             continue
         out.append(ids)
     note = (f"{len(out)} prompts of {src} not in the training data ({len(used)} training "
@@ -171,7 +171,7 @@ def greedy_continuations(model, prompts: Sequence[Sequence[int]], max_new: int,
     Prompts of similar length are batched together (little left padding). The generator is
     one line below: swap in a faster engine there.
     """
-    from .data import generate_batch
+    from .generate import generate_batch
 
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: list[list[int]] = [[] for _ in prompts]
@@ -223,7 +223,7 @@ def draft_every_position(drafter, embed: torch.Tensor, lm_head: torch.Tensor,
 
     Rows of (prompt, chunk of anchors) are grouped into calls of about ``query_tokens`` block
     tokens; the mask is the training mask (:func:`dflash.masks.dense_mask`), so this is exactly
-    the computation of :func:`dflash.spec_decode.draft_block` at each anchor, batched.
+    the computation of :func:`dflash.speculative.draft_block` at each anchor, batched.
     ``embed``/``lm_head`` should already be in the drafter's dtype and on its device.
     """
     from .masks import Blocks, dense_mask
@@ -289,7 +289,7 @@ def walk_chain(drafts: torch.Tensor, continuation: Sequence[int]) -> Chain:
     ``drafts[j]`` are the B-1 drafts after continuation token j. A block at j accepts the
     longest prefix matching ``continuation[j+1:]``; it produces accepted + 1 tokens (the bonus),
     truncated to what is left, and the next block starts there. As in
-    :func:`dflash.spec_decode.speculative_generate`, the first token (from the prefill) is not
+    :func:`dflash.speculative.speculative_generate`, the first token (from the prefill) is not
     a block.
     """
     n = len(continuation)
@@ -384,7 +384,7 @@ def real_decode(target_model, drafter, cfg, embed, lm_head, prompts: Sequence[Se
                 max_new: int, eos_ids: Sequence[int], device: str) -> dict:
     """Target-only and speculative decoding, one prompt at a time, timed (after one untimed
     warm-up of both, so lazy initialisation is not timed)."""
-    from .spec_decode import speculative_generate, target_greedy
+    from .speculative import speculative_generate, target_greedy
 
     if not prompts:
         return {"results": [], "greedy": []}
@@ -526,20 +526,20 @@ class TauMonitor:
     """
 
     def __init__(self, spec, results_dir: Path, device: str, log=print):
-        from .data import eos_ids_of
+        from .generate import eos_ids_of
         from .target import load_target
 
-        m = spec["monitor"]
+        m = spec.monitor
         t0 = time.perf_counter()
-        tgt = load_target(spec["target"], spec["topology"]["targets"][0], seed=spec["seed"])
-        prompts, note = heldout_prompts(spec, results_dir, tgt.tokenizer, m["tau_prompts"])
+        tgt = load_target(spec.target, spec.topology.targets[0], seed=spec.seed)
+        prompts, note = heldout_prompts(spec, results_dir, tgt.tokenizer, m.tau_prompts)
         if not prompts:
             raise DFlashError(f"monitor.tau_every_steps: no held-out prompts ({note})")
         eos = eos_ids_of(tgt)
         from .target import layer_ids
 
-        ids = layer_ids(spec["target"], tgt.config)
-        conts = greedy_continuations(tgt.model, prompts, m["tau_max_new_tokens"], eos)
+        ids = layer_ids(spec.target, tgt.config)
+        conts = greedy_continuations(tgt.model, prompts, m.tau_max_new_tokens, eos)
         self.seqs = [list(p) + list(c) for p, c in zip(prompts, conts)]
         self.feats = [f.to(device) for f in target_features(tgt.model, self.seqs, ids)]
         self.starts = [len(p) for p in prompts]

@@ -1,12 +1,13 @@
 """The ONE process-wide compile gate: a writer-preferring, phase-fair readers-writer gate.
 
-Why (DESIGN §6): torch keeps two *process-global* flags, ``torch.fx._symbolic_trace._is_fx_tracing_flag``
-and ``torch.compiler.is_compiling()``. Any FX tracing (make_fx, AOTAutograd, uncompiled flex_attention,
-``create_block_mask(_compile=True)``) flips them outside any lock, so a warm compiled call in another
-thread raises "Detected that you are using FX to symbolically trace a dynamo-optimized function", the
-FX flag can be left stuck True by a lost update, and eager code elsewhere sees ``is_compiling()`` True
-(``Adam(foreach=True).step()`` then raises). The cure is to never let anything that may trace run at
-the same time as anything else:
+Why (docs/design.md §4, docs/gate.md): torch keeps two *process-global* flags,
+``torch.fx._symbolic_trace._is_fx_tracing_flag`` and ``torch.compiler.is_compiling()``. Any FX
+tracing (make_fx, AOTAutograd, uncompiled flex_attention, ``create_block_mask(_compile=True)``)
+flips them outside any lock, so a warm compiled call in another thread raises "Detected that you
+are using FX to symbolically trace a dynamo-optimized function", the FX flag can be left stuck
+True by a lost update, and eager code elsewhere sees ``is_compiling()`` True
+(``Adam(foreach=True).step()`` then raises). The cure is to never let anything that may trace run
+at the same time as anything else:
 
 * ``gate.shared()``    -- warm work: compiled calls that will not compile, eager optimizer steps, eager
   tensor code. Any number of threads at once. On entry a watchdog asserts both global flags are clear
@@ -62,7 +63,6 @@ __all__ = [
     "classify_error",
     "is_recompile_refusal",
     "check_flags",
-    "thread_is_set_up",
     "FX_NESTED",
 ]
 
@@ -140,16 +140,7 @@ def worker_thread_setup(**dynamo_cfg: Any) -> dict[str, Any]:
         applied[k] = v
     if applied.get("error_on_nested_fx_trace") is False:
         warnings.warn("error_on_nested_fx_trace=False turns the FX race into silent eager runs", stacklevel=2)
-    _SETUP.done = True
     return applied
-
-
-_SETUP = threading.local()
-
-
-def thread_is_set_up() -> bool:
-    """True if :func:`worker_thread_setup` ran in the calling thread."""
-    return bool(getattr(_SETUP, "done", False))
 
 
 def _set_stance(name: str) -> None:
@@ -313,10 +304,6 @@ class Gate:
     @property
     def warm(self) -> bool:
         return self._warm
-
-    def seen(self, sig: Hashable) -> bool:
-        with self._stats_lock:
-            return sig in self._seen
 
     # ---- the worker API ---------------------------------------------------------------------
     def run(self, sig: Hashable, fn: Callable[[], Any]) -> Any:

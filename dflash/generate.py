@@ -9,7 +9,7 @@ decode step captured once as a CUDA graph.
 
 Why not HF ``generate``: on an H200 it makes 8.8K new tokens/s for SmolLM2-135M at batch 256 (33K
 with its static cache + compile), because it pads finished answers until the longest one in the
-batch is done and, with the static cache, attends over the whole cache (DESIGN §9).
+batch is done and, with the static cache, attends over the whole cache (docs/design.md §7).
 
 How (the model's own modules do the math; only the attention + cache glue is written here):
 
@@ -41,7 +41,7 @@ themselves. The same seeds give the same samples, run after run.
 Architectures: Llama-family decoders whose layers are ``input_layernorm → self_attn (q/k/v/o
 projections, optional q_norm/k_norm as in Qwen3) → post_attention_layernorm → mlp`` with
 full attention (``llama``, ``qwen2``, ``qwen3``); :func:`unsupported_reason` says why another
-model is not, and the ``hf`` engine (``dflash.data.generate_batch``) serves it.
+model is not, and the ``hf`` engine (:func:`generate_batch`) serves it.
 """
 from __future__ import annotations
 
@@ -50,10 +50,86 @@ import time
 from typing import Any, Hashable, Iterable, Iterator, Sequence
 
 from .errors import DFlashError
+from .manifest import fingerprint
 
 ENGINES = ("auto", "hf", "fast")
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 _M32 = 0xFFFFFFFF
+
+
+# ---------------------------------------------------------------------------------------------
+# what both engines share, and the hf engine: the HF model's forward with a growing KV cache
+# ---------------------------------------------------------------------------------------------
+def eos_ids_of(target) -> list[int]:
+    ids = set()
+    for src in (target.tokenizer.eos_token_id,
+                getattr(getattr(target.model, "generation_config", None), "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, (list, tuple)):
+            ids.update(int(x) for x in src)
+    if not ids:
+        raise DFlashError("target tokenizer has no eos token: generation could not stop")
+    return sorted(ids)
+
+
+def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                   temperature: float, eos_ids: Sequence[int], pad_id: int,
+                   seeds: Sequence[int] | None = None) -> list[list[int]]:
+    """Left-padded batched generation with a KV cache; each response ends at eos (inclusive).
+
+    Greedy when ``temperature == 0``; otherwise row ``i`` samples with its own generator seeded
+    with ``seeds[i]``.
+    """
+    import torch
+
+    from .target import kv_cache
+
+    device = next(model.parameters()).device
+    B, P = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((B, P), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, P), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p):] = torch.tensor(list(p), dtype=torch.long)
+        attn[i, P - len(p):] = 1
+    ids, attn = ids.to(device), attn.to(device)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    eos = torch.tensor(list(eos_ids), device=device)
+    gens = None
+    if temperature > 0:
+        gens = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+    out = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    lengths = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    cache_kw, cache = kv_cache(model)
+    step_ids, step_pos = ids, pos
+    with torch.inference_mode():
+        for t in range(max_new_tokens):
+            res = model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos,
+                        use_cache=True, logits_to_keep=1, **{cache_kw: cache})
+            logits = res.logits[:, -1].float()
+            if gens is None:
+                nxt = logits.argmax(-1)
+            else:
+                probs = torch.softmax(logits / temperature, dim=-1)
+                nxt = torch.cat([torch.multinomial(probs[i], 1, generator=gens[i])
+                                 for i in range(B)])
+            nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
+            out[:, t] = nxt
+            hit = torch.isin(nxt, eos) & ~done
+            lengths = torch.where(hit, torch.full_like(lengths, t + 1), lengths)
+            done |= hit
+            if bool(done.all()):
+                break
+            step_ids = nxt[:, None]
+            step_pos = step_pos[:, -1:] + 1
+            attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=device)], -1)
+    out, lengths = out.cpu(), lengths.cpu()
+    return [out[i, :int(lengths[i])].tolist() for i in range(B)]
+
+
+def sample_seed(seed: int, sample_id: int) -> int:
+    return int(fingerprint(["sample", seed, sample_id]), 16) & ((1 << 63) - 1)
 
 
 def unsupported_reason(model) -> str | None:

@@ -9,7 +9,7 @@ Shapes: N rows, Q block tokens per row (all blocks of a row, flattened), C conte
 The target's token embedding and lm_head are frozen and shared, so they are not parameters here:
 the caller embeds the block tokens and :func:`drafter_loss` takes the lm_head weight.
 
-Parameter names match the reference ``DFlashDraftModel`` export exactly (see DESIGN.md §5).
+Parameter names match the reference ``DFlashDraftModel`` export exactly (docs/design.md §6).
 """
 from __future__ import annotations
 
@@ -59,6 +59,13 @@ def extract_features(hidden_states, layer_ids: list[int]) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # config
 # ---------------------------------------------------------------------------------------------
+def head_dim_of(cfg) -> int:
+    """Head dimension of an HF config (or its dict): ``head_dim`` where given (Qwen3), else
+    hidden_size // heads (Llama)."""
+    get = cfg.get if isinstance(cfg, dict) else lambda k: getattr(cfg, k, None)
+    return int(get("head_dim") or get("hidden_size") // get("num_attention_heads"))
+
+
 def _rope_theta(hf_config) -> float:
     rp = getattr(hf_config, "rope_parameters", None)  # transformers >= 5
     if isinstance(rp, dict) and "rope_theta" in rp:
@@ -100,12 +107,11 @@ class DFlashConfig:
         c = hf_config
         n_target = int(c.num_hidden_layers)
         heads = int(c.num_attention_heads)
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
         return cls(
             hidden_size=int(c.hidden_size), num_hidden_layers=int(num_layers),
             num_attention_heads=heads,
             num_key_value_heads=int(getattr(c, "num_key_value_heads", None) or heads),
-            head_dim=int(head_dim), intermediate_size=int(c.intermediate_size),
+            head_dim=head_dim_of(c), intermediate_size=int(c.intermediate_size),
             rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)), rope_theta=_rope_theta(c),
             vocab_size=int(c.vocab_size), block_size=int(block_size),
             mask_token_id=int(mask_token_id),
@@ -156,7 +162,7 @@ class DFlashConfig:
             hidden_size=d["hidden_size"], num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=d["num_attention_heads"],
             num_key_value_heads=d["num_key_value_heads"],
-            head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+            head_dim=head_dim_of(d),
             intermediate_size=d["intermediate_size"], rms_norm_eps=d["rms_norm_eps"],
             rope_theta=float(rp.get("rope_theta", d.get("rope_theta", 10000.0))),
             vocab_size=d["vocab_size"], block_size=d["block_size"],
@@ -244,7 +250,7 @@ class Attention(nn.Module):
 
         They depend only on the context features and their positions, never on the block, so
         speculative decoding computes them once per verified position and appends (the drafter
-        KV cache, :class:`dflash.spec_decode.DrafterCache`).
+        KV cache, :class:`dflash.speculative.DrafterCache`).
         """
         k = self.k_norm(self._heads(self.k_proj(ctx), self.nkv)).transpose(1, 2)
         v = self._heads(self.v_proj(ctx), self.nkv).transpose(1, 2)
@@ -458,5 +464,6 @@ def load_drafter(path, device="cpu", dtype=None, attention: str = "sdpa"
     return model, cfg
 
 
-__all__ = ["default_layer_ids", "hidden_state_indices", "extract_features", "DFlashConfig",
+__all__ = ["default_layer_ids", "hidden_state_indices", "extract_features", "head_dim_of",
+           "DFlashConfig",
            "DFlashDrafter", "attend", "drafter_loss", "export_drafter", "load_drafter"]

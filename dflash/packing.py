@@ -7,15 +7,14 @@ holds it, so compiled code only ever sees ``num_buckets`` shapes.
 
 Planning is deterministic for ``(seed, epoch)``: a seeded shuffle, then first-fit-decreasing
 packing inside windows of the shuffled order (keeps the randomness, fills rows to ~99 %), then a
-seeded shuffle of the batches. :class:`EpochSampler` tracks ``(epoch, offset)`` so a run resumed
-from a checkpoint continues with exactly the batches it had not yet trained on.
+seeded shuffle of the batches. A resumed run re-plans the same epochs, so the step number is the
+whole data-order state (:class:`dflash.scheduler.StepMap` maps steps to batches).
 """
 from __future__ import annotations
 
 import bisect
-import hashlib
 import random
-from typing import Iterator, Sequence
+from typing import Sequence
 
 from .errors import DFlashError
 
@@ -136,82 +135,3 @@ def pack_row(samples: Sequence[tuple], bucket_len: int, pad_id: int):
     lm.append(torch.zeros(pad, dtype=torch.bool))
     return PackedRow(input_ids=torch.cat(ids), doc_ids=torch.cat(docs),
                      position_ids=torch.cat(pos), loss_mask=torch.cat(lm), sample_ids=sids)
-
-
-def lengths_fingerprint(lengths: Sequence[int]) -> str:
-    h = hashlib.sha256()
-    h.update(",".join(map(str, lengths)).encode())
-    return h.hexdigest()[:16]
-
-
-class EpochSampler:
-    """Deterministic epochs of packed batches with an exact resume position ``(epoch, offset)``.
-
-    Iterating yields ``(epoch, offset, batch)`` forever, advancing the position *before* each
-    yield, so ``state_dict()`` taken after training on a batch resumes at the next one.
-    """
-
-    def __init__(self, lengths: Sequence[int], token_budget: int, max_batch_size: int,
-                 seed: int):
-        self.lengths = [int(n) for n in lengths]
-        if not self.lengths:
-            raise DFlashError("the sampler got an empty dataset")
-        self.token_budget = int(token_budget)
-        self.max_batch_size = int(max_batch_size)
-        self.seed = int(seed)
-        self.epoch = 0
-        self.offset = 0
-        self._cache: dict[int, list[list[int]]] = {}
-        self.batches(0)  # validate lengths now, not mid-training
-
-    def batches(self, epoch: int) -> list[list[int]]:
-        if epoch not in self._cache:
-            if len(self._cache) > 4:
-                self._cache.clear()
-            self._cache[epoch] = plan_epoch(self.lengths, self.token_budget,
-                                            self.max_batch_size, self.seed, epoch)
-        return self._cache[epoch]
-
-    def steps_in_epoch(self, epoch: int) -> int:
-        return len(self.batches(epoch))
-
-    def total_steps(self, epochs: int) -> int:
-        """Optimizer steps in ``epochs`` full epochs (batch counts may differ a little per epoch)."""
-        return sum(self.steps_in_epoch(e) for e in range(epochs))
-
-    def next_batch(self) -> tuple[int, int, list[int]]:
-        plan = self.batches(self.epoch)
-        if self.offset >= len(plan):
-            self.epoch, self.offset = self.epoch + 1, 0
-            plan = self.batches(self.epoch)
-        epoch, offset = self.epoch, self.offset
-        self.offset += 1
-        return epoch, offset, plan[offset]
-
-    def __iter__(self) -> Iterator[tuple[int, int, list[int]]]:
-        while True:
-            yield self.next_batch()
-
-    def remaining_in_epoch(self) -> list[list[int]]:
-        """The batches not yet yielded from the current epoch."""
-        return self.batches(self.epoch)[self.offset:]
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed,
-                "token_budget": self.token_budget, "max_batch_size": self.max_batch_size,
-                "num_samples": len(self.lengths),
-                "lengths_fingerprint": lengths_fingerprint(self.lengths)}
-
-    def load_state_dict(self, state: dict) -> None:
-        mine = self.state_dict()
-        for key in ("seed", "token_budget", "max_batch_size", "num_samples",
-                    "lengths_fingerprint"):
-            if state.get(key) != mine[key]:
-                raise DFlashError(f"cannot resume the sampler: checkpoint field '{key}' is "
-                                  f"{state.get(key)!r}, this run has {mine[key]!r} (the dataset "
-                                  f"or batching spec changed since the checkpoint)")
-        epoch, offset = int(state["epoch"]), int(state["offset"])
-        if epoch < 0 or not 0 <= offset <= len(self.batches(epoch)):
-            raise DFlashError(f"cannot resume the sampler: position (epoch {epoch}, offset "
-                              f"{offset}) is outside the plan")
-        self.epoch, self.offset = epoch, offset

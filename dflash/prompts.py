@@ -209,6 +209,11 @@ def parse_conversation(rec: object) -> tuple[list[dict] | None, str, str]:
     return None, "no_user_turn", ""
 
 
+def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 def load_prompts(source: str, max_prompts: int, seed: int, max_bad_fraction: float,
                  reject: Callable[[list[dict]], str | None] | None = None,
                  ) -> tuple[list[Prompt], BadReport]:

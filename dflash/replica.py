@@ -45,14 +45,14 @@ class DrafterReplica:
                  lm_head_weight: torch.Tensor, init_state: dict | None, total_steps: int):
         self.index, self.device, self.cfg, self.spec = index, device, cfg, spec
         self.attention = attention_backend(device)
-        self.block_size = spec["drafter"]["block_size"]
-        self.gamma = spec["loss"]["gamma"]
-        self.num_slots_full = spec["batching"]["max_anchors"]
-        self.token_budget = spec["batching"]["token_budget"]
+        self.block_size = spec.drafter.block_size
+        self.gamma = spec.loss.gamma
+        self.num_slots_full = spec.batching.max_anchors
+        self.token_budget = spec.batching.token_budget
         from .spec import dtype_of
 
         # fp32 master weights; bf16/fp16 compute through autocast on CUDA
-        self.compute_dtype = dtype_of(spec["drafter"]["dtype"])
+        self.compute_dtype = dtype_of(spec.drafter.dtype)
         self.model = DFlashDrafter(cfg, attention=self.attention,
                                    compile_flex=False).to(device)
         if init_state is not None:  # every replica starts from the same weights
@@ -62,12 +62,12 @@ class DrafterReplica:
         self.lm_head = (self.embed if lm_head_weight is embed_weight
                         else lm_head_weight.to(device=device, dtype=self.compute_dtype))
         self.params = [p for p in self.model.parameters()]
-        o = spec["optim"]
-        self.opt = torch.optim.AdamW(self.params, lr=o["lr"], betas=(0.9, 0.95),
-                                     weight_decay=o["weight_decay"], foreach=True)
+        o = spec.optim
+        self.opt = torch.optim.AdamW(self.params, lr=o.lr, betas=(0.9, 0.95),
+                                     weight_decay=o.weight_decay, foreach=True)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, lr_lambda(total_steps, o["warmup_ratio"]))
-        backend = spec["compile"]["backend"]
+            self.opt, lr_lambda(total_steps, o.warmup_ratio))
+        backend = spec.compile.backend
         self.forward = (self.model.forward if backend == "eager" else
                         torch.compile(self.model.forward, backend=backend, dynamic=False))
 
@@ -133,7 +133,7 @@ class DrafterReplica:
 
     def clip_and_step(self) -> torch.Tensor:
         """Clip, step, zero; returns the pre-clip grad norm as a 0-d device tensor (no sync)."""
-        norm = torch.nn.utils.clip_grad_norm_(self.params, self.spec["optim"]["grad_clip"],
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.spec.optim.grad_clip,
                                               foreach=True)
         self.opt.step()
         self.sched.step()

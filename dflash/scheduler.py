@@ -33,7 +33,6 @@ from .gate import get_gate, worker_thread_setup
 from .masks import PackedRow, sample_anchors
 
 POLL_S = 0.1
-DYNAMO_SETTINGS = dict(recompile_limit=64, accumulated_recompile_limit=4096)
 
 
 def anchor_seed(seed: int, epoch: int, batch_index: int) -> int:
@@ -236,7 +235,7 @@ class Pipeline:
     def _target_worker(self, i: int, device: str, feature_fn: Callable) -> None:
         name = f"target-{i}"
         try:
-            worker_thread_setup(**DYNAMO_SETTINGS)
+            worker_thread_setup()
             busy = wait = 0.0
             while True:
                 t = time.perf_counter()
@@ -275,7 +274,7 @@ class Pipeline:
         rep = self.replicas[r]
         name = f"drafter-{r}"
         try:
-            worker_thread_setup(**DYNAMO_SETTINGS)
+            worker_thread_setup()
             pending: dict[int, tuple] = {}
             busy = DeviceBusy(rep.device)  # device time of this replica's fwd/bwd + optim
             wait = 0.0

@@ -68,15 +68,15 @@ def not_english(text: str) -> bool:
     return ascii_ok < 0.95 * len(text) or letters < 0.5 * max(1, len(visible))
 
 
-def check(text: str, terminated: bool, settings: dict, specials: Sequence[str]) -> str | None:
+def check(text: str, terminated: bool, settings, specials: Sequence[str]) -> str | None:
     """The first filter ``text`` fails (None: keep)."""
     if not terminated:
         return "unterminated"
     if any(s in text for s in specials):
         return "template_leak"
-    if len(text) < settings["min_chars"]:
+    if len(text) < settings.min_chars:
         return "too_short"
-    if len(text) > settings["max_chars"]:
+    if len(text) > settings.max_chars:
         return "too_long"
     if not_english(text):
         return "not_english"
@@ -90,7 +90,7 @@ def round_seed(seed: int, rnd: int, i: int) -> int:
 
 
 def write_prompts(count: int, *, sample: Callable[[list[int], list[int]], list[list[int]]],
-                  tokenizer, eos_ids: Sequence[int], settings: dict, seed: int, ident: str,
+                  tokenizer, eos_ids: Sequence[int], settings, seed: int, ident: str,
                   round_dir: Path, seen: set[str],
                   reject: Callable[[list[dict]], str | None] | None = None,
                   log: Callable[[str], None] = print) -> tuple[list[Prompt], dict]:
@@ -108,10 +108,10 @@ def write_prompts(count: int, *, sample: Callable[[list[int], list[int]], list[l
               "filtered": {}, "duplicates": 0, "kept": 0, "new_tokens": 0}
     kept: list[Prompt] = []
     round_dir.mkdir(parents=True, exist_ok=True)
-    for rnd in range(settings["max_rounds"]):
+    for rnd in range(settings.max_rounds):
         if len(kept) >= count:
             break
-        factor = settings["oversample"]
+        factor = settings.oversample
         if report["candidates"]:  # later rounds: size by the keep rate seen so far
             rate = len(kept) / report["candidates"]
             factor = max(factor, 1.2 / max(rate, 0.02))

@@ -9,6 +9,7 @@ import copy
 import difflib
 import math
 import re
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -22,48 +23,284 @@ from .manifest import fingerprint
 SCHEMA_PATH = Path(__file__).with_name("schema") / "spec.schema.yaml"
 DEVICE_RE = re.compile(r"^(cpu|cuda:(0|[1-9][0-9]{0,2}))$")
 
-# Which spec fields each stage's output depends on. Snakemake turns these into rule params, so
-# changing optim.lr reruns train+bench only, and changing drafter.block_size reruns warmup too.
-STAGE_FIELDS: dict[str, list[str]] = {
-    "env": ["env"],
-    # everything that changes a compiled shape or the compiled code
-    "warmup": ["target.model", "target.init", "target.dtype", "target.num_feature_layers",
-               "target.layer_ids", "drafter", "batching", "topology.drafters", "compile", "seed"],
-    "data": ["target.model", "target.init", "target.dtype", "data", "seed"],
-    "train": ["loss", "optim", "checkpoint", "topology", "monitor", "seed"],
-    "bench": ["bench"],
-}
-
 
 @lru_cache(maxsize=1)
 def schema() -> dict:
     return yaml.safe_load(SCHEMA_PATH.read_text())
 
 
-class Spec(dict):
-    """A validated spec with defaults filled in. ``spec.path`` is the file it came from."""
+# ---------------------------------------------------------------------------------------------
+# the typed spec: frozen dataclasses built from the validated dict. Field names mirror the
+# schema's properties exactly (a test holds them together); defaults, docs and error messages
+# live in the schema only.
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TargetSpec:
+    model: str
+    init: str
+    dtype: str
+    num_feature_layers: int
+    layer_ids: tuple[int, ...] | None
 
-    path: Path
 
-    @property
-    def name(self) -> str:
-        return self["name"]
+@dataclass(frozen=True)
+class DrafterSpec:
+    num_layers: int
+    block_size: int
+    mask_token_id: int
+    dtype: str
 
-    def get_path(self, dotted: str) -> Any:
-        node: Any = self
-        for part in dotted.split("."):
-            node = node.get(part) if isinstance(node, dict) else None
-        return node
+
+@dataclass(frozen=True)
+class BatchingSpec:
+    token_budget: int
+    max_batch_size: int
+    max_anchors: int
+    num_buckets: int
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    gamma: float
+
+
+@dataclass(frozen=True)
+class TopologySpec:
+    targets: tuple[str, ...]
+    drafters: tuple[str, ...]
+    allow_shared_devices: bool
+    queue_depth: int
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """One entry of ``data.sources``: count, or weight (a share of the rest), or neither."""
+    source: str
+    count: int | None = None
+    weight: float | None = None
+
+
+@dataclass(frozen=True)
+class SelfWrittenSpec:
+    temperature: float
+    max_tokens: int
+    min_chars: int
+    max_chars: int
+    oversample: float
+    max_rounds: int
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    source: str | None
+    sources: tuple[SourceSpec, ...] | None
+    self_written: SelfWrittenSpec
+    decontaminate_ngram: int
+    max_prompts: int
+    samples_per_prompt: int
+    max_prompt_tokens: int
+    max_new_tokens: int
+    temperature: float
+    gen_batch_size: int
+    engine: str
+    max_bad_fraction: float
+
+
+@dataclass(frozen=True)
+class OptimSpec:
+    lr: float
+    warmup_ratio: float
+    epochs: int | None
+    max_steps: int | None
+    grad_clip: float
+    weight_decay: float
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    every_steps: int
+    keep: int
+
+
+@dataclass(frozen=True)
+class MonitorSpec:
+    tau_every_steps: int | None
+    tau_prompts: int
+    tau_max_new_tokens: int
+
+
+@dataclass(frozen=True)
+class CompileSpec:
+    backend: str
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    mode: str
+    steps: int
+    warmup_steps: int
+    eval_sets: tuple[str, ...]
+    eval_prompts: int
+    eval_max_new_tokens: int
+    real_prompts: int
+    eval_batch_size: int
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    lock: str
+    mode: str
+    wheel_dir: str | None
+
+
+SECTIONS: dict[str, type] = {
+    "target": TargetSpec, "drafter": DrafterSpec, "batching": BatchingSpec, "loss": LossSpec,
+    "topology": TopologySpec, "data": DataSpec, "optim": OptimSpec,
+    "checkpoint": CheckpointSpec, "monitor": MonitorSpec, "compile": CompileSpec,
+    "bench": BenchSpec, "env": EnvSpec,
+}
+
+
+# sections' fields that are objects themselves: field -> dataclass (a list: a tuple of them)
+NESTED: dict[type, dict[str, type]] = {
+    DataSpec: {"self_written": SelfWrittenSpec, "sources": SourceSpec},
+}
+
+
+def _frozen(value: Any) -> Any:
+    return tuple(_frozen(v) for v in value) if isinstance(value, list) else value
+
+
+def _build(cls: type, values: dict):
+    nested = NESTED.get(cls, {})
+
+    def field_value(k: str, v: Any) -> Any:
+        if k not in nested or v is None:
+            return _frozen(v)
+        if isinstance(v, (list, tuple)):
+            return tuple(_build(nested[k], x) for x in v)
+        return _build(nested[k], v)
+
+    return cls(**{k: field_value(k, v) for k, v in values.items()})
+
+
+def _section(name: str, values: dict):
+    return _build(SECTIONS[name], values)
+
+
+def _plain(value: Any) -> Any:
+    """A section (or field) as the validated dict held it: a source entry without the count or
+    weight it did not give."""
+    if isinstance(value, SourceSpec):
+        return {k: v for k, v in asdict(value).items() if v is not None}
+    if is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A validated spec with defaults filled in. ``path`` is the file it came from."""
+
+    name: str
+    seed: int
+    target: TargetSpec
+    drafter: DrafterSpec
+    batching: BatchingSpec
+    loss: LossSpec
+    topology: TopologySpec
+    data: DataSpec
+    optim: OptimSpec
+    checkpoint: CheckpointSpec
+    monitor: MonitorSpec
+    compile: CompileSpec
+    bench: BenchSpec
+    env: EnvSpec
+    path: Path = field(default=Path("<spec>"), compare=False)
+
+    @classmethod
+    def from_dict(cls, data: dict, path: str | Path = "<spec>") -> "Spec":
+        """From a validated dict with every default filled in (see :func:`parse_spec`)."""
+        return cls(name=data["name"], seed=data["seed"], path=Path(path),
+                   **{k: _section(k, data[k]) for k in SECTIONS})
+
+    def to_dict(self) -> dict:
+        """The validated dict again (JSON-able; lists as tuples)."""
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name != "path"}
+
+    def replace(self, **sections: dict) -> "Spec":
+        """A copy with some fields of some sections changed, validated again like a spec file:
+        ``spec.replace(topology={"targets": ["cpu"]})``."""
+        data = self.to_dict()
+        for name, values in sections.items():
+            if isinstance(values, dict):
+                data[name] = {**data[name], **values}
+            else:
+                data[name] = values
+        return parse_spec(_absent_nulls(_thawed(data), schema()), str(self.path))
 
     def section(self, stage: str) -> dict:
-        """The spec fields a stage depends on, as a flat {dotted: value} dict."""
-        return {k: self.get_path(k) for k in STAGE_FIELDS[stage]}
+        """The spec fields a stage's output depends on, as {field path: value}. Snakemake turns
+        them into rule params, so changing optim.lr reruns train+bench only, and changing
+        drafter.block_size reruns warmup too."""
+        return {k: _plain(v) for k, v in stage_fields(self)[stage].items()}
 
     def fingerprint(self, stage: str) -> str:
         return fingerprint(self.section(stage))
 
     def devices(self) -> list[str]:
-        return list(self["topology"]["targets"]) + list(self["topology"]["drafters"])
+        return list(self.topology.targets) + list(self.topology.drafters)
+
+
+def stage_fields(spec: Spec) -> dict[str, dict[str, Any]]:
+    """Which spec fields each stage's output depends on."""
+    t = spec.target
+    target_identity = {"target.model": t.model, "target.init": t.init, "target.dtype": t.dtype}
+    return {
+        "env": {"env": spec.env},
+        # everything that changes a compiled shape or the compiled code
+        "warmup": {**target_identity, "target.num_feature_layers": t.num_feature_layers,
+                   "target.layer_ids": t.layer_ids, "drafter": spec.drafter,
+                   "batching": spec.batching, "topology.drafters": spec.topology.drafters,
+                   "compile": spec.compile, "seed": spec.seed},
+        "data": {**target_identity, "data": spec.data, "seed": spec.seed},
+        "train": {"loss": spec.loss, "optim": spec.optim, "checkpoint": spec.checkpoint,
+                  "topology": spec.topology, "monitor": spec.monitor, "seed": spec.seed},
+        "bench": {"bench": spec.bench},
+    }
+
+
+def _thawed(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _thawed(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_thawed(v) for v in value]
+    return value
+
+
+def _absent_nulls(node: Any, sch: dict) -> Any:
+    """Drop fields whose value is a null default: the same as absent (``data.source`` or
+    ``data.sources`` is one of a pair that may not both be given)."""
+    if not isinstance(node, dict) or sch.get("type") != "object":
+        return node
+    props = sch.get("properties", {})
+    return {k: _absent_nulls(v, props.get(k, {})) for k, v in node.items()
+            if not (v is None and k in props and props[k].get("default", 0) is None)}
+
+
+def section_spec(name: str, values: dict, file: str = "<spec>"):
+    """One section from a partial dict, validated and with the schema's defaults: e.g.
+    ``section_spec("target", {"model": "llama-micro", "init": "random"})`` for tools and tests
+    that need a target without a whole spec."""
+    sub = schema()["properties"][name]
+    data = copy.deepcopy(values)
+    errors = sorted(_Validator(sub).iter_errors(data), key=lambda e: len(e.absolute_path))
+    if errors:
+        raise _schema_error(file, errors[0], prefix=(name,))
+    _fill_defaults(data, sub)
+    return _section(name, data)
 
 
 def _fmt_path(path) -> str:
@@ -104,19 +341,20 @@ def _fill_defaults(node: Any, sch: dict) -> None:
             _fill_defaults(node[key], sub)
 
 
-def _schema_error(file: str, err: jsonschema.ValidationError) -> SpecError:
-    where = _fmt_path(err.absolute_path)
+def _schema_error(file: str, err: jsonschema.ValidationError, prefix: tuple = ()) -> SpecError:
+    at = prefix + tuple(err.absolute_path)
+    where = _fmt_path(at)
     if err.validator == "additionalProperties":
         allowed = list(err.schema.get("properties", {}))
         extra = sorted({str(k) for k in err.instance} - set(allowed))
         bad = extra[0] if extra else "?"
-        field = f"{where}.{bad}" if err.absolute_path else bad
+        field = f"{where}.{bad}" if at else bad
         hint = difflib.get_close_matches(bad, allowed, n=1)
         tip = f" — did you mean '{hint[0]}'?" if hint else f" (allowed: {', '.join(allowed)})"
         return SpecError(f"{file}: unknown field '{field}'{tip}")
     if err.validator == "required":
         missing = err.message.split("'")[1] if "'" in err.message else err.message
-        field = f"{where}.{missing}" if err.absolute_path else missing
+        field = f"{where}.{missing}" if at else missing
         return SpecError(f"{file}: missing required field '{field}'")
     alts = [r for sub in err.schema.get("oneOf", []) if isinstance(sub, dict)
             for r in sub.get("required", [])] if err.validator == "oneOf" else []
@@ -141,8 +379,7 @@ def parse_spec(data: Any, file: str = "<spec>") -> Spec:
     for where, value in _non_finite(data):
         raise SpecError(f"{file}: field '{_fmt_path(where)}': {value} is not a finite number")
     _fill_defaults(data, schema())
-    spec = Spec(data)
-    spec.path = Path(file)
+    spec = Spec.from_dict(data, file)
     _check_cross_fields(spec, file)
     return spec
 
@@ -162,8 +399,8 @@ def load_spec(path: str | Path, check_devices_present: bool = False) -> Spec:
     except UnicodeDecodeError as e:
         raise SpecError(f"{file}: not a UTF-8 text file ({e.reason})") from None
     spec = parse_spec(data, file)
-    if spec["name"] != path.stem:
-        raise SpecError(f"{file}: field 'name': {spec['name']!r} must equal the file stem "
+    if spec.name != path.stem:
+        raise SpecError(f"{file}: field 'name': {spec.name!r} must equal the file stem "
                         f"{path.stem!r} (it names results/<name>/)")
     if check_devices_present:
         check_devices(spec)
@@ -174,51 +411,52 @@ def _check_cross_fields(spec: Spec, file: str) -> None:
     def fail(field: str, msg: str):
         raise SpecError(f"{file}: field '{field}': {msg}")
 
-    b, d, t, o = spec["batching"], spec["drafter"], spec["target"], spec["optim"]
+    b, d, t, o, data = spec.batching, spec.drafter, spec.target, spec.optim, spec.data
     # each anchor is a distinct position of the row, so more slots than tokens stay empty;
     # blocks are NOT bounded by the budget: the DFlash recipe's density (one anchor per 4-6
     # response tokens, block 16) needs max_anchors × block_size ≈ 3× token_budget
-    if b["max_anchors"] > b["token_budget"]:
-        fail("batching.max_anchors", f"{b['max_anchors']} anchors exceed "
-             f"batching.token_budget = {b['token_budget']} (one anchor per row position at most)")
-    if b["max_batch_size"] > b["token_budget"]:
-        fail("batching.max_batch_size", f"{b['max_batch_size']} sequences cannot fit in "
-             f"token_budget {b['token_budget']}")
-    smallest = b["token_budget"] >> (b["num_buckets"] - 1)
-    if smallest < d["block_size"] * 2:
-        fail("batching.num_buckets", f"{b['num_buckets']} buckets make the smallest bucket "
-             f"{smallest} tokens, shorter than two blocks ({2 * d['block_size']})")
-    if t["layer_ids"] is not None:
-        if len(t["layer_ids"]) != t["num_feature_layers"]:
-            fail("target.layer_ids", f"{len(t['layer_ids'])} ids given but "
-                 f"target.num_feature_layers = {t['num_feature_layers']}")
-        if len(set(t["layer_ids"])) != len(t["layer_ids"]):
+    if b.max_anchors > b.token_budget:
+        fail("batching.max_anchors", f"{b.max_anchors} anchors exceed "
+             f"batching.token_budget = {b.token_budget} (one anchor per row position at most)")
+    if b.max_batch_size > b.token_budget:
+        fail("batching.max_batch_size", f"{b.max_batch_size} sequences cannot fit in "
+             f"token_budget {b.token_budget}")
+    smallest = b.token_budget >> (b.num_buckets - 1)
+    if smallest < d.block_size * 2:
+        fail("batching.num_buckets", f"{b.num_buckets} buckets make the smallest bucket "
+             f"{smallest} tokens, shorter than two blocks ({2 * d.block_size})")
+    if t.layer_ids is not None:
+        if len(t.layer_ids) != t.num_feature_layers:
+            fail("target.layer_ids", f"{len(t.layer_ids)} ids given but "
+                 f"target.num_feature_layers = {t.num_feature_layers}")
+        if len(set(t.layer_ids)) != len(t.layer_ids):
             fail("target.layer_ids", "ids must be distinct")
-    if (o["epochs"] is None) == (o["max_steps"] is None):
+    if (o.epochs is None) == (o.max_steps is None):
         fail("optim", "give exactly one of 'epochs' or 'max_steps'")
-    if spec["data"]["max_prompt_tokens"] + spec["data"]["max_new_tokens"] > b["token_budget"]:
+    if data.max_prompt_tokens + data.max_new_tokens > b.token_budget:
         fail("data.max_new_tokens", f"max_prompt_tokens + max_new_tokens = "
-             f"{spec['data']['max_prompt_tokens'] + spec['data']['max_new_tokens']} exceeds "
-             f"batching.token_budget = {b['token_budget']}: a sequence would not fit a batch")
-    if spec["data"]["source"] == "synthetic" and t["init"] != "random":
+             f"{data.max_prompt_tokens + data.max_new_tokens} exceeds "
+             f"batching.token_budget = {b.token_budget}: a sequence would not fit a batch")
+    if data.source == "synthetic" and t.init != "random":
         fail("data.source", "'synthetic' (random responses) is only for throughput runs of "
              "random-weight targets (target.init: random); a pretrained target must be trained "
              "on its own generated answers")
-    topo = spec["topology"]
+    topo = spec.topology
     for role in ("targets", "drafters"):
-        for i, dev in enumerate(topo[role]):
+        devices = getattr(topo, role)
+        for i, dev in enumerate(devices):
             if not DEVICE_RE.match(dev):
                 fail(f"topology.{role}[{i}]", f"{dev!r} is not a device name "
                      f"(use 'cpu' or 'cuda:N')")
-        gpus = [x for x in topo[role] if x != "cpu"]
+        gpus = [x for x in devices if x != "cpu"]
         dup = sorted({x for x in gpus if gpus.count(x) > 1})
         if dup:
             fail(f"topology.{role}", f"{', '.join(dup)} listed twice; one worker per GPU")
-    shared = sorted(set(topo["targets"]) & set(topo["drafters"]) - {"cpu"})
-    if shared and not topo["allow_shared_devices"]:
+    shared = sorted(set(topo.targets) & set(topo.drafters) - {"cpu"})
+    if shared and not topo.allow_shared_devices:
         fail("topology", f"{', '.join(shared)} is both a target and a drafter device; set "
              f"topology.allow_shared_devices: true if you mean it")
-    if spec["env"]["lock"].startswith("/") or ".." in Path(spec["env"]["lock"]).parts:
+    if spec.env.lock.startswith("/") or ".." in Path(spec.env.lock).parts:
         fail("env.lock", "must be a path inside the repository (e.g. envs/cpu-py311.lock)")
 
 

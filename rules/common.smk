@@ -6,9 +6,10 @@ from pathlib import Path
 
 sys.path.insert(0, workflow.basedir)  # the dflash package lives beside this Snakefile
 
+from dflash.code_fingerprint import stage_code_fingerprint
 from dflash.errors import DFlashError
-from dflash.manifest import fingerprint, sha256_file
-from dflash.spec import STAGE_FIELDS, load_spec
+from dflash.manifest import sha256_file
+from dflash.spec import load_spec
 
 
 def _load_specs():
@@ -22,31 +23,20 @@ def _load_specs():
 
 
 SPECS = _load_specs()
-RESULTS = config.get("results", "results")
-LOGS = config.get("logs", "logs")
+# the config (validated by the Snakefile) enters here only
+DEFAULT_SPEC = config["default_spec"]
+RESULTS = config["results"]
+LOGS = config["logs"]
+BENCHMARKS = config["benchmarks"]
 wildcard_constraints:
     spec="|".join(SPECS) or "no-specs",
 
-# Package modules each stage runs. Snakemake does not track what a script imports, so their
-# content hash is a rule param: editing dflash/train.py reruns train and bench, not env/warmup.
-STAGE_MODULES = {
-    "env": ["envstage", "spec", "manifest", "errors", "cli", "schema/spec.schema.yaml"],
-    "warmup": ["warmup", "topology", "replica", "model", "masks", "gate", "target", "stage"],
-    "data": ["data", "prompts", "generate", "self_written", "target", "stage"],
-    "train": ["train", "scheduler", "topology", "replica", "model", "masks", "gate", "packing",
-              "checkpoint", "status", "target", "stage"],
-    "bench": ["bench", "evaluate", "spec_decode", "model", "data", "prompts", "target", "stage",
-              "templates/report.md.j2"],
-}
-
 
 def code_hash(stage):
-    files = []
-    for mod in STAGE_MODULES[stage]:
-        p = Path(workflow.basedir, "dflash", mod if "." in mod else mod + ".py")
-        if p.exists():
-            files.append(sha256_file(p))
-    return fingerprint(files)
+    """Content hash of the package code and data the stage runs: its module's import closure
+    inside dflash/ (computed, see dflash/code_fingerprint.py). Editing dflash/scheduler.py
+    reruns warmup, train and bench; editing the report template reruns bench only."""
+    return stage_code_fingerprint(stage, Path(workflow.basedir, "dflash"))
 
 
 def spec_params(stage):
@@ -55,19 +45,35 @@ def spec_params(stage):
 
 
 def lock_sha(wc):
-    lock = Path(workflow.basedir, SPECS[wc.spec]["env"]["lock"])
+    lock = Path(workflow.basedir, SPECS[wc.spec].env.lock)
     return sha256_file(lock) if lock.exists() else f"missing:{lock}"
 
 
 def python_for(wc):
     """The interpreter the stages run in: the built venv (env.mode build) or this one."""
-    from dflash.envstage import interpreter_for
+    from dflash.env.venv import interpreter_for
 
     return interpreter_for(SPECS[wc.spec])
 
 
+# GPUs, from the specs only. Snakemake never picks devices (the stages use the spec's device
+# names), so each job holds every CUDA device its spec names: a resource of capacity 1 per device
+# (cuda_0, cuda_1, ...), and two jobs never share a GPU on any machine. `gpu` is the count (for
+# executors that place jobs by it; limit it with --resources gpu=N if you like).
+CUDA_DEVICES = sorted({d for s in SPECS.values() for d in s.devices() if d != "cpu"})
+for _device in CUDA_DEVICES:
+    workflow.register_resource(_device.replace(":", "_"), 1)
+
+
 def gpus(wc):
     return len({d for d in SPECS[wc.spec].devices() if d != "cpu"})
+
+
+def device_resources():
+    def holds(device):
+        return lambda wc: int(device in SPECS[wc.spec].devices())
+
+    return {"gpu": gpus, **{d.replace(":", "_"): holds(d) for d in CUDA_DEVICES}}
 
 
 def spec_file(wc):
@@ -79,12 +85,25 @@ def stage_cmd(stage):
     # Every value is shell-quoted: the interpreter path derives from the spec's env.lock (build
     # mode) and the results/logs roots from the config, so none may reach the shell raw.
     results = shlex.quote(RESULTS).replace("{", "{{").replace("}", "}}")
-    return ("{params.python:q} -m dflash " + stage + " {params.spec:q} --results " + results +
-            " 2>&1 | tee {log:q}")
+    return f"{{params.python:q}} -m dflash {stage} {{params.spec:q}} --results {results} 2>&1 | tee {{log:q}}"
+
+
+# dflash.stages.bench.PLOTS
+PLOTS = ("loss", "throughput", "draft_accuracy", "tau_training", "acceptance", "tau_by_category")
 
 
 def bench_outputs(spec):
-    return [f"{RESULTS}/{spec}/bench/report.json", f"{RESULTS}/{spec}/bench/report.md"]
+    return [f"{RESULTS}/{spec}/bench/report.json", f"{RESULTS}/{spec}/bench/report.md"] + [
+        f"{RESULTS}/{spec}/bench/{p}.png" for p in PLOTS]
+
+
+def default_outputs(wc):
+    """The default target: the default spec through bench (checked only when it runs: a workflow copy
+    may hold other specs only)."""
+    if DEFAULT_SPEC not in SPECS:
+        raise WorkflowError(f"config: default_spec {DEFAULT_SPEC!r} is not a spec in specs/ "
+                            f"(have: {', '.join(SPECS) or 'none'})")
+    return bench_outputs(DEFAULT_SPEC)
 
 
 def upstream(*stages):

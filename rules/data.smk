@@ -11,8 +11,10 @@ rule data:
         fields=spec_params("data"),
         code=code_hash("data"),
     resources:
-        gpu=gpus,
+        **device_resources(),
     log:
         f"{LOGS}/{{spec}}/data.log",
+    benchmark:
+        f"{BENCHMARKS}/{{spec}}/data.tsv",
     shell:
         stage_cmd("data")

@@ -9,8 +9,10 @@ rule env:
         fields=spec_params("env"),
         code=code_hash("env"),
     resources:
-        gpu=gpus,
+        **device_resources(),
     log:
         f"{LOGS}/{{spec}}/env.log",
+    benchmark:
+        f"{BENCHMARKS}/{{spec}}/env.tsv",
     shell:
         stage_cmd("env")

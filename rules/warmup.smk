@@ -11,8 +11,10 @@ rule warmup:
         fields=spec_params("warmup"),
         code=code_hash("warmup"),
     resources:
-        gpu=gpus,
+        **device_resources(),
     log:
         f"{LOGS}/{{spec}}/warmup.log",
+    benchmark:
+        f"{BENCHMARKS}/{{spec}}/warmup.tsv",
     shell:
         stage_cmd("warmup")

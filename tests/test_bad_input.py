@@ -398,15 +398,16 @@ def test_lock_with_bad_hash_refused_by_env_stage_cli(tmp_path):
 
 
 def test_missing_lock_file_is_one_message(tmp_path, monkeypatch):
-    from dflash import envstage
     from dflash.spec import parse_spec
+    from dflash.stages import StageContext
+    from dflash.stages import env as env_stage
 
     monkeypatch.chdir(tmp_path)
     data = copy.deepcopy(BASE)
     data["env"] = {"lock": "envs/nope.lock", "mode": "adopt"}
     spec = parse_spec(data, str(tmp_path / "specs" / "tiny.yaml"))
     with pytest.raises(DFlashError) as e:
-        envstage.run(spec, tmp_path / "results" / "tiny")
+        env_stage.run(StageContext(spec=spec, results=tmp_path / "results" / "tiny"))
     assert str(e.value) == "envs/nope.lock: lock file not found"
     assert not (tmp_path / "results").exists()
 
@@ -416,10 +417,12 @@ def test_missing_lock_file_is_one_message(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 def test_missing_target_model_names_target_model(tmp_path):
     from dflash import target as T
+    from dflash.spec import TargetSpec
 
     (tmp_path / "no-config").mkdir()            # a folder, but without config.json
     for model in (str(tmp_path / "does-not-exist"), str(tmp_path / "no-config"), "qwen3-9b"):
-        tgt = {"model": model, "init": "pretrained", "dtype": "float32"}
+        tgt = TargetSpec(model=model, init="pretrained", dtype="float32", num_feature_layers=5,
+                         layer_ids=None)
         for fn in (lambda: T.hf_config(tgt), lambda: T.tokenizer_dir(model),
                    lambda: T.target_fingerprint(tgt)):
             with pytest.raises(SpecError) as e:

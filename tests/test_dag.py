@@ -12,7 +12,7 @@ import json
 import pytest
 import yaml
 
-from conftest import copy_workflow, job_counts, snakemake
+from dflash.harness import REPO, copy_workflow, job_counts, snakemake
 
 pytestmark = pytest.mark.e2e
 
@@ -28,17 +28,24 @@ def wf(tmp_path_factory, micro_spec):
 
 
 @contextlib.contextmanager
-def _edited(wf, fn):
-    """The micro spec with ``fn`` applied to its fields, restored afterwards."""
-    p = wf / "specs" / "micro.yaml"
-    original = p.read_text()
-    d = yaml.safe_load(original)
-    fn(d)
-    p.write_text(yaml.safe_dump(d))
+def _rewritten(path, fn):
+    """``path`` with its text replaced by ``fn(text)``, restored afterwards."""
+    original = path.read_text()
+    path.write_text(fn(original))
     try:
         yield
     finally:
-        p.write_text(original)
+        path.write_text(original)
+
+
+def _edited(wf, fn):
+    """The micro spec with ``fn`` applied to its fields, restored afterwards."""
+    def edit(text):
+        d = yaml.safe_load(text)
+        fn(d)
+        return yaml.safe_dump(d)
+
+    return _rewritten(wf / "specs" / "micro.yaml", edit)
 
 
 def _would_run(wf) -> dict:
@@ -77,6 +84,42 @@ def test_full_dag_artifacts(wf):
     assert (res / "bench" / "report.md").read_text().startswith("# DFlash bench report")
     for stage in ("env", "warmup", "data", "train", "bench"):
         assert (wf / "logs" / "micro" / f"{stage}.log").stat().st_size > 0
+        bench = (wf / "benchmarks" / "micro" / f"{stage}.tsv").read_text().splitlines()
+        assert bench[0].split("\t")[:2] == ["s", "h:m:s"] and float(bench[1].split("\t")[0]) > 0
+    for png in ("loss.png", "throughput.png", "draft_accuracy.png", "tau_training.png",
+                "acceptance.png", "tau_by_category.png"):
+        assert (res / "bench" / png).stat().st_size > 1000  # declared outputs, always written
+
+
+def test_report_holds_the_plots_with_their_captions(wf):
+    r = snakemake(wf, "--report", "report.html", "bench_micro")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    html = (wf / "report.html").read_text()
+    for name in ("loss.png", "throughput.png", "draft_accuracy.png", "tau_training.png",
+                 "acceptance.png", "tau_by_category.png", "report.md"):
+        assert name in html, name
+    for caption in ("Training loss per step", "Target tokens per second", "Top-1 draft accuracy",
+                    "of the drafter being trained",
+                    "Simulated acceptance by block position", "per MT-Bench category"):
+        assert caption in html, caption
+
+
+@pytest.mark.parametrize("config, message", [
+    ("resultz=out", "Additional properties are not allowed ('resultz' was unexpected)"),
+    ("default_spec=nope", "default_spec 'nope' is not a spec in specs/"),
+])
+def test_bad_config_is_refused_before_anything_runs(wf, config, message):
+    r = snakemake(wf, "-n", "--config", config)
+    assert r.returncode != 0 and message in r.stdout + r.stderr, r.stdout[-2000:] + r.stderr
+
+
+def test_gpu_jobs_hold_the_devices_their_spec_names(tmp_path, micro_spec):
+    """GPU resources come from the specs only: a job holds each CUDA device its spec names."""
+    gpu = copy_workflow(tmp_path, [micro_spec, REPO / "specs" / "qwen3-8b-2gpu.yaml"])
+    r = snakemake(gpu, "-n", "train_qwen3-8b-2gpu")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = [ln.strip() for ln in (r.stdout + r.stderr).splitlines() if "gpu=" in ln]
+    assert len(res) == 4 and set(res) == {"resources: tmpdir=/tmp, gpu=2, cuda_0=1, cuda_1=1"}, res
 
 
 def test_nothing_reruns_when_nothing_changed(wf):
@@ -96,6 +139,20 @@ def test_lr_change_reruns_train_and_bench_only(wf):
 def test_block_size_change_reruns_warmup_train_bench(wf):
     with _edited(wf, lambda d: d["drafter"].update(block_size=8)):
         assert _would_run(wf) == {"warmup": 1, "train": 1, "bench": 1}
+
+
+def test_report_template_edit_reruns_bench_only(wf):
+    with _rewritten(wf / "dflash" / "templates" / "report.md.j2", lambda t: t + "\n{# edited #}\n"):
+        assert _would_run(wf) == {"bench": 1}
+
+
+@pytest.mark.parametrize("module, reruns", [
+    ("scheduler.py", {"train": 1, "bench": 1}),  # the training pipeline (bench's timed run too)
+    ("packing.py", {"warmup": 1, "train": 1, "bench": 1}),  # warmup builds its buckets
+])
+def test_module_edit_reruns_every_stage_that_imports_it(wf, module, reruns):
+    with _rewritten(wf / "dflash" / module, lambda t: t + "\n# edited\n"):
+        assert _would_run(wf) == reruns
 
 
 def test_lock_content_change_reruns_everything(wf):
@@ -119,6 +176,11 @@ def test_failed_train_reruns_train_and_bench_only_and_resumes(wf):
         assert job_counts(r.stdout + r.stderr) == {"train": 1, "bench": 1}, r.stdout[-3000:] + r.stderr[-3000:]
         train = json.loads((wf / "results" / "micro" / "train" / "manifest.json").read_text())
         assert train["steps"]["resumed_from"] == 2  # checkpoint every 2 steps; failed at step 3
+        # the exactly-once record covers the steps before the resume too (from the checkpoint)
+        epochs = {json.loads(x)["epoch"] for x in
+                  (wf / "results" / "micro" / "train" / "metrics.jsonl").read_text().splitlines()}
+        assert set(train["exactly_once"]) == {str(e) for e in epochs}
+        assert train["exactly_once"]["0"] == {"samples": 12, "distinct": 12, "exactly_once": True}
 
 
 def test_stale_warmup_manifest_is_refused(wf):

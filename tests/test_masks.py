@@ -6,8 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash.masks import (IGNORE_INDEX, Blocks, PackedRow, anchor_candidates, block_loss_weights,
-                          dense_mask, flex_block_mask, loss_weights, make_mask_mod,
-                          sample_anchors)
+                          dense_mask, flex_block_mask, loss_weights, sample_anchors)
 
 MASK = 999
 

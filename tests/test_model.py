@@ -256,7 +256,7 @@ def test_initial_loss_on_smollm2_is_the_mask_token_path_and_falls_fast():
     """
     import math
 
-    from dflash.data import eos_ids_of
+    from dflash.generate import eos_ids_of
     from dflash.evaluate import greedy_continuations, heldout_prompts, target_features
     from dflash.model import RMSNorm
     from dflash.spec import load_spec
@@ -264,9 +264,9 @@ def test_initial_loss_on_smollm2_is_the_mask_token_path_and_falls_fast():
     from dflash.topology import drafter_config
 
     spec = load_spec(os.path.join(os.path.dirname(__file__), "..", "specs", "tiny.yaml"))
-    tgt = load_target(spec["target"], "cpu")
+    tgt = load_target(spec.target, "cpu")
     cfg = drafter_config(spec)
-    emb, head = target_embeddings(spec["target"])
+    emb, head = target_embeddings(spec.target)
     ps, _ = heldout_prompts(spec, None, tgt.tokenizer, 2)
     conts = greedy_continuations(tgt.model, ps, 24, eos_ids_of(tgt))
     seqs = [p + c for p, c in zip(ps, conts)]

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from dflash.errors import DFlashError
-from dflash.packing import (EpochSampler, bucket_for, bucket_lengths, pack_row, packing_stats,
-                            plan_epoch)
+from dflash.packing import bucket_for, bucket_lengths, pack_row, packing_stats, plan_epoch
 
 
 def random_cases(n_cases: int = 40, seed: int = 1234):
@@ -50,8 +49,6 @@ def test_deterministic_and_epochs_differ():
     assert a == plan_epoch(list(lengths), 1024, 16, seed=7, epoch=2)
     assert a != plan_epoch(lengths, 1024, 16, seed=7, epoch=3)
     assert a != plan_epoch(lengths, 1024, 16, seed=8, epoch=2)
-    s1, s2 = EpochSampler(lengths, 1024, 16, 7), EpochSampler(lengths, 1024, 16, 7)
-    assert s1.batches(5) == s2.batches(5)
 
 
 def test_efficiency():
@@ -79,36 +76,6 @@ def test_buckets():
         [256, 256, 512, 512, 1024, 1024]
     with pytest.raises(DFlashError):
         bucket_for(1025, b)
-
-
-def test_resume_from_state_dict_exact():
-    rng = random.Random(3)
-    lengths = [rng.randint(5, 120) for _ in range(400)]
-    ref = EpochSampler(lengths, 512, 8, seed=11)
-    full = [next(iter(ref)) for _ in range(3 * ref.steps_in_epoch(0) + 5)]  # crosses epochs
-    for cut in (0, 1, ref.steps_in_epoch(0) - 1, ref.steps_in_epoch(0),
-                ref.steps_in_epoch(0) + 17, len(full) - 1):
-        s = EpochSampler(lengths, 512, 8, seed=11)
-        it = iter(s)
-        head = [next(it) for _ in range(cut)]
-        state = s.state_dict()
-        r = EpochSampler(lengths, 512, 8, seed=11)
-        r.load_state_dict(dict(state))
-        rit = iter(r)
-        tail = [next(rit) for _ in range(len(full) - cut)]
-        assert head + tail == full, cut
-    # batches of one epoch == the plan; positions count up
-    assert [b for e, o, b in full if e == 0] == ref.batches(0)
-    assert [o for e, o, b in full if e == 1] == list(range(ref.steps_in_epoch(1)))
-
-
-def test_resume_refuses_changed_data():
-    s = EpochSampler([10, 20, 30], 64, 2, seed=0)
-    state = s.state_dict()
-    with pytest.raises(DFlashError, match="lengths_fingerprint"):
-        EpochSampler([10, 20, 31], 64, 2, seed=0).load_state_dict(state)
-    with pytest.raises(DFlashError, match="seed"):
-        EpochSampler([10, 20, 30], 64, 2, seed=1).load_state_dict(state)
 
 
 def test_pack_row_layout():

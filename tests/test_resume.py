@@ -16,7 +16,8 @@ One workflow copy with a micro-derived spec (24 steps, a checkpoint every 3, dat
 * the data stage SIGKILLed after its first shard appears: the rerun says it resumed and writes
   the very dataset an uninterrupted run wrote (same sha256).
 
-The machinery is shared with ``bench/fault_injection.py`` (the N >= 20 random-kill benchmark).
+The machinery is :mod:`dflash.faults`, shared with ``bench/fault_injection.py`` (the N >= 20
+random-kill benchmark).
 """
 from __future__ import annotations
 
@@ -31,10 +32,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, job_counts, snakemake
-
-sys.path.insert(0, str(REPO / "bench"))
-import fault_injection as fi  # noqa: E402
+from dflash import faults as fi
+from dflash.harness import job_counts, snakemake
 
 pytestmark = pytest.mark.e2e
 
@@ -164,7 +163,7 @@ def killed(w, ref, logs) -> dict:
 
 
 def test_reference_run_sees_every_sample_once_per_epoch(w, ref):
-    ids = sorted(fi._dataset_ids(w))
+    ids = sorted(fi.dataset_ids(w))
     epochs: dict[int, list[int]] = {}
     for r in ref["metrics"].values():
         epochs.setdefault(r["epoch"], []).extend(r["sample_ids"])
@@ -216,14 +215,25 @@ def test_consumed_samples_equal_one_uninterrupted_run(killed, ref, w):
     cmp = fi.compare_ids(ref["metrics"], got)
     assert cmp["samples_lost"] == 0 and cmp["samples_duplicated"] == 0, cmp
     assert cmp["steps_identical"]
-    assert fi.epochs_exactly_once(cmp["epochs"], fi._dataset_ids(w))
+    assert fi.epochs_exactly_once(cmp["epochs"], fi.dataset_ids(w))
     # the final metrics.jsonl (cut back to the resume step, then continued) agrees too
     final = {s: r["sample_ids"] for s, r in fi.metrics_steps(killed["td"] / "metrics.jsonl").items()}
     assert final == {s: r["sample_ids"] for s, r in ref["metrics"].items()}
-    # and the final process saw each sample exactly once in every epoch it ran whole
+
+
+
+def test_resumed_run_proves_exactly_once_over_the_whole_run(killed, ref, w):
+    """The exactly-once record covers every epoch of the run, not only the steps since the last
+    resume (it travels in the checkpoints): the resumed run's record equals the uninterrupted
+    run's, and every epoch run whole saw each sample exactly once."""
     once = killed["manifest"]["exactly_once"]
-    assert once and all(v["exactly_once"] for v in once.values()
-                        if v["samples"] == len(fi._dataset_ids(w)))
+    epochs = {str(r["epoch"]) for r in ref["metrics"].values()}
+    assert set(once) == epochs and len(epochs) >= 3, once
+    assert once == ref["manifest"]["exactly_once"]
+    n = len(fi.dataset_ids(w))
+    whole = {e: v for e, v in once.items() if v["samples"] >= n}
+    assert len(whole) >= 2 and all(v["exactly_once"] and v["distinct"] == n
+                                   for v in whole.values()), once
 
 
 def test_corrupt_or_truncated_checkpoints_are_skipped(ref, w, tmp_path):
@@ -270,7 +280,7 @@ def test_killed_data_stage_resumes_to_the_same_dataset(w, logs):
     run = w.start("data", root, logs / "data-resume.log")
     assert run.wait() == 0, run.text()[-3000:]
     text = run.text()
-    assert f"resuming: " in text and f"{len(at_kill)} chunk(s) already done" in text, text
+    assert "resuming: " in text and f"{len(at_kill)} chunk(s) already done" in text, text
     m = json.loads((w.res(root) / "data" / "manifest.json").read_text())
     assert m["generation"]["chunks_resumed"] == len(at_kill)
     assert m["dataset"]["sha256"] == ref_manifest["dataset"]["sha256"]

@@ -44,11 +44,11 @@ def _dataset(n=23, seed=1):
 
 def _pipeline(spec, samples, total_epochs=2, fail_at=None, on_step=None):
     cfg = drafter_config(spec)
-    b = spec["batching"]
+    b = spec.batching
     bks = buckets(spec)
     lengths = [len(s[1]) for s in samples]
-    step_map = StepMap(lambda e: plan_epoch(lengths, b["token_budget"], b["max_batch_size"],
-                                            spec["seed"], e), len(spec["topology"]["drafters"]))
+    step_map = StepMap(lambda e: plan_epoch(lengths, b.token_budget, b.max_batch_size,
+                                            spec.seed, e), len(spec.topology.drafters))
     total = step_map.total_for_epochs(total_epochs)
     replicas = make_replicas(spec, cfg, initial_state(cfg, 0), total)
 
@@ -92,8 +92,8 @@ def test_epochs_with_uneven_batch_counts_lose_nothing():
     """The packing is re-planned each epoch, so epochs can hold different numbers of batches."""
     spec = parse_spec(SPEC, "sched.yaml")
     lengths = [len(s[1]) for s in _dataset()]
-    b = spec["batching"]
-    sm = StepMap(lambda e: plan_epoch(lengths, b["token_budget"], b["max_batch_size"], 0, e), 3)
+    b = spec.batching
+    sm = StepMap(lambda e: plan_epoch(lengths, b.token_budget, b.max_batch_size, 0, e), 3)
     for step in range(sm.total_for_epochs(4)):
         epoch, local = sm.locate(step)
         assert 0 <= local < sm.steps_in(epoch)
@@ -109,7 +109,7 @@ def test_epochs_with_uneven_batch_counts_lose_nothing():
 def test_worker_failure_stops_everything_and_names_the_worker(where):
     spec = parse_spec(SPEC, "sched.yaml")
     if where.startswith("target"):  # one target worker, so it is the one that sees step 2
-        spec["topology"]["targets"] = ["cpu"]
+        spec = spec.replace(topology={"targets": ["cpu"]})
     pipe, _, _ = _pipeline(spec, _dataset(), fail_at={where: 2})
     t0 = time.perf_counter()
     with pytest.raises(WorkerFailed) as e:

@@ -281,7 +281,7 @@ def test_name_schema_admits_only_path_safe_names():
 
 @pytest.mark.parametrize("name", ["tiny", "a", "x-1_b", "-", "0"])
 def test_valid_names_stay_inside_results_and_logs(name, tmp_path):
-    from dflash.stage import results_dir
+    from dflash.stages import results_dir
 
     data = copy.deepcopy(BASE)
     data["name"] = name
@@ -294,14 +294,15 @@ def test_valid_names_stay_inside_results_and_logs(name, tmp_path):
 @pytest.mark.parametrize("stage", ["env", "warmup", "data", "train", "bench"])
 @pytest.mark.parametrize("name", ["..", "../../etc", "a/b"])
 def test_bad_name_refused_before_any_path_is_built(stage, name, tmp_path, monkeypatch, capsys):
-    import dflash.envstage
-    import dflash.stage
+    import dflash.env.drift
+    import dflash.stages
+    import dflash.stages.env
     from dflash.cli import main
 
     built = []
-    monkeypatch.setattr(dflash.stage, "results_dir", lambda *a: built.append(a))
-    monkeypatch.setattr(dflash.envstage, "run", lambda *a: built.append(a))
-    monkeypatch.setattr(dflash.envstage, "check_env", lambda *a, **k: built.append(a))
+    monkeypatch.setattr(dflash.stages, "results_dir", lambda *a: built.append(a))
+    monkeypatch.setattr(dflash.stages.env, "run", lambda *a: built.append(a))
+    monkeypatch.setattr(dflash.env.drift, "check_env", lambda *a, **k: built.append(a))
     monkeypatch.chdir(tmp_path)
     data = copy.deepcopy(BASE)
     data["name"] = name
@@ -351,11 +352,12 @@ def test_rule_params_are_derived_not_raw_config():
                 assert re.fullmatch(r"(python_for|lock_sha|spec_file|upstream\([\"\w, ]+\)|"
                                     r"spec_params\(\"\w+\"\)|"
                                     r"code_hash\(\"\w+\"\))", value), f"{f.name}: {line}"
-        if f.name != "common.smk":      # config values enter only via common.smk's RESULTS/LOGS
+        if f.name != "common.smk":      # config values enter only via common.smk's constants
             assert not re.search(r"\bconfig\b", text), f
     common = (REPO / "rules" / "common.smk").read_text()
-    assert re.findall(r"\bconfig(?:\[|\.get)\S*", common) == ['config.get("results",',
-                                                                  'config.get("logs",'], common
+    assert re.findall(r"\bconfig(?:\[|\.get)\S*", common) == [
+        'config["default_spec"]', 'config["results"]', 'config["logs"]', 'config["benchmarks"]'
+    ], common
 
 
 def _stage_cmd(results: str):

@@ -1,6 +1,7 @@
 """Prompt mixes, target-written prompts (Magpie) and decontamination against MT-Bench/HumanEval."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -8,15 +9,17 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from dflash import data as data_stage
 from dflash.errors import DFlashError, SpecError
 from dflash.prompts import (CHATTERBOT, NgramIndex, eval_index, eval_overlap, load_humaneval,
                             load_mtbench, load_prompts)
 from dflash.self_written import check, user_turn_prefix
-from dflash.spec import parse_spec
+from dflash.spec import parse_spec, section_spec
+from dflash.stages import StageContext
+from dflash.stages import data as data_stage
 
 ROOT = Path(__file__).resolve().parents[1]
-SETTINGS = {"min_chars": 12, "max_chars": 200}
+SETTINGS = dataclasses.replace(section_spec("data", {"source": CHATTERBOT}).self_written,
+                               max_chars=200)
 
 
 def tiny_raw(**data):
@@ -26,7 +29,7 @@ def tiny_raw(**data):
 
 
 def test_user_turn_prefix_is_the_template_up_to_the_user_text():
-    from dflash.data import _tokenizer
+    from dflash.stages.data import _tokenizer
 
     tok = _tokenizer("smollm2-135m-instruct")
     text = tok.decode(user_turn_prefix(tok))
@@ -77,12 +80,12 @@ def test_ngram_overlap_catches_copies_not_topics():
 
 def test_source_quotas():
     q = data_stage.source_quotas
-    d = lambda sources, n=10: {"sources": sources, "source": None, "max_prompts": n}  # noqa
+    d = lambda sources, n=10: section_spec("data", {"sources": sources, "max_prompts": n})  # noqa
     assert q(d([{"source": "a", "count": 3}, {"source": "b"}, {"source": "c", "weight": 2}])) \
         == [("a", 3), ("b", 2), ("c", 5)]
     assert q(d([{"source": "a", "weight": 1}, {"source": "b", "weight": 1}], 5)) == \
         [("a", 3), ("b", 2)]
-    assert q({"sources": None, "source": "self-written", "max_prompts": 7}) == \
+    assert q(section_spec("data", {"source": "self-written", "max_prompts": 7})) == \
         [("self-written", 7)]
     with pytest.raises(SpecError, match="data.sources\\[0\\]: give 'count' or 'weight'"):
         q(d([{"source": "a", "count": 3, "weight": 1}]))
@@ -112,7 +115,7 @@ def mixed(tmp_path_factory):
                    self_written={"max_tokens": 48, "oversample": 1.5})
     del raw["data"]["source"]
     spec = parse_spec(raw, "specs/mix.yaml")
-    return spec, tmp, src, data_stage.run(spec, tmp / "out")
+    return spec, tmp, src, data_stage.run(StageContext(spec=spec, results=tmp / "out"))
 
 
 def test_mix_counts_and_no_eval_overlap(mixed):
@@ -126,13 +129,13 @@ def test_mix_counts_and_no_eval_overlap(mixed):
     assert sw["candidates"] - sw["kept"] >= sum(sw["filtered"].values()) + sw["duplicates"] - 0
     assert sw["engine"] == "fast" and sw["rounds"] >= 1
     # the produced training set shares no n-gram with either evaluation set
-    from dflash.data import _tokenizer
+    from dflash.stages.data import _tokenizer
 
     tok = _tokenizer("smollm2-135m-instruct")
     rows = pq.read_table(tmp / "out" / "data" / "dataset.parquet").to_pylist()
     texts = [tok.decode(r["input_ids"][:r["num_prompt_tokens"]], skip_special_tokens=True)
              for r in rows]
-    idx = eval_index(spec["data"]["decontaminate_ngram"])
+    idx = eval_index(spec.data.decontaminate_ngram)
     assert [t for t in texts if idx.match(t)] == []
     # the self-written user turns are real text, distinct from each other and the rest
     users = [t.split("user\n", 1)[1].rsplit("assistant", 1)[0].strip() for t in texts]
@@ -146,7 +149,7 @@ def test_self_written_rounds_are_reused_on_rerun(mixed):
     shutil_out = tmp / "out" / "data" / "dataset.parquet"
     shutil_out.unlink()
     (tmp / "out" / "data" / "manifest.json").unlink()
-    again = data_stage.run(spec, tmp / "out")
+    again = data_stage.run(StageContext(spec=spec, results=tmp / "out"))
     sw = again["sources"]["self-written"]
     assert sw["rounds_reused"] == sw["rounds"] == len(rounds)
     assert again["dataset"]["sha256"] == m["dataset"]["sha256"]
@@ -161,4 +164,4 @@ def test_self_written_that_cannot_be_met_fails_clearly(tmp_path):
     spec = parse_spec(raw, "specs/t.yaml")
     with pytest.raises(DFlashError, match=r"data.self_written: only 0 of 3 prompts after 2 "
                                           r"rounds .*unterminated"):
-        data_stage.run(spec, tmp_path)
+        data_stage.run(StageContext(spec=spec, results=tmp_path))

@@ -4,13 +4,17 @@ Packing is only correct if every document's features equal those of the document
 both attention paths (SDPA + dense mask on CPU, FlexAttention + BlockMask on CUDA) must give
 them, so the flex path is checked here on CPU against the same reference.
 """
+import dataclasses
+
 import pytest
 import torch
 
 from dflash.masks import document_block_mask, document_dense_mask
+from dflash.spec import section_spec
 from dflash.target import FeatureExtractor, load_target
 
-TARGET = {"model": "llama-micro", "init": "random", "dtype": "float32", "num_feature_layers": 3}
+TARGET = section_spec("target", {"model": "llama-micro", "init": "random", "dtype": "float32",
+                                 "num_feature_layers": 3})
 DOC_LENGTHS = [7, 140, 5, 129]  # spans several 128-blocks, a document straddling block edges
 PAD = 31
 
@@ -112,14 +116,15 @@ def test_training_features_equal_inference_features_and_last_layer_is_refused():
 
     n = hf_config(TARGET).num_hidden_layers
     allowed = list(range(n - 1))
-    tgt = load_target(dict(TARGET, layer_ids=allowed), "cpu", need_tokenizer=False)
+    tgt = load_target(dataclasses.replace(TARGET, layer_ids=tuple(allowed)), "cpu",
+                      need_tokenizer=False)
     ids = torch.randint(5, 49152, (23,), generator=torch.Generator().manual_seed(0))
     train_side = FeatureExtractor(tgt)(ids, torch.zeros(23, dtype=torch.long), torch.arange(23))
     with torch.no_grad():
         hs = tgt.model(input_ids=ids[None], output_hidden_states=True).hidden_states
     torch.testing.assert_close(train_side, extract_features(hs, allowed), atol=1e-5, rtol=1e-5)
     # the last layer's hidden state is post-norm: it differs from the raw layer output
-    last = load_target(dict(TARGET, layer_ids=[0]), "cpu", need_tokenizer=False)
+    last = load_target(dataclasses.replace(TARGET, layer_ids=(0,)), "cpu", need_tokenizer=False)
     raw = {}
     last.model.model.layers[n - 1].register_forward_hook(
         lambda m, i, o: raw.setdefault("x", o[0] if isinstance(o, tuple) else o))
@@ -127,4 +132,4 @@ def test_training_features_equal_inference_features_and_last_layer_is_refused():
         post = last.model(input_ids=ids[None], output_hidden_states=True).hidden_states[n]
     assert not torch.allclose(raw["x"], post, atol=1e-3)
     with pytest.raises(SpecError, match=r"target.layer_ids: 5 is the target's last layer"):
-        layer_ids(dict(TARGET, layer_ids=[1, n - 1]), hf_config(TARGET))
+        layer_ids(dataclasses.replace(TARGET, layer_ids=(1, n - 1)), hf_config(TARGET))

@@ -2,6 +2,8 @@
 and not reported; any other unexpected, missing or mismatched weight still is."""
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import logging
 import shutil
@@ -9,10 +11,11 @@ import shutil
 import pytest
 from safetensors.torch import load_file, save_file
 
+from dflash.spec import section_spec
 from dflash.target import dropped_layer_keys, hf_config, load_target
 
-MICRO = {"model": "llama-micro", "init": "random", "dtype": "float32", "num_feature_layers": 3,
-         "layer_ids": None}
+MICRO = section_spec("target", {"model": "llama-micro", "init": "random", "dtype": "float32",
+                                "num_feature_layers": 3})
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +28,8 @@ def micro_dir(tmp_path_factory):
     return d
 
 
-def target_of(path) -> dict:
-    return dict(MICRO, model=str(path), init="pretrained")
+def target_of(path):
+    return dataclasses.replace(MICRO, model=str(path), init="pretrained")
 
 
 class Reports(logging.Handler):

@@ -12,7 +12,7 @@ peak measured in the same process:
   the target workers used before: SDPA leaves its flash kernel and computes all L² scores);
 * ``ours_flex_truncated``: what training actually runs: layers up to the last feature layer.
 
-MFU counts useful FLOPs only (:func:`dflash.bench.target_flops`: causal attention inside each
+MFU counts useful FLOPs only (:func:`dflash.flops.target_flops`: causal attention inside each
 document). Ratios are taken within the run.
 
     python bench/gpu/target_anchor.py --models qwen3-8b qwen3-32b --out $OUT/target_anchor.json
@@ -31,11 +31,12 @@ PATHS = ("hf_plain", "ours_dense_sdpa", "ours_flex", "ours_flex_truncated")
 
 def measure(model_name: str, batch: int, seq: int, device: str, peak: float, iters: int,
             paths=PATHS) -> dict:
-    from dflash.bench import best_seconds_per_call as timed, target_flops
+    from dflash.flops import best_seconds_per_call as timed, target_flops
+    from dflash.spec import section_spec
     from dflash.target import FeatureExtractor, hf_config, layer_ids, load_target
 
-    spec_target = {"model": model_name, "init": "random", "dtype": "bfloat16",
-                   "num_feature_layers": 5}
+    spec_target = section_spec("target", {"model": model_name, "init": "random",
+                                          "dtype": "bfloat16", "num_feature_layers": 5})
     cfg = hf_config(spec_target)
     n_layers = cfg.num_hidden_layers
     ids = layer_ids(spec_target, cfg)
@@ -57,7 +58,7 @@ def measure(model_name: str, batch: int, seq: int, device: str, peak: float, ite
     # 1. plain HF, full model's decoder, all hidden states
     xi, di, pi = input_ids.reshape(-1).to(device), doc.to(device), pos.to(device)
     if "hf_plain" in paths or "ours_dense_sdpa" in paths:
-        t = load_target(spec_target, device, need_lm_head=False, need_tokenizer=False)
+        t = load_target(spec_target, device, need_tokenizer=False)
         base = t.model.get_decoder()
         x = input_ids.to(device)
         if "hf_plain" in paths:
@@ -67,8 +68,8 @@ def measure(model_name: str, batch: int, seq: int, device: str, peak: float, ite
                        n_layers)
         if "ours_dense_sdpa" in paths:  # same weights, packed row, dense mask (SDPA)
             fx = FeatureExtractor(t)
-            record("ours_dense_sdpa", timed(lambda: fx(xi, di, pi), device, iters, warmup=2),
-                   n_layers)
+            record("ours_dense_sdpa", timed(lambda: fx(xi, di, pi), device, iters,  # noqa: F821
+                                            warmup=2), n_layers)  # (fx is deleted below)
             del fx
         del t, base
         torch.cuda.empty_cache()
@@ -76,14 +77,14 @@ def measure(model_name: str, batch: int, seq: int, device: str, peak: float, ite
     for name, layers in (("ours_flex", n_layers), ("ours_flex_truncated", max(ids) + 1)):
         if name not in paths:
             continue
-        t = load_target(spec_target, device, need_lm_head=False, need_tokenizer=False,
+        t = load_target(spec_target, device, need_tokenizer=False,
                         num_layers=layers, attention="flex")
         fx = FeatureExtractor(t)
         t0 = time.perf_counter()
         fx(xi, di, pi)
         torch.cuda.synchronize(device)
         out[f"{name}_first_call_s"] = round(time.perf_counter() - t0, 2)  # incl. flex compile
-        record(name, timed(lambda: fx(xi, di, pi), device, iters, warmup=1), layers)
+        record(name, timed(lambda: fx(xi, di, pi), device, iters, warmup=1), layers)  # noqa: F821
         del fx, t
         torch.cuda.empty_cache()
     for a, b in (("ours_flex", "hf_plain"), ("ours_dense_sdpa", "hf_plain"),
@@ -94,7 +95,7 @@ def measure(model_name: str, batch: int, seq: int, device: str, peak: float, ite
 
 
 def main() -> None:
-    from dflash.bench import measure_peak_flops
+    from dflash.flops import measure_peak_flops
 
     p = argparse.ArgumentParser()
     p.add_argument("--models", nargs="+", default=["qwen3-8b"])

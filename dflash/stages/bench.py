@@ -11,78 +11,13 @@ own greedy output token for token and the simulated blocks).
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
-import torch
 
-from .errors import DFlashError
-from .manifest import atomic_path, atomic_write_json, atomic_write_text, expect, read_manifest
-from .stage import StageContext
-
-
-# ---------------------------------------------------------------------------------------------
-# peak and FLOP counting
-# ---------------------------------------------------------------------------------------------
-def best_seconds_per_call(fn, device: str, reps: int, warmup: int = 1, windows: int = 3) -> float:
-    """Seconds per call of ``fn``: the best of ``windows`` timed windows of ``reps`` calls each,
-    after ``warmup`` calls (the machine is shared; the best window is what it can do)."""
-    def sync():
-        if device.startswith("cuda"):
-            torch.cuda.synchronize(device)
-
-    for _ in range(warmup):
-        fn()
-    sync()
-    best = float("inf")
-    for _ in range(windows):
-        t = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        sync()
-        best = min(best, time.perf_counter() - t)
-    return best / reps
-
-
-def measure_peak_flops(device: str, dtype: torch.dtype) -> dict:
-    """Dense matmul FLOP/s on ``device`` right now (the MFU denominator, measured not quoted)."""
-    n = 8192 if device.startswith("cuda") else 2048
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    reps = 20 if device.startswith("cuda") else 3
-    per_call = best_seconds_per_call(lambda: a @ b, device, reps)
-    return {"device": device, "dtype": str(dtype).removeprefix("torch."), "n": n,
-            "flops_per_s": 2 * n ** 3 / per_call, "threads": torch.get_num_threads()}
-
-
-def _linear_params(cfg, layers: int) -> int:
-    """Matmul parameters of ``layers`` Llama/Qwen-style decoder layers."""
-    H, I = cfg.hidden_size, cfg.intermediate_size
-    hd = getattr(cfg, "head_dim", None) or H // cfg.num_attention_heads
-    attn = H * hd * (cfg.num_attention_heads * 2 + cfg.num_key_value_heads * 2)
-    return layers * (attn + 3 * H * I)
-
-
-def target_flops(tcfg, layers_run: int, doc_lengths: list[int]) -> float:
-    """Forward FLOPs of the (truncated) target over packed documents: 2·params·tokens plus
-    causal attention (QK and AV: 2·2·heads·head_dim per visible key, ~len/2 keys on average)."""
-    hd = getattr(tcfg, "head_dim", None) or tcfg.hidden_size // tcfg.num_attention_heads
-    tokens = sum(doc_lengths)
-    attn = sum(4 * layers_run * tcfg.num_attention_heads * hd * n * (n + 1) / 2
-               for n in doc_lengths)
-    return 2 * _linear_params(tcfg, layers_run) * tokens + attn
-
-
-def drafter_flops_per_step(dcfg, ctx_tokens: int, block_tokens: int, labelled: int) -> float:
-    """Useful training FLOPs (forward + backward = 3× forward) of one replica step."""
-    n_feat = len(dcfg.target_layer_ids)
-    fwd = (2 * _linear_params(dcfg, dcfg.num_hidden_layers) * block_tokens
-           # K/V projections of the injected context in every layer
-           + 2 * ctx_tokens * dcfg.hidden_size * dcfg.head_dim * dcfg.num_key_value_heads * 2
-           * dcfg.num_hidden_layers
-           + 2 * ctx_tokens * n_feat * dcfg.hidden_size * dcfg.hidden_size      # fc
-           + 2 * labelled * dcfg.hidden_size * dcfg.vocab_size)                 # lm_head
-    return 3 * fwd
+from ..errors import DFlashError
+from ..flops import drafter_flops_per_step, measure_peak_flops, target_flops
+from ..manifest import atomic_path, atomic_write_json, atomic_write_text, expect, read_manifest
+from . import StageContext
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,33 +29,33 @@ def evaluate_tau(spec, drafter_dir: Path, device: str, results_dir: Path | None 
     Any failure becomes ONE message naming what failed and the spec fields / files involved;
     the traceback goes to ``bench/tau_error.txt`` beside the report, not to the console.
     """
-    from .data import eos_ids_of
-    from .evaluate import evaluate_sets, load_eval_sets
-    from .model import load_drafter
-    from .spec import dtype_of
-    from .target import load_target, target_embeddings
+    from ..generate import eos_ids_of
+    from ..evaluate import evaluate_sets, load_eval_sets
+    from ..model import load_drafter
+    from ..spec import dtype_of
+    from ..target import load_target, target_embeddings
 
-    b = spec["bench"]
-    if b["eval_prompts"] == 0 or not b["eval_sets"]:
+    b = spec.bench
+    if b.eval_prompts == 0 or not b.eval_sets:
         return {"skipped": "bench.eval_prompts is 0 or bench.eval_sets is empty"}
-    if spec["target"]["init"] == "random":
+    if spec.target.init == "random":
         return {"skipped": "random-weight target: acceptance is meaningless"}
     step = "loading the target (target.model, target.dtype)"
     try:
-        tgt = load_target(spec["target"], device, seed=spec["seed"])
+        tgt = load_target(spec.target, device, seed=spec.seed)
         step = f"loading the exported drafter {drafter_dir} (drafter.dtype)"
         drafter, cfg = load_drafter(drafter_dir, device=device,
-                                    dtype=dtype_of(spec["drafter"]["dtype"]))
+                                    dtype=dtype_of(spec.drafter.dtype))
         drafter.eval()
-        embed, head = target_embeddings(spec["target"], spec["seed"])
+        embed, head = target_embeddings(spec.target, spec.seed)
         step = "loading the eval prompts (bench.eval_sets)"
-        sets = load_eval_sets(spec, results_dir, tgt.tokenizer, b["eval_sets"],
-                              b["eval_prompts"])
-        step = (f"evaluating τ on {device} (target.dtype {spec['target']['dtype']}, "
-                f"drafter.dtype {spec['drafter']['dtype']}, bench.eval_max_new_tokens "
-                f"{b['eval_max_new_tokens']}, bench.real_prompts {b['real_prompts']})")
-        per_set = evaluate_sets(tgt.model, drafter, embed, head, sets, b["eval_max_new_tokens"],
-                                eos_ids_of(tgt), b["real_prompts"], device, b["eval_batch_size"])
+        sets = load_eval_sets(spec, results_dir, tgt.tokenizer, b.eval_sets,
+                              b.eval_prompts)
+        step = (f"evaluating τ on {device} (target.dtype {spec.target.dtype}, "
+                f"drafter.dtype {spec.drafter.dtype}, bench.eval_max_new_tokens "
+                f"{b.eval_max_new_tokens}, bench.real_prompts {b.real_prompts})")
+        per_set = evaluate_sets(tgt.model, drafter, embed, head, sets, b.eval_max_new_tokens,
+                                eos_ids_of(tgt), b.real_prompts, device, b.eval_batch_size)
     except DFlashError:
         raise
     except Exception as e:  # noqa: BLE001 - one message for the user, the traceback to a file
@@ -140,7 +75,7 @@ def evaluate_tau(spec, drafter_dir: Path, device: str, results_dir: Path | None 
     real = first.get("real") or {}
     return {"sets": per_set, "primary_set": primary, "tau": first.get("tau"),
             "prompts": first.get("prompts"), "block_size": cfg.block_size,
-            "max_new_tokens": b["eval_max_new_tokens"], "device": device,
+            "max_new_tokens": b.eval_max_new_tokens, "device": device,
             "accept_rate_by_position": first.get("accept_rate_by_position"),
             "lossless": real.get("lossless"), "real_prompts": real.get("prompts"),
             "target_only_tokens_per_s": real.get("target_only_tokens_per_s"),
@@ -157,98 +92,127 @@ def _read_metrics(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
+# The bench rule declares these as report outputs (rules/bench.smk), so every run writes all
+# of them: a plot without data says why instead.
+PLOTS = ("loss.png", "throughput.png", "draft_accuracy.png", "tau_training.png", "acceptance.png",
+         "tau_by_category.png")
+
+
 def _plots(out: Path, metrics: list[dict], tau: dict) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    made = []
-
-    def plot(name: str, draw, **labels) -> None:
+    def plot(name: str, draw, missing: str | None, **labels) -> None:
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        draw(ax)
-        ax.set(**labels)
+        if missing is None:
+            draw(ax)
+            ax.set(**labels)
+        else:
+            ax.set(title=labels.get("title"), xticks=[], yticks=[])
+            ax.text(0.5, 0.5, missing, ha="center", va="center", wrap=True,
+                    transform=ax.transAxes)
         fig.tight_layout()
         with atomic_path(out / name) as tmp:
             fig.savefig(tmp, format="png", dpi=100)
         plt.close(fig)
-        made.append(name)
 
-    if metrics:
-        steps, t = [m["step"] for m in metrics], [m["t"] for m in metrics]
-        tps = [m["tokens"] / max(1e-9, t[i] - t[i - 1]) for i, m in enumerate(metrics) if i > 0]
-        plot("loss.png", lambda ax: ax.plot(steps, [m["loss"] for m in metrics]),
-             xlabel="step", ylabel="loss", title="Training loss")
-        plot("throughput.png", lambda ax: ax.plot(t[1:], tps),
-             xlabel="seconds", ylabel="target tokens / s", title="Throughput")
-        acc = [(m["step"], m["draft_acc"]) for m in metrics if m.get("draft_acc")]
-        if acc:
-            def draw_acc(ax):
-                n = len(acc[0][1])
-                for k in sorted({1, 2, 4, 8, n} & set(range(1, n + 1))):
-                    ax.plot([s for s, _ in acc],
-                            [a[k - 1] if a[k - 1] is not None else float("nan") for _, a in acc],
-                            label=f"k = {k}")
-                ax.set_ylim(0, 1)
-                ax.legend()
-            plot("draft_accuracy.png", draw_acc, xlabel="step", ylabel="top-1 accuracy",
-                 title="Draft accuracy by block position (training batches)")
-        taus = [(m["step"], m["tau_heldout"]) for m in metrics if "tau_heldout" in m]
-        if taus:
-            plot("tau_training.png", lambda ax: ax.plot(*zip(*taus), marker="o"),
-                 xlabel="step", ylabel="simulated τ (held-out)", title="τ while training")
+    no_steps = None if metrics else "no training steps recorded"
+    steps, t = [m["step"] for m in metrics], [m["t"] for m in metrics]
+    tps = [m["tokens"] / max(1e-9, t[i] - t[i - 1]) for i, m in enumerate(metrics) if i > 0]
+    plot("loss.png", lambda ax: ax.plot(steps, [m["loss"] for m in metrics]), no_steps,
+         xlabel="step", ylabel="loss", title="Training loss")
+    plot("throughput.png", lambda ax: ax.plot(t[1:], tps), no_steps,
+         xlabel="seconds", ylabel="target tokens / s", title="Throughput")
+    acc = [(m["step"], m["draft_acc"]) for m in metrics if m.get("draft_acc")]
+
+    def draw_acc(ax):
+        n = len(acc[0][1])
+        for k in sorted({1, 2, 4, 8, n} & set(range(1, n + 1))):
+            ax.plot([s for s, _ in acc],
+                    [a[k - 1] if a[k - 1] is not None else float("nan") for _, a in acc],
+                    label=f"k = {k}")
+        ax.set_ylim(0, 1)
+        ax.legend()
+
+    plot("draft_accuracy.png", draw_acc, None if acc else "no draft accuracy in the metrics",
+         xlabel="step", ylabel="top-1 accuracy",
+         title="Draft accuracy by block position (training batches)")
+    taus = [(m["step"], m["tau_heldout"]) for m in metrics if "tau_heldout" in m]
+    plot("tau_training.png", lambda ax: ax.plot(*zip(*taus), marker="o"),
+         None if taus else "τ not monitored while training (monitor.tau_every_steps)",
+         xlabel="step", ylabel="simulated τ (held-out)", title="τ while training")
     sets = {k: v for k, v in (tau.get("sets") or {}).items() if v.get("tau") is not None}
-    if sets:
-        def by_position(ax):
-            for name, v in sets.items():
-                r = v["accept_rate_by_position"]
-                ax.plot(range(1, len(r) + 1), [x if x is not None else float("nan") for x in r],
-                        marker="o", label=f"{name} (τ = {v['tau']:.2f})")
-            ax.set_ylim(0, 1)
-            ax.legend()
-        plot("acceptance.png", by_position, xlabel="block position k",
-             ylabel="P(drafts 1..k accepted)", title="Acceptance by position (simulated)")
+    no_tau = None if sets else f"τ not evaluated: {tau.get('skipped', 'no eval set gave a τ')}"
+
+    def by_position(ax):
+        for name, v in sets.items():
+            r = v["accept_rate_by_position"]
+            ax.plot(range(1, len(r) + 1), [x if x is not None else float("nan") for x in r],
+                    marker="o", label=f"{name} (τ = {v['tau']:.2f})")
+        ax.set_ylim(0, 1)
+        ax.legend()
+
+    plot("acceptance.png", by_position, no_tau, xlabel="block position k",
+         ylabel="P(drafts 1..k accepted)", title="Acceptance by position (simulated)")
     cats = (sets.get("mtbench") or {}).get("tau_by_category")
-    if cats:
-        plot("tau_by_category.png", lambda ax: ax.bar(list(cats), list(cats.values())),
-             xlabel="MT-Bench category", ylabel="τ", title="τ per MT-Bench category")
-    return made
+    plot("tau_by_category.png", lambda ax: ax.bar(list(cats), list(cats.values())),
+         None if cats else (no_tau or "no MT-Bench set evaluated (bench.eval_sets)"),
+         xlabel="MT-Bench category", ylabel="τ", title="τ per MT-Bench category")
+    return list(PLOTS)
 
 
 def run(ctx: StageContext) -> dict:
-    from jinja2 import Environment, FileSystemLoader, StrictUndefined
-
-    from .target import hf_config
-    from .topology import drafter_config
-
-    spec = ctx.spec
+    """The bench stage, as its phases: the throughput source (the train stage's steady state or
+    a timed run), MFU against a peak measured now, τ of the exported drafter, the report."""
     out = ctx.results / "bench"
     out.mkdir(parents=True, exist_ok=True)
+    train = verify_train(ctx)
+    source, metrics = throughput_source(ctx, train, out)
+    perf = throughput(ctx, source, metrics)
+    drafter_dir = ctx.results / "train" / "drafter"
+    tau = evaluate_tau(ctx.spec, drafter_dir, ctx.spec.topology.targets[0], ctx.results)
+    report = {**perf, **run_facts(ctx, source), **training_curves(metrics),
+              "tau": tau.get("tau"), "acceptance": tau,
+              "drafter_dir": str(drafter_dir)}
+    return write_report(out, report, metrics, tau)
+
+
+def verify_train(ctx: StageContext) -> dict:
     tpath = ctx.results / "train" / "manifest.json"
     train = read_manifest(tpath, "train")
-    expect(train, tpath, {"env": ctx.env_fingerprint, "train": spec.fingerprint("train"),
-                          "shape": spec.fingerprint("warmup")})
-    bcfg = spec["bench"]
-    if bcfg["mode"] == "run":
-        from . import train as train_stage
+    expect(train, tpath, {"env": ctx.env_fingerprint, "train": ctx.spec.fingerprint("train"),
+                          "shape": ctx.spec.fingerprint("warmup")})
+    return train
 
-        run_dir = out / "run"
-        timed = train_stage.run(ctx, out=run_dir, persist=False,
-                                max_steps=bcfg["warmup_steps"] + bcfg["steps"])
-        source, metrics = timed, _read_metrics(run_dir / "metrics.jsonl")
-        metrics = metrics[bcfg["warmup_steps"]:]
-    else:
-        source, metrics = train, _read_metrics(ctx.results / "train" / "metrics.jsonl")
+
+def throughput_source(ctx: StageContext, train: dict, out: Path) -> tuple[dict, list[dict]]:
+    """The manifest and per-step metrics throughput is read from: the train stage's
+    (bench.mode train_metrics), or a fresh timed run's past its warm-up steps (bench.mode run)."""
+    b = ctx.spec.bench
+    if b.mode != "run":
+        return train, _read_metrics(ctx.results / "train" / "metrics.jsonl")
+    from .train import timed_run
+
+    timed = timed_run(ctx, out / "run", b.warmup_steps + b.steps)
+    return timed, _read_metrics(out / "run" / "metrics.jsonl")[b.warmup_steps:]
+
+
+def throughput(ctx: StageContext, source: dict, metrics: list[dict]) -> dict:
+    """Tokens/s, MFU (FLOPs from the configs and the tokens processed in the steady-state
+    window, against a peak measured on the first drafter device now), busy/wait per step."""
+    from ..spec import dtype_of
+    from ..target import hf_config
+    from ..topology import drafter_config
+
+    spec = ctx.spec
     steady = source["steady_state"]
-
-    # FLOPs from configs and the tokens actually processed in the steady-state window
-    tcfg, dcfg = hf_config(spec["target"]), drafter_config(spec)
+    tcfg, dcfg = hf_config(spec.target), drafter_config(spec)
     layers_run = max(dcfg.target_layer_ids) + 1
     skip = len(metrics) - steady["steps"] if steady.get("steps") else 0
     window = metrics[skip:] if metrics else []
-    ddtype = torch.float32 if spec["drafter"]["dtype"] == "float32" else torch.bfloat16
-    peak = measure_peak_flops(spec["topology"]["drafters"][0], ddtype)
+    peak = measure_peak_flops(spec.topology.drafters[0], dtype_of(spec.drafter.dtype))
     seconds = steady.get("seconds") or None
     busy, wait = source.get("busy_s", {}), source.get("wait_s", {})
     # share of each target thread's life spent computing, not waiting for work or for room in
@@ -256,15 +220,15 @@ def run(ctx: StageContext) -> dict:
     target_busy = [v / (v + wait.get(k, 0.0)) for k, v in busy.items()
                    if k.startswith("target") and v + wait.get(k, 0.0) > 0]
     n_run = max(1, (source.get("steps") or {}).get("run_now") or steady.get("steps") or 1)
-    n_t, n_d = len(spec["topology"]["targets"]), len(spec["topology"]["drafters"])
-    drafter_mfu_busy = None
+    n_t, n_d = len(spec.topology.targets), len(spec.topology.drafters)
+    on_cpu = all(d == "cpu" for d in spec.devices())
+    target_mfu = drafter_mfu = drafter_mfu_busy = None
     if window and seconds:
         ds_lengths = _doc_lengths_per_step(ctx, window)
         t_fl = sum(target_flops(tcfg, layers_run, d) for d in ds_lengths)
         # useful = labelled block positions (padded anchor slots are computed but not useful)
         d_fl = sum(drafter_flops_per_step(dcfg, m["tokens"], m["labelled"], m["labelled"])
                    for m in window)
-        on_cpu = all(d == "cpu" for d in spec.devices())
         # CPU workers share one socket: the peak is the machine's, not per worker
         t_peak = peak["flops_per_s"] * (1 if on_cpu else n_t)
         d_peak = peak["flops_per_s"] * (1 if on_cpu else n_d)
@@ -274,20 +238,14 @@ def run(ctx: StageContext) -> dict:
         d_busy = [v / n_run for k, v in busy.items() if k.startswith("drafter")]
         if d_busy and not on_cpu and sum(d_busy) > 0:
             drafter_mfu_busy = d_fl / (sum(d_busy) / len(d_busy) * len(window)) / d_peak
-    else:
-        target_mfu = drafter_mfu = None
-    drafter_dir = ctx.results / "train" / "drafter"
-    dev_eval = spec["topology"]["targets"][0]
-    tau = evaluate_tau(spec, drafter_dir, dev_eval, ctx.results)
-    report = {
-        "spec": spec.name, "mode": bcfg["mode"],
+    return {
         "tokens_per_s": steady.get("tokens_per_s"),
         "samples_per_s": (sum(m["samples"] for m in window[1:]) / seconds) if window and seconds
         else None,
         "target_mfu": target_mfu, "drafter_mfu": drafter_mfu,
         "drafter_mfu_while_busy": drafter_mfu_busy,
         "mfu_note": ("CPU: all workers share the machine; MFU is against the whole CPU's "
-                     "measured fp32 matmul peak" if all(d == "cpu" for d in spec.devices())
+                     "measured fp32 matmul peak" if on_cpu
                      else "per-GPU peak measured on the first drafter device × GPUs in role"),
         "peak": peak,
         "target_busy_fraction": (sum(target_busy) / len(target_busy)) if target_busy else None,
@@ -297,35 +255,54 @@ def run(ctx: StageContext) -> dict:
                       "steps": n_run,
                       "note": "busy: target forward (host-synced) / drafter fwd+bwd+optim "
                               "(CUDA events); wait: for inputs, room in queues, barriers"},
+    }
+
+
+def run_facts(ctx: StageContext, source: dict) -> dict:
+    """What the report is about: the spec, the gate, the topology, the environment."""
+    spec = ctx.spec
+    return {
+        "spec": spec.name, "mode": spec.bench.mode,
         "time_to_first_step_s": source.get("time_to_first_step_s"),
         "recompiles_after_warmup": source["gate"]["recompiles_after_warmup"],
         "race_errors": source["gate"]["race_errors"],
         "gate_wait_s": source["gate"]["shared_wait_s"] + source["gate"]["exclusive_wait_s"],
         "gate": "on" if source["gate"].get("enabled", True) else "off (DFLASH_GATE=off)",
         "final_loss": source.get("final_loss"),
-        # per block position k = 1..B-1, mean over the last 10 logged steps
-        "final_draft_acc": _last_draft_acc(metrics),
-        "tau_while_training": [{"step": m["step"], "tau": m["tau_heldout"]} for m in metrics
-                               if "tau_heldout" in m],
-        "tau": tau.get("tau"), "acceptance": tau,
-        "topology": {"targets": spec["topology"]["targets"],
-                     "drafters": spec["topology"]["drafters"]},
+        "topology": {"targets": spec.topology.targets,
+                     "drafters": spec.topology.drafters},
         "env": {k: ctx.env_manifest.get(k) for k in ("python", "torch", "transformers",
                                                      "triton", "cuda", "driver", "gpus")
                 if k in ctx.env_manifest},
         "fingerprints": {"env": ctx.env_fingerprint, "spec_train": spec.fingerprint("train"),
                          "spec_shape": spec.fingerprint("warmup"),
                          "spec_bench": spec.fingerprint("bench")},
-        "drafter_dir": str(drafter_dir),
     }
+
+
+def write_report(out: Path, report: dict, metrics: list[dict], tau: dict) -> dict:
+    """report.json, the plots, report.md (rendered from the package's template)."""
+    from jinja2 import Environment, FileSystemLoader, StrictUndefined
+
     report["plots"] = _plots(out, metrics, tau)
     atomic_write_json(out / "report.json", report)
-    env = Environment(loader=FileSystemLoader(Path(__file__).with_name("templates")),
+    env = Environment(loader=FileSystemLoader(Path(__file__).parents[1] / "templates"),
                       undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     md = env.get_template("report.md.j2").render(r=report, fmt=_fmt)
     atomic_write_text(out / "report.md", md)
     print(md, flush=True)
     return report
+
+
+def training_curves(metrics: list[dict]) -> dict:
+    """What the drafter learnt while training: draft accuracy at the end, τ on held-out prompts
+    along the way (when monitored)."""
+    return {
+        # per block position k = 1..B-1, mean over the last 10 logged steps
+        "final_draft_acc": _last_draft_acc(metrics),
+        "tau_while_training": [{"step": m["step"], "tau": m["tau_heldout"]} for m in metrics
+                               if "tau_heldout" in m],
+    }
 
 
 def _last_draft_acc(metrics: list[dict], last: int = 10) -> list[float | None] | None:
@@ -340,7 +317,7 @@ def _last_draft_acc(metrics: list[dict], last: int = 10) -> list[float | None] |
 
 
 def _doc_lengths_per_step(ctx, window: list[dict]) -> list[list[int]]:
-    from .data import load_dataset
+    from ..dataset import load_dataset
 
     ds = load_dataset(ctx.spec, ctx.results)
     length = dict(zip(ds.sample_ids, ds.lengths))

@@ -1,6 +1,6 @@
 """The data stage: prompts -> target-regenerated responses -> token ids (+ manifest).
 
-    python -m dflash.data specs/tiny.yaml            # writes results/tiny/data/
+    dflash data specs/tiny.yaml            # writes results/tiny/data/
 
 Output (``results/<spec>/data/``): ``dataset.parquet`` (one row per sample, sorted by
 ``sample_id``) and ``manifest.json``. Generation is split into fixed chunks of
@@ -26,20 +26,21 @@ from __future__ import annotations
 import json
 import queue
 import shutil
-import sys
 import threading
 import time
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .errors import DFlashError
-from .manifest import (atomic_path, atomic_write_json, expect, fingerprint, read_manifest,
-                       sha256_file, write_manifest)
-from .prompts import BadReport, Prompt, eval_overlap, load_prompts, normalize
+from ..dataset import DATASET
+from ..errors import DFlashError
+from ..generate import eos_ids_of, generate_batch, sample_seed
+from ..manifest import atomic_path, atomic_write_json, fingerprint, sha256_file, write_manifest
+from ..prompts import BadReport, Prompt, eval_overlap, load_prompts, normalize, render_prompt
+from . import StageContext
 
-DATASET = "dataset.parquet"
 SHARDS = "shards"
 SHARD_META = "meta.json"
 
@@ -63,46 +64,41 @@ class Sample:
 def _tokenizer(model: str):
     from transformers import AutoTokenizer
 
-    from .target import tokenizer_dir
+    from ..target import tokenizer_dir
 
     return AutoTokenizer.from_pretrained(tokenizer_dir(model))
-
-
-def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def build_samples(spec, tokenizer, data_dir: Path | None = None):
     """Load prompts (dropping over-long ones and any that overlap an evaluation set as bad
     records), render, expand. Returns (samples, combined report, prompts, per-source counts).
     """
-    d = spec["data"]
-    if d["source"] == SYNTHETIC:
+    d = spec.data
+    if d.source == SYNTHETIC:
         samples, report, prompts = synthetic_samples(spec)
         return samples, report, prompts, {SYNTHETIC: {"taken": len(prompts)}}
     rendered: dict[str, list[int]] = {}
 
     def reject(messages: list[dict]) -> str | None:
-        why = eval_overlap(messages, d["decontaminate_ngram"])
+        why = eval_overlap(messages, d.decontaminate_ngram)
         if why:
             return why
         key = json.dumps(messages, sort_keys=True)
         ids = rendered.get(key)
         if ids is None:
             ids = rendered[key] = render_prompt(tokenizer, messages)
-        if len(ids) > d["max_prompt_tokens"]:
+        if len(ids) > d.max_prompt_tokens:
             return "too_long"
         return None
 
-    if d["source"] is not None and d["source"] != SELF_WRITTEN:  # one source: as always
-        prompts, report = load_prompts(d["source"], d["max_prompts"], spec["seed"],
-                                       d["max_bad_fraction"], reject=reject)
-        per_source = {d["source"]: {"requested": d["max_prompts"], "taken": len(prompts),
+    if d.source is not None and d.source != SELF_WRITTEN:  # one source: as always
+        prompts, report = load_prompts(d.source, d.max_prompts, spec.seed,
+                                       d.max_bad_fraction, reject=reject)
+        per_source = {d.source: {"requested": d.max_prompts, "taken": len(prompts),
                                     **report.to_dict()}}
     else:
         prompts, report, per_source = _mix(spec, tokenizer, reject, data_dir)
-    spp = d["samples_per_prompt"]
+    spp = d.samples_per_prompt
     samples = []
     for p in prompts:
         ids = tuple(rendered[json.dumps(p.messages, sort_keys=True)])
@@ -120,25 +116,26 @@ def source_quotas(d) -> list[tuple[str, int]]:
     ``count`` entries get their count; the others share ``max_prompts`` minus the counts by
     ``weight`` (default 1; largest remainder, ties to the earlier entry).
     """
-    from .errors import SpecError
+    from ..errors import SpecError
+    from ..spec import SourceSpec
 
-    entries = d["sources"] or [{"source": d["source"], "count": d["max_prompts"]}]
+    entries = d.sources or (SourceSpec(source=d.source, count=d.max_prompts),)
     fixed = 0
     for i, e in enumerate(entries):
-        if e.get("count") is not None and e.get("weight") is not None:
+        if e.count is not None and e.weight is not None:
             raise SpecError(f"data.sources[{i}]: give 'count' or 'weight', not both")
-        if e["source"] == SYNTHETIC:
+        if e.source == SYNTHETIC:
             raise SpecError(f"data.sources[{i}]: 'synthetic' cannot be mixed (use data.source)")
-        fixed += e.get("count") or 0
-    if sum(e["source"] == SELF_WRITTEN for e in entries) > 1:
+        fixed += e.count or 0
+    if sum(e.source == SELF_WRITTEN for e in entries) > 1:
         raise SpecError("data.sources: list 'self-written' once (give it the whole count)")
-    rest = d["max_prompts"] - fixed
-    weighted = [(i, float(e.get("weight") or 1.0)) for i, e in enumerate(entries)
-                if e.get("count") is None]
+    rest = d.max_prompts - fixed
+    weighted = [(i, float(e.weight or 1.0)) for i, e in enumerate(entries)
+                if e.count is None]
     if rest < 0 or (weighted and rest == 0):
         raise SpecError(f"data.sources: the counts add up to {fixed}, "
                         f"{'more than' if rest < 0 else 'all of'} data.max_prompts "
-                        f"{d['max_prompts']}" + (", leaving none for the weighted entries"
+                        f"{d.max_prompts}" + (", leaving none for the weighted entries"
                                                  if rest == 0 else ""))
     share = {i: 0 for i, _ in weighted}
     if weighted:
@@ -148,7 +145,7 @@ def source_quotas(d) -> list[tuple[str, int]]:
         left = rest - sum(share.values())
         for i in sorted(exact, key=lambda i: (-(exact[i] - share[i]), i))[:left]:
             share[i] += 1
-    return [(e["source"], e.get("count") if e.get("count") is not None else share[i])
+    return [(e.source, e.count if e.count is not None else share[i])
             for i, e in enumerate(entries)]
 
 
@@ -171,7 +168,7 @@ def _mix(spec, tokenizer, reject, data_dir: Path | None):
     self-written prompts come last, so they are written to fill their count after dedup
     against everything else.
     """
-    d = spec["data"]
+    d = spec.data
     quotas = source_quotas(d)
     combined = BadReport(source="mix")
     per_source: dict[str, dict] = {}
@@ -180,7 +177,7 @@ def _mix(spec, tokenizer, reject, data_dir: Path | None):
     for i, (src, want) in enumerate(quotas):
         if src == SELF_WRITTEN or want == 0:
             continue
-        ps, rep = load_prompts(src, 10 ** 9, spec["seed"], d["max_bad_fraction"], reject=reject)
+        ps, rep = load_prompts(src, 10 ** 9, spec.seed, d.max_bad_fraction, reject=reject)
         take = []
         for p in ps:
             if len(take) == want:
@@ -217,47 +214,48 @@ def _name(src: str, i: int, taken: dict) -> str:
 
 def _self_written(spec, tokenizer, count: int, reject, seen: set[str], data_dir: Path | None):
     """``count`` prompts written by the target (dflash/self_written.py) with the data engine."""
-    from .generate import Engine, resolve_engine
-    from .self_written import write_prompts
-    from .target import load_target, target_fingerprint
+    from ..generate import Engine, resolve_engine
+    from ..self_written import write_prompts
+    from ..target import load_target, target_fingerprint
 
-    d = spec["data"]
-    sw = d["self_written"]
-    dev = spec["topology"]["targets"][0]
+    d = spec.data
+    sw = d.self_written
+    dev = spec.topology.targets[0]
     t0 = time.time()
-    tgt = load_target(spec["target"], dev, seed=spec["seed"])
+    tgt = load_target(spec.target, dev, seed=spec.seed)
     eos = eos_ids_of(tgt)
     pad = tgt.tokenizer.pad_token_id
     pad = eos[0] if pad is None else pad
-    engine = resolve_engine(d["engine"], tgt.model)
+    engine = resolve_engine(d.engine, tgt.model)
     holder: dict = {}
 
     def sample(prefix: list[int], seeds: list[int]) -> list[list[int]]:
         if engine == "hf":
             out = []
-            for j in range(0, len(seeds), d["gen_batch_size"]):
-                part = seeds[j:j + d["gen_batch_size"]]
-                out += generate_batch(tgt.model, [prefix] * len(part), sw["max_tokens"],
-                                      sw["temperature"], eos, pad, part)
+            for j in range(0, len(seeds), d.gen_batch_size):
+                part = seeds[j:j + d.gen_batch_size]
+                out += generate_batch(tgt.model, [prefix] * len(part), sw.max_tokens,
+                                      sw.temperature, eos, pad, part)
             return out
         if "engine" not in holder:  # one engine (one compile/capture) for every round
             holder["engine"] = Engine(
-                tgt.model, slots=min(d["gen_batch_size"], len(seeds)),
-                max_len=len(prefix) + sw["max_tokens"],
-                max_new_tokens=sw["max_tokens"], eos_ids=eos, temperature=sw["temperature"],
+                tgt.model, slots=min(d.gen_batch_size, len(seeds)),
+                max_len=len(prefix) + sw.max_tokens,
+                max_new_tokens=sw.max_tokens, eos_ids=eos, temperature=sw.temperature,
                 compile=_engine_compile(spec, dev))
         return holder["engine"].generate([prefix] * len(seeds), seeds)
 
-    ident = fingerprint({"target": target_fingerprint(spec["target"]), "engine": engine,
-                         "settings": sw, "eos": eos})
+    ident = fingerprint({"target": target_fingerprint(spec.target), "engine": engine,
+                         "settings": asdict(sw), "eos": eos})
     round_dir = (Path(data_dir) if data_dir is not None else Path(".")) / "self_written"
     prompts, rep = write_prompts(count, sample=sample, tokenizer=tokenizer, eos_ids=eos,
-                                 settings=sw, seed=spec["seed"], ident=ident,
+                                 settings=sw, seed=spec.seed, ident=ident,
                                  round_dir=round_dir, seen=seen, reject=reject, log=_log)
     rep.update(engine=engine, seconds=round(time.time() - t0, 2))
     _log(f"self-written: {len(prompts)} prompts from {rep['candidates']} candidates in "
          f"{rep['rounds']} round(s), {rep['seconds']}s")
-    del tgt, holder
+    tgt = None  # free the copy before the answers are generated
+    holder.clear()
     return prompts, rep
 
 
@@ -265,94 +263,6 @@ def make_chunks(samples: Sequence[Sample], chunk_size: int) -> list[list[Sample]
     """Fixed chunks: similar prompt lengths together (little left padding), ties by sample_id."""
     order = sorted(samples, key=lambda s: (len(s.prompt_ids), s.sample_id))
     return [order[i:i + chunk_size] for i in range(0, len(order), chunk_size)]
-
-
-# ---------------------------------------------------------------------------------------------
-# generation
-# ---------------------------------------------------------------------------------------------
-def eos_ids_of(target) -> list[int]:
-    ids = set()
-    for src in (target.tokenizer.eos_token_id,
-                getattr(getattr(target.model, "generation_config", None), "eos_token_id", None)):
-        if isinstance(src, int):
-            ids.add(src)
-        elif isinstance(src, (list, tuple)):
-            ids.update(int(x) for x in src)
-    if not ids:
-        raise DFlashError("target tokenizer has no eos token: generation could not stop")
-    return sorted(ids)
-
-
-def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                   temperature: float, eos_ids: Sequence[int], pad_id: int,
-                   seeds: Sequence[int] | None = None) -> list[list[int]]:
-    """Left-padded batched generation with a KV cache; each response ends at eos (inclusive).
-
-    Greedy when ``temperature == 0``; otherwise row ``i`` samples with its own generator seeded
-    with ``seeds[i]``.
-    """
-    import torch
-
-    device = next(model.parameters()).device
-    B, P = len(prompts), max(len(p) for p in prompts)
-    ids = torch.full((B, P), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, P), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, P - len(p):] = torch.tensor(list(p), dtype=torch.long)
-        attn[i, P - len(p):] = 1
-    ids, attn = ids.to(device), attn.to(device)
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    eos = torch.tensor(list(eos_ids), device=device)
-    gens = None
-    if temperature > 0:
-        gens = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
-    out = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
-    lengths = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)
-    done = torch.zeros(B, dtype=torch.bool, device=device)
-    cache_kw, cache = _new_cache(model)
-    step_ids, step_pos = ids, pos
-    with torch.inference_mode():
-        for t in range(max_new_tokens):
-            res = model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos,
-                        use_cache=True, logits_to_keep=1, **{cache_kw: cache})
-            logits = res.logits[:, -1].float()
-            if gens is None:
-                nxt = logits.argmax(-1)
-            else:
-                probs = torch.softmax(logits / temperature, dim=-1)
-                nxt = torch.cat([torch.multinomial(probs[i], 1, generator=gens[i])
-                                 for i in range(B)])
-            nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
-            out[:, t] = nxt
-            hit = torch.isin(nxt, eos) & ~done
-            lengths = torch.where(hit, torch.full_like(lengths, t + 1), lengths)
-            done |= hit
-            if bool(done.all()):
-                break
-            step_ids = nxt[:, None]
-            step_pos = step_pos[:, -1:] + 1
-            attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=device)], -1)
-    out, lengths = out.cpu(), lengths.cpu()
-    return [out[i, :int(lengths[i])].tolist() for i in range(B)]
-
-
-def _new_cache(model):
-    """A KV cache the model fills in place; its kwarg is ``cache`` (transformers >= 5.2x) or
-    ``past_key_values`` (older)."""
-    import inspect
-
-    from transformers import DynamicCache
-
-    params = inspect.signature(model.forward).parameters
-    kw = "cache" if "cache" in params else "past_key_values"
-    try:
-        return kw, DynamicCache(config=model.config)
-    except TypeError:
-        return kw, DynamicCache()
-
-
-def sample_seed(seed: int, sample_id: int) -> int:
-    return int(fingerprint(["sample", seed, sample_id]), 16) & ((1 << 63) - 1)
 
 
 def _schema():
@@ -433,29 +343,30 @@ def _stats(values: list[int]) -> dict:
             "min": min(values, default=0), "max": max(values, default=0), "total": sum(values)}
 
 
-def run(spec, results_dir: Path, on_shard: Callable[[int, Path], None] | None = None) -> dict:
-    """Build (or resume) ``results_dir/data``; returns the manifest.
+def run(ctx: StageContext, on_shard: Callable[[int, Path], None] | None = None) -> dict:
+    """Build (or resume) ``results/<spec>/data``; returns the manifest.
 
     ``on_shard(chunk_index, path)`` is called after each shard is written (tests use it to
     simulate an interruption).
     """
-    from .target import target_fingerprint
+    from ..target import target_fingerprint
 
+    spec = ctx.spec
     t0 = time.time()
-    d = spec["data"]
-    data_dir = Path(results_dir) / "data"
+    d = spec.data
+    data_dir = ctx.results / "data"
     shard_dir = data_dir / SHARDS
-    fingerprints = {"data": spec.fingerprint("data"), "target": target_fingerprint(spec["target"])}
+    fingerprints = {"data": spec.fingerprint("data"), "target": target_fingerprint(spec.target)}
 
-    tokenizer = None if d["source"] == SYNTHETIC else _tokenizer(spec["target"]["model"])
+    tokenizer = None if d.source == SYNTHETIC else _tokenizer(spec.target.model)
     samples, report, prompts, per_source = build_samples(spec, tokenizer, data_dir)
-    chunks = make_chunks(samples, d["gen_batch_size"])
+    chunks = make_chunks(samples, d.gen_batch_size)
     plan_fp = fingerprint([[s.sample_id, list(s.prompt_ids)] for c in chunks for s in c])
     meta = {"fingerprints": fingerprints, "plan": plan_fp}
-    _log(f"{len(prompts)} prompts from {d['source'] or ', '.join(per_source)} "
+    _log(f"{len(prompts)} prompts from {d.source or ', '.join(per_source)} "
          f"({report.total} records, {report.bad} bad "
          f"{dict(report.counts)}, {report.duplicates} duplicates) -> {len(samples)} samples in "
-         f"{len(chunks)} chunks of <= {d['gen_batch_size']}")
+         f"{len(chunks)} chunks of <= {d.gen_batch_size}")
 
     done = _prepare_shards(shard_dir, meta, chunks)
     todo = [(i, c) for i, c in enumerate(chunks) if c[0].sample_id not in done]
@@ -477,9 +388,9 @@ SYNTHETIC = "synthetic"
 
 
 def _synthetic_vocab_eos(spec) -> tuple[int, int]:
-    from .target import hf_config
+    from ..target import hf_config
 
-    cfg = hf_config(spec["target"])
+    cfg = hf_config(spec.target)
     eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else 2
     return cfg.vocab_size, eos
 
@@ -493,19 +404,19 @@ def synthetic_samples(spec):
     """
     import random
 
-    from .prompts import BadReport
+    from ..prompts import BadReport
 
-    d = spec["data"]
+    d = spec.data
     vocab, _ = _synthetic_vocab_eos(spec)
     samples = []
-    for pid in range(d["max_prompts"]):
-        rnd = random.Random(f"synthetic-prompt:{spec['seed']}:{pid}")
-        n = rnd.randint(max(1, d["max_prompt_tokens"] // 2), d["max_prompt_tokens"])
+    for pid in range(d.max_prompts):
+        rnd = random.Random(f"synthetic-prompt:{spec.seed}:{pid}")
+        n = rnd.randint(max(1, d.max_prompt_tokens // 2), d.max_prompt_tokens)
         ids = tuple(rnd.randrange(5, vocab) for _ in range(n))
-        for k in range(d["samples_per_prompt"]):
-            samples.append(Sample(pid * d["samples_per_prompt"] + k, pid, k, ids))
-    return samples, BadReport(source=SYNTHETIC, total=d["max_prompts"]), list(
-        range(d["max_prompts"]))
+        for k in range(d.samples_per_prompt):
+            samples.append(Sample(pid * d.samples_per_prompt + k, pid, k, ids))
+    return samples, BadReport(source=SYNTHETIC, total=d.max_prompts), list(
+        range(d.max_prompts))
 
 
 def synthetic_responses(spec, samples) -> tuple[list[list[int]], int]:
@@ -513,10 +424,10 @@ def synthetic_responses(spec, samples) -> tuple[list[list[int]], int]:
     import random
 
     vocab, eos = _synthetic_vocab_eos(spec)
-    n = spec["data"]["max_new_tokens"]
+    n = spec.data.max_new_tokens
     out = []
     for s in samples:
-        rnd = random.Random(sample_seed(spec["seed"], s.sample_id))
+        rnd = random.Random(sample_seed(spec.seed, s.sample_id))
         length = rnd.randint(max(1, n // 2), n)
         out.append([rnd.randrange(5, vocab) for _ in range(length - 1)] + [eos])
     return out, eos
@@ -527,7 +438,7 @@ def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int, on_shard
     info: dict = {"seconds": 0.0, "new_tokens": 0, "engine": None, "engines": {}}
     if not todo:
         return info
-    if spec["data"]["source"] == SYNTHETIC:
+    if spec.data.source == SYNTHETIC:
         import pyarrow.parquet as pq
 
         for chunk, samples in todo:
@@ -538,29 +449,28 @@ def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int, on_shard
         _log(f"synthetic responses for {sum(len(c) for _, c in todo)} samples")
         info["engine"] = SYNTHETIC
         return info
-    from .generate import resolve_engine
-    from .target import load_target
+    from ..generate import resolve_engine
+    from ..target import load_target
 
-    d = spec["data"]
-    devices = list(spec["topology"]["targets"])[:len(todo)]
+    d = spec.data
+    devices = list(spec.topology.targets)[:len(todo)]
     t_load = time.time()
-    targets = [load_target(spec["target"], dev, seed=spec["seed"]) for dev in devices]
+    targets = [load_target(spec.target, dev, seed=spec.seed) for dev in devices]
     _log(f"loaded {len(targets)} target cop{'y' if len(targets) == 1 else 'ies'} on "
          f"{', '.join(devices)} in {time.time() - t_load:.1f}s")
     eos = eos_ids_of(targets[0])
     pad = targets[0].tokenizer.pad_token_id
     pad = eos[0] if pad is None else pad
-    engine = resolve_engine(d["engine"], targets[0].model)
+    engine = resolve_engine(d.engine, targets[0].model)
     info["engine"] = engine
     # the fast engine's cache holds the longest prompt still to generate + max_new_tokens
-    max_len = max(len(s.prompt_ids) for _, c in todo for s in c) + d["max_new_tokens"]
+    max_len = max(len(s.prompt_ids) for _, c in todo for s in c) + d.max_new_tokens
     n_todo = sum(len(c) for _, c in todo)  # no more slots than samples (idle slots cost steps)
 
     work: queue.Queue = queue.Queue()
     for item in todo:
         work.put(item)
     stop = threading.Event()
-    errors: list[BaseException] = []
     lock = threading.Lock()
     progress = {"chunks": resumed, "new_tokens": 0, "logged": 0.0, "setup": 0.0}
     t0 = time.time()
@@ -602,17 +512,17 @@ def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int, on_shard
         while (item := next_chunk()) is not None:
             chunk, samples = item
             tc = time.time()
-            seeds = [sample_seed(spec["seed"], s.sample_id) for s in samples]
+            seeds = [sample_seed(spec.seed, s.sample_id) for s in samples]
             responses = generate_batch(target.model, [s.prompt_ids for s in samples],
-                                       d["max_new_tokens"], d["temperature"], eos, pad, seeds)
+                                       d.max_new_tokens, d.temperature, eos, pad, seeds)
             write_shard(dev, chunk, samples, responses, tc)
 
     def fast_worker(dev: str, target) -> None:
-        from .generate import Engine
+        from ..generate import Engine
 
-        eng = Engine(target.model, slots=min(d["gen_batch_size"], n_todo), max_len=max_len,
-                     max_new_tokens=d["max_new_tokens"], eos_ids=eos,
-                     temperature=d["temperature"], compile=_engine_compile(spec, dev))
+        eng = Engine(target.model, slots=min(d.gen_batch_size, n_todo), max_len=max_len,
+                     max_new_tokens=d.max_new_tokens, eos_ids=eos,
+                     temperature=d.temperature, compile=_engine_compile(spec, dev))
         t_prep = time.time()
         eng._prepare()
         prep = time.time() - t_prep
@@ -625,7 +535,7 @@ def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int, on_shard
                 chunk, samples = item
                 open_chunks[chunk] = (samples, {}, time.time())
                 for s in samples:
-                    yield (chunk, s.sample_id), s.prompt_ids, sample_seed(spec["seed"],
+                    yield (chunk, s.sample_id), s.prompt_ids, sample_seed(spec.seed,
                                                                           s.sample_id)
 
         for (chunk, sid), tokens in eng.stream(feed()):
@@ -646,24 +556,20 @@ def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int, on_shard
     def worker(dev: str, target) -> None:
         try:
             (fast_worker if engine == "fast" else hf_worker)(dev, target)
-        except BaseException as e:  # noqa: BLE001 - handed to the main thread
-            errors.append(e)
-            stop.set()
+        except BaseException:
+            stop.set()  # the other workers stop after their current chunk
+            raise
 
-    threads = [threading.Thread(target=worker, args=(dev, tgt), name=f"gen-{i}-{dev}",
-                                daemon=True)
-               for i, (dev, tgt) in enumerate(zip(devices, targets))]
-    for t in threads:
-        t.start()
-    try:
-        for t in threads:
-            while t.is_alive():
-                t.join(0.5)
-    except BaseException:
-        stop.set()  # Ctrl-C: finished shards stay; the rerun resumes from them
-        raise
-    if errors:
-        raise errors[0]
+    # one worker thread per target copy; the first error (or Ctrl-C) stops them all, finished
+    # shards stay and the rerun resumes from them
+    with ThreadPoolExecutor(max_workers=len(devices), thread_name_prefix="gen") as pool:
+        futures = [pool.submit(worker, dev, tgt) for dev, tgt in zip(devices, targets)]
+        try:
+            for f in as_completed(futures):
+                f.result()
+        except BaseException:
+            stop.set()
+            raise
     info["seconds"] = time.time() - t0 - progress["setup"]  # compile + capture apart
     info["new_tokens"] = progress["new_tokens"]
     return info
@@ -674,7 +580,7 @@ def _engine_compile(spec, device: str):
     on CPU it runs eager (a compile would cost more than the few hundred steps it saves)."""
     if not device.startswith("cuda"):
         return False
-    backend = spec["compile"]["backend"]
+    backend = spec.compile.backend
     return False if backend == "eager" else backend
 
 
@@ -699,7 +605,7 @@ def _write(spec, data_dir: Path, table, fingerprints, plan_fp, report, prompts, 
            resumed, gen: dict, seconds, per_source: dict) -> dict:
     import pyarrow.parquet as pq
 
-    d = spec["data"]
+    d = spec.data
     out = data_dir / DATASET
     with atomic_path(out) as tmp:
         pq.write_table(table, tmp)
@@ -708,7 +614,7 @@ def _write(spec, data_dir: Path, table, fingerprints, plan_fp, report, prompts, 
     eos_stops = sum(table["stopped_at_eos"].to_pylist())
     return write_manifest(
         data_dir / "manifest.json", "data", fingerprints=fingerprints,
-        source=d["source"] or "mix",
+        source=d.source or "mix",
         sources=per_source,
         counts={"prompts": len(prompts), "samples": table.num_rows,
                 "stopped_at_eos": eos_stops, "hit_max_new_tokens": table.num_rows - eos_stops,
@@ -716,13 +622,13 @@ def _write(spec, data_dir: Path, table, fingerprints, plan_fp, report, prompts, 
         tokens={"prompt": _stats(p_tok), "response": _stats(r_tok),
                 "sequence_max": max(p + r for p, r in zip(p_tok, r_tok)),
                 "total_tokens": sum(p_tok) + sum(r_tok)},
-        generation={"max_new_tokens": d["max_new_tokens"], "temperature": d["temperature"],
-                    "samples_per_prompt": d["samples_per_prompt"],
-                    "gen_batch_size": d["gen_batch_size"],
-                    "max_prompt_tokens": d["max_prompt_tokens"],
-                    "devices": list(spec["topology"]["targets"]), "chunks": len(chunks),
+        generation={"max_new_tokens": d.max_new_tokens, "temperature": d.temperature,
+                    "samples_per_prompt": d.samples_per_prompt,
+                    "gen_batch_size": d.gen_batch_size,
+                    "max_prompt_tokens": d.max_prompt_tokens,
+                    "devices": list(spec.topology.targets), "chunks": len(chunks),
                     "chunks_resumed": resumed, "plan": plan_fp,
-                    "engine_requested": d["engine"], "engine": gen["engine"],
+                    "engine_requested": d.engine, "engine": gen["engine"],
                     "engine_settings": gen["engines"],
                     "generate_seconds": round(gen["seconds"], 2),
                     "new_tokens_generated": gen["new_tokens"],
@@ -730,71 +636,7 @@ def _write(spec, data_dir: Path, table, fingerprints, plan_fp, report, prompts, 
                     # compile excluded (engine_settings.*.setup_seconds)
                     "new_tokens_per_second": round(gen["new_tokens"] / gen["seconds"], 2)
                     if gen["seconds"] else None},
-        seed=spec["seed"],
+        seed=spec.seed,
         dataset={"path": DATASET, "rows": table.num_rows, "sha256": sha256_file(out)},
         seconds=round(seconds, 2),
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# reading the dataset (train stage)
-# ---------------------------------------------------------------------------------------------
-class TokenDataset:
-    """The verified dataset: ``lengths[i]`` and ``sample(i) -> (sample_id, input_ids, loss_mask)``."""
-
-    def __init__(self, table, manifest: dict):
-        self.manifest = manifest
-        self.sample_ids: list[int] = table["sample_id"].to_pylist()
-        self.input_ids: list[list[int]] = table["input_ids"].to_pylist()
-        self.loss_mask: list[list[int]] = table["loss_mask"].to_pylist()
-        self.lengths = [len(x) for x in self.input_ids]
-
-    def __len__(self) -> int:
-        return len(self.sample_ids)
-
-    def sample(self, i: int) -> tuple[int, list[int], list[int]]:
-        return self.sample_ids[i], self.input_ids[i], self.loss_mask[i]
-
-
-def load_dataset(spec, results_dir: Path) -> TokenDataset:
-    """Read ``results_dir/data``, refusing a stale (other spec/target) or modified dataset."""
-    import pyarrow.parquet as pq
-
-    from .target import target_fingerprint
-
-    data_dir = Path(results_dir) / "data"
-    mpath = data_dir / "manifest.json"
-    manifest = read_manifest(mpath, "data")
-    expect(manifest, mpath, {"data": spec.fingerprint("data"),
-                             "target": target_fingerprint(spec["target"])})
-    path = data_dir / manifest["dataset"]["path"]
-    if not path.is_file():
-        raise DFlashError(f"{path}: missing dataset; rerun the data stage")
-    found = sha256_file(path)
-    if found != manifest["dataset"]["sha256"]:
-        raise DFlashError(f"{path}: stale artifact — field 'dataset.sha256' expected "
-                          f"{manifest['dataset']['sha256']!r}, found {found!r}; rerun the data "
-                          f"stage")
-    return TokenDataset(pq.read_table(path), manifest)
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    from .spec import load_spec
-
-    ap = argparse.ArgumentParser(prog="python -m dflash.data", description=__doc__.split("\n")[0])
-    ap.add_argument("spec", help="specs/<name>.yaml")
-    ap.add_argument("--results", default="results", help="results root (default: results)")
-    args = ap.parse_args(argv)
-    try:
-        spec = load_spec(args.spec, check_devices_present=True)
-        run(spec, Path(args.results) / spec.name)
-    except DFlashError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
 """``dflash audit``: pinned vs live environment versions; exit 0 = no drift, 1 = drift, 2 = bad input.
 
-    python -m dflash.audit results/<spec>/env/manifest.json   # against what the env stage recorded
-    python -m dflash.audit --lock envs/cpu-py311.lock          # against a lock (+ its -nodeps lock)
+    dflash audit results/<spec>/env/manifest.json   # against what the env stage recorded
+    dflash audit --lock envs/cpu-py311.lock          # against a lock (+ its -nodeps lock)
     ... [--json] [--python PATH]
 
 With a manifest, the interpreter audited is the one the env stage recorded (the build-mode venv, or
@@ -15,10 +15,11 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import DFlashError
-from .envstage import (STACK_KEYS, diff_manifest, diff_pins, key_stack, live_env, locked_pins,
-                       version_matches)
-from .manifest import read_manifest
+from ..errors import DFlashError
+from ..manifest import read_manifest
+from .drift import diff_manifest, diff_pins
+from .facts import STACK_KEYS, key_stack, live_env
+from .lock import locked_pins, version_matches
 
 _LABELS = {"python": "python", "torch": "torch", "cuda": "CUDA (torch.version.cuda)",
            "cudnn": "cuDNN", "nccl": "NCCL", "triton": "triton", "transformers": "transformers",
@@ -177,6 +178,3 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 1 if r["drift"] else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

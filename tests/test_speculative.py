@@ -4,7 +4,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dflash.model import DFlashConfig, DFlashDrafter
-from dflash.spec_decode import speculative_generate, target_greedy
+from dflash.speculative import speculative_generate, target_greedy
 
 V, MASK, P = 96, 95, 9
 

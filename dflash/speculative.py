@@ -20,7 +20,6 @@ tests check both give the same drafts).
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -43,11 +42,6 @@ class SpecResult:
 def _embed(embed, ids: torch.Tensor) -> torch.Tensor:
     """``embed`` may be the target's embedding module or its weight tensor."""
     return F.embedding(ids, embed) if isinstance(embed, torch.Tensor) else embed(ids)
-
-
-def _cache_kw(target) -> str:
-    """transformers 5.2x renamed ``past_key_values`` to ``cache``; accept either."""
-    return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
 
 
 def _crop(cache, length: int) -> None:
@@ -75,12 +69,11 @@ def _first_stop(tokens: list[int], stops: frozenset[int]) -> int:
 def target_greedy(target, prompt_ids: torch.Tensor, max_new_tokens: int,
                   eos_id: int | Iterable[int] | None = None) -> list[int]:
     """Plain greedy decoding, one token per target forward, with the KV cache."""
-    from transformers import DynamicCache
+    from .target import kv_cache
 
     ids = prompt_ids.reshape(1, -1)
     stops = _stop_set(eos_id)
-    cache = DynamicCache(config=target.config)
-    kw = _cache_kw(target)
+    kw, cache = kv_cache(target)
     out = target(input_ids=ids, use_cache=True, logits_to_keep=1, **{kw: cache})
     tokens: list[int] = []
     while True:
@@ -160,7 +153,7 @@ def speculative_generate(target, drafter: DFlashDrafter | None, cfg: DFlashConfi
     it to inject perfect or corrupted drafts); by default :func:`draft_block` with ``drafter``,
     reading its context from a :class:`DrafterCache` (``use_drafter_cache``) or recomputing it.
     """
-    from transformers import DynamicCache
+    from .target import kv_cache
 
     B = cfg.block_size
     ids = prompt_ids.reshape(1, -1)
@@ -173,8 +166,7 @@ def speculative_generate(target, drafter: DFlashDrafter | None, cfg: DFlashConfi
             return draft_block(drafter, cfg, embed, lm_head_weight, anchor, anchor_pos,
                                features, dcache)
 
-    cache = DynamicCache(config=target.config)
-    kw = _cache_kw(target)
+    kw, cache = kv_cache(target)
     out = target(input_ids=ids, use_cache=True, output_hidden_states=True, logits_to_keep=1,
                  **{kw: cache})
     step = extract_features(out.hidden_states, cfg.target_layer_ids)     # [1, P, n*H]

@@ -10,29 +10,30 @@ from __future__ import annotations
 
 import time
 
-from .manifest import write_manifest
-from .stage import StageContext, compile_cache_dir
+from ..manifest import write_manifest
+from ..cache import compile_cache_dir
+from . import StageContext
 
 
 def run(ctx: StageContext) -> dict:
-    from .gate import get_gate
-    from .spec import dtype_of
-    from .topology import buckets, drafter_config, initial_state, make_replicas, warm_all, \
-        warm_target_attention
+    from ..gate import get_gate
+    from ..spec import dtype_of
+    from ..topology import buckets, drafter_config, initial_state, make_replicas
+    from ..warm import warm_all, warm_target_attention
 
     spec = ctx.spec
     cache = compile_cache_dir(ctx.env_fingerprint)
     t0 = time.perf_counter()
     cfg = drafter_config(spec)
     feat_width = len(cfg.target_layer_ids) * cfg.hidden_size
-    replicas = make_replicas(spec, cfg, initial_state(cfg, spec["seed"]), total_steps=1000)
+    replicas = make_replicas(spec, cfg, initial_state(cfg, spec.seed), total_steps=1000)
 
     def log(rec: dict) -> None:
         who = f"replica {rec['replica']}" if "replica" in rec else "target"
         print(f"[warmup] {rec['callable']} on {rec['device']} ({who}) "
               f"bucket {rec['bucket']}: {rec['seconds']:.1f}s", flush=True)
 
-    records = warm_all(replicas, buckets(spec), feat_width, dtype_of(spec["target"]["dtype"]),
+    records = warm_all(replicas, buckets(spec), feat_width, dtype_of(spec.target.dtype),
                        optimizer_step=True, log=log)
     # the target's flex attention per (target device, bucket): CUDA only (CPU targets use SDPA)
     records += warm_target_attention(spec, buckets(spec), log=log)

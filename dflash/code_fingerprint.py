@@ -1,0 +1,119 @@
+"""What code a stage runs, computed: its module's import closure inside ``dflash/`` plus the
+package data those modules read. Snakemake makes its content hash a rule param, so an edit
+reruns exactly the stages that run the edited file.
+
+Computed, not listed by hand: a hand-kept list drifts (it once named a module that did not exist,
+missed the report template, and left warmup unaware of the scheduler's dynamo settings).
+
+* Imports are read from the source (``ast``), at any depth: the stages import heavy modules
+  inside functions, and those count like top-level ones. Only ``dflash.*`` modules are followed;
+  dynamic imports (``importlib.import_module(name)``) are not, which is what keeps the CLI's
+  dispatch table from pulling every stage into every other.
+* Package data (any non-Python file under ``dflash/``) belongs to a module that names the file or
+  one of its folders in a string literal: ``Path(__file__).with_name("templates")`` reads every
+  template, ``"spec.schema.yaml"`` the schema. Naming a folder over-approximates, never misses.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from .manifest import fingerprint, sha256_file
+
+PACKAGE = "dflash"
+PACKAGE_DIR = Path(__file__).resolve().parent
+ENTRY_MODULES = ("dflash.__main__", "dflash.cli")  # `python -m dflash <stage>` runs these too
+
+
+def module_file(name: str, root: Path = PACKAGE_DIR) -> Path | None:
+    """``dflash.a.b`` -> ``root/a/b.py`` or ``root/a/b/__init__.py`` (None: not a module here)."""
+    parts = name.split(".")[1:]
+    base = root.joinpath(*parts)
+    for cand in (base.with_suffix(".py") if parts else None, base / "__init__.py"):
+        if cand is not None and cand.is_file():
+            return cand
+    return None
+
+
+def _package_of(name: str, path: Path) -> str:
+    return name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+
+def _parse(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+
+
+def imported_modules(name: str, root: Path = PACKAGE_DIR) -> set[str]:
+    """The ``dflash.*`` modules that module ``name`` imports anywhere in its source."""
+    path = module_file(name, root)
+    if path is None:
+        return set()
+    pkg = _package_of(name, path)
+    out: set[str] = set()
+    for node in ast.walk(_parse(path)):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".")
+                base = base[:len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            out.add(mod)
+            # `from . import checkpoint` imports a module, `from .x import f` a name
+            out.update(f"{mod}.{a.name}" for a in node.names)
+    return {m for m in out if (m == PACKAGE or m.startswith(PACKAGE + "."))
+            and module_file(m, root) is not None}
+
+
+def _with_parents(name: str) -> list[str]:
+    """Importing ``dflash.a.b`` runs ``dflash/__init__``, ``dflash/a/__init__`` and ``a/b``."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+
+def import_closure(roots: tuple[str, ...], root: Path = PACKAGE_DIR) -> set[str]:
+    seen: set[str] = set()
+    todo = [p for r in roots for p in _with_parents(r)]
+    while todo:
+        m = todo.pop()
+        if m in seen or module_file(m, root) is None:
+            continue
+        seen.add(m)
+        for dep in imported_modules(m, root):
+            todo.extend(_with_parents(dep))
+    return seen
+
+
+def _string_literals(path: Path) -> set[str]:
+    return {n.value for n in ast.walk(_parse(path))
+            if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+
+
+def package_data(root: Path = PACKAGE_DIR) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.suffix not in (".py", ".pyc")
+                  and "__pycache__" not in p.parts)
+
+
+def data_read_by(modules: set[str], root: Path = PACKAGE_DIR) -> set[Path]:
+    names: set[str] = set()
+    for m in modules:
+        names |= _string_literals(module_file(m, root))
+    return {p for p in package_data(root)
+            if names & ({p.name} | set(p.relative_to(root).parent.parts))}
+
+
+def stage_files(stage: str, root: Path = PACKAGE_DIR) -> tuple[Path, ...]:
+    """Every file under ``root`` that the ``dflash <stage>`` command runs or reads."""
+    mods = import_closure((f"{PACKAGE}.stages.{stage}",) + ENTRY_MODULES, root)
+    files = {module_file(m, root) for m in mods} | data_read_by(mods, root)
+    return tuple(sorted(files))
+
+
+def stage_code_fingerprint(stage: str, root: str | Path = PACKAGE_DIR) -> str:
+    """Content hash of :func:`stage_files` (paths relative to the package, so a copy of the
+    workflow elsewhere gets the same value)."""
+    root = Path(root).resolve()
+    return fingerprint({str(p.relative_to(root)): sha256_file(p)
+                        for p in stage_files(stage, root)})

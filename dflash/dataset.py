@@ -1,0 +1,49 @@
+"""The dataset the data stage made (``results/<spec>/data/dataset.parquet``), as training reads it:
+verified against its manifest (same spec fields and target, same sha256) before any row is read."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .errors import DFlashError
+from .manifest import expect, read_manifest, sha256_file
+
+DATASET = "dataset.parquet"
+
+
+class TokenDataset:
+    """The verified dataset: ``lengths[i]`` and ``sample(i) -> (sample_id, input_ids, loss_mask)``."""
+
+    def __init__(self, table, manifest: dict):
+        self.manifest = manifest
+        self.sample_ids: list[int] = table["sample_id"].to_pylist()
+        self.input_ids: list[list[int]] = table["input_ids"].to_pylist()
+        self.loss_mask: list[list[int]] = table["loss_mask"].to_pylist()
+        self.lengths = [len(x) for x in self.input_ids]
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    def sample(self, i: int) -> tuple[int, list[int], list[int]]:
+        return self.sample_ids[i], self.input_ids[i], self.loss_mask[i]
+
+
+def load_dataset(spec, results_dir: Path) -> TokenDataset:
+    """Read ``results_dir/data``, refusing a stale (other spec/target) or modified dataset."""
+    import pyarrow.parquet as pq
+
+    from .target import target_fingerprint
+
+    data_dir = Path(results_dir) / "data"
+    mpath = data_dir / "manifest.json"
+    manifest = read_manifest(mpath, "data")
+    expect(manifest, mpath, {"data": spec.fingerprint("data"),
+                             "target": target_fingerprint(spec.target)})
+    path = data_dir / manifest["dataset"]["path"]
+    if not path.is_file():
+        raise DFlashError(f"{path}: missing dataset; rerun the data stage")
+    found = sha256_file(path)
+    if found != manifest["dataset"]["sha256"]:
+        raise DFlashError(f"{path}: stale artifact — field 'dataset.sha256' expected "
+                          f"{manifest['dataset']['sha256']!r}, found {found!r}; rerun the data "
+                          f"stage")
+    return TokenDataset(pq.read_table(path), manifest)

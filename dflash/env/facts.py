@@ -1,0 +1,157 @@
+"""Live facts of an interpreter: every installed package, the key stack (python, torch, CUDA,
+cuDNN, NCCL, triton, transformers, NVIDIA driver, GPU names) and the devices present.
+
+One self-contained, stdlib-only collector (:func:`_collect_facts`), run in-process or, by its
+source, in another interpreter (a build-mode venv).
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from ..manifest import fingerprint
+from .lock import LockError
+
+STACK_KEYS = ("python", "torch", "cuda", "cudnn", "nccl", "triton", "transformers", "driver", "gpus")
+PROBE_ONLY = ("cudnn", "nccl")            # known only after `import torch`
+
+
+def _collect_facts(probe_torch: bool = True, allow_subprocess: bool = True) -> dict:
+    import glob
+    import importlib.metadata as md
+    import os
+    import platform
+    import re
+    import shutil
+    import subprocess
+    import sys
+
+    pkgs: dict = {}
+    # not vendored copies: importing setuptools (inductor's CPU C++ builder does, mid-compile)
+    # appends setuptools/_vendor to sys.path, and the same process must report the same env
+    search = [p for p in sys.path if os.path.basename(os.path.normpath(p)) != "_vendor"]
+    for d in md.distributions(path=search):     # sys.path order: the first one is what imports
+        try:
+            name = d.metadata["Name"]
+        except Exception:
+            name = None
+        if name:
+            pkgs.setdefault(re.sub(r"[-_.]+", "-", name).lower(), d.version)
+    torch = {"version": pkgs.get("torch"), "cuda": None, "cudnn": None, "nccl": None,
+             "probed": False, "cuda_available": None}
+    if torch["version"]:
+        try:        # torch.__version__ / torch.version.cuda without importing torch: wheel
+            #         metadata may say 2.11.0 where torch.__version__ says 2.11.0+cu130 (PyPI CUDA
+            #         wheels), so read torch/version.py, the file torch.__version__ comes from
+            src = open(md.distribution("torch").locate_file("torch/version.py")).read()
+            for key, field in (("__version__", "version"), ("cuda", "cuda")):
+                m = re.search(r"^%s\s*(?::[^=]*)?=\s*['\"]([^'\"]+)['\"]" % key, src, re.M)
+                if m or field == "cuda":
+                    torch[field] = m.group(1) if m else None
+        except Exception:
+            pass
+        if probe_torch or "torch" in sys.modules:
+            try:
+                import torch as t
+                torch.update(version=t.__version__, cuda=t.version.cuda, probed=True)
+                try:
+                    torch["cudnn"] = t.backends.cudnn.version()
+                except Exception:
+                    pass
+                torch["cuda_available"] = bool(t.cuda.is_available())
+                if torch["cuda_available"]:
+                    try:
+                        v = t.cuda.nccl.version()
+                        torch["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+                    except Exception:
+                        pass
+            except Exception as e:              # a broken torch is a fact worth recording
+                torch["error"] = f"{type(e).__name__}: {e}"
+    driver, gpus = None, []
+    try:
+        txt = open("/proc/driver/nvidia/version").read()
+        m = re.search(r"Kernel Module.*?\s(\d+\.\d+(?:\.\d+)?)\s", txt)
+        driver = m.group(1) if m else None
+        for info in sorted(glob.glob("/proc/driver/nvidia/gpus/*/information")):
+            m = re.search(r"^Model:\s*(.+)$", open(info).read(), re.M)
+            if m:
+                gpus.append(m.group(1).strip())
+    except OSError:
+        pass
+    if (driver is None or not gpus) and allow_subprocess and shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,name",
+                                  "--format=csv,noheader"], capture_output=True, text=True,
+                                 timeout=30).stdout
+            rows = [r.split(",", 1) for r in out.strip().splitlines() if "," in r]
+            if rows:
+                driver = driver or rows[0][0].strip()
+                gpus = gpus or [r[1].strip() for r in rows]
+        except Exception:
+            pass
+    return {
+        "interpreter": sys.executable, "prefix": sys.prefix, "base_prefix": sys.base_prefix,
+        "python": platform.python_version(), "implementation": platform.python_implementation(),
+        "platform": platform.platform(), "machine": platform.machine(), "system": platform.system(),
+        "sys_platform": sys.platform, "packages": dict(sorted(pkgs.items())), "torch": torch,
+        "nvidia": {"driver": driver, "gpus": gpus},
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    }
+
+
+def _same_interpreter(python: str) -> bool:
+    return os.path.abspath(python) == os.path.abspath(sys.executable)
+
+
+def live_env(python: str | None = None, probe_torch: bool = True) -> dict:
+    """The facts of an interpreter: in-process when ``python`` is None or this interpreter, else by
+    running the stdlib-only collector in ``python`` (a subprocess that prints JSON)."""
+    if python is None or _same_interpreter(python):
+        return _collect_facts(probe_torch=probe_torch)
+    if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        raise LockError(f"{python}: not an executable python interpreter")
+    src = (inspect.getsource(_collect_facts) + "\nimport json\n"
+           f"print('@@FACTS@@' + json.dumps(_collect_facts(probe_torch={bool(probe_torch)})))\n")
+    try:
+        p = subprocess.run([python, "-c", src], capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise LockError(f"{python}: could not run it to collect its environment ({e})") from None
+    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("@@FACTS@@")), None)
+    if p.returncode != 0 or line is None:
+        tail = (p.stderr.strip().splitlines() or ["no output"])[-1]
+        raise LockError(f"{python}: could not collect its environment (exit {p.returncode}): {tail}")
+    return json.loads(line[len("@@FACTS@@"):])
+
+
+def key_stack(facts: dict) -> dict:
+    """The versions that matter, as one flat dict (see STACK_KEYS)."""
+    t, nv, pk = facts.get("torch", {}), facts.get("nvidia", {}), facts.get("packages", {})
+    return {"python": facts.get("python"), "torch": t.get("version"), "cuda": t.get("cuda"),
+            "cudnn": t.get("cudnn"), "nccl": t.get("nccl"),
+            "triton": pk.get("triton") or pk.get("pytorch-triton"),
+            "transformers": pk.get("transformers"), "driver": nv.get("driver"),
+            "gpus": list(nv.get("gpus") or [])}
+
+
+def env_fingerprint(facts: dict) -> str:
+    """Fingerprint of the lock content + the versions that matter. ``facts["lock_sha256"]`` holds
+    the lock digest (set by the env stage); package versions are fixed by the lock itself."""
+    return fingerprint({"lock": facts.get("lock_sha256"), "stack": key_stack(facts),
+                        "machine": facts.get("machine")})
+
+
+def found_devices() -> list[str]:
+    """The devices here: torch's count, or (no torch in this interpreter) the NVIDIA driver's."""
+    try:
+        from ..spec import live_devices
+        return live_devices()
+    except ImportError:                 # no torch in the outer interpreter (build mode): count GPUs
+        n = len(list(Path("/proc/driver/nvidia/gpus").glob("*")))
+        vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if vis is not None:
+            n = min(n, len([x for x in vis.split(",") if x.strip()]))
+        return ["cpu"] + [f"cuda:{i}" for i in range(n)]

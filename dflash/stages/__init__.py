@@ -1,0 +1,45 @@
+"""The stages Snakemake runs, one module each with one shape: ``run(ctx) -> manifest``.
+
+``dflash <stage> specs/<name>.yaml`` → :func:`begin` (load the spec, check devices and the pinned
+environment) → ``dflash.stages.<stage>.run(ctx)``. The env stage is the one that makes the
+environment, so it starts without the environment check.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..spec import Spec, load_spec
+
+
+@dataclass
+class StageContext:
+    spec: Spec
+    results: Path           # results/<spec>
+    env_manifest: dict = field(default_factory=dict)  # the verified env manifest
+    env_fingerprint: str | None = None
+    drift: list = field(default_factory=list)  # what differs, when the user overrode the refusal
+
+
+def results_dir(spec: Spec, root: str | Path = "results") -> Path:
+    return Path(root) / spec.name
+
+
+def begin(spec_path: str | Path, stage: str, root: str | Path = "results") -> StageContext:
+    """Validate the spec (devices included) and refuse to run on a drifted environment."""
+    from ..env.drift import check_env
+    from ..manifest import read_manifest
+
+    if stage == "env":  # it checks the devices itself, without torch (build mode has none)
+        spec = load_spec(spec_path)
+        return StageContext(spec=spec, results=results_dir(spec, root))
+    spec = load_spec(spec_path, check_devices_present=True)
+    rdir = results_dir(spec, root)
+    checked = check_env(rdir)
+    drift = checked["drift"] if checked["drift_allowed"] else []
+    env = read_manifest(rdir / "env" / "manifest.json", "env")
+    print(f"[{stage}] spec {spec.path} · env {checked['env_fingerprint']} verified"
+          + (f" · DRIFT OVERRIDDEN: {len(drift)} items" if drift else ""), flush=True)
+    return StageContext(spec=spec, results=rdir, env_manifest=env,
+                        env_fingerprint=checked["env_fingerprint"], drift=drift)
+

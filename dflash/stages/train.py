@@ -1,0 +1,367 @@
+"""The train stage: warm start, race-free threaded training, checkpoints, export, manifest.
+
+``dflash train specs/<name>.yaml`` → results/<name>/train/{manifest.json, metrics.jsonl,
+status.json, checkpoints/, drafter/}. A killed run started again resumes from the newest good
+checkpoint (Snakemake keeps the checkpoints: they are not declared outputs).
+
+:func:`train` reads top to bottom as its phases: prepare (verify inputs, plan steps, build
+replicas) → resume → warm start → train steps → check replicas → export → manifest.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import checkpoint as ckpt
+from ..manifest import atomic_write_text, expect, read_manifest, write_manifest
+from ..cache import compile_cache_dir
+from . import StageContext
+
+
+def total_steps_for(spec, step_map) -> int:
+    """One step trains one batch on every drafter replica."""
+    o = spec.optim
+    return o.max_steps if o.max_steps is not None else step_map.total_for_epochs(o.epochs)
+
+
+def verify_warmup(ctx: StageContext) -> dict:
+    path = ctx.results / "warmup" / "manifest.json"
+    m = read_manifest(path, "warmup")
+    expect(m, path, {"env": ctx.env_fingerprint, "shape": ctx.spec.fingerprint("warmup")})
+    return m
+
+
+def injected_failures() -> dict[str, int]:
+    """Test hook: DFLASH_FAIL_AT="drafter-0:3,target-0:5" makes that worker raise at that step
+    (failure-propagation and rerun-after-failure tests use it on the real stage)."""
+    import os
+
+    out = {}
+    for part in filter(None, os.environ.get("DFLASH_FAIL_AT", "").split(",")):
+        name, _, step = part.partition(":")
+        out[name.strip()] = int(step)
+    return out
+
+
+class EpochLedger:
+    """Which sample ids every epoch of the run trained on, across resumes.
+
+    Its state travels in every checkpoint, so a resumed run proves exactly-once over the whole
+    run, like an uninterrupted one. An epoch still running keeps its ids; once a later epoch
+    starts, a finished one keeps only its verdict (a checkpoint stays small).
+    """
+
+    def __init__(self, all_ids, state: dict | None = None):
+        self.all_ids = sorted(all_ids)
+        self.epochs: dict[int, dict] = {int(e): dict(v) for e, v in (state or {}).items()}
+
+    def add(self, epoch: int, ids: list[int]) -> None:
+        for e, v in self.epochs.items():
+            if e < epoch and "ids" in v:
+                self.epochs[e] = self._verdict(v["ids"])
+        self.epochs.setdefault(epoch, {"ids": []})["ids"].extend(ids)
+
+    def _verdict(self, ids: list[int]) -> dict:
+        return {"samples": len(ids), "distinct": len(set(ids)),
+                "exactly_once": sorted(ids) == self.all_ids}
+
+    def state(self) -> dict:
+        return {str(e): {k: (list(x) if isinstance(x, list) else x) for k, x in v.items()}
+                for e, v in sorted(self.epochs.items())}
+
+    def report(self) -> dict:
+        """Per epoch: samples trained on, distinct ids, and whether each id came exactly once
+        (an epoch cut short by ``max_steps`` is not exactly-once)."""
+        return {str(e): self._verdict(v["ids"]) if "ids" in v else dict(v)
+                for e, v in sorted(self.epochs.items())}
+
+
+class MetricsLog:
+    """metrics.jsonl, one line per step; on resume, lines from steps not yet reached are cut."""
+
+    def __init__(self, path: Path, start_step: int):
+        self.path = path
+        lines = []
+        if path.exists() and start_step > 0:
+            for line in path.read_text().splitlines():
+                try:
+                    if json.loads(line)["step"] < start_step:
+                        lines.append(line)
+                except (ValueError, KeyError):
+                    break  # a torn last line from a kill: drop it and the rest
+        # atomic: a kill during this rewrite must not lose the lines of steps already done
+        atomic_write_text(path, "".join(x + "\n" for x in lines))
+        self.f = open(path, "a", buffering=1)
+
+    def write(self, rec: dict) -> None:
+        self.f.write(json.dumps(rec) + "\n")
+
+    def close(self) -> None:
+        self.f.close()
+
+
+@dataclass
+class Job:
+    """What training needs, made once by :func:`prepare` and read by every later phase."""
+    ctx: StageContext
+    out: Path
+    persist: bool            # checkpoints, resume and export (the bench's timed run: none)
+    warmup: dict             # the verified warmup manifest
+    compile_cache: Path
+    ds: Any                  # dflash.dataset.TokenDataset
+    bucket_lens: list[int]
+    step_map: Any            # dflash.scheduler.StepMap
+    total_steps: int
+    cfg: Any                 # dflash.model.DFlashConfig
+    replicas: list
+    run_fingerprint: dict    # a checkpoint only resumes the run it came from
+
+
+@dataclass
+class Progress:
+    """Where the run starts: from scratch, or the counters of the checkpoint it resumes."""
+    start_step: int = 0
+    counters: dict = field(default_factory=lambda: {"tokens": 0, "samples": 0})
+    epochs_seen: dict | None = None
+
+
+@dataclass
+class Trained:
+    pipe: Any                # dflash.scheduler.Pipeline, after its run
+    status: Any              # dflash.status.StatusReporter
+    ledger: EpochLedger
+    seconds: float
+
+
+def run(ctx: StageContext) -> dict:
+    """The train stage: results/<spec>/train/{manifest.json, metrics.jsonl, status.json,
+    checkpoints/, drafter/}; resumes from the newest good checkpoint of the same run."""
+    return train(ctx, ctx.results / "train", persist=True, fail_at=injected_failures())
+
+
+def timed_run(ctx: StageContext, out: Path, steps: int) -> dict:
+    """The bench stage's timed run: a fresh run of ``steps`` steps in ``out``; no checkpoints,
+    no resume, no export."""
+    return train(ctx, out, persist=False, max_steps=steps, fail_at=injected_failures())
+
+
+def train(ctx: StageContext, out: Path, persist: bool, max_steps: int | None = None,
+          fail_at: dict | None = None) -> dict:
+    t_start = time.perf_counter()
+    job = prepare(ctx, out, persist, max_steps)
+    progress = resume(job)
+    targets, warm_start_s, warm_records = warm_start(job)
+    trained = train_steps(job, progress, targets, fail_at or {})
+    replicas_identical = check_replicas(job)
+    if persist:
+        export(job)
+    return write_train_manifest(job, progress, trained, warm_start_s, warm_records,
+                                replicas_identical, time.perf_counter() - t_start)
+
+
+def prepare(ctx: StageContext, out: Path, persist: bool, max_steps: int | None) -> Job:
+    """Verify the inputs (warmup manifest, dataset), plan the steps, build the replicas."""
+    from ..dataset import load_dataset
+    from ..packing import plan_epoch
+    from ..scheduler import StepMap
+    from ..topology import buckets, drafter_config, initial_state, make_replicas
+
+    spec = ctx.spec
+    warm = verify_warmup(ctx)
+    cache = compile_cache_dir(ctx.env_fingerprint)
+    ds = load_dataset(spec, ctx.results)
+    out.mkdir(parents=True, exist_ok=True)
+    b = spec.batching
+
+    def epoch_batches(epoch: int) -> list[list[int]]:
+        return plan_epoch(ds.lengths, b.token_budget, b.max_batch_size, spec.seed, epoch)
+
+    step_map = StepMap(epoch_batches, len(spec.topology.drafters))
+    total_steps = max_steps if max_steps is not None else total_steps_for(spec, step_map)
+    cfg = drafter_config(spec)
+    replicas = make_replicas(spec, cfg, initial_state(cfg, spec.seed), total_steps)
+    run_fp = {"train": spec.fingerprint("train"), "shape": spec.fingerprint("warmup"),
+              "dataset_sha256": ds.manifest["dataset"]["sha256"]}
+    return Job(ctx=ctx, out=out, persist=persist, warmup=warm, compile_cache=cache, ds=ds,
+               bucket_lens=buckets(spec), step_map=step_map, total_steps=total_steps, cfg=cfg,
+               replicas=replicas, run_fingerprint=run_fp)
+
+
+def resume(job: Job) -> Progress:
+    """Load the newest good checkpoint of this run into every replica (weights, optimizer,
+    schedule) and return its counters; checkpoints of another run are discarded."""
+    ckpt_dir = job.out / "checkpoints"
+    found = ckpt.latest_good(ckpt_dir) if job.persist else None
+    if found is not None and found[1].get("run_fingerprint") != job.run_fingerprint:
+        print(f"[train] ignoring checkpoints in {ckpt_dir}: they belong to another "
+              f"run (spec fields, data or shapes changed); starting from step 0", flush=True)
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+        found = None
+    if found is None:
+        return Progress()
+    path, state = found
+    ckpt.load_into(path, state, job.replicas)
+    print(f"[train] resuming from {path} (step {state['step']}/{job.total_steps})", flush=True)
+    return Progress(start_step=state["step"], counters=state["counters"],
+                    epochs_seen=state.get("epochs_seen"))
+
+
+def warm_start(job: Job) -> tuple[list, float, list[dict]]:
+    """Every (worker, bucket) compiles once under the exclusive gate (fast: the warmup stage
+    filled the compile cache); then the gate refuses and counts recompiles."""
+    from ..gate import get_gate
+    from ..spec import dtype_of
+    from ..topology import make_target_workers
+    from ..warm import warm_all, warm_targets
+
+    spec, cfg = job.ctx.spec, job.cfg
+    t0 = time.perf_counter()
+    feat_width = len(cfg.target_layer_ids) * cfg.hidden_size
+    # targets first: loading a model imports its modeling module, which registers pytree node
+    # types; a drafter graph compiled before that fails its pytree guard on the first real step
+    # (measured on H200: "len(torch.utils._pytree.SUPPORTED_NODES) != 102")
+    targets = make_target_workers(spec)
+    records = warm_targets(targets, job.bucket_lens, cfg.vocab_size)
+    records += warm_all(job.replicas, job.bucket_lens, feat_width,
+                        dtype_of(spec.target.dtype), optimizer_step=False)
+    get_gate().mark_warm()
+    seconds = time.perf_counter() - t0
+    print(f"[train] warm start: {len(records)} (worker, bucket) steps in "
+          f"{seconds:.1f}s; gate now refuses recompiles", flush=True)
+    return targets, seconds, records
+
+
+def train_steps(job: Job, progress: Progress, targets: list, fail_at: dict) -> Trained:
+    """The threaded pipeline from ``progress.start_step`` to the last step: every step logged
+    to metrics.jsonl and status.json, a checkpoint every ``checkpoint.every_steps``, simulated τ
+    on held-out prompts every ``monitor.tau_every_steps`` (off by default; never in the bench
+    stage's timed run)."""
+    from ..packing import bucket_for, pack_row
+    from ..scheduler import Pipeline
+    from ..status import StatusReporter
+
+    spec, ds, out = job.ctx.spec, job.ds, job.out
+    counters = progress.counters
+    metrics = MetricsLog(out / "metrics.jsonl", progress.start_step)
+    status = StatusReporter(out / "status.json", spec, job.total_steps)
+    ledger = EpochLedger(ds.sample_ids, progress.epochs_seen)
+    every = spec.checkpoint.every_steps
+    every_tau = spec.monitor.tau_every_steps if job.persist else None
+    monitor = None
+    if every_tau:
+        from ..evaluate import TauMonitor
+
+        monitor = TauMonitor(spec, job.ctx.results, job.replicas[0].device)
+    pad_id = 0
+
+    def make_row(batch: list[int]):
+        return pack_row([ds.sample(i) for i in batch],
+                        bucket_for(sum(ds.lengths[i] for i in batch), job.bucket_lens), pad_id)
+
+    def on_step(rec) -> None:
+        counters["tokens"] += rec.tokens
+        counters["samples"] += len(rec.sample_ids)
+        ledger.add(rec.epoch, rec.sample_ids)
+        extra = {}
+        if monitor is not None and ((rec.step + 1) % every_tau == 0
+                                    or rec.step + 1 == job.total_steps):
+            # on the first replica's thread, after its step: the others wait at the barrier
+            m = monitor(job.replicas[0])
+            extra = {"tau_heldout": m["tau"], "tau_seconds": m["seconds"]}
+        metrics.write({"step": rec.step, "epoch": rec.epoch, "loss": rec.loss, "lr": rec.lr,
+                       "grad_norm": rec.grad_norm, "tokens": rec.tokens,
+                       "labelled": rec.labelled, "samples": len(rec.sample_ids),
+                       "draft_acc": rec.draft_acc,
+                       "sample_ids": rec.sample_ids, "t": round(rec.t_end - t0, 4), **extra})
+        status.step(rec)
+        if job.persist and ((rec.step + 1) % every == 0 or rec.step + 1 == job.total_steps):
+            ckpt.save(out / "checkpoints", rec.step + 1, job.replicas[0], dict(counters),
+                      spec.checkpoint.keep, job.run_fingerprint, ledger.state())
+
+    t0 = time.perf_counter()
+    pipe = Pipeline(target_workers=targets, replicas=job.replicas, step_map=job.step_map,
+                    make_row=make_row, start_step=progress.start_step,
+                    total_steps=job.total_steps, seed=spec.seed,
+                    mask_token_id=job.cfg.mask_token_id,
+                    queue_depth=spec.topology.queue_depth, on_step=on_step,
+                    fail_at=fail_at)
+    try:
+        pipe.run(on_tick=status.tick, tick_s=5.0)
+    finally:
+        metrics.close()
+    return Trained(pipe=pipe, status=status, ledger=ledger, seconds=time.perf_counter() - t0)
+
+
+def check_replicas(job: Job) -> bool:
+    """Every replica holds the same weights (data parallel, identical updates)."""
+    ref = job.replicas[0].model.state_dict()
+    return all(torch.equal(ref[k].cpu(), r.model.state_dict()[k].cpu())
+               for r in job.replicas[1:] for k in ref)
+
+
+def export(job: Job) -> Path:
+    """The HF drafter folder (reference parameter names), complete or not at all."""
+    from ..model import export_drafter
+
+    export_dir, tmp = job.out / "drafter", job.out / ".drafter.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    export_drafter(job.replicas[0].model, job.cfg, tmp)
+    shutil.rmtree(export_dir, ignore_errors=True)
+    tmp.rename(export_dir)
+    return export_dir
+
+
+def write_train_manifest(job: Job, progress: Progress, trained: Trained, warm_start_s: float,
+                         warm_records: list[dict], replicas_identical: bool,
+                         wall_s: float) -> dict:
+    from ..gate import get_gate
+
+    ctx, spec, pipe = job.ctx, job.ctx.spec, trained.pipe
+    st = get_gate().stats()
+    steps_run = job.total_steps - progress.start_step
+    manifest = write_manifest(
+        job.out / "manifest.json", "train",
+        fingerprints={"env": ctx.env_fingerprint, "shape": spec.fingerprint("warmup"),
+                      "train": spec.fingerprint("train"),
+                      "data": job.ds.manifest["fingerprints"]["data"],
+                      "dataset_sha256": job.ds.manifest["dataset"]["sha256"],
+                      "warmup": job.warmup["checksum"]},
+        steps={"total": job.total_steps, "run_now": steps_run,
+               "resumed_from": progress.start_step, "epoch_starts": job.step_map.starts},
+        counters=progress.counters, compile_cache=str(job.compile_cache),
+        warm_start={"seconds": round(warm_start_s, 3), "records": warm_records},
+        # the first *training* step: the drafter replicas' first optimizer step (replicas step
+        # together; target workers finish their first forward earlier)
+        time_to_first_step_s=round(min((v for k, v in pipe.first_step_s.items()
+                                        if k.startswith("drafter")), default=0.0)
+                                   + warm_start_s, 3),
+        first_step_s=pipe.first_step_s,
+        gate={"enabled": st["enabled"], "compiles": st["compiles"]["count"],
+              "recompiles_after_warmup": st["recompiles_after_warmup"]["count"],
+              "recompile_sigs": [repr(s) for s in st["recompiles_after_warmup"]["sigs"]],
+              "recompile_reasons": st["recompiles_after_warmup"]["reasons"],
+              "race_errors": st["race_errors"]["count"], "race_by_class":
+                  st["race_errors"]["by_class"], "shared_wait_s": st["shared_wait_s"],
+              "exclusive_wait_s": st["exclusive_wait_s"],
+              "exclusive_hold_s": st["exclusive_hold_s"]},
+        busy_s={k: round(v, 3) for k, v in pipe.busy_s.items()},
+        wait_s={k: round(v, 3) for k, v in pipe.wait_s.items()},
+        wall_s=round(wall_s, 3), train_s=round(trained.seconds, 3),
+        steady_state=trained.status.steady_state(),
+        final_loss=pipe.last_record.loss if pipe.last_record else None,
+        replicas=len(job.replicas), replicas_identical=replicas_identical,
+        exactly_once=trained.ledger.report(),
+        drafter_dir=str(job.out / "drafter"), env_drift_overridden=ctx.drift,
+        topology=asdict(spec.topology))
+    trained.status.done(manifest)
+    print(f"[train] done: {steps_run} steps in {trained.seconds:.1f}s, final loss "
+          f"{manifest['final_loss']}, recompiles after warmup "
+          f"{manifest['gate']['recompiles_after_warmup']}, race errors "
+          f"{manifest['gate']['race_errors']}", flush=True)
+    return manifest

@@ -1,0 +1,62 @@
+"""Each stage's code fingerprint covers exactly the package files its command runs or reads
+(computed from imports and the package data they name), so Snakemake reruns what an edit
+touches. The DAG-level check (``snakemake -n`` after an edit) is in test_dag.py."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from dflash.code_fingerprint import PACKAGE_DIR, stage_code_fingerprint, stage_files
+
+STAGES = ("env", "warmup", "data", "train", "bench")
+
+
+def _names(stage, root=PACKAGE_DIR) -> set[str]:
+    return {str(p.relative_to(root)) for p in stage_files(stage, root)}
+
+
+def test_every_stage_runs_the_cli_and_reads_the_schema():
+    for stage in STAGES:
+        names = _names(stage)
+        assert {"__init__.py", "__main__.py", "cli.py", "schema/spec.schema.yaml"} <= names, stage
+
+
+def test_the_report_template_belongs_to_bench_only():
+    assert [s for s in STAGES if "templates/report.md.j2" in _names(s)] == ["bench"]
+
+
+def test_modules_belong_to_the_stages_that_import_them():
+    # warmup builds packing's buckets (the hand-kept list missed packing); only training (and
+    # bench's timed run) runs the scheduler; every stage that compiles takes the gate (warmup's
+    # threads its dynamo settings, data's fast generation engine its exclusive side)
+    for mod in ("packing.py", "warm.py", "replica.py"):
+        assert [s for s in STAGES if mod in _names(s)] == ["warmup", "train", "bench"], mod
+    assert [s for s in STAGES if "scheduler.py" in _names(s)] == ["train", "bench"]
+    assert [s for s in STAGES if "gate.py" in _names(s)] == ["warmup", "data", "train", "bench"]
+    assert [s for s in STAGES if "stages/data.py" in _names(s)] == ["data"]
+
+
+def test_env_runs_no_model_code():
+    names = _names("env")
+    assert not names & {"target.py", "model.py", "scheduler.py", "gate.py"}, names
+
+
+@pytest.fixture
+def package_copy(tmp_path):
+    dst = tmp_path / "dflash"
+    shutil.copytree(PACKAGE_DIR, dst, ignore=shutil.ignore_patterns("__pycache__"))
+    return dst
+
+
+def test_an_edit_changes_exactly_the_fingerprints_of_the_stages_that_run_it(package_copy):
+    before = {s: stage_code_fingerprint(s, package_copy) for s in STAGES}
+    assert before == {s: stage_code_fingerprint(s) for s in STAGES}  # relative paths: same value
+    packing = package_copy / "packing.py"
+    packing.write_text(packing.read_text() + "\n# edited\n")
+    after = {s: stage_code_fingerprint(s, package_copy) for s in STAGES}
+    assert {s for s in STAGES if after[s] != before[s]} == {"warmup", "train", "bench"}
+    tpl = package_copy / "templates" / "report.md.j2"
+    tpl.write_text(tpl.read_text() + "{# edited #}\n")
+    again = {s: stage_code_fingerprint(s, package_copy) for s in STAGES}
+    assert {s for s in STAGES if again[s] != after[s]} == {"bench"}
