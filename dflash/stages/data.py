@@ -247,7 +247,9 @@ def _self_written(spec, tokenizer, count: int, reject, seen: set[str], data_dir:
 
     ident = fingerprint({"target": target_fingerprint(spec.target), "engine": engine,
                          "settings": asdict(sw), "eos": eos})
-    round_dir = (Path(data_dir) if data_dir is not None else Path(".")) / "self_written"
+    if data_dir is None:
+        raise DFlashError("self-written prompts need the data stage's folder (data_dir)")
+    round_dir = Path(data_dir) / "self_written"
     prompts, rep = write_prompts(count, sample=sample, tokenizer=tokenizer, eos_ids=eos,
                                  settings=sw, seed=spec.seed, ident=ident,
                                  round_dir=round_dir, seen=seen, reject=reject, log=_log)
