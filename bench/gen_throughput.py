@@ -99,13 +99,18 @@ def run_loop(model, prompts, seeds, a, eos, pad, device) -> dict:
             "seconds": round(s, 3), "new_tokens_per_s": round(new / s, 1)}
 
 
-def run_engine(model, prompts, seeds, a, eos, slots: int, device) -> dict:
+def _onoff(v: str):
+    return None if v == "auto" else v == "on"
+
+
+def run_engine(model, prompts, seeds, a, eos, slots: int, device, attention: str = "sdpa"
+               ) -> dict:
     t0 = time.time()
     eng = Engine(model, slots=slots, max_len=max(len(p) for p in prompts) + a.max_new,
                  max_new_tokens=a.max_new, eos_ids=eos, temperature=a.temperature,
-                 compile=None if a.compile == "auto" else a.compile == "on",
-                 cuda_graph=None if a.graph == "auto" else a.graph == "on",
-                 sync_every=a.sync_every)
+                 compile=_onoff(a.compile), cuda_graph=_onoff(a.graph),
+                 padded_prefill=_onoff(a.padded_prefill), attention=attention,
+                 sync_every=a.sync_every, prefill_batch=a.prefill_batch)
     eng._prepare()
     _sync(device)
     prep = time.time() - t0
@@ -127,7 +132,9 @@ def run_engine(model, prompts, seeds, a, eos, slots: int, device) -> dict:
     _sync(device)
     step_ms = (time.time() - t1) / reps * 1e3
     st["decode_steps"] = steps_before
-    return {"slots": slots, "prompts": len(prompts), "new_tokens": new, "seconds": round(s, 3),
+    return {"slots": slots, "attention": attention, "padded_prefill": eng.padded_prefill,
+            "prefill_batch": eng.prefill_batch, "prefill_graphs": len(eng._prefill_graphs),
+            "prompts": len(prompts), "new_tokens": new, "seconds": round(s, 3),
             "new_tokens_per_s": round(new / s, 1),
             "setup_seconds": round(prep, 3), "compile_seconds": st["compile_seconds"],
             "capture_seconds": st["capture_seconds"], "cache_len": eng.S,
@@ -152,11 +159,11 @@ def greedy_check(target, prompts, a, eos, pad, device) -> dict:
     model = load_target(dict(target, dtype="float32"), device, need_tokenizer=False).model
 
     eng = Engine(model, slots=min(len(prompts), 8), max_len=max(map(len, prompts)) + a.max_new,
-                 max_new_tokens=a.max_new, eos_ids=eos,
-                 compile=None if a.compile == "auto" else a.compile == "on",
-                 cuda_graph=None if a.graph == "auto" else a.graph == "on")
+                 max_new_tokens=a.max_new, eos_ids=eos, compile=_onoff(a.compile),
+                 cuda_graph=_onoff(a.graph), padded_prefill=_onoff(a.padded_prefill),
+                 attention=a.attention.split(",")[0])
     ours = eng.generate(prompts)
-    same, prefix = 0, []
+    same, prefix, parted = 0, [], []
     for p, o in zip(prompts, ours):
         with torch.inference_mode():
             ref = model.generate(torch.tensor([p], device=device), do_sample=False,
@@ -167,7 +174,16 @@ def greedy_check(target, prompts, a, eos, pad, device) -> dict:
         same += o == ref
         k = next((i for i, (x, y) in enumerate(zip(o, ref)) if x != y), min(len(o), len(ref)))
         prefix.append(k / max(1, len(ref)))
-    return {"dtype": "float32", "prompts": len(prompts), "identical": same,
+        if o != ref and k < min(len(o), len(ref)):
+            # where the two part: HF's own logits there. A gap near zero is a near-tie that
+            # summation order decides (both implementations exact); a large one would be a bug.
+            with torch.inference_mode():
+                lg = model(torch.tensor([list(p) + ref[:k]], device=device)).logits[0, -1]
+            parted.append({"at": k, "of": len(ref), "hf": ref[k], "ours": o[k],
+                           "logit_gap": round(float(lg[ref[k]] - lg[o[k]]), 6),
+                           "hf_top2_gap": round(float(lg.topk(2).values[0]
+                                                      - lg.topk(2).values[1]), 6)})
+    return {"dtype": "float32", "prompts": len(prompts), "identical": same, "parted": parted,
             "mean_common_prefix_fraction": round(sum(prefix) / len(prefix), 4)}
 
 
@@ -186,6 +202,11 @@ def main(argv=None) -> int:
     ap.add_argument("--sync-every", type=int, default=None)
     ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto")
     ap.add_argument("--graph", choices=["auto", "on", "off"], default="auto")
+    ap.add_argument("--padded-prefill", choices=["auto", "on", "off"], default="auto",
+                    help="fixed-shape prefill, one CUDA graph per length (auto: with --graph)")
+    ap.add_argument("--prefill-batch", type=int, default=None)
+    ap.add_argument("--attention", default="sdpa",
+                    help="decode attention(s) to measure, comma-separated: sdpa, matmul")
     ap.add_argument("--hf-prompts", type=int, default=1024, help="HF generate subset (0: skip)")
     ap.add_argument("--hf-batch", type=int, default=256)
     ap.add_argument("--loop-prompts", type=int, default=256,
@@ -232,9 +253,10 @@ def main(argv=None) -> int:
         print(f"old data loop    : {res['hf_loop']}", flush=True)
     res["engine"] = []
     for slots in [int(x) for x in a.slots.split(",")]:
-        r, _ = run_engine(tgt.model, prompts, seeds, a, eos, slots, a.device)
-        res["engine"].append(r)
-        print(f"engine           : {r}", flush=True)
+        for attention in a.attention.split(","):
+            r, _ = run_engine(tgt.model, prompts, seeds, a, eos, slots, a.device, attention)
+            res["engine"].append(r)
+            print(f"engine           : {r}", flush=True)
     best = max(res["engine"], key=lambda r: r["new_tokens_per_s"])
     res["engine_best_new_tokens_per_s"] = best["new_tokens_per_s"]
     for name in ("hf_generate", "hf_loop"):

@@ -243,6 +243,23 @@ def _decode_attn_mlp(layer, x, q, k_cache, v_cache, mask):
     return _out_mlp(layer, x, o.reshape(B, 1, nh * D))
 
 
+def _decode_attn_mlp_matmul(layer, x, q, k_cache, v_cache, mask):
+    """:func:`_decode_attn_mlp` with the attention as two batched matmuls and a masked softmax
+    (reads K and V once each; no query-tile padding for the G query rows)."""
+    import torch
+
+    B, nh, _, D = q.shape
+    kvh = k_cache.shape[1]
+    qg = q.reshape(B, kvh, nh // kvh, D)
+    s = torch.matmul(qg, k_cache.transpose(-1, -2)).float() * layer.self_attn.scaling
+    p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1).to(v_cache.dtype)
+    o = torch.matmul(p, v_cache)
+    return _out_mlp(layer, x, o.reshape(B, 1, nh * D))
+
+
+DECODE_ATTENTION = {"sdpa": _decode_attn_mlp, "matmul": _decode_attn_mlp_matmul}
+
+
 def _pick(model, x_last, temperature: float, keys, steps, vocab_hash):
     """final norm + lm_head + greedy / Gumbel-max pick -> token ids [B]."""
     logits = model.lm_head(model.model.norm(x_last)).float()
@@ -262,15 +279,21 @@ class Engine:
     cache must hold. ``compile`` / ``cuda_graph``: default on for CUDA, off for CPU
     (``compile`` may name a torch.compile backend). ``sync_every``: decode steps between host
     syncs (a finished slot idles at most that many steps). ``refill_at``: refill once this many
-    slots are free. ``prefill_batch``: most prompts per prefill call. ``gate``: the compile gate
-    (default: the process's).
+    slots are free. ``prefill_batch``: prompts per prefill call. ``padded_prefill``: prefill
+    in fixed shapes (``prefill_batch`` rows × a multiple of 32 tokens; unused rows write to a
+    spare cache row), each captured once as a CUDA graph when ``cuda_graph`` — default: as
+    ``cuda_graph``. ``attention``: the decode step's attention, ``sdpa`` or ``matmul``.
+    ``gate``: the compile gate (default: the process's).
     """
+
+    PREFILL_STEP = 32  # padded prefill lengths are multiples of this
 
     def __init__(self, model, *, slots: int, max_len: int, max_new_tokens: int,
                  eos_ids: Sequence[int], temperature: float = 0.0,
                  compile: bool | str | None = None, cuda_graph: bool | None = None,
                  sync_every: int | None = None, refill_at: int | None = None,
-                 prefill_batch: int | None = None, gate=None):
+                 prefill_batch: int | None = None, padded_prefill: bool | None = None,
+                 attention: str = "sdpa", gate=None):
         import torch
 
         why = unsupported_reason(model)
@@ -280,6 +303,9 @@ class Engine:
             raise DFlashError("fast generation engine: slots and max_new_tokens must be >= 1")
         if not eos_ids:
             raise DFlashError("fast generation engine: no eos token id: generation could not stop")
+        if attention not in DECODE_ATTENTION:
+            raise DFlashError(f"fast generation engine: attention {attention!r} is not one of "
+                              f"{', '.join(DECODE_ATTENTION)}")
         from .gate import get_gate
 
         self.model = model
@@ -292,11 +318,14 @@ class Engine:
         self.max_new = int(max_new_tokens)
         self.S = _round_up(max(int(max_len), self.max_new + 1), 16)
         self.temperature = float(temperature)
+        self.attention = attention
         self.compile = (cuda if compile is None else compile)
         self.cuda_graph = bool(cuda if cuda_graph is None else cuda_graph) and cuda
         self.sync_every = int(sync_every or (8 if self.cuda_graph else 1))
-        self.refill_at = int(refill_at or max(1, self.B // 16))
-        self.prefill_batch = int(prefill_batch or max(1, min(self.B, 256)))
+        self.padded_prefill = bool(self.cuda_graph if padded_prefill is None else padded_prefill)
+        default_batch = max(16, min(self.B // 16, 256)) if self.cuda_graph else 256
+        self.prefill_batch = int(prefill_batch or max(1, min(self.B, default_batch)))
+        self.refill_at = int(refill_at or max(1, min(self.prefill_batch, self.B // 16)))
         self.gate = gate or get_gate()
         self.rope = getattr(sys.modules[type(self.layers[0].self_attn).__module__],
                             "apply_rotary_pos_emb")
@@ -309,13 +338,16 @@ class Engine:
         kvh = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
         D = int(attn0.head_dim)
         dev, B, S = self.device, self.B, self.S
+        R = B + 1  # row B is a spare: padded prefill rows write there, decode never reads it
         with torch.inference_mode():
             # one cache tensor per layer (views of one big tensor would differ only in storage
-            # offset, which compiled code may specialise on)
-            self.k_cache = [torch.zeros(B, kvh, S, D, device=dev, dtype=self.dtype)
-                            for _ in self.layers]
-            self.v_cache = [torch.zeros(B, kvh, S, D, device=dev, dtype=self.dtype)
-                            for _ in self.layers]
+            # offset, which compiled code may specialise on); decode uses the first B rows
+            self.k_rows = [torch.zeros(R, kvh, S, D, device=dev, dtype=self.dtype)
+                           for _ in self.layers]
+            self.v_rows = [torch.zeros(R, kvh, S, D, device=dev, dtype=self.dtype)
+                           for _ in self.layers]
+            self.k_cache = [t[:B] for t in self.k_rows]
+            self.v_cache = [t[:B] for t in self.v_rows]
             pos = torch.arange(S, device=dev)
             probe = torch.zeros(1, 1, dtype=self.dtype, device=dev)
             cos, sin = self.base.rotary_emb(probe, pos[None])  # [1, S, D], the model's own rope
@@ -325,15 +357,18 @@ class Engine:
             self.eos = torch.tensor(sorted({int(e) for e in eos_ids}), device=dev)
             self.vocab_hash = _mix32(torch.arange(self.model.lm_head.out_features, device=dev,
                                                   dtype=torch.int64) * 0x9E3779B1 & _M32)
-            # decode state (static addresses: the captured graph reads and writes these)
-            self.tok = torch.zeros(B, dtype=torch.long, device=dev)     # last token
-            self.pos = torch.zeros(B, dtype=torch.long, device=dev)     # its position
-            self.gen = torch.zeros(B, dtype=torch.long, device=dev)     # tokens generated
-            self.active = torch.zeros(B, dtype=torch.bool, device=dev)  # still generating
-            self.keys = torch.zeros(B, dtype=torch.long, device=dev)    # sampling keys
-            self.out = torch.zeros(B, self.max_new, dtype=torch.long, device=dev)
-        self._pre, self._post, self._head = _qkv, _decode_attn_mlp, _pick
+            # per-slot state (static addresses: the captured graphs read and write these)
+            self.rows = {name: torch.zeros(R, dtype=dt, device=dev) for name, dt in (
+                ("tok", torch.long), ("pos", torch.long), ("gen", torch.long),
+                ("active", torch.bool), ("keys", torch.long))}
+            self.out_rows = torch.zeros(R, self.max_new, dtype=torch.long, device=dev)
+            self.tok, self.pos, self.gen = (self.rows[k][:B] for k in ("tok", "pos", "gen"))
+            self.active, self.keys = self.rows["active"][:B], self.rows["keys"][:B]
+            self.out = self.out_rows[:B]
+        self._pre, self._post, self._head = _qkv, DECODE_ATTENTION[attention], _pick
         self._graph = None
+        self._prefill_graphs: dict[int, Any] = {}
+        self._prefill_bufs: dict[int, tuple] = {}
         self._ready = False
 
     # -------------------------------------------------------------------------------------
@@ -367,8 +402,60 @@ class Engine:
         # worth taking for a handful of ids)
         return (tok[:, None] == self.eos[None, :]).any(-1)
 
+    def _prefill_body(self, ids, lens, idx, kt) -> None:
+        """Prompts ``ids`` [n, P] (right-padded, causal) into cache rows ``idx``; each row's
+        first token picked from its last prompt position. Device tensors only, no host sync
+        (it is captured as a CUDA graph per padded shape)."""
+        import torch
+        import torch.nn.functional as F
+
+        n, P = ids.shape
+        rows = self.rows
+        x = self.base.embed_tokens(ids)
+        cos, sin = self.cos[:P][None], self.sin[:P][None]
+        for layer, kc, vc in zip(self.layers, self.k_rows, self.v_rows):
+            q, k, v = _qkv(layer, x, cos, sin, self.rope)
+            kc[idx, :, :P] = k
+            vc[idx, :, :P] = v
+            G = q.shape[1] // k.shape[1]
+            kvh, D = k.shape[1], k.shape[3]
+            # GQA as HF's repeat_kv (expand + reshape; no host sync)
+            kx = k[:, :, None].expand(n, kvh, G, P, D).reshape(n, kvh * G, P, D)
+            vx = v[:, :, None].expand(n, kvh, G, P, D).reshape(n, kvh * G, P, D)
+            o = F.scaled_dot_product_attention(q, kx, vx, is_causal=True,
+                                               scale=layer.self_attn.scaling)
+            x = _out_mlp(layer, x, o.transpose(1, 2).reshape(n, P, -1))
+        last = x[torch.arange(n, device=ids.device), lens - 1]
+        nxt = _pick(self.model, last, self.temperature, kt,
+                    torch.zeros(n, dtype=torch.long, device=ids.device), self.vocab_hash)
+        rows["tok"][idx] = nxt
+        rows["pos"][idx] = lens
+        rows["gen"][idx] = 1
+        rows["keys"][idx] = kt
+        self.out_rows[idx, 0] = nxt
+        rows["active"][idx] = ~(self._is_eos(nxt) | (self.max_new <= 1))
+
+    def _prefill_lengths(self) -> list[int]:
+        """The padded prefill lengths: multiples of PREFILL_STEP up to the longest prompt."""
+        top = min(_round_up(self.S - self.max_new, self.PREFILL_STEP), self.S)
+        return sorted({min(L, top) for L in range(self.PREFILL_STEP, top + self.PREFILL_STEP,
+                                                   self.PREFILL_STEP)})
+
+    def _prefill_buffers(self, P: int) -> tuple:
+        """Static device inputs of the padded prefill of length ``P`` (a spare-row no-op)."""
+        import torch
+
+        if P not in self._prefill_bufs:
+            n, dev = self.prefill_batch, self.device
+            self._prefill_bufs[P] = (torch.zeros(n, P, dtype=torch.long, device=dev),
+                                     torch.ones(n, dtype=torch.long, device=dev),
+                                     torch.full((n,), self.B, dtype=torch.long, device=dev),
+                                     torch.zeros(n, dtype=torch.long, device=dev))
+        return self._prefill_bufs[P]
+
     def _prepare(self) -> None:
-        """Compile the per-layer pieces and capture the decode step (once, exclusive gate)."""
+        """Compile the per-layer pieces and capture the decode step and the padded prefills
+        (once, exclusive gate)."""
         if self._ready:
             return
         import torch
@@ -382,7 +469,7 @@ class Engine:
                 backend = self.compile if isinstance(self.compile, str) else "inductor"
                 kw = dict(backend=backend, dynamic=False)
                 self._pre = torch.compile(_qkv, **kw)
-                self._post = torch.compile(_decode_attn_mlp, **kw)
+                self._post = torch.compile(DECODE_ATTENTION[self.attention], **kw)
                 self._head = torch.compile(_pick, **kw)
             with torch.inference_mode():
                 saved = self._snapshot()
@@ -399,20 +486,40 @@ class Engine:
                             self._decode_step()
                         torch.cuda.synchronize(self.device)
                         self._graph = g
-                    except Exception as e:  # loud, recorded: the step then runs uncaptured
+                        if self.padded_prefill:
+                            self._capture_prefills()
+                    except Exception as e:  # loud, recorded: the steps then run uncaptured
                         self.stats["graph_error"] = f"{type(e).__name__}: {e}"[:500]
-                        print(f"[generate] WARNING: CUDA-graph capture of the decode step "
-                              f"failed, running it uncaptured (slower): "
-                              f"{self.stats['graph_error']}", file=sys.stderr, flush=True)
+                        self._prefill_graphs.clear()
+                        print(f"[generate] WARNING: CUDA-graph capture failed, running "
+                              f"uncaptured (slower): {self.stats['graph_error']}",
+                              file=sys.stderr, flush=True)
                     self.stats["capture_seconds"] = round(time.time() - t1, 3)
                 self._restore(saved)
         self._ready = True
 
+    def _capture_prefills(self) -> None:
+        """One CUDA graph per padded prefill length, all in one memory pool (they never run
+        at the same time and keep no tensor alive between runs). Warm-up and capture run with
+        every row aimed at the spare row, so no slot's state changes."""
+        import torch
+
+        pool = torch.cuda.graph_pool_handle()
+        for P in self._prefill_lengths():
+            bufs = self._prefill_buffers(P)
+            self._prefill_body(*bufs)  # warm-up (lazy inits) outside the capture
+            torch.cuda.synchronize(self.device)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
+                self._prefill_body(*bufs)
+            self._prefill_graphs[P] = g
+        torch.cuda.synchronize(self.device)
+
     def _snapshot(self):
-        return [t.clone() for t in (self.tok, self.pos, self.gen, self.active, self.keys)]
+        return [t.clone() for t in self.rows.values()]
 
     def _restore(self, saved) -> None:
-        for t, s in zip((self.tok, self.pos, self.gen, self.active, self.keys), saved):
+        for t, s in zip(self.rows.values(), saved):
             t.copy_(s)
 
     def _replay(self, n: int) -> None:
@@ -424,50 +531,46 @@ class Engine:
                     self._decode_step()
         self.stats["decode_steps"] += n
 
-    def _to_device(self, t):
+    def _to_device(self, t, out=None):
         """Host -> device without a stream sync (a plain copy from pageable memory waits for
         the decode steps already queued; a pinned, non-blocking one is queued behind them)."""
         if self.device.type != "cuda":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
+            return t if out is None else out.copy_(t)
+        t = t.pin_memory()
+        return t.to(self.device, non_blocking=True) if out is None else \
+            out.copy_(t, non_blocking=True)
 
     # -------------------------------------------------------------------------------------
     def _prefill(self, slots: list[int], prompts: list[Sequence[int]], keys: list[int]) -> None:
-        """Run ``prompts`` (right-padded, causal) into ``slots``; pick each first token."""
+        """Run ``prompts`` into ``slots`` and pick each first token: as they are (eager), or
+        padded to ``prefill_batch`` rows × a multiple of 32 tokens (captured graph on CUDA)."""
         import torch
-        import torch.nn.functional as F
 
         t0 = time.time()
-        dev, n = self.device, len(prompts)
-        P = max(len(p) for p in prompts)
-        ids = torch.zeros(n, P, dtype=torch.long)
+        n = len(prompts)
+        longest = max(len(p) for p in prompts)
+        if self.padded_prefill:
+            P = next(L for L in self._prefill_lengths() if L >= longest)
+            rows, fill = self.prefill_batch, self.B  # unused rows: length 1, the spare row
+        else:
+            P, rows, fill = longest, n, 0
+        ids = torch.zeros(rows, P, dtype=torch.long)
         for i, p in enumerate(prompts):
             ids[i, :len(p)] = torch.as_tensor(list(p), dtype=torch.long)
-        ids = self._to_device(ids)
-        lens = self._to_device(torch.tensor([len(p) for p in prompts]))
-        idx = self._to_device(torch.tensor(slots))
-        kt = self._to_device(torch.tensor(keys, dtype=torch.long))
+        host = (ids, torch.tensor([len(p) for p in prompts] + [1] * (rows - n)),
+                torch.tensor(list(slots) + [fill] * (rows - n)),
+                torch.tensor(list(keys) + [0] * (rows - n), dtype=torch.long))
         with self.gate.shared():
-            x = self.base.embed_tokens(ids)
-            cos, sin = self.cos[:P][None], self.sin[:P][None]
-            for layer, kc, vc in zip(self.layers, self.k_cache, self.v_cache):
-                q, k, v = _qkv(layer, x, cos, sin, self.rope)
-                kc[idx, :, :P] = k
-                vc[idx, :, :P] = v
-                G = q.shape[1] // k.shape[1]
-                o = F.scaled_dot_product_attention(
-                    q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), is_causal=True,
-                    scale=layer.self_attn.scaling)
-                x = _out_mlp(layer, x, o.transpose(1, 2).reshape(n, P, -1))
-            last = x[torch.arange(n, device=dev), lens - 1]
-            zeros = torch.zeros(n, dtype=torch.long, device=dev)
-            nxt = _pick(self.model, last, self.temperature, kt, zeros, self.vocab_hash)
-            self.tok[idx] = nxt
-            self.pos[idx] = lens
-            self.gen[idx] = 1
-            self.keys[idx] = kt
-            self.out[idx, 0] = nxt
-            self.active[idx] = ~(self._is_eos(nxt) | (self.max_new <= 1))
+            if self.padded_prefill:
+                bufs = self._prefill_buffers(P)
+                for h, b in zip(host, bufs):
+                    self._to_device(h, out=b)
+                if P in self._prefill_graphs:
+                    self._prefill_graphs[P].replay()
+                else:
+                    self._prefill_body(*bufs)
+            else:
+                self._prefill_body(*(self._to_device(h) for h in host))
         self.stats["prefill_calls"] += 1
         self.stats["prefill_seconds"] += time.time() - t0
 

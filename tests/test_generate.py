@@ -38,13 +38,17 @@ def hf_greedy(model, p, n, eos):
     return out[:next((i + 1 for i, t in enumerate(out) if t in eos), len(out))]
 
 
-def test_greedy_equals_hf_generate_prompt_by_prompt(smol, prompts):
+@pytest.fixture(scope="module")
+def refs(smol, prompts):
+    return [hf_greedy(smol.model, p, 20, eos_ids_of(smol)) for p in prompts]
+
+
+def test_greedy_equals_hf_generate_prompt_by_prompt(smol, prompts, refs):
     eos = eos_ids_of(smol)
     assert len({len(p) for p in prompts}) == len(prompts)  # all lengths differ
     eng = Engine(smol.model, slots=2, max_len=max(map(len, prompts)) + 20, max_new_tokens=20,
                  eos_ids=eos)
     ours = eng.generate(prompts)
-    refs = [hf_greedy(smol.model, p, 20, eos) for p in prompts]
     assert ours == refs
     lengths = [len(o) for o in ours]
     ended = sorted(n for o, n in zip(ours, lengths) if o[-1] in eos)
@@ -54,6 +58,21 @@ def test_greedy_equals_hf_generate_prompt_by_prompt(smol, prompts):
     # the engine is reusable, and one slot per prompt gives the same answers
     assert eng.generate(prompts[:3]) == refs[:3]
     assert generate(smol.model, prompts, 20, eos_ids=eos, slots=8) == refs
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "matmul"])
+def test_gpu_schedule_gives_the_same_answers(smol, prompts, refs, attention):
+    """The CUDA defaults' schedule on CPU: host sync every 4 steps (finished slots idle until
+    then), refill only when 2 slots are free, prefill in fixed shapes (3 rows × a multiple of
+    32 tokens; unused rows go to the spare cache row), either decode attention."""
+    eos = eos_ids_of(smol)
+    eng = Engine(smol.model, slots=3, max_len=max(map(len, prompts)) + 20, max_new_tokens=20,
+                 eos_ids=eos, sync_every=4, refill_at=2, prefill_batch=3, padded_prefill=True,
+                 attention=attention)
+    assert eng.generate(prompts) == refs
+    assert eng.stats["decode_steps"] % 4 == 0 and eng.stats["prefill_calls"] >= 2
+    assert set(eng._prefill_bufs) <= set(eng._prefill_lengths())
+    assert all(P % 32 == 0 for P in eng._prefill_bufs)
 
 
 def test_sampling_is_seeded_and_independent_of_slots_and_order(smol, prompts):
