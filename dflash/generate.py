@@ -23,7 +23,10 @@ How (the model's own modules do the math; only the attention + cache glue is wri
 * **One captured step.** On CUDA the per-layer pieces are ``torch.compile``-d once (regional
   compilation: the same code serves every layer) and the whole decode step — embedding, every
   layer, lm_head, token pick, state update — is captured once as a CUDA graph and replayed;
-  the host syncs only every ``sync_every`` steps to harvest finished answers. Compile and
+  the host syncs only every ``sync_every`` steps to harvest finished answers. Prefills run in
+  fixed shapes (``prefill_batch`` rows × a multiple of 32 tokens; unused rows write to a spare
+  cache row), each length captured once too: eager, a prefill's ~1200 kernel launches queued
+  behind the running decode steps and held the host (30 % of an H200 run's time). Compile and
   capture run under the compile gate's exclusive side (:mod:`dflash.gate`), replays under its
   shared side.
 
