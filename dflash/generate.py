@@ -25,8 +25,8 @@ How (the model's own modules do the math; only the attention + cache glue is wri
   layer, lm_head, token pick, state update — is captured once as a CUDA graph and replayed;
   the host syncs only every ``sync_every`` steps to harvest finished answers. Prefills run in
   fixed shapes (``prefill_batch`` rows × a multiple of 32 tokens; unused rows write to a spare
-  cache row), each length captured once too: eager, a prefill's ~1200 kernel launches queued
-  behind the running decode steps and held the host (30 % of an H200 run's time). Compile and
+  cache row), each length captured once too: run eager, a prefill's ~1200 kernel launches held the
+  host ~100 ms per refill on an H200 while the GPU waited (30 % of the run's time). Compile and
   capture run under the compile gate's exclusive side (:mod:`dflash.gate`), replays under its
   shared side.
 
