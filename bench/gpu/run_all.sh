@@ -60,7 +60,9 @@ if [[ $what == *gen* ]]; then
 fi
 if [[ $what == *selfwritten* ]]; then
   # the data stage: 20K target-written prompts + chatterbot, answered by the fast engine
-  timeout ${SW_TIMEOUT:-540} python -m dflash.data specs/smollm2-data-h200.yaml --results results \
-    > "$OUT/data_smollm2-data-h200.log" 2>&1; echo "data rc=$?"; grep "^\[data\]" "$OUT/data_smollm2-data-h200.log" | tail -12
+  timeout ${SW_TIMEOUT:-540} snakemake --cores all data_smollm2-data-h200 \
+    > "$OUT/snakemake_smollm2-data-h200.log" 2>&1; echo "data rc=$?"
+  cp logs/smollm2-data-h200/data.log "$OUT/data_smollm2-data-h200.log" 2>/dev/null
+  grep "^\[data\]" "$OUT/data_smollm2-data-h200.log" | tail -12
   cp results/smollm2-data-h200/data/manifest.json "$OUT/smollm2-data-h200__data__manifest.json" 2>/dev/null
 fi
