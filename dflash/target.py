@@ -378,8 +378,10 @@ class FeatureExtractor:
         from .masks import document_block_mask, document_dense_mask
 
         self._captured.clear()
-        mask = (document_block_mask(doc_ids) if self.target.attention == "flex"
-                else document_dense_mask(doc_ids))
+        # compiled layers: the BlockMask is built by a compiled kernel too (a compile per row
+        # length, like the layers; eager code materialises [L, L] intermediates)
+        mask = (document_block_mask(doc_ids, _compile=bool(self.compile))
+                if self.target.attention == "flex" else document_dense_mask(doc_ids))
         # no_grad, not inference_mode: the drafter saves these features for its backward.
         with torch.no_grad():
             if self.compile:

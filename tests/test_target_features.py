@@ -168,7 +168,8 @@ def test_compiled_target_features_equal_eager_and_never_recompile(attention, mon
 
     graphs = counters["stats"]["unique_graphs"]
     warm_targets([("cpu", run)], [64], vocab)
-    assert counters["stats"]["unique_graphs"] - graphs <= 2  # one graph (+ one settle), 5 layers
+    # one layer graph for all 5 layers (+ flex: the compiled BlockMask build), not one per layer
+    assert counters["stats"]["unique_graphs"] - graphs == (2 if attention == "flex" else 1)
     gate.mark_warm()
     try:
         for seed, docs in ((5, 2), (6, 4)):
