@@ -206,3 +206,24 @@ def test_target_compile_resolution():
     assert compile_backend(auto, "cuda:0", "inductor", gpt2) is None
     with pytest.raises(SpecError, match=r"target.compile: 'on' .*model_type 'gpt2'"):
         compile_backend(on, "cpu", "inductor", gpt2)
+
+
+def test_warmup_compiles_the_target_layers_when_on(micro_spec, monkeypatch):
+    """The warmup stage's target part: with target.compile on, one gated compile per bucket on a
+    one-layer copy of the target; with auto on CPU nothing (the CPU suite compiles no target)."""
+    import dflash.gate as gate_mod
+    from dflash.spec import load_spec
+    from dflash.topology import buckets
+    from dflash.warm import warm_target_features
+
+    spec = load_spec(micro_spec)
+    assert spec.target.compile == "auto"
+    assert warm_target_features(spec, buckets(spec)) == []
+    gate = gate_mod.Gate()
+    monkeypatch.setattr(gate_mod, "_GATE", gate)
+    on = spec.replace(target={"compile": "on"})
+    records = warm_target_features(on, buckets(on))
+    assert [(r["callable"], r["device"], r["bucket"]) for r in records] == [
+        ("target_forward", "cpu", L) for L in buckets(on)]
+    assert [c["sig"] for c in gate.stats()["compiles"]["list"]] == [
+        ("target_forward", "cpu", L) for L in buckets(on)]
