@@ -283,18 +283,19 @@ def packed_layer(layer, x, cos, sin, rope, mask):
     """One decoder layer on a packed row: the layer math of :mod:`dflash.decoder` with the
     document mask as a FlexAttention BlockMask (CUDA) or a dense boolean mask (SDPA). Compiled
     once per process (:func:`dflash.decoder.compile_region`), shared by every layer."""
+    import torch
     import torch.nn.functional as F
 
     from .decoder import out_mlp, qkv
 
     q, k, v = qkv(layer, x, cos, sin, rope)
     scale, gqa = layer.self_attn.scaling, q.shape[1] != k.shape[1]
-    if hasattr(mask, "mask_mod"):  # a BlockMask: traced into the layer's graph
+    if isinstance(mask, torch.Tensor):  # the dense boolean mask
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    else:  # a BlockMask: flex attention traced into the layer's graph
         from torch.nn.attention.flex_attention import flex_attention
 
         o = flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
-    else:
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     B, L = x.shape[:2]
     return out_mlp(layer, x, o.transpose(1, 2).reshape(B, L, -1))
 
