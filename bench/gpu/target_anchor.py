@@ -17,6 +17,12 @@ peak measured in the same process:
   training runs on CUDA now. They reuse the eager path's loaded model; the JSON records the
   first call's seconds (the compile, cold cache) and dynamo's graph count (1 expected).
 
+``attention``: one layer's attention alone on the packed row (the target's q/k/v shapes):
+compiled flex attention with its default kernel options and with 128×128 tiles, and
+``torch.nn.attention.varlen.varlen_attn`` (flash varlen over the documents' cumulative
+lengths), each with its TFLOP/s of useful (causal, per-document) attention FLOPs; a variant this
+torch cannot run records its error.
+
 Also ``mask_seconds``: building the document BlockMask for the row alone (eager, as the
 extractor does; and ``create_block_mask(_compile=True)``), since a faster forward makes it a
 larger share.
@@ -38,7 +44,7 @@ import torch
 
 
 PATHS = ("hf_plain", "ours_dense_sdpa", "ours_flex", "ours_flex_truncated",
-         "ours_flex_compiled", "ours_flex_compiled_truncated")
+         "ours_flex_compiled", "ours_flex_compiled_truncated", "attention")
 
 
 def measure(model_name: str, batch: int, seq: int, device: str, peak: float, iters: int,
@@ -141,6 +147,9 @@ def measure(model_name: str, batch: int, seq: int, device: str, peak: float, ite
             document_mask_mod(di), B=None, H=None, Q_LEN=L, KV_LEN=L, device=di.device,
             BLOCK_SIZE=128, _compile=True), device, iters, warmup=2), 5)}
     print(f"[anchor] {model_name} document BlockMask: {out['mask_seconds']}", flush=True)
+    if "attention" in paths:
+        out["attention"] = attention_variants(cfg, di, [seq] * batch, device, iters)
+        print(f"[anchor] {model_name} attention alone: {out['attention']}", flush=True)
     for a, b in (("ours_flex", "hf_plain"), ("ours_dense_sdpa", "hf_plain"),
                  ("ours_flex", "ours_dense_sdpa"), ("ours_flex_compiled", "hf_plain"),
                  ("ours_flex_compiled", "ours_flex"),
@@ -148,6 +157,58 @@ def measure(model_name: str, batch: int, seq: int, device: str, peak: float, ite
         if a in out and b in out:
             out[f"ratio_{a}_vs_{b}"] = round(out[a]["tokens_per_s"] / out[b]["tokens_per_s"], 3)
     return out
+
+
+def attention_variants(cfg, doc, doc_lengths: list[int], device: str, iters: int) -> dict:
+    """One layer's attention on the packed row, per kernel: seconds and useful TFLOP/s."""
+    import inspect
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from dflash.flops import best_seconds_per_call as timed
+    from dflash.masks import document_block_mask
+    from dflash.model import head_dim_of
+
+    hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, head_dim_of(cfg)
+    L = doc.shape[0]
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(1, L, h, hd, device=device, dtype=torch.bfloat16, generator=g)
+               .transpose(1, 2) for h in (hq, hkv, hkv))
+    flops = sum(4 * n * (n + 1) / 2 * hd * hq for n in doc_lengths)  # QK^T and PV, causal
+    mask = document_block_mask(doc)
+    flex = torch.compile(flex_attention, dynamic=False)
+    res: dict = {}
+
+    def run(name: str, fn) -> None:
+        try:
+            sec = timed(fn, device, iters, warmup=2)
+            res[name] = {"seconds": round(sec, 6), "tflops": round(flops / sec / 1e12, 1)}
+        except Exception as e:  # noqa: BLE001 - a variant this torch/GPU cannot run
+            res[name] = {"error": f"{type(e).__name__}: {str(e).strip()[:200]}"}
+
+    for name, opts in (("flex_default", None), ("flex_128x128", {"BLOCK_M": 128, "BLOCK_N": 128})):
+        run(name, lambda opts=opts: flex(q, k, v, block_mask=mask, scale=hd ** -0.5,
+                                         enable_gqa=hq != hkv, kernel_options=opts))
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError as e:
+        res["varlen"] = {"error": f"ImportError: {e}"}
+        return res
+    params = inspect.signature(varlen_attn).parameters
+    cu = torch.tensor([0] + doc_lengths, device=device).cumsum(0).to(torch.int32)
+    qv, kv, vv = (t.transpose(1, 2)[0] for t in (q, k, v))  # [L, heads, D]
+    kw: dict = {"scale": hd ** -0.5}
+    if "is_causal" in params:
+        kw["is_causal"] = True
+    elif "window_size" in params:
+        kw["window_size"] = (-1, 0)  # causal
+    if hq != hkv and "enable_gqa" in params:
+        kw["enable_gqa"] = True
+    elif hq != hkv:  # an older varlen without GQA: K/V repeated (the copy is not timed)
+        kv, vv = (t.repeat_interleave(hq // hkv, dim=1) for t in (kv, vv))
+    m = max(doc_lengths)
+    run("varlen", lambda: varlen_attn(qv, kv, vv, cu, cu, m, m, **kw))
+    return res
 
 
 def main() -> None:
