@@ -22,7 +22,7 @@ import torch
 
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
-        _sync(device)
+        torch.cuda.synchronize(device)
 
 
 def measure(spec, anchors: int, device: str, steps: int, peak: float | None) -> dict:
