@@ -7,8 +7,9 @@ holds it, so compiled code only ever sees ``num_buckets`` shapes.
 
 Planning is deterministic for ``(seed, epoch)``: a seeded shuffle, then rows filled from that
 order as it comes and closed with the best-fitting one or two of the next samples (keeps the
-randomness, fills rows to ~99.9 %), then a seeded shuffle of the batches. A resumed run re-plans
-the same epochs, so the step number is the whole data-order state (:class:`dflash.scheduler.StepMap` maps steps to batches).
+randomness, fills rows to ~99.9 %), then a seeded shuffle of the batches. A resumed run
+re-plans the same epochs, so the step number is the whole data-order state
+(:class:`dflash.scheduler.StepMap` maps steps to batches).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from .errors import DFlashError
 
 LOOKAHEAD = 256  # samples a row may pull forward from later in the shuffled order to close it
 CLOSE_ROOM = 1.5  # x mean sample length: room left when a row stops taking the stream in order
+TAIL_TRIPLES = 48  # a window this small (the epoch's tail) may close a row with three samples
 
 
 def bucket_lengths(token_budget: int, num_buckets: int) -> list[int]:
@@ -79,8 +81,10 @@ def _stream_rows(lens: Sequence[int], budget: int, max_bs: int) -> list[list[int
        length grouping, and rows come out ~99.9 % full (first-fit decreasing over windows of the
        order grouped long with long and still left ~7 % empty).
 
-    A sample waits at most until it is the oldest one (then it opens the next row); the last
-    rows take whatever is left, so the tail is at most one partial row per count limit.
+    A sample waits at most until it is the oldest one (then it opens the next row). The tail:
+    as the window drains, few lengths are left to pair, so rows may close with three samples;
+    the last row takes the remainder (on the synthetic sets every epoch had the fewest rows
+    its tokens allow; the row before the last was >= 96 % full).
     """
     n = len(lens)
     close_room = min(budget, int(CLOSE_ROOM * sum(lens) / max(1, n)) + 1)
@@ -89,19 +93,22 @@ def _stream_rows(lens: Sequence[int], budget: int, max_bs: int) -> list[list[int
     nxt = head = 0
     rows: list[list[int]] = []
 
-    def take(k: int, row: list[int]) -> int:
+    def take(ks, row: list[int]) -> int:
+        """Move ``win[k] for k in ks`` into the row, then top the window up (after all pops:
+        an insert would shift the indices still to pop)."""
         nonlocal nxt
-        length, p = win.pop(k)
-        taken[p] = 1
-        row.append(p)
+        taken_len = 0
+        for k in sorted(ks, reverse=True):
+            length, p = win.pop(k)
+            taken[p] = 1
+            row.append(p)
+            taken_len += length
         while nxt < n and len(win) < LOOKAHEAD:
             bisect.insort(win, (lens[nxt], nxt))
             nxt += 1
-        return length
+        return taken_len
 
-    while nxt < n and len(win) < LOOKAHEAD:
-        bisect.insort(win, (lens[nxt], nxt))
-        nxt += 1
+    take((), [])
     while win:
         row: list[int] = []
         room = budget
@@ -111,30 +118,45 @@ def _stream_rows(lens: Sequence[int], budget: int, max_bs: int) -> list[list[int
             length = lens[head]
             if row and (length > room or room - length < close_room or len(row) + 2 >= max_bs):
                 break
-            room -= take(bisect.bisect_left(win, (length, head)), row)
+            room -= take((bisect.bisect_left(win, (length, head)),), row)
             if not win:
                 break
         while win and room > 0 and len(row) < max_bs:  # phase 2: close the row
-            picks = _best_fill(win, room, pair=len(row) + 2 <= max_bs)
+            picks = _best_fill(win, room, min(3, max_bs - len(row)))
             if not picks:
                 break
-            for k in sorted(picks, reverse=True):  # pop the later index first
-                room -= take(k, row)
+            room -= take(picks, row)
         rows.append(row)
     return rows
 
 
-def _best_fill(win: list[tuple[int, int]], room: int, pair: bool) -> tuple[int, ...]:
-    """Indices into the sorted ``win`` of the one or two samples with the largest total
-    length <= ``room`` (ties: the smaller sample first found); ``()`` if none fits."""
+def _best_fill(win: list[tuple[int, int]], room: int, most: int) -> tuple[int, ...]:
+    """Indices into the sorted ``win`` of at most ``most`` (1-3) samples with the largest total
+    length <= ``room``; ``()`` if none fits. Three only in a small window (the epoch's tail,
+    where few lengths are left to pair): the search is quadratic in the window."""
     k = bisect.bisect_right(win, (room, 1 << 62)) - 1
     if k < 0:
         return ()
     best, picks = win[k][0], (bisect.bisect_left(win, (win[k][0], -1)),)
-    if not pair or best == room:
-        return picks
-    i, j = 0, k
-    while i < j:  # two pointers over the sorted lengths: the largest pair sum <= room
+    if most >= 2 and best < room:
+        best, picks = _best_pair(win, 0, k, room, best, picks)
+    if most >= 3 and best < room and len(win) <= TAIL_TRIPLES:
+        for a in range(k - 1):
+            rest = room - win[a][0]
+            if 2 * win[a][0] > rest:
+                break
+            s, p = _best_pair(win, a + 1, k, rest, best - win[a][0], ())
+            if p:
+                best, picks = s + win[a][0], (a, *p)
+                if best == room:
+                    break
+    return picks
+
+
+def _best_pair(win, i: int, j: int, room: int, best: int, picks: tuple) -> tuple[int, tuple]:
+    """Two pointers over ``win[i..j]`` (sorted by length): the largest pair sum <= ``room`` if
+    it beats ``best``, else ``(best, picks)`` unchanged."""
+    while i < j:
         s = win[i][0] + win[j][0]
         if s > room:
             j -= 1
@@ -144,7 +166,7 @@ def _best_fill(win: list[tuple[int, int]], room: int, pair: bool) -> tuple[int, 
             if s == room:
                 break
         i += 1
-    return picks
+    return best, picks
 
 
 def packing_stats(batches: Sequence[Sequence[int]], lengths: Sequence[int],

@@ -97,7 +97,7 @@ def test_rows_full_and_tail_is_one_row():
             fills = sorted(sum(lengths[i] for i in b) / budget for b in batches)
             # only the tail row may be partly empty; the rows before it, closed from a
             # lookahead that runs dry, lose a little
-            assert fills[1] >= 0.97 and fills[len(fills) // 2] >= 0.995, fills[:3]
+            assert fills[1] >= 0.96 and fills[len(fills) // 2] >= 0.995, fills[:3]
 
 
 def test_batches_stay_random():
