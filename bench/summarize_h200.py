@@ -66,9 +66,8 @@ for rep in sorted(D.glob("*/*bench__report.json")):
         continue
     b, hw = r["balance"], r.get("hardware", {})
     print(f"\n{rep.parent.name}/{rep.name}: {hw.get('gpu_count')} x {hw.get('models')} "
-          f"driver {hw.get('driver')}; {r['tokens_per_s']:,.0f} tok/s, target MFU "
-          f"{r['target_mfu']:.3f}, drafter MFU {r['drafter_mfu']:.3f} (busy "
-          f"{r['drafter_mfu_while_busy'] or float('nan'):.3f})")
+          f"driver {hw.get('driver')}; tok/s {r['tokens_per_s']}, target MFU {r['target_mfu']}, "
+          f"drafter MFU {r['drafter_mfu']} (while busy {r.get('drafter_mfu_while_busy')})")
     print(f"  per GPU: target {b['target_tokens_per_s_per_gpu']:,.0f} tok/s, drafter "
           f"{b['drafter_tokens_per_s_per_gpu']:,.0f} tok/s at {b['anchors']['max_anchors']} "
           f"anchors; drafter idle {b['drafter_idle_fraction']:.3f}; recommended max_anchors "
