@@ -58,3 +58,21 @@ for f in ("target_anchor.json", "target_anchor_32b.json"):
                 print(f"  {r['model']:10s} {path:20s} {x['tokens_per_s']:>9,.0f} tok/s  "
                       f"MFU {x['mfu']:.1%}  ({x['layers_run']} layers)")
         print("  ratios:", {k: v for k, v in r.items() if k.startswith("ratio")})
+
+# ---- reports with the balance and hardware sections (issue #17 and later) -------------------
+for rep in sorted(D.glob("*/*bench__report.json")):
+    r = json.loads(rep.read_text())
+    if "balance" not in r or "skipped" in r["balance"]:
+        continue
+    b, hw = r["balance"], r.get("hardware", {})
+    print(f"\n{rep.parent.name}/{rep.name}: {hw.get('gpu_count')} x {hw.get('models')} "
+          f"driver {hw.get('driver')}; tok/s {r['tokens_per_s']}, target MFU {r['target_mfu']}, "
+          f"drafter MFU {r['drafter_mfu']} (while busy {r.get('drafter_mfu_while_busy')})")
+    print(f"  per GPU: target {b['target_tokens_per_s_per_gpu']:,.0f} tok/s, drafter "
+          f"{b['drafter_tokens_per_s_per_gpu']:,.0f} tok/s at {b['anchors']['max_anchors']} "
+          f"anchors; drafter idle {b['drafter_idle_fraction']:.3f}; recommended max_anchors "
+          f"{b['anchors']['recommended_max_anchors']}")
+    for p in b["projection"]["splits"]:
+        print(f"  {p['targets']} targets + {p['drafters']} drafters: {p['tokens_per_s']:>9,.0f} "
+              f"tok/s ({p['tokens_per_s'] / p['targets']:,.0f} per target GPU); at the "
+              f"recommended anchors {p['tokens_per_s_at_recommended_anchors']:,.0f}")

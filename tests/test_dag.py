@@ -86,7 +86,16 @@ def test_full_dag_artifacts(wf):
                 "recompiles_after_warmup", "race_errors", "gate_wait_s", "tau", "peak"):
         assert key in report, key
     assert report["tokens_per_s"] > 0 and report["race_errors"] == 0
-    assert (res / "bench" / "report.md").read_text().startswith("# DFlash bench report")
+    # sizing figures: per-worker rates, the anchor recommendation; the hardware says CPU
+    bal = report["balance"]
+    assert bal["target_tokens_per_s_per_gpu"] > 0 and bal["drafter_tokens_per_s_per_gpu"] > 0
+    assert 0.0 <= bal["drafter_idle_fraction"] < 1.0
+    assert 1 <= bal["anchors"]["recommended_max_anchors"] <= 256  # micro: token_budget 256
+    assert report["hardware"] == {"accelerator": "cpu", "gpu_count": 0, "gpus": [],
+                                  "driver": None, "note": "CPU run: no GPU in the topology"}
+    md = (res / "bench" / "report.md").read_text()
+    assert md.startswith("# DFlash bench report")
+    assert "## Worker balance" in md and "CPU run: no GPU in the topology" in md
     for stage in ("env", "warmup", "data", "train", "bench"):
         assert (wf / "logs" / "micro" / f"{stage}.log").stat().st_size > 0
         bench = (wf / "benchmarks" / "micro" / f"{stage}.tsv").read_text().splitlines()

@@ -124,7 +124,8 @@ def test_failure_ends_within_10s_once_running():
     """Measured from the failure, not from start (the first steps compile)."""
     spec = parse_spec(SPEC, "sched.yaml")
     marks = {}
-    pipe, _, _ = _pipeline(spec, _dataset(), fail_at={"drafter-2": 4},
+    # 3 epochs: the 23 samples fill 6 rows per epoch = 2 steps of 3 replicas, so step 4 exists
+    pipe, _, _ = _pipeline(spec, _dataset(), total_epochs=3, fail_at={"drafter-2": 4},
                            on_step=lambda r: marks.setdefault(r.step, time.perf_counter()))
     with pytest.raises(WorkerFailed):
         pipe.run()

@@ -11,7 +11,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT
 what=${1:-all}
 if [[ $what == dag* || $what == all ]]; then
   for spec in ${SPECS:-qwen3-8b-1gpu}; do
-    timeout ${DAG_TIMEOUT:-900} snakemake --cores all "bench_$spec" 2>&1 | tee "$OUT/snakemake_$spec.log" | grep -E "^\[|rror|Finished" 
+    # DAG_RULE=warmup stops after env + warmup (a first device call; the next call's default
+    # bench_<spec> then runs data, train and bench on the same warm machine)
+    timeout ${DAG_TIMEOUT:-900} snakemake --cores all "${DAG_RULE:-bench}_$spec" 2>&1 | tee "$OUT/snakemake_$spec.log" | grep -E "^\[|rror|Finished" 
     cp logs/$spec/*.log "$OUT/" 2>/dev/null
     for f in results/$spec/*/manifest.json results/$spec/bench/report.json results/$spec/train/metrics.jsonl; do
       [ -f "$f" ] && cp "$f" "$OUT/${spec}__$(basename $(dirname $f))__$(basename $f)"

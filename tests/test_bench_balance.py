@@ -1,0 +1,107 @@
+"""The bench report's worker balance (per-GPU rates, drafter idle share, recommended anchors,
+projections) from a real H200 run's committed manifest and metrics, and its hardware section."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dflash.spec import load_spec
+from dflash.stages.bench import (drafter_cost, hardware_facts, project_tokens_per_s,
+                                 render_report_md, worker_balance)
+from dflash.topology import drafter_config
+
+REPO = Path(__file__).resolve().parents[1]
+H200 = REPO / "bench" / "results" / "h200" / "qwen3-8b-2gpu"
+
+
+@pytest.fixture(scope="module")
+def h200_run():
+    """specs/qwen3-8b-2gpu.yaml's H200 run (1 target + 1 drafter, 512 anchors): the train
+    manifest's busy/wait totals and the steady-state window of its metrics."""
+    spec = load_spec(REPO / "specs" / "qwen3-8b-2gpu.yaml")
+    train = json.loads((H200 / "qwen3-8b-2gpu__train__manifest.json").read_text())
+    metrics = [json.loads(x) for x in
+               (H200 / "qwen3-8b-2gpu__train__metrics.jsonl").read_text().splitlines()]
+    window = metrics[len(metrics) - train["steady_state"]["steps"]:]
+    bal = worker_balance(spec, drafter_config(spec), window, train["busy_s"], train["wait_s"],
+                         train["steps"]["run_now"])
+    return spec, train, window, bal
+
+
+def test_rates_idle_and_recommended_anchors(h200_run):
+    spec, train, window, bal = h200_run
+    tokens = sum(m["tokens"] for m in window) / len(window)
+    n = train["steps"]["run_now"]
+    # one target, one drafter: each does a step's tokens in its busy seconds per step
+    assert bal["target_tokens_per_s_per_gpu"] == pytest.approx(
+        tokens / (train["busy_s"]["target-0"] / n))
+    assert 29_000 < bal["target_tokens_per_s_per_gpu"] < 31_000
+    assert 65_000 < bal["drafter_tokens_per_s_per_gpu"] < 75_000
+    assert bal["drafter_idle_fraction"] == pytest.approx(0.568, abs=0.01)  # the issue's 57 %
+    a = bal["anchors"]
+    assert a["max_anchors"] == 512 and 490 < a["used_per_row"] <= 512
+    # the drafter is busy 0.43 × the target: ~2.1× the anchors fill 90 % of the target's step
+    assert 1024 <= a["recommended_max_anchors"] <= 1280 and a["recommended_max_anchors"] % 64 == 0
+    busy_then = bal["drafter_busy_s_per_step"] * (
+        drafter_cost(drafter_config(spec), tokens, a["recommended_max_anchors"], 16)
+        / drafter_cost(drafter_config(spec), tokens, 512, 16))
+    assert 0.8 * bal["target_busy_s_per_step"] < busy_then <= 0.9 * bal["target_busy_s_per_step"]
+    assert a["drafter_tokens_per_s_per_gpu_at_recommended"] < bal["drafter_tokens_per_s_per_gpu"]
+
+
+def test_projection_is_the_slower_side(h200_run):
+    _, _, _, bal = h200_run
+    t, d = bal["target_tokens_per_s_per_gpu"], bal["drafter_tokens_per_s_per_gpu"]
+    assert project_tokens_per_s(t, d, 1, 1) == t                 # target-bound here
+    assert project_tokens_per_s(t, d, 7, 1) == d                 # one drafter cannot keep up
+    splits = {(p["targets"], p["drafters"]): p for p in bal["projection"]["splits"]}
+    assert set(splits) == {(1, 1)} | {(k, 8 - k) for k in range(1, 8)}
+    assert splits[(5, 3)]["tokens_per_s"] == pytest.approx(min(5 * t, 3 * d))
+    # more anchors cost drafter capacity: the projection at them never exceeds today's
+    assert all(p["tokens_per_s_at_recommended_anchors"] <= p["tokens_per_s"] + 1e-6
+               for p in splits.values())
+
+
+def test_no_busy_times_is_skipped_not_an_error(h200_run):
+    spec, _, window, _ = h200_run
+    assert "skipped" in worker_balance(spec, drafter_config(spec), window, {}, {}, 60)
+    assert "skipped" in worker_balance(spec, drafter_config(spec), [], {"target-0": 1.0,
+                                                                        "drafter-0": 1.0}, {}, 60)
+
+
+def test_hardware_facts_cpu_and_cuda_structure():
+    cpu = hardware_facts(["cpu", "cpu"], {})
+    assert cpu["accelerator"] == "cpu" and cpu["gpu_count"] == 0 and cpu["driver"] is None
+    assert "CPU run" in cpu["note"]
+    # CUDA devices named on a machine without them: one entry each, the failure recorded, the
+    # driver taken from the env stage's record of the machine
+    hw = hardware_facts(["cuda:1", "cuda:0", "cuda:1"], {"nvidia": {"driver": "580.159.04",
+                                                                     "gpus": ["NVIDIA H200"]}})
+    assert hw["accelerator"] == "cuda" and hw["gpu_count"] == 2
+    assert [g["device"] for g in hw["gpus"]] == ["cuda:0", "cuda:1"]
+    assert hw["driver"] == "580.159.04" and hw["driver_source"] == "env manifest"
+    import torch
+
+    if not torch.cuda.is_available():
+        assert all(g["name"] is None and g["error"] for g in hw["gpus"])
+
+
+def test_report_md_shows_balance_and_hardware(h200_run):
+    _, _, _, bal = h200_run
+    report = json.loads((H200 / "qwen3-8b-2gpu__bench__report.json").read_text())
+    report.update(balance=bal, drafter_mfu_while_busy=0.5, final_draft_acc=None,
+                  hardware={"accelerator": "cuda", "gpu_count": 2, "visible_gpus": 2,
+                            "gpus": [{"device": "cuda:0", "name": "NVIDIA H200"},
+                                     {"device": "cuda:1", "name": "NVIDIA H200"}],
+                            "models": ["NVIDIA H200"], "driver": "580.159.04",
+                            "driver_source": "env manifest"})
+    md = render_report_md(report)
+    assert "cuda:0 NVIDIA H200, cuda:1 NVIDIA H200" in md and "580.159.04" in md
+    assert f"| {bal['anchors']['recommended_max_anchors']} (drafter capacity" in md
+    assert "| 5 + 3 |" in md
+    report["hardware"] = hardware_facts(["cpu"], {})
+    report["balance"] = {"skipped": "no steady-state steps or no busy times recorded"}
+    md = render_report_md(report)
+    assert "CPU run: no GPU in the topology" in md and "Skipped: no steady-state" in md
