@@ -98,3 +98,14 @@ def test_by_hand_needs_a_rendezvous(tmp_path):
     args, _, _ = torchrun_args(_spec(tmp_path, rendezvous="head:4000"),
                                {"DFLASH_NODE_RANK": "0"})
     assert _opt(args, "--node-rank") == "0" and _opt(args, "--rdzv-conf") == "is_host=1"
+
+
+def test_simulated_nodes_hold_every_gpu_they_use(tmp_path):
+    """Snakemake: the 2-node spec's jobs hold cuda_0 and cuda_1 (node 1 runs on GPU 1 here)."""
+    from dflash.harness import copy_workflow, snakemake
+
+    wf = copy_workflow(tmp_path, [REPO / "specs" / "qwen3-8b-2node-shared.yaml"])
+    r = snakemake(wf, "-n", "train_qwen3-8b-2node-shared")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = [ln.strip() for ln in (r.stdout + r.stderr).splitlines() if "gpu=" in ln]
+    assert res and set(res) == {"resources: tmpdir=/tmp, gpu=2, cuda_0=1, cuda_1=1"}, res
