@@ -156,6 +156,7 @@ class Watchdog:
         self.hosts: dict[int, str] = {}
         self.verdict: str | None = None
         self.callbacks: list = []
+        self._reported = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="dist-watchdog", daemon=True)
 
@@ -193,6 +194,7 @@ class Watchdog:
 
     def report_failure(self, message: str) -> None:
         """This rank failed: tell the others (first writer wins; best effort)."""
+        self._reported = True  # the record is ours: not a reason to stop again
         try:
             self.store.compare_set("failed", "", f"rank {self.d.rank} on {self.host}: {message}")
         except Exception:  # noqa: BLE001 - the store may be gone with node 0
@@ -203,7 +205,7 @@ class Watchdog:
         while not self._stop.wait(HEARTBEAT_S):
             try:
                 self.store.add(f"hb/{self.d.rank}", 1)
-                if self.store.check(["failed"]):
+                if not self._reported and self.store.check(["failed"]):
                     msg = self.store.get("failed").decode()
                     if msg:
                         self._fire(f"{msg}; stopping {self.d.name()}")
