@@ -179,8 +179,8 @@ class Watchdog:
         return None
 
     def _store_lost(self, e: BaseException) -> str:
-        return (f"lost the rendezvous store at {self.where} (it lives with rank 0's torchrun on "
-                f"{self.hosts.get(0, 'node 0')}: rank 0 or its node is gone; "
+        return (f"lost the rendezvous store at {self.where} (it lives with the torchrun of "
+                f"node 0: that node, its torchrun or its rank is gone; "
                 f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
 
     def start(self) -> None:
