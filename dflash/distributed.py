@@ -91,7 +91,7 @@ class Dist:
     def _terminated(self, signum, frame) -> None:
         """torchrun ends the ranks of a node when one of them exits with an error."""
         why = self.watchdog.verdict or self.watchdog.probe() or \
-            "another rank of this node exited, or its torchrun lost the rendezvous"
+            "the job was cancelled, or another rank of this node exited"
         print(f"error: {self.name()} stopped by torchrun (SIGTERM): {why}", file=sys.stderr,
               flush=True)
         os._exit(128 + signum)
