@@ -71,6 +71,8 @@ class TopologySpec:
     drafters: tuple[str, ...]
     allow_shared_devices: bool
     queue_depth: int
+    nodes: int
+    rendezvous: str
 
 
 @dataclass(frozen=True)
@@ -252,7 +254,18 @@ class Spec:
         return fingerprint(self.section(stage))
 
     def devices(self) -> list[str]:
+        """One node's devices (every node of a multi-node run uses the same names)."""
         return list(self.topology.targets) + list(self.topology.drafters)
+
+    def machine_devices(self) -> list[str]:
+        """The devices of this machine the stages use when every node runs here (simulated
+        nodes, dflash.launch): node i's cuda:j is cuda:(i·k + j), k = GPUs per node."""
+        devs = self.devices()
+        ids = [int(d.split(":")[1]) for d in devs if d.startswith("cuda:")]
+        if self.topology.nodes == 1 or not ids:
+            return devs
+        k = max(ids) + 1
+        return ["cpu"] * devs.count("cpu") + [f"cuda:{i}" for i in range(self.topology.nodes * k)]
 
 
 def stage_fields(spec: Spec) -> dict[str, dict[str, Any]]:
@@ -458,6 +471,12 @@ def _check_cross_fields(spec: Spec, file: str) -> None:
     if shared and not topo.allow_shared_devices:
         fail("topology", f"{', '.join(shared)} is both a target and a drafter device; set "
              f"topology.allow_shared_devices: true if you mean it")
+    if topo.rendezvous != "auto":
+        port = int(topo.rendezvous.rsplit(":", 1)[1])
+        if not 1 <= port <= 65535:
+            fail("topology.rendezvous", f"port {port} is out of range (1-65535)")
+        if topo.nodes == 1:
+            fail("topology.rendezvous", "a rendezvous is only used with topology.nodes > 1")
     if spec.env.lock.startswith("/") or ".." in Path(spec.env.lock).parts:
         fail("env.lock", "must be a path inside the repository (e.g. envs/cpu-py311.lock)")
 

@@ -59,19 +59,20 @@ def python_for(wc):
 # GPUs, from the specs only. Snakemake never picks devices (the stages use the spec's device
 # names), so each job holds every CUDA device its spec names: a resource of capacity 1 per device
 # (cuda_0, cuda_1, ...), and two jobs never share a GPU on any machine. `gpu` is the count (for
-# executors that place jobs by it; limit it with --resources gpu=N if you like).
-CUDA_DEVICES = sorted({d for s in SPECS.values() for d in s.devices() if d != "cpu"})
+# executors that place jobs by it; limit it with --resources gpu=N if you like). A spec with
+# topology.nodes > 1 holds the GPUs of all its nodes (as they run here: local processes).
+CUDA_DEVICES = sorted({d for s in SPECS.values() for d in s.machine_devices() if d != "cpu"})
 for _device in CUDA_DEVICES:
     workflow.register_resource(_device.replace(":", "_"), 1)
 
 
 def gpus(wc):
-    return len({d for d in SPECS[wc.spec].devices() if d != "cpu"})
+    return len({d for d in SPECS[wc.spec].machine_devices() if d != "cpu"})
 
 
 def device_resources():
     def holds(device):
-        return lambda wc: int(device in SPECS[wc.spec].devices())
+        return lambda wc: int(device in SPECS[wc.spec].machine_devices())
 
     return {"gpu": gpus, **{d.replace(":", "_"): holds(d) for d in CUDA_DEVICES}}
 
