@@ -70,6 +70,8 @@ class TopologySpec:
     drafters: tuple[str, ...]
     allow_shared_devices: bool
     queue_depth: int
+    nodes: int
+    rendezvous: str
 
 
 @dataclass(frozen=True)
@@ -456,6 +458,12 @@ def _check_cross_fields(spec: Spec, file: str) -> None:
     if shared and not topo.allow_shared_devices:
         fail("topology", f"{', '.join(shared)} is both a target and a drafter device; set "
              f"topology.allow_shared_devices: true if you mean it")
+    if topo.rendezvous != "auto":
+        port = int(topo.rendezvous.rsplit(":", 1)[1])
+        if not 1 <= port <= 65535:
+            fail("topology.rendezvous", f"port {port} is out of range (1-65535)")
+        if topo.nodes == 1:
+            fail("topology.rendezvous", "a rendezvous is only used with topology.nodes > 1")
     if spec.env.lock.startswith("/") or ".." in Path(spec.env.lock).parts:
         fail("env.lock", "must be a path inside the repository (e.g. envs/cpu-py311.lock)")
 
