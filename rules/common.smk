@@ -60,7 +60,30 @@ def python_for(wc):
 # names), so each job holds every CUDA device its spec names: a resource of capacity 1 per device
 # (cuda_0, cuda_1, ...), and two jobs never share a GPU on any machine. `gpu` is the count (for
 # executors that place jobs by it; limit it with --resources gpu=N if you like).
-CUDA_DEVICES = sorted({d for s in SPECS.values() for d in s.devices() if d != "cpu"})
+def gpus_per_node(spec):
+    """GPUs one node of a spec uses: the highest CUDA index it names + 1 (a spec that names
+    cuda:5 needs six visible devices; SLURM, like dflash.launch, numbers a node's GPUs from 0)."""
+    idx = [int(d.split(":", 1)[1]) for d in spec.devices() if d.startswith("cuda:")]
+    return max(idx) + 1 if idx else 0
+
+
+def nodes(spec):
+    return spec.topology.nodes
+
+
+def train_devices(spec):
+    """The devices a local train job uses: with topology.nodes = n > 1 on one machine the nodes
+    are n local processes, process i on GPUs [i·k, (i+1)·k) (dflash/launch.py), so the job holds
+    all n·k of them."""
+    k, n = gpus_per_node(spec), nodes(spec)
+    if n == 1 or not k:
+        return spec.devices()
+    return [d if d == "cpu" else f"cuda:{i * k + int(d.split(':', 1)[1])}"
+            for i in range(n) for d in spec.devices()]
+
+
+CUDA_DEVICES = sorted({d for s in SPECS.values() for d in train_devices(s) if d != "cpu"},
+                      key=lambda d: int(d.split(":", 1)[1]))
 for _device in CUDA_DEVICES:
     workflow.register_resource(_device.replace(":", "_"), 1)
 
@@ -73,22 +96,7 @@ for _device in CUDA_DEVICES:
 SLURM = config["slurm"]
 
 
-def gpus(wc):
-    return len({d for d in SPECS[wc.spec].devices() if d != "cpu"})
-
-
-def gpus_per_node(spec):
-    """GPUs one node of the job must have: the highest CUDA index the spec names + 1 (a spec that
-    names cuda:5 needs six visible devices, as SLURM numbers the job's GPUs from 0)."""
-    idx = [int(d.split(":", 1)[1]) for d in spec.devices() if d.startswith("cuda:")]
-    return max(idx) + 1 if idx else 0
-
-
-def nodes(spec):
-    return spec.topology.nodes
-
-
-def device_resources():
+def device_resources(devices=lambda spec: spec.devices()):
     """Resources of a one-node stage (env, warmup, data, bench; train when topology.nodes = 1)."""
     if SLURM:
         def gres(wc):
@@ -97,8 +105,11 @@ def device_resources():
 
         return {"nodes": 1, "gres": gres}
 
+    def gpus(wc):
+        return len({d for d in devices(SPECS[wc.spec]) if d != "cpu"})
+
     def holds(device):
-        return lambda wc: int(device in SPECS[wc.spec].devices())
+        return lambda wc: int(device in devices(SPECS[wc.spec]))
 
     return {"gpu": gpus, **{d.replace(":", "_"): holds(d) for d in CUDA_DEVICES}}
 
@@ -121,7 +132,7 @@ def train_resources():
     `launch` is empty otherwise. It sits in the shell command, so the command text (Snakemake's
     `code` rerun trigger) is the same under every profile: a train run on the cluster is not
     redone by a later local `snakemake bench_<spec>`."""
-    res = device_resources()
+    res = device_resources(train_devices)
 
     def launch(wc):
         n = nodes(SPECS[wc.spec])
