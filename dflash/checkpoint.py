@@ -35,9 +35,10 @@ def _optim_tensors(opt: torch.optim.Optimizer, params: list) -> tuple[dict, dict
 
 
 def save(ckpt_dir: Path, step: int, replica, counters: dict, keep: int,
-         run_fingerprint: dict, epochs_seen: dict | None = None) -> Path:
+         run_fingerprint: dict, epochs_seen: dict | None = None, nodes: int = 1) -> Path:
     """Write ``ckpt_dir/step-XXXXXXXX`` atomically; prune to the newest ``keep``.
-    ``epochs_seen``: the sample ids each epoch trained on so far (the exactly-once record)."""
+    ``epochs_seen``: the sample ids each epoch trained on so far (the exactly-once record);
+    ``nodes``: the world size that wrote it (the data sharding depends on it)."""
     from safetensors.torch import save_file
 
     ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -52,7 +53,7 @@ def save(ckpt_dir: Path, step: int, replica, counters: dict, keep: int,
     for f in ("model.safetensors", "optim.safetensors"):
         with open(tmp / f, "rb") as fh:
             os.fsync(fh.fileno())
-    state = {"version": CKPT_VERSION, "step": step, "counters": counters,
+    state = {"version": CKPT_VERSION, "step": step, "counters": counters, "nodes": nodes,
              "run_fingerprint": run_fingerprint, "epochs_seen": epochs_seen or {},
              "optim_scalars": oscalars, "sched": replica.sched.state_dict(),
              "param_groups": [{k: v for k, v in g.items() if k != "params"}

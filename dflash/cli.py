@@ -28,6 +28,12 @@ TOOLS = {
 def run_stage(name: str, spec_path: str, root: str = "results") -> dict:
     from .stages import begin
 
+    if name == "train":  # topology.nodes > 1: this process becomes torchrun (dflash.launch)
+        from .distributed import select_local_gpus
+        from .launch import maybe_launch
+
+        maybe_launch(spec_path, root)
+        select_local_gpus()  # a simulated node's own GPUs, before anything touches CUDA
     ctx = begin(spec_path, name, root)
     return importlib.import_module(f"dflash.stages.{name}").run(ctx)
 

@@ -4,7 +4,9 @@
 
 * The feeder enqueues work items in step order: item (step, r) is batch ``step·M + r`` of the
   epoch's deterministic plan, so every sample reaches exactly one replica exactly once per epoch
-  and a resumed run sees the very same batches.
+  and a resumed run sees the very same batches. With R nodes (``topology.nodes``, one Pipeline
+  per node, :mod:`dflash.distributed`) rank k's replica r takes batch ``step·R·M + k·M + r``:
+  every rank plans the same epoch, and together they take each batch once.
 * Queues are bounded (backpressure): at most ``queue_depth`` items per replica are in flight.
 * Every worker iteration runs through the one process-wide compile gate (:mod:`dflash.gate`):
   ``gate.run(sig, fn)`` takes the exclusive side for anything that may compile or trace and the
@@ -13,7 +15,10 @@
 * A thread never blocks on a queue or the barrier while it holds the gate (no deadlock).
 * Replicas stay identical: after each backward, the leader averages the flat gradients of all
   replicas that had a batch (fixed order → deterministic) and writes the mean back to each; each
-  replica then clips and steps its own optimizer on identical gradients.
+  replica then clips and steps its own optimizer on identical gradients. Across nodes the
+  leader all-reduces [sum of its active replicas' grads, their count] and divides by the global
+  count (started under the gate's shared side, waited for outside the gate: a collective waits
+  on other processes, and rule 1 says never to block while holding the gate).
 * Any failure sets ``stop``, aborts the barrier and wakes every wait; the main thread re-raises
   the first error naming the worker and its device. No hang.
 """
@@ -73,8 +78,10 @@ class StepMap:
     """Global step -> (epoch, step within epoch). Epochs may hold different numbers of batches
     (the packing is re-planned per epoch), so steps per epoch = ceil(batches(epoch) / M)."""
 
-    def __init__(self, epoch_batches: Callable[[int], list], M: int):
+    def __init__(self, epoch_batches: Callable[[int], list], M: int, ranks: int = 1,
+                 rank: int = 0):
         self.epoch_batches, self.M = epoch_batches, M
+        self.ranks, self.rank = ranks, rank  # nodes, and this node's rank
         self.starts = [0]  # starts[e] = first global step of epoch e
         self._cache: dict[int, list] = {}
 
@@ -84,7 +91,11 @@ class StepMap:
         return self._cache[epoch]
 
     def steps_in(self, epoch: int) -> int:
-        return max(1, -(-len(self.batches(epoch)) // self.M))
+        return max(1, -(-len(self.batches(epoch)) // (self.M * self.ranks)))
+
+    def batch_index(self, local_step: int, r: int) -> int:
+        """The batch of the epoch plan that this rank's replica r trains at a step."""
+        return (local_step * self.ranks + self.rank) * self.M + r
 
     def locate(self, step: int) -> tuple[int, int]:
         while self.starts[-1] <= step:
@@ -148,7 +159,7 @@ class Pipeline:
                  step_map: StepMap, make_row: Callable[[list], PackedRow], start_step: int,
                  total_steps: int, seed: int, mask_token_id: int, queue_depth: int,
                  on_step: Callable[[StepRecord], None] | None = None,
-                 fail_at: dict[str, int] | None = None):
+                 fail_at: dict[str, int] | None = None, comm=None):
         """``target_workers``: (device, feature_fn(row)->feats) per target device.
         ``step_map`` maps steps to the deterministic per-epoch batch plans; ``make_row(batch)``
         packs one batch of sample indices into a PackedRow."""
@@ -161,6 +172,8 @@ class Pipeline:
         self.seed, self.mask_token_id = seed, mask_token_id
         self.on_step = on_step
         self.fail_at = fail_at or {}  # test hook: {"worker name": step} raises there
+        self.comm = comm  # dflash.distributed.Dist across nodes; None: this process only
+        self.allreduce = None  # DeviceBusy of the cross-node all-reduce (leader thread)
         self.gate = get_gate()
         self.stop = threading.Event()
         self.error: tuple[str, str, BaseException, str] | None = None
@@ -222,7 +235,7 @@ class Pipeline:
                 epoch, local = self.step_map.locate(step)
                 batches = self.step_map.batches(epoch)
                 for r in range(self.M):
-                    b = local * self.M + r
+                    b = self.step_map.batch_index(local, r)
                     row = self.make_row(batches[b]) if b < len(batches) else None
                     self._put(self.work_q, WorkItem(step, r, epoch, b, row))
             for _ in self.targets:
@@ -306,8 +319,11 @@ class Pipeline:
                     # snapshot before the next barrier: after it, other replicas move on to the
                     # next step and overwrite their result slots
                     snapshot = list(self._results)
-                    with self.gate.shared():
-                        self._average_grads(snapshot)
+                    if self.comm is None:
+                        with self.gate.shared():
+                            self._average_grads(snapshot)
+                    else:
+                        self._average_grads_across(snapshot)
                 t = time.perf_counter()
                 self._barrier()  # mean gradients are in place on every replica
                 wait += time.perf_counter() - t
@@ -339,6 +355,31 @@ class Pipeline:
         for rep in self.replicas:
             rep.set_flat_grad(mean)
 
+    def _average_grads_across(self, results: list) -> None:
+        """The mean over every active replica of every node: local sum (fixed order), one
+        all-reduce of [sum, count], divide. Launched and finished under the shared side, waited
+        for outside the gate (a cross-process wait must not stall this process's writers)."""
+        lead = self.replicas[0].device
+        if self.allreduce is None:
+            self.allreduce = DeviceBusy(lead)
+        with self.gate.shared():
+            active = [i for i, res in enumerate(results) if res is not None]
+            total = None
+            for i in active:  # fixed order: the same bits on every run
+                g = self.replicas[i].flat_grad().to(lead)
+                total = g if total is None else total + g
+            if total is None:
+                total = torch.zeros_like(self.replicas[0].flat_grad()).to(lead)
+            buf = torch.cat([total, total.new_tensor([float(len(active))])])
+            t0 = self.allreduce.start()
+            work = self.comm.all_reduce_start(buf)
+        work.wait()
+        with self.gate.shared():
+            self.allreduce.stop(t0)
+            mean = buf[:-1] / buf[-1].clamp(min=1.0)
+            for rep in self.replicas:
+                rep.set_flat_grad(mean)
+
     def _record(self, step: int, epoch: int, norm, lr: float, results: list) -> None:
         # the step's one host-device sync: losses and the norm read together, after the
         # optimizer step was queued
@@ -357,15 +398,34 @@ class Pipeline:
             losses.append(vals[0])
             hits = vals[1:] if hits is None else [a + b for a, b in zip(hits, vals[1:])]
             counts = r.counts if counts is None else [a + b for a, b in zip(counts, r.counts)]
+        tokens, labelled = sum(r.tokens for r in res), sum(r.labelled for r in res)
+        sample_ids = [s for r in res for s in r.sample_ids]
+        grad_norm = float(norm)
+        if self.comm is not None:
+            # the whole step, every node's replicas in rank order; gathering is also where the
+            # ranks agree on the step before rank 0 writes anything (metrics, a checkpoint)
+            parts = self.comm.all_gather({"step": step, "losses": losses, "hits": hits,
+                                          "counts": counts, "tokens": tokens,
+                                          "labelled": labelled, "ids": sample_ids})
+            steps = [p["step"] for p in parts]
+            if len(set(steps)) != 1:
+                raise RuntimeError(f"ranks disagree on the step: {steps}")
+            losses = [x for p in parts for x in p["losses"]]
+            tokens = sum(p["tokens"] for p in parts)
+            labelled = sum(p["labelled"] for p in parts)
+            sample_ids = [i for p in parts for i in p["ids"]]
+            with_hits = [p for p in parts if p["hits"] is not None]
+            if with_hits:
+                hits = [sum(x) for x in zip(*(p["hits"] for p in with_hits))]
+                counts = [sum(x) for x in zip(*(p["counts"] for p in with_hits))]
         draft_acc = ([round(h / c, 4) if c else None for h, c in zip(hits[1:], counts[1:])]
                      if hits is not None else [])
         seen = [x for x in losses if x is not None]
         rec = StepRecord(
             step=step, epoch=epoch,
             loss=sum(seen) / len(seen) if seen else float("nan"),
-            lr=lr, grad_norm=float(norm), tokens=sum(r.tokens for r in res),
-            labelled=sum(r.labelled for r in res),
-            sample_ids=[s for r in res for s in r.sample_ids], t_end=time.perf_counter(),
+            lr=lr, grad_norm=grad_norm, tokens=tokens, labelled=labelled,
+            sample_ids=sample_ids, t_end=time.perf_counter(),
             replica_losses=losses, draft_acc=draft_acc)
         self.steps_done = step + 1
         self.last_record = rec

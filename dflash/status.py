@@ -43,6 +43,8 @@ class StatusReporter:
 
     def _write(self) -> None:
         self.state["updated_unix"] = time.time()
+        if self.path is None:  # a rank other than 0: rank 0 reports the job
+            return
         atomic_write_json(self.path, self.state)
 
     def step(self, rec) -> None:

@@ -6,11 +6,18 @@ checkpoint (Snakemake keeps the checkpoints: they are not declared outputs).
 
 :func:`train` reads top to bottom as its phases: prepare (verify inputs, plan steps, build
 replicas) → resume → warm start → train steps → check replicas → export → manifest.
+
+With ``topology.nodes`` > 1 the stage runs once per node under torchrun (:mod:`dflash.launch`
+starts it; :mod:`dflash.distributed` joins the ranks): every rank trains its share of each
+epoch, rank 0 alone writes metrics, status, checkpoints, the drafter and the manifest, and the
+outputs have the same shape as a one-node run's.
 """
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,13 +44,15 @@ def verify_warmup(ctx: StageContext) -> dict:
     return m
 
 
-def injected_failures() -> dict[str, int]:
+def injected_failures(rank: int | None = None) -> dict[str, int]:
     """Test hook: DFLASH_FAIL_AT="drafter-0:3,target-0:5" makes that worker raise at that step
-    (failure-propagation and rerun-after-failure tests use it on the real stage)."""
-    import os
-
+    (failure-propagation and rerun-after-failure tests use it on the real stage);
+    "drafter-0:3@1": on rank 1 only (topology.nodes > 1)."""
     out = {}
     for part in filter(None, os.environ.get("DFLASH_FAIL_AT", "").split(",")):
+        part, _, on_rank = part.partition("@")
+        if on_rank and int(on_rank) != (rank or 0):
+            continue
         name, _, step = part.partition(":")
         out[name.strip()] = int(step)
     return out
@@ -121,6 +130,12 @@ class Job:
     cfg: Any                 # dflash.model.DFlashConfig
     replicas: list
     run_fingerprint: dict    # a checkpoint only resumes the run it came from
+    comm: Any = None         # dflash.distributed.Dist (nodes > 1) or None
+
+    @property
+    def main(self) -> bool:
+        """The rank that writes (rank 0; the only one with one node)."""
+        return self.comm is None or self.comm.is_main
 
 
 @dataclass
@@ -142,7 +157,65 @@ class Trained:
 def run(ctx: StageContext) -> dict:
     """The train stage: results/<spec>/train/{manifest.json, metrics.jsonl, status.json,
     checkpoints/, drafter/}; resumes from the newest good checkpoint of the same run."""
-    return train(ctx, ctx.results / "train", persist=True, fail_at=injected_failures())
+    from .. import distributed
+
+    comm = distributed.init(ctx.spec.topology.drafters[0])
+    if comm is None:
+        return train(ctx, ctx.results / "train", persist=True, fail_at=injected_failures())
+    return run_rank(ctx, comm)
+
+
+def run_rank(ctx: StageContext, comm) -> dict:
+    """One node's process of a multi-node run. Whatever fails, every rank exits promptly with
+    one message naming the rank (and host) at fault; a finished run leaves the group together."""
+    from ..distributed import HEARTBEAT_S, STALE_S, PeerFailed
+    from ..errors import DFlashError
+
+    try:
+        manifest = train(ctx, ctx.results / "train", persist=True,
+                         fail_at=injected_failures(comm.rank), comm=comm)
+        comm.close()
+        return manifest
+    except BaseException as e:  # noqa: BLE001 - reported below, then this process exits
+        verdict = comm.watchdog.verdict
+        if verdict is None and _looks_like_lost_peer(e):
+            # a collective failed because a peer vanished: the watchdog names which one
+            deadline = time.monotonic() + STALE_S + 3
+            while comm.watchdog.verdict is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            verdict = comm.watchdog.verdict
+        if verdict is not None:
+            msg, code = verdict, PeerFailed.exit_code
+        else:
+            msg = f"{comm.name()} failed: {e}" if isinstance(e, DFlashError) else \
+                f"{comm.name()} failed: {type(e).__name__}: {e}"
+            code = getattr(e, "exit_code", 1)
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            comm.watchdog.report_failure(first)
+            if not isinstance(e, DFlashError) or e.__cause__ is not None:
+                import traceback
+
+                traceback.print_exception(e, file=sys.stderr)
+            # let the other ranks read the record and stop with this rank's error named
+            # before torchrun notices this exit and terminates them
+            time.sleep(3 * HEARTBEAT_S)
+        comm.watchdog.stop()
+        print(f"error: {msg}", file=sys.stderr)
+        print("what to do: fix the cause above if any, then rerun the same command; training "
+              "resumes from the last checkpoint", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # no interpreter shutdown: a thread may still wait in a collective for the dead peer
+        os._exit(code)
+
+
+def _looks_like_lost_peer(e: BaseException) -> bool:
+    text = ""
+    while e is not None:
+        text += f" {type(e).__name__}: {e}"
+        e = e.__cause__ or e.__context__
+    return any(k in text for k in ("Connection closed", "Connection reset", "Broken pipe",
+                                   "gloo", "NCCL", "DistBackendError", "timed out",
+                                   "Socket", "ECONNRESET"))
 
 
 def timed_run(ctx: StageContext, out: Path, steps: int) -> dict:
@@ -152,20 +225,24 @@ def timed_run(ctx: StageContext, out: Path, steps: int) -> dict:
 
 
 def train(ctx: StageContext, out: Path, persist: bool, max_steps: int | None = None,
-          fail_at: dict | None = None) -> dict:
+          fail_at: dict | None = None, comm=None) -> dict:
     t_start = time.perf_counter()
-    job = prepare(ctx, out, persist, max_steps)
+    job = prepare(ctx, out, persist, max_steps, comm)
     progress = resume(job)
     targets, warm_start_s, warm_records = warm_start(job)
     trained = train_steps(job, progress, targets, fail_at or {})
     replicas_identical = check_replicas(job)
-    if persist:
+    across = check_ranks(job, trained.pipe)
+    if persist and job.main:
         export(job)
+    if not job.main:
+        return {}
     return write_train_manifest(job, progress, trained, warm_start_s, warm_records,
-                                replicas_identical, time.perf_counter() - t_start)
+                                replicas_identical, time.perf_counter() - t_start, across)
 
 
-def prepare(ctx: StageContext, out: Path, persist: bool, max_steps: int | None) -> Job:
+def prepare(ctx: StageContext, out: Path, persist: bool, max_steps: int | None,
+            comm=None) -> Job:
     """Verify the inputs (warmup manifest, dataset), plan the steps, build the replicas."""
     from ..dataset import load_dataset
     from ..packing import plan_epoch
@@ -182,7 +259,15 @@ def prepare(ctx: StageContext, out: Path, persist: bool, max_steps: int | None) 
     def epoch_batches(epoch: int) -> list[list[int]]:
         return plan_epoch(ds.lengths, b.token_budget, b.max_batch_size, spec.seed, epoch)
 
-    step_map = StepMap(epoch_batches, len(spec.topology.drafters))
+    if comm is not None and comm.world != spec.topology.nodes:
+        from ..errors import SpecError
+
+        raise SpecError(f"{spec.path}: field 'topology.nodes': the spec asks for "
+                        f"{spec.topology.nodes} nodes but torchrun started {comm.world} "
+                        f"processes")
+    ranks, rank = (comm.world, comm.rank) if comm is not None else (1, 0)
+    # every rank plans the same epochs (seeded) and takes its own share of the batches
+    step_map = StepMap(epoch_batches, len(spec.topology.drafters), ranks, rank)
     total_steps = max_steps if max_steps is not None else total_steps_for(spec, step_map)
     cfg = drafter_config(spec)
     replicas = make_replicas(spec, cfg, initial_state(cfg, spec.seed), total_steps)
@@ -190,24 +275,45 @@ def prepare(ctx: StageContext, out: Path, persist: bool, max_steps: int | None) 
               "dataset_sha256": ds.manifest["dataset"]["sha256"]}
     return Job(ctx=ctx, out=out, persist=persist, warmup=warm, compile_cache=cache, ds=ds,
                bucket_lens=buckets(spec), step_map=step_map, total_steps=total_steps, cfg=cfg,
-               replicas=replicas, run_fingerprint=run_fp)
+               replicas=replicas, run_fingerprint=run_fp, comm=comm)
 
 
 def resume(job: Job) -> Progress:
     """Load the newest good checkpoint of this run into every replica (weights, optimizer,
     schedule) and return its counters; checkpoints of another run are discarded."""
     ckpt_dir = job.out / "checkpoints"
-    found = ckpt.latest_good(ckpt_dir) if job.persist else None
-    if found is not None and found[1].get("run_fingerprint") != job.run_fingerprint:
-        print(f"[train] ignoring checkpoints in {ckpt_dir}: they belong to another "
-              f"run (spec fields, data or shapes changed); starting from step 0", flush=True)
-        shutil.rmtree(ckpt_dir, ignore_errors=True)
-        found = None
+    found, refused = None, None
+    if job.main:  # rank 0 decides; every rank loads what it chose
+        found = ckpt.latest_good(ckpt_dir) if job.persist else None
+        nodes = job.ctx.spec.topology.nodes
+        if found is not None and found[1].get("nodes", 1) != nodes:
+            # the data sharding (which batches each node took) depends on the world size
+            refused = (f"{job.ctx.spec.path}: field 'topology.nodes': checkpoint {found[0]} was "
+                       f"written by a run on topology.nodes = {found[1].get('nodes', 1)}; this "
+                       f"spec has topology.nodes = {nodes}. A run resumes only on the world "
+                       f"size that wrote it: set topology.nodes back to "
+                       f"{found[1].get('nodes', 1)}, or delete {ckpt_dir} to start over")
+        elif found is not None and found[1].get("run_fingerprint") != job.run_fingerprint:
+            print(f"[train] ignoring checkpoints in {ckpt_dir}: they belong to another "
+                  f"run (spec fields, data or shapes changed); starting from step 0", flush=True)
+            shutil.rmtree(ckpt_dir, ignore_errors=True)
+            found = None
+    if job.comm is not None:
+        chosen = job.comm.broadcast((str(found[0]) if found else None, refused))
+        found = (Path(chosen[0]), json.loads((Path(chosen[0]) / "state.json").read_text())) \
+            if chosen[0] else None
+        refused = chosen[1]
+    if refused:
+        from ..errors import SpecError
+
+        raise SpecError(refused)
     if found is None:
         return Progress()
     path, state = found
     ckpt.load_into(path, state, job.replicas)
-    print(f"[train] resuming from {path} (step {state['step']}/{job.total_steps})", flush=True)
+    if job.main:
+        print(f"[train] resuming from {path} (step {state['step']}/{job.total_steps})",
+              flush=True)
     return Progress(start_step=state["step"], counters=state["counters"],
                     epochs_seen=state.get("epochs_seen"))
 
@@ -248,11 +354,12 @@ def train_steps(job: Job, progress: Progress, targets: list, fail_at: dict) -> T
 
     spec, ds, out = job.ctx.spec, job.ds, job.out
     counters = progress.counters
-    metrics = MetricsLog(out / "metrics.jsonl", progress.start_step)
-    status = StatusReporter(out / "status.json", spec, job.total_steps)
+    # rank 0 writes; the other ranks keep the same books (every rank sees the whole step)
+    metrics = MetricsLog(out / "metrics.jsonl", progress.start_step) if job.main else None
+    status = StatusReporter(out / "status.json" if job.main else None, spec, job.total_steps)
     ledger = EpochLedger(ds.sample_ids, progress.epochs_seen)
     every = spec.checkpoint.every_steps
-    every_tau = spec.monitor.tau_every_steps if job.persist else None
+    every_tau = spec.monitor.tau_every_steps if job.persist and job.main else None
     monitor = None
     if every_tau:
         from ..evaluate import TauMonitor
@@ -274,6 +381,8 @@ def train_steps(job: Job, progress: Progress, targets: list, fail_at: dict) -> T
             # on the first replica's thread, after its step: the others wait at the barrier
             m = monitor(job.replicas[0])
             extra = {"tau_heldout": m["tau"], "tau_seconds": m["seconds"]}
+        if not job.main:
+            return
         metrics.write({"step": rec.step, "epoch": rec.epoch, "loss": rec.loss, "lr": rec.lr,
                        "grad_norm": rec.grad_norm, "tokens": rec.tokens,
                        "labelled": rec.labelled, "samples": len(rec.sample_ids),
@@ -281,8 +390,10 @@ def train_steps(job: Job, progress: Progress, targets: list, fail_at: dict) -> T
                        "sample_ids": rec.sample_ids, "t": round(rec.t_end - t0, 4), **extra})
         status.step(rec)
         if job.persist and ((rec.step + 1) % every == 0 or rec.step + 1 == job.total_steps):
+            # every rank has reached this step (the step's record was gathered from all)
             ckpt.save(out / "checkpoints", rec.step + 1, job.replicas[0], dict(counters),
-                      spec.checkpoint.keep, job.run_fingerprint, ledger.state())
+                      spec.checkpoint.keep, job.run_fingerprint, ledger.state(),
+                      nodes=spec.topology.nodes)
 
     t0 = time.perf_counter()
     pipe = Pipeline(target_workers=targets, replicas=job.replicas, step_map=job.step_map,
@@ -290,11 +401,17 @@ def train_steps(job: Job, progress: Progress, targets: list, fail_at: dict) -> T
                     total_steps=job.total_steps, seed=spec.seed,
                     mask_token_id=job.cfg.mask_token_id,
                     queue_depth=spec.topology.queue_depth, on_step=on_step,
-                    fail_at=fail_at)
+                    fail_at=fail_at, comm=job.comm)
+    if job.comm is not None:
+        from ..distributed import PeerFailed
+
+        job.comm.watchdog.on_failure(
+            lambda msg: pipe._fail("watchdog", job.comm.name(), PeerFailed(msg)))
     try:
-        pipe.run(on_tick=status.tick, tick_s=5.0)
+        pipe.run(on_tick=status.tick if job.main else None, tick_s=5.0)
     finally:
-        metrics.close()
+        if metrics is not None:
+            metrics.close()
     return Trained(pipe=pipe, status=status, ledger=ledger, seconds=time.perf_counter() - t0)
 
 
@@ -303,6 +420,30 @@ def check_replicas(job: Job) -> bool:
     ref = job.replicas[0].model.state_dict()
     return all(torch.equal(ref[k].cpu(), r.model.state_dict()[k].cpu())
                for r in job.replicas[1:] for k in ref)
+
+
+def check_ranks(job: Job, pipe) -> dict | None:
+    """Across nodes: every rank's replica-0 weights, hashed, gathered in rank order."""
+    if job.comm is None:
+        return None
+    import hashlib
+
+    h = hashlib.sha256()
+    for k, v in sorted(job.replicas[0].model.state_dict().items()):
+        h.update(k.encode())
+        h.update(v.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    d = job.comm
+    local = {"rank": d.rank, "host": d.host, "weights_sha256": h.hexdigest(),
+             "allreduce_s": allreduce_seconds(pipe)}
+    return {"ranks": d.all_gather(local), "backend": d.backend}
+
+
+def allreduce_seconds(pipe) -> dict:
+    """This rank's time in the cross-node all-reduce (from the local sum being ready to the
+    global sum being there: transfer plus waiting for the slowest rank)."""
+    seconds = pipe.allreduce.collect(block=True) if pipe.allreduce is not None else 0.0
+    steps = max(1, pipe.steps_done - pipe.start_step)
+    return {"total": round(seconds, 4), "per_step_mean": seconds / steps}
 
 
 def export(job: Job) -> Path:
@@ -317,9 +458,26 @@ def export(job: Job) -> Path:
     return export_dir
 
 
+def _distributed_facts(job: Job, across: dict | None) -> dict:
+    """nodes, the gradient bytes each all-reduce moves, per-rank weight hashes (equal: the
+    replicas stayed identical across nodes) and all-reduce seconds per step."""
+    if across is None:
+        return {"nodes": 1}
+    ranks = across["ranks"]
+    n = sum(p.numel() for p in job.replicas[0].params)
+    per_step = [r["allreduce_s"]["per_step_mean"] for r in ranks]
+    return {"nodes": len(ranks), "backend": across["backend"],
+            "hosts": [r["host"] for r in ranks],
+            "allreduce_bytes_per_step": (n + 1) * 4,
+            "allreduce_s_per_step_mean": sum(per_step) / len(per_step),
+            "allreduce_s_per_step_by_rank": per_step,
+            "weights_sha256_by_rank": [r["weights_sha256"] for r in ranks],
+            "replicas_identical_across_ranks": len({r["weights_sha256"] for r in ranks}) == 1}
+
+
 def write_train_manifest(job: Job, progress: Progress, trained: Trained, warm_start_s: float,
                          warm_records: list[dict], replicas_identical: bool,
-                         wall_s: float) -> dict:
+                         wall_s: float, across: dict | None = None) -> dict:
     from ..gate import get_gate
 
     ctx, spec, pipe = job.ctx, job.ctx.spec, trained.pipe
@@ -358,7 +516,7 @@ def write_train_manifest(job: Job, progress: Progress, trained: Trained, warm_st
         replicas=len(job.replicas), replicas_identical=replicas_identical,
         exactly_once=trained.ledger.report(),
         drafter_dir=str(job.out / "drafter"), env_drift_overridden=ctx.drift,
-        topology=asdict(spec.topology))
+        topology=asdict(spec.topology), distributed=_distributed_facts(job, across))
     trained.status.done(manifest)
     print(f"[train] done: {steps_run} steps in {trained.seconds:.1f}s, final loss "
           f"{manifest['final_loss']}, recompiles after warmup "

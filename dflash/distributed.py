@@ -1,0 +1,246 @@
+"""One training process per node, joined by torch.distributed (``topology.nodes`` > 1).
+
+torchrun (started by :mod:`dflash.launch`) gives every process RANK, WORLD_SIZE, LOCAL_RANK and
+MASTER_ADDR/MASTER_PORT (its rendezvous store); :func:`init` joins the process group from them
+(``env://``: NCCL when the drafters are on CUDA, gloo on CPU) with a collective timeout, plus a
+gloo group for the small per-step records, and starts the :class:`Watchdog`. With one node
+nothing here runs: :func:`current` is ``None`` and the stage is exactly the one-process stage.
+
+Per step (see :class:`dflash.scheduler.Pipeline`): each node sums its replicas' gradients in a
+fixed order, then ONE all-reduce of ``[sum, active replica count]`` across nodes; every rank
+divides by the global count, so the mean weights every replica that had a batch equally (not a
+mean of means) and every rank ends with the same bits.
+
+Failure: a rank that dies (kill -9, a lost node) stops bumping its heartbeat in the rendezvous
+store; a rank that fails with an error writes a failure record there. Every other rank's watchdog
+sees either within seconds, stops its pipeline and exits non-zero naming the rank and its host;
+collectives time out as a backstop. No rank hangs.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch
+
+from .errors import DFlashError
+
+WORKER_ENV = "DFLASH_DIST_WORKER"   # set by dflash.launch for the processes torchrun starts
+HEARTBEAT_S = float(os.environ.get("DFLASH_HEARTBEAT_S", "1"))
+STALE_S = float(os.environ.get("DFLASH_HEARTBEAT_TIMEOUT_S", "15"))
+# a backstop only (the watchdog acts first): long enough for rank 0's checkpoint or τ monitor
+COLLECTIVE_TIMEOUT_S = float(os.environ.get("DFLASH_COLLECTIVE_TIMEOUT_S", "600"))
+
+
+class PeerFailed(DFlashError):
+    """Another rank died or failed; this one stops."""
+    exit_code = 5
+
+
+def is_worker() -> bool:
+    return os.environ.get(WORKER_ENV) == "1" and "RANK" in os.environ
+
+
+def select_local_gpus() -> None:
+    """Simulated nodes on one machine: local process i sees GPUs [i·k, (i+1)·k) of the ones
+    the launcher saw, renumbered from 0, so the spec's per-node 'cuda:0' is its own GPU. Must run
+    before anything initialises CUDA."""
+    k = int(os.environ.get("DFLASH_GPUS_PER_NODE", "0") or 0)
+    if k <= 0 or not is_worker():
+        return
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    seen = os.environ.get("DFLASH_LAUNCH_VISIBLE_DEVICES", "").split(",")
+    seen = [d for d in seen if d]
+    mine = seen[local * k:(local + 1) * k]
+    if len(mine) < k:
+        raise DFlashError(f"topology.nodes: local process {local} needs GPUs "
+                          f"{local * k}..{(local + 1) * k - 1} of {seen}; not enough GPUs here")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
+
+
+class Dist:
+    """This process's place in the job and the collectives the train stage uses."""
+
+    def __init__(self, lead_device: str):
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.rank = int(os.environ["RANK"])
+        self.world = int(os.environ["WORLD_SIZE"])
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.host = socket.gethostname()
+        cuda = lead_device.startswith("cuda")
+        self.backend = "nccl" if cuda else "gloo"
+        if cuda:
+            torch.cuda.set_device(torch.device(lead_device))
+        timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        dist.init_process_group(self.backend, timeout=timeout)
+        # small host-side records (sample ids, losses) go over gloo whatever the grads use
+        self.meta = dist.new_group(backend="gloo", timeout=timeout) if cuda else None
+        self.watchdog = Watchdog(self)
+        self.watchdog.start()
+        signal.signal(signal.SIGTERM, self._terminated)
+        self.allreduce_s = 0.0
+        self.allreduce_steps = 0
+
+    def _terminated(self, signum, frame) -> None:
+        """torchrun ends the ranks of a node when one of them exits with an error."""
+        why = self.watchdog.verdict or "another rank on this node exited"
+        print(f"error: {self.name()} stopped by torchrun (SIGTERM): {why}", file=sys.stderr,
+              flush=True)
+        os._exit(128 + signum)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def name(self, rank: int | None = None) -> str:
+        r = self.rank if rank is None else rank
+        return f"rank {r} on {self.watchdog.host_of(r)}"
+
+    # ---- collectives -------------------------------------------------------------------------
+    def all_reduce_start(self, buf: torch.Tensor):
+        """Start the sum of ``buf`` across ranks (async: the caller waits outside the gate)."""
+        return self.dist.all_reduce(buf, op=self.dist.ReduceOp.SUM, async_op=True)
+
+    def all_gather(self, obj) -> list:
+        """Every rank's ``obj`` in rank order (pickled, over gloo)."""
+        out = [None] * self.world
+        self.dist.all_gather_object(out, obj, group=self.meta)
+        return out
+
+    def broadcast(self, obj):
+        """Rank 0's ``obj`` on every rank."""
+        box = [obj]
+        self.dist.broadcast_object_list(box, src=0, group=self.meta)
+        return box[0]
+
+    def barrier(self) -> None:
+        self.dist.barrier(group=self.meta)
+
+    def close(self) -> None:
+        """After the run: every rank is done, then stop watching and leave the group."""
+        self.barrier()
+        self.watchdog.stop()
+        self.dist.destroy_process_group()
+
+
+class Watchdog:
+    """Heartbeats and failure records in the rendezvous store (torch.distributed.TCPStore).
+
+    Every HEARTBEAT_S each rank bumps ``hb/<rank>`` and reads the others'; a peer whose counter
+    has not moved for STALE_S, a failure record ``failed``, or a store that cannot be reached (it
+    lives with node 0's torchrun) is a dead job: :meth:`on_failure` callbacks run (the pipeline
+    stops) and, if this process has not left by itself within a few seconds, it exits here.
+    """
+
+    def __init__(self, d: Dist):
+        import torch.distributed as dist
+
+        self.d = d
+        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        self.where = f"{addr}:{port}"
+        run = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/" \
+              f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=10))
+        self.store = dist.PrefixStore(f"dflash/{run}/", store)
+        self.host = d.host
+        self.store.set(f"host/{d.rank}", f"{d.host} (pid {os.getpid()})")
+        self.store.add(f"hb/{d.rank}", 1)
+        self.hosts: dict[int, str] = {}
+        self.verdict: str | None = None
+        self.callbacks: list = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="dist-watchdog", daemon=True)
+
+    def host_of(self, rank: int) -> str:
+        if rank not in self.hosts:
+            try:
+                if self.store.check([f"host/{rank}"]):
+                    self.hosts[rank] = self.store.get(f"host/{rank}").decode()
+            except Exception:  # noqa: BLE001 - a name only
+                pass
+        return self.hosts.get(rank, "an unknown host")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def on_failure(self, fn) -> None:
+        self.callbacks.append(fn)
+
+    def report_failure(self, message: str) -> None:
+        """This rank failed: tell the others (first writer wins; best effort)."""
+        try:
+            self.store.compare_set("failed", "", f"rank {self.d.rank} on {self.host}: {message}")
+        except Exception:  # noqa: BLE001 - the store may be gone with node 0
+            pass
+
+    def _loop(self) -> None:
+        last: dict[int, tuple[int, float]] = {}
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self.store.add(f"hb/{self.d.rank}", 1)
+                if self.store.check(["failed"]):
+                    msg = self.store.get("failed").decode()
+                    if msg:
+                        self._fire(f"{msg}; stopping {self.d.name()}")
+                        return
+                now = time.monotonic()
+                for r in range(self.d.world):
+                    if r == self.d.rank:
+                        continue
+                    n = self.store.add(f"hb/{r}", 0)
+                    if r not in last or last[r][0] != n:
+                        last[r] = (n, now)
+                    elif now - last[r][1] > STALE_S:
+                        self._fire(f"{self.d.name(r)} stopped responding (no heartbeat for "
+                                   f"{now - last[r][1]:.0f} s: killed, crashed or its node is "
+                                   f"gone); stopping {self.d.name()}")
+                        return
+            except Exception as e:  # noqa: BLE001 - the store is node 0's torchrun
+                if self._stop.is_set():
+                    return
+                self._fire(f"lost the rendezvous store at {self.where} (it lives with rank 0's "
+                           f"torchrun on {self.hosts.get(0, 'node 0')}: rank 0 or its node is "
+                           f"gone; {type(e).__name__}: {e}); stopping {self.d.name()}")
+                return
+
+    def _fire(self, message: str) -> None:
+        if self._stop.is_set():
+            return
+        self.verdict = message
+        for fn in self.callbacks:
+            try:
+                fn(message)
+            except Exception:  # noqa: BLE001
+                pass
+        # the main thread reports and exits; if it is stuck (a collective waiting for the
+        # dead peer), leave anyway
+        if not self._stop.wait(5.0):
+            print(f"error: {message}", file=sys.stderr, flush=True)
+            print("what to do: rerun the same command; training resumes from the last "
+                  "checkpoint", file=sys.stderr, flush=True)
+            os._exit(PeerFailed.exit_code)
+
+
+_CURRENT: Dist | None = None
+
+
+def current() -> Dist | None:
+    return _CURRENT
+
+
+def init(lead_device: str) -> Dist | None:
+    """Join the job when torchrun started this process; None for a one-node run."""
+    global _CURRENT
+    if _CURRENT is None and is_worker():
+        _CURRENT = Dist(lead_device)
+    return _CURRENT
