@@ -21,8 +21,9 @@ Inputs, each recorded in the JSON with where it came from:
 - the target forward rate per GPU: bench/results/h200/target_anchor_32b.json (our packed-row flex
   path, full 64 layers), scaled to the layers the pipeline runs (up to the last feature layer);
 - the drafter MFU: a bench report (default: the 2-H200 qwen3-8b-2gpu run); --report takes the one
-  from a run of the projected shapes instead, e.g. the 2-H200 expanded-shape measurement, and
-  then also its measured all-reduce seconds per step if it has them;
+  from a run of the projected shapes instead, e.g. the 2-H200 expanded-shape measurement (and
+  --train-manifest its train manifest: the measured all-reduce seconds and bytes per step are
+  recorded beside the projection);
 - tokens and labelled tokens per batch: a train metrics.jsonl of the same batching (default: the
   expanded-1gpu H200 run), else token_budget.
 """
@@ -170,8 +171,17 @@ def project(args) -> dict:
                        "fp32_overlapped_with_backward": rows(4, overlap=True),
                        "fp32_8_links": rows(4, links=8)},
     }
-    if args.report and "allreduce" in report:
-        result["measured_allreduce"] = report["allreduce"]
+    if args.train_manifest:
+        # a multi-node run's measured all-reduce (dflash/stages/train.py: manifest "distributed")
+        d = json.loads(Path(args.train_manifest).read_text()).get("distributed", {})
+        if d.get("nodes", 1) > 1 and d.get("allreduce_s_per_step_mean"):
+            n, b, t = d["nodes"], d["allreduce_bytes_per_step"], d["allreduce_s_per_step_mean"]
+            result["measured_allreduce"] = {
+                "nodes": n, "backend": d.get("backend"), "bytes_per_step": b,
+                "seconds_per_step": t,
+                # ring: each rank sends and receives 2(n-1)/n of the buffer
+                "bus_gbytes_per_s": round(2 * (n - 1) / n * b / t / 1e9, 2),
+                "source": args.train_manifest}
     return result
 
 
@@ -189,6 +199,9 @@ def main(argv=None) -> int:
     p.add_argument("--report", default=None,
                    help="a bench report.json of the projected shapes (its drafter_mfu, and its "
                         "measured all-reduce if present, replace the defaults)")
+    p.add_argument("--train-manifest", default=None,
+                   help="the train manifest.json of a multi-node run: its measured all-reduce "
+                        "seconds per step and bytes are recorded beside the projection")
     p.add_argument("--metrics", type=Path,
                    default=H200 / "expanded-1gpu-partial" / "train__metrics.jsonl")
     p.add_argument("--out", type=Path, default=None)
