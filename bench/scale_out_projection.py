@@ -185,6 +185,34 @@ def project(args) -> dict:
     return result
 
 
+def markdown(r: dict) -> str:
+    """The tables docs/scale-out.md quotes."""
+    n, g = r["node_step"], r["gradient_bytes_per_step"]
+    lines = [f"drafter: {r['drafter']['trainable_params']:,} trainable parameters; gradient per "
+             f"step {g['fp32'] / 1e9:.2f} GB fp32 ({g['bf16'] / 1e9:.2f} GB as bf16)", "",
+             f"one node ({r['per_node']['targets']} targets + {r['per_node']['drafters']} "
+             f"drafters): target {n['target_s']} s, drafter {n['drafter_s']} s + in-node sum "
+             f"{n['local_reduce_s']} s per step ({n['bound']}-bound), {n['tokens_per_s']:,} "
+             f"tokens/s", ""]
+    names = {"fp32": "fp32 all-reduce (as built)", "bf16": "bf16 all-reduce",
+             "fp32_overlapped_with_backward": "fp32, overlapped with the backward",
+             "fp32_8_links": "fp32, 8 x 400 Gb/s per node"}
+    for key, rows in r["projection"].items():
+        lines += [f"**{names.get(key, key)}**", "",
+                  "| nodes | GPUs | all-reduce s | exposed s | step s | tokens/s | efficiency |",
+                  "|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {x['nodes']} | {x['gpus']} | {x['allreduce_s']:.3f} | "
+                  f"{x['exposed_allreduce_s']:.3f} | {x['step_s']:.3f} | {x['tokens_per_s']:,} | "
+                  f"{x['efficiency']:.3f} |" for x in rows]
+        lines.append("")
+    lines += ["**per-node split of 8 GPUs** (one node)", "",
+              "| targets | drafters | target s | drafter s | bound | tokens/s |",
+              "|---:|---:|---:|---:|---|---:|"]
+    lines += [f"| {x['targets']} | {x['drafters']} | {x['target_s']:.3f} | {x['drafter_s']:.3f} "
+              f"| {x['bound']} | {x['tokens_per_s']:,} |" for x in r["per_node_splits"]]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--spec", default="specs/expanded.yaml")
@@ -205,12 +233,16 @@ def main(argv=None) -> int:
     p.add_argument("--metrics", type=Path,
                    default=H200 / "expanded-1gpu-partial" / "train__metrics.jsonl")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--markdown", action="store_true", help="print the tables as markdown")
     args = p.parse_args(argv)
     result = project(args)
     text = json.dumps(result, indent=1)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text + "\n")
+    if args.markdown:
+        print(markdown(result), end="")
+        return 0
     n = result["node_step"]
     print(f"drafter: {result['drafter']['trainable_params']:,} params, "
           f"{result['gradient_bytes_per_step']['fp32'] / 1e9:.2f} GB fp32 grads per step")
