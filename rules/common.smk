@@ -28,6 +28,7 @@ DEFAULT_SPEC = config["default_spec"]
 RESULTS = config["results"]
 LOGS = config["logs"]
 BENCHMARKS = config["benchmarks"]
+SLURM = config["slurm"]  # profiles/slurm: jobs go to a SLURM cluster (see device_resources)
 wildcard_constraints:
     spec="|".join(SPECS) or "no-specs",
 
@@ -93,7 +94,25 @@ for _device in CUDA_DEVICES:
 # there (one cuda_0 job at a time on the whole cluster), and `gpu` becomes `--gpus` (a job total
 # that SLURM may spread over nodes), so instead each job asks for `nodes` and `gres: gpu:K` per
 # node. Only the train rule may span nodes (topology.nodes); every other stage is a one-node job.
-SLURM = config["slurm"]
+
+
+def check_executor():
+    """`config: slurm=True` (profiles/slurm) and the SLURM executor go together. A `--config` on the
+    command line replaces the profile's list, dropping slurm=True: the jobs would then ask SLURM
+    for nothing (no nodes, no GPUs). Checked when a real run starts (not for dry runs)."""
+    executor = getattr(workflow.executor_plugin, "name", None)
+    if executor is None or executor in ("dryrun", "touch"):
+        return
+    if (executor == "slurm") != SLURM:
+        raise WorkflowError(
+            f"config slurm={SLURM} but the executor is {executor!r}: "
+            + ("add slurm=True to your --config (it replaces the one profiles/slurm sets)"
+               if executor == "slurm" else
+               "slurm=True is for the SLURM executor (--workflow-profile profiles/slurm)"))
+
+
+onstart:
+    check_executor()
 
 
 def device_resources(devices=lambda spec: spec.devices()):

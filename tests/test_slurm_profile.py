@@ -154,3 +154,18 @@ def test_local_multi_node_train_holds_every_simulated_nodes_gpus(tmp_path):
         res = jobs[rule, "two-by-two"]["resources"]
         assert (res["gpu"], res["cuda_0"], res["cuda_1"], res["cuda_2"], res["cuda_3"]) == (
             2, 1, 1, 0, 0), (rule, res)
+
+
+@pytest.mark.parametrize("args, message", [
+    # a --config of one's own replaces the profile's list, dropping slurm=True
+    (["--workflow-profile", "profiles/slurm", "--config", "default_spec=micro"],
+     "config slurm=False but the executor is 'slurm'"),
+    (["--config", "slurm=True"], "config slurm=True but the executor is 'local'"),
+])
+def test_slurm_flag_and_executor_must_agree(tmp_path, micro_spec, args, message):
+    """Checked as the run starts, before any job is submitted or run."""
+    (tmp_path / "wf").mkdir()
+    wf = copy_workflow(tmp_path / "wf", [micro_spec])
+    r = snakemake(wf, "train_micro", *args)
+    assert r.returncode != 0 and message in r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
+    assert not (wf / "results").exists() and not (wf / ".snakemake" / "slurm_logs").exists()
