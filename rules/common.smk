@@ -96,6 +96,24 @@ for _device in CUDA_DEVICES:
 # node. Only the train rule may span nodes (topology.nodes); every other stage is a one-node job.
 
 
+def device_resources(devices=lambda spec: spec.devices()):
+    """Resources of a one-node stage (env, warmup, data, bench; train when topology.nodes = 1)."""
+    if SLURM:
+        def gres(wc):
+            k = gpus_per_node(SPECS[wc.spec])
+            return f"gpu:{k}" if k else None  # None: no such resource (a CPU job)
+
+        return {"nodes": 1, "gres": gres}
+
+    def gpus(wc):
+        return len({d for d in devices(SPECS[wc.spec]) if d != "cpu"})
+
+    def holds(device):
+        return lambda wc: int(device in devices(SPECS[wc.spec]))
+
+    return {"gpu": gpus, **{d.replace(":", "_"): holds(d) for d in CUDA_DEVICES}}
+
+
 def check_executor():
     """`config: slurm=True` (profiles/slurm) and the SLURM executor go together. A `--config` on the
     command line replaces the profile's list, dropping slurm=True: the jobs would then ask SLURM
@@ -115,30 +133,12 @@ onstart:
     check_executor()
 
 
-def device_resources(devices=lambda spec: spec.devices()):
-    """Resources of a one-node stage (env, warmup, data, bench; train when topology.nodes = 1)."""
-    if SLURM:
-        def gres(wc):
-            k = gpus_per_node(SPECS[wc.spec])
-            return f"gpu:{k}" if k else None  # None: no such resource (a CPU job)
-
-        return {"nodes": 1, "gres": gres}
-
-    def gpus(wc):
-        return len({d for d in devices(SPECS[wc.spec]) if d != "cpu"})
-
-    def holds(device):
-        return lambda wc: int(device in devices(SPECS[wc.spec]))
-
-    return {"gpu": gpus, **{d.replace(":", "_"): holds(d) for d in CUDA_DEVICES}}
-
-
 def srun(n):
     """How the train stage starts on a SLURM allocation of n > 1 nodes: one task per node, each the
-    same `python -m dflash train` (which sees SLURM_PROCID/SLURM_NNODES/SLURM_JOB_NODELIST and
-    starts its node's torchrun, the rendezvous on the first node). --kill-on-bad-exit: a rank
-    that dies takes the whole step down. The CPUs per task come from the allocation, so
-    `cpus_per_task` stays a profile setting."""
+    same `python -m dflash train` (dflash/launch.py: it reads SLURM_NODEID, SLURM_NNODES and
+    SLURM_JOB_NODELIST and becomes its node's torchrun, the rendezvous on the first host).
+    --kill-on-bad-exit: a rank that dies takes the whole step down. The CPUs per task come from
+    the allocation, so `cpus_per_task` stays a profile setting."""
     return (f"srun --nodes={n} --ntasks={n} --ntasks-per-node=1 "
             f"--cpus-per-task=${{SLURM_CPUS_PER_TASK:-1}} --kill-on-bad-exit=1 ")
 
