@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
 
             for path in a.specs:
                 s = load_spec(path, check_devices_present=not a.no_devices)
-                print(f"ok: {path} (spec '{s.name}', devices {', '.join(s.devices())})")
+                nodes = f" on each of {s.topology.nodes} nodes" if s.topology.nodes > 1 else ""
+                print(f"ok: {path} (spec '{s.name}', devices {', '.join(s.devices())}{nodes})")
             return 0
         run_stage(a.cmd, a.spec, a.results)
         return 0

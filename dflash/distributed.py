@@ -90,7 +90,8 @@ class Dist:
 
     def _terminated(self, signum, frame) -> None:
         """torchrun ends the ranks of a node when one of them exits with an error."""
-        why = self.watchdog.verdict or "another rank on this node exited"
+        why = self.watchdog.verdict or self.watchdog.probe() or \
+            "another rank of this node exited, or its torchrun lost the rendezvous"
         print(f"error: {self.name()} stopped by torchrun (SIGTERM): {why}", file=sys.stderr,
               flush=True)
         os._exit(128 + signum)
@@ -167,6 +168,20 @@ class Watchdog:
                 pass
         return self.hosts.get(rank, "an unknown host")
 
+    def probe(self) -> str | None:
+        """Why the job is broken, if the store says (None: nothing known)."""
+        try:
+            if self.store.check(["failed"]):
+                return self.store.get("failed").decode() or None
+        except Exception as e:  # noqa: BLE001
+            return self._store_lost(e)
+        return None
+
+    def _store_lost(self, e: BaseException) -> str:
+        return (f"lost the rendezvous store at {self.where} (it lives with rank 0's torchrun on "
+                f"{self.hosts.get(0, 'node 0')}: rank 0 or its node is gone; "
+                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+
     def start(self) -> None:
         self._thread.start()
 
@@ -195,6 +210,7 @@ class Watchdog:
                         return
                 now = time.monotonic()
                 for r in range(self.d.world):
+                    self.host_of(r)  # known early: a lost store or peer can still be named
                     if r == self.d.rank:
                         continue
                     n = self.store.add(f"hb/{r}", 0)
@@ -208,9 +224,7 @@ class Watchdog:
             except Exception as e:  # noqa: BLE001 - the store is node 0's torchrun
                 if self._stop.is_set():
                     return
-                self._fire(f"lost the rendezvous store at {self.where} (it lives with rank 0's "
-                           f"torchrun on {self.hosts.get(0, 'node 0')}: rank 0 or its node is "
-                           f"gone; {type(e).__name__}: {e}); stopping {self.d.name()}")
+                self._fire(f"{self._store_lost(e)}; stopping {self.d.name()}")
                 return
 
     def _fire(self, message: str) -> None:

@@ -62,6 +62,14 @@ def _gpus_per_node(spec) -> int:
     return max(ids) + 1 if ids else 0
 
 
+def _per_node(nodes: int, node_rank: str, endpoint: str, rdzv_id: str) -> list[str]:
+    """One torchrun per node; node 0's hosts the rendezvous store (the endpoint is its host),
+    so the store lives as long as rank 0's node does, whichever node reaches it first."""
+    return ["--nnodes", str(nodes), "--node-rank", node_rank, "--nproc-per-node", "1",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id,
+            "--rdzv-conf", f"is_host={int(node_rank == '0')}"]
+
+
 def torchrun_args(spec, env: dict) -> tuple[list[str], dict, str]:
     """torchrun's options, the extra environment for the ranks, and how it runs (for the log)."""
     nodes = spec.topology.nodes
@@ -81,18 +89,15 @@ def torchrun_args(spec, env: dict) -> tuple[list[str], dict, str]:
         job = env.get("SLURM_JOB_ID", "0")
         endpoint = explicit or (f"{first_host(env['SLURM_JOB_NODELIST'])}:"
                                 f"{DEFAULT_PORT + int(job) % 1000}")
-        args = ["--nnodes", str(nodes), "--node-rank", env.get("SLURM_NODEID", "0"),
-                "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-                "--rdzv-id", f"dflash-{spec.name}-{job}"]
+        args = _per_node(nodes, env.get("SLURM_NODEID", "0"), endpoint,
+                         f"dflash-{spec.name}-{job}")
         how = f"SLURM node {env.get('SLURM_NODEID', '0')} of {nodes}, rendezvous {endpoint}"
     elif env.get("DFLASH_NODE_RANK"):
         if not explicit:
             raise SpecError(f"{spec.path}: field 'topology.rendezvous': DFLASH_NODE_RANK is set "
                             f"(one process per machine) but no rendezvous host:port is given "
                             f"(set topology.rendezvous or DFLASH_RDZV_ENDPOINT)")
-        args = ["--nnodes", str(nodes), "--node-rank", env["DFLASH_NODE_RANK"],
-                "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", explicit,
-                "--rdzv-id", f"dflash-{spec.name}"]
+        args = _per_node(nodes, env["DFLASH_NODE_RANK"], explicit, f"dflash-{spec.name}")
         how = f"node {env['DFLASH_NODE_RANK']} of {nodes}, rendezvous {explicit}"
     else:
         args = ["--standalone", "--nnodes", "1", "--nproc-per-node", str(nodes)]

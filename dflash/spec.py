@@ -253,7 +253,18 @@ class Spec:
         return fingerprint(self.section(stage))
 
     def devices(self) -> list[str]:
+        """One node's devices (every node of a multi-node run uses the same names)."""
         return list(self.topology.targets) + list(self.topology.drafters)
+
+    def machine_devices(self) -> list[str]:
+        """The devices of this machine the stages use when every node runs here (simulated
+        nodes, dflash.launch): node i's cuda:j is cuda:(i·k + j), k = GPUs per node."""
+        devs = self.devices()
+        ids = [int(d.split(":")[1]) for d in devs if d.startswith("cuda:")]
+        if self.topology.nodes == 1 or not ids:
+            return devs
+        k = max(ids) + 1
+        return ["cpu"] * devs.count("cpu") + [f"cuda:{i}" for i in range(self.topology.nodes * k)]
 
 
 def stage_fields(spec: Spec) -> dict[str, dict[str, Any]]:

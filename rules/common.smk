@@ -60,7 +60,15 @@ def python_for(wc):
 # GPUs, from the specs only. Snakemake never picks devices (the stages use the spec's device
 # names), so each job holds every CUDA device its spec names: a resource of capacity 1 per device
 # (cuda_0, cuda_1, ...), and two jobs never share a GPU on any machine. `gpu` is the count (for
-# executors that place jobs by it; limit it with --resources gpu=N if you like).
+# executors that place jobs by it; limit it with --resources gpu=N if you like). A spec with
+# topology.nodes > 1 holds the GPUs of all its nodes (as they run here: local processes;
+# Spec.machine_devices).
+CUDA_DEVICES = sorted({d for s in SPECS.values() for d in s.machine_devices() if d != "cpu"},
+                      key=lambda d: int(d.split(":", 1)[1]))
+for _device in CUDA_DEVICES:
+    workflow.register_resource(_device.replace(":", "_"), 1)
+
+
 def gpus_per_node(spec):
     """GPUs one node of a spec uses: the highest CUDA index it names + 1 (a spec that names
     cuda:5 needs six visible devices; SLURM, like dflash.launch, numbers a node's GPUs from 0)."""
@@ -72,22 +80,6 @@ def nodes(spec):
     return spec.topology.nodes
 
 
-def train_devices(spec):
-    """The devices a local train job uses: with topology.nodes = n > 1 on one machine the nodes
-    are n local processes, process i on GPUs [i·k, (i+1)·k) (dflash/launch.py), so the job holds
-    all n·k of them."""
-    k, n = gpus_per_node(spec), nodes(spec)
-    if n == 1 or not k:
-        return spec.devices()
-    return [d if d == "cpu" else f"cuda:{i * k + int(d.split(':', 1)[1])}"
-            for i in range(n) for d in spec.devices()]
-
-
-CUDA_DEVICES = sorted({d for s in SPECS.values() for d in train_devices(s) if d != "cpu"},
-                      key=lambda d: int(d.split(":", 1)[1]))
-for _device in CUDA_DEVICES:
-    workflow.register_resource(_device.replace(":", "_"), 1)
-
 # On a SLURM cluster (profiles/slurm sets `config: slurm=True`; snakemake-executor-plugin-slurm
 # turns resources into sbatch flags) SLURM places the jobs: a job's GPUs are the ones SLURM gives
 # it, numbered from 0 on each node. The per-device resources above would be cluster-wide limits
@@ -96,8 +88,9 @@ for _device in CUDA_DEVICES:
 # node. Only the train rule may span nodes (topology.nodes); every other stage is a one-node job.
 
 
-def device_resources(devices=lambda spec: spec.devices()):
-    """Resources of a one-node stage (env, warmup, data, bench; train when topology.nodes = 1)."""
+def device_resources():
+    """Resources of a stage: this machine's GPUs it holds (locally), or on SLURM a one-node job
+    (the train rule adds the multi-node part, train_resources)."""
     if SLURM:
         def gres(wc):
             k = gpus_per_node(SPECS[wc.spec])
@@ -106,10 +99,10 @@ def device_resources(devices=lambda spec: spec.devices()):
         return {"nodes": 1, "gres": gres}
 
     def gpus(wc):
-        return len({d for d in devices(SPECS[wc.spec]) if d != "cpu"})
+        return len({d for d in SPECS[wc.spec].machine_devices() if d != "cpu"})
 
     def holds(device):
-        return lambda wc: int(device in devices(SPECS[wc.spec]))
+        return lambda wc: int(device in SPECS[wc.spec].machine_devices())
 
     return {"gpu": gpus, **{d.replace(":", "_"): holds(d) for d in CUDA_DEVICES}}
 
@@ -151,7 +144,7 @@ def train_resources():
     `launch` is empty otherwise. It sits in the shell command, so the command text (Snakemake's
     `code` rerun trigger) is the same under every profile: a train run on the cluster is not
     redone by a later local `snakemake bench_<spec>`."""
-    res = device_resources(train_devices)
+    res = device_resources()
 
     def launch(wc):
         n = nodes(SPECS[wc.spec])

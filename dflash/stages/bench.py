@@ -270,7 +270,9 @@ def run_facts(ctx: StageContext, source: dict) -> dict:
         "gate": "on" if source["gate"].get("enabled", True) else "off (DFLASH_GATE=off)",
         "final_loss": source.get("final_loss"),
         "topology": {"targets": spec.topology.targets,
-                     "drafters": spec.topology.drafters},
+                     "drafters": spec.topology.drafters, "nodes": spec.topology.nodes},
+        # across nodes: seconds per step in the gradient all-reduce, bytes it moves
+        "distributed": source.get("distributed", {"nodes": 1}),
         "env": {k: ctx.env_manifest.get(k) for k in ("python", "torch", "transformers",
                                                      "triton", "cuda", "driver", "gpus")
                 if k in ctx.env_manifest},
