@@ -21,7 +21,7 @@ How (the model's own modules do the math; only the attention + cache glue is wri
   groups (right-padded, causal attention) straight into free slots, and their first token is
   picked from the prefill's logits. No answer waits for another.
 * **One captured step.** On CUDA the per-layer pieces are ``torch.compile``-d once (regional
-  compilation: the same code serves every layer) and the whole decode step — embedding, every
+  compilation, :mod:`dflash.decoder`: the same code serves every layer) and the whole decode step — embedding, every
   layer, lm_head, token pick, state update — is captured once as a CUDA graph and replayed;
   the host syncs only every ``sync_every`` steps to harvest finished answers. Prefills run in
   fixed shapes (``prefill_batch`` rows × a multiple of 32 tokens; unused rows write to a spare
@@ -52,11 +52,15 @@ import sys
 import time
 from typing import Any, Hashable, Iterable, Iterator, Sequence
 
+from .decoder import SUPPORTED_MODEL_TYPES  # noqa: F401 (re-exported)
+from .decoder import compile_region, rope_of
+from .decoder import out_mlp as _out_mlp
+from .decoder import qkv as _qkv
+from .decoder import unsupported_reason as _layers_unsupported
 from .errors import DFlashError
 from .manifest import fingerprint
 
 ENGINES = ("auto", "hf", "fast")
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 _M32 = 0xFFFFFFFF
 
 
@@ -137,22 +141,9 @@ def sample_seed(seed: int, sample_id: int) -> int:
 
 def unsupported_reason(model) -> str | None:
     """Why the fast engine cannot run ``model`` (None when it can)."""
-    cfg = model.config
-    mt = getattr(cfg, "model_type", None)
-    if mt not in SUPPORTED_MODEL_TYPES:
-        return f"model_type {mt!r} (the fast engine knows {', '.join(SUPPORTED_MODEL_TYPES)})"
-    types = getattr(cfg, "layer_types", None) or []
-    if any(t != "full_attention" for t in types) or (
-            getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None)):
-        return "sliding-window attention layers"
-    rope = (getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
-    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) in ("dynamic",
-                                                                              "longrope"):
-        return f"rope_type {rope.get('rope_type', rope.get('type'))!r} (length-dependent)"
-    base = getattr(model, "model", None)
-    for attr in ("embed_tokens", "layers", "norm", "rotary_emb"):
-        if not hasattr(base, attr):
-            return f"no model.{attr}"
+    why = _layers_unsupported(model)
+    if why:
+        return why
     if not hasattr(model, "lm_head"):
         return "no lm_head (a truncated target cannot generate)"
     return None
@@ -210,28 +201,6 @@ def gumbel_noise(keys, steps, vocab_hash):
 # ---------------------------------------------------------------------------------------------
 # the math, on the model's own modules
 # ---------------------------------------------------------------------------------------------
-def _qkv(layer, x, cos, sin, rope):
-    """input_layernorm + q/k/v projections (+ q/k norms) + rotary: -> q [B,nh,L,D], k/v [B,kvh,L,D]."""
-    attn = layer.self_attn
-    h = layer.input_layernorm(x)
-    B, L = h.shape[:2]
-    D = attn.head_dim
-    q = attn.q_proj(h).view(B, L, -1, D)
-    k = attn.k_proj(h).view(B, L, -1, D)
-    v = attn.v_proj(h).view(B, L, -1, D)
-    if getattr(attn, "q_norm", None) is not None:  # Qwen3
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    q, k = rope(q, k, cos, sin)
-    return q, k, v
-
-
-def _out_mlp(layer, x, o):
-    """o_proj + residual, post_attention_layernorm + mlp + residual (o: [B, L, nh*D])."""
-    x = x + layer.self_attn.o_proj(o)
-    return x + layer.mlp(layer.post_attention_layernorm(x))
-
-
 def _decode_attn_mlp(layer, x, q, k_cache, v_cache, mask):
     """One-token attention over the slot's cache row (mask: [B,1,1,S] valid positions)."""
     import torch.nn.functional as F
@@ -330,8 +299,7 @@ class Engine:
         self.prefill_batch = int(prefill_batch or max(1, min(self.B, default_batch)))
         self.refill_at = int(refill_at or max(1, min(self.prefill_batch, self.B // 16)))
         self.gate = gate or get_gate()
-        self.rope = getattr(sys.modules[type(self.layers[0].self_attn).__module__],
-                            "apply_rotary_pos_emb")
+        self.rope = rope_of(self.layers[0])
         self.stats: dict[str, Any] = {"compile_seconds": 0.0, "capture_seconds": 0.0,
                                       "prefill_calls": 0, "prefill_seconds": 0.0,
                                       "decode_steps": 0, "new_tokens": 0, "answers": 0}
@@ -470,10 +438,9 @@ class Engine:
             t0 = time.time()
             if self.compile:
                 backend = self.compile if isinstance(self.compile, str) else "inductor"
-                kw = dict(backend=backend, dynamic=False)
-                self._pre = torch.compile(_qkv, **kw)
-                self._post = torch.compile(DECODE_ATTENTION[self.attention], **kw)
-                self._head = torch.compile(_pick, **kw)
+                self._pre = compile_region(_qkv, backend)
+                self._post = compile_region(DECODE_ATTENTION[self.attention], backend)
+                self._head = compile_region(_pick, backend)
             with torch.inference_mode():
                 saved = self._snapshot()
                 for _ in range(2):  # compile, then one warm run (autotune, lazy inits)

@@ -215,14 +215,16 @@ def document_dense_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     return document_mask_mod(doc_ids)(0, 0, idx[:, None], idx[None, :])[None, None]
 
 
-def document_block_mask(doc_ids: torch.Tensor, block_size: int = 128):
+def document_block_mask(doc_ids: torch.Tensor, block_size: int = 128, _compile: bool = False):
     """The same rule as a FlexAttention BlockMask [1, 1, L, L]: blocks of other documents are
-    skipped, so attention costs what the documents need, not L²."""
+    skipped, so attention costs what the documents need, not L². ``_compile``: build it with a
+    compiled kernel (as the drafter's mask) instead of eager code that materialises [L, L]
+    intermediates (a compile per row length: call it inside the compile gate)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     L = doc_ids.shape[-1]
     return create_block_mask(document_mask_mod(doc_ids), B=None, H=None, Q_LEN=L, KV_LEN=L,
-                             device=doc_ids.device, BLOCK_SIZE=block_size)
+                             device=doc_ids.device, BLOCK_SIZE=block_size, _compile=_compile)
 
 
 def attention_backend(device: str) -> str:

@@ -41,6 +41,7 @@ class TargetSpec:
     dtype: str
     num_feature_layers: int
     layer_ids: tuple[int, ...] | None
+    compile: str
 
 
 @dataclass(frozen=True)
@@ -275,7 +276,8 @@ def stage_fields(spec: Spec) -> dict[str, dict[str, Any]]:
         "env": {"env": spec.env},
         # everything that changes a compiled shape or the compiled code
         "warmup": {**target_identity, "target.num_feature_layers": t.num_feature_layers,
-                   "target.layer_ids": t.layer_ids, "drafter": spec.drafter,
+                   "target.layer_ids": t.layer_ids, "target.compile": t.compile,
+                   "drafter": spec.drafter,
                    "batching": spec.batching, "topology.drafters": spec.topology.drafters,
                    "compile": spec.compile, "seed": spec.seed},
         "data": {**target_identity, "data": spec.data, "seed": spec.seed},

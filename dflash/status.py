@@ -2,7 +2,8 @@
 
 Users used to wait minutes blind to learn whether a run died. The first step of every worker is
 a health check announced as soon as it passes; after that a line every ``tick`` seconds shows
-step, tokens/s, loss, queue depths, gate waits and device memory.
+step, tokens/s, loss, queue depths, each worker's busy fraction (a drafter that idles, waiting
+for features, shows here first), gate waits and device memory.
 """
 from __future__ import annotations
 
@@ -29,6 +30,15 @@ def _memory() -> dict:
             return {}
     return {f"cuda:{i}_gb": round(torch.cuda.memory_allocated(i) / 2**30, 2)
             for i in range(torch.cuda.device_count())}
+
+
+def busy_fractions(busy_s: dict, wait_s: dict) -> dict:
+    """busy / (busy + wait) per worker so far: 1.0 = never waited for inputs or peers."""
+    out = {}
+    for name, b in sorted(busy_s.items()):
+        total = b + wait_s.get(name, 0.0)
+        out[name] = round(b / total, 2) if total > 0 else None
+    return out
 
 
 class StatusReporter:
@@ -67,6 +77,9 @@ class StatusReporter:
         tps = self.tokens_per_s()
         self.state.update(
             tokens_per_s=tps, queues=pipe.queue_depths(), memory=_memory(),
+            busy=busy_fractions(pipe.busy_s, pipe.wait_s),
+            busy_s={k: round(v, 3) for k, v in pipe.busy_s.items()},
+            wait_s={k: round(v, 3) for k, v in pipe.wait_s.items()},
             gate={"shared_wait_s": g["shared_wait_s"], "exclusive_wait_s": g["exclusive_wait_s"],
                   "compiles": g["compiles"]["count"],
                   "recompiles_after_warmup": g["recompiles_after_warmup"]["count"],
@@ -84,6 +97,7 @@ class StatusReporter:
         print(f"[train] step {self.state['step']}/{self.total} · "
               f"{'%.0f' % tps if tps else '-'} tok/s · loss "
               f"{'%.4f' % loss if loss is not None else '-'} · queues {self.state['queues']} · "
+              f"busy {self.state['busy']} · "
               f"gate wait {g['shared_wait_s']:.2f}s/{g['exclusive_wait_s']:.2f}s · "
               f"recompiles {g['recompiles_after_warmup']['count']} · mem {self.state['memory']}",
               flush=True)
@@ -129,7 +143,8 @@ def main(argv: list[str]) -> int:
     age = time.time() - st.get("updated_unix", 0)
     print(f"spec {st.get('spec')} · {st.get('phase')} · step {st.get('step')}/"
           f"{st.get('total_steps')} · updated {age:.0f}s ago")
-    for k in ("tokens_per_s", "loss", "lr", "queues", "gate", "memory", "healthy_workers"):
+    for k in ("tokens_per_s", "loss", "lr", "queues", "busy", "gate", "memory",
+              "healthy_workers"):
         if k in st:
             print(f"  {k:16s} {st[k]}")
     return 0

@@ -279,22 +279,94 @@ def _register_flex() -> str:
     return FLEX_IMPL
 
 
+def packed_layer(layer, x, cos, sin, rope, mask):
+    """One decoder layer on a packed row: the layer math of :mod:`dflash.decoder` with the
+    document mask as a FlexAttention BlockMask (CUDA) or a dense boolean mask (SDPA). Compiled
+    once per process (:func:`dflash.decoder.compile_region`), shared by every layer."""
+    import torch
+    import torch.nn.functional as F
+
+    from .decoder import out_mlp, qkv
+
+    q, k, v = qkv(layer, x, cos, sin, rope)
+    scale, gqa = layer.self_attn.scaling, q.shape[1] != k.shape[1]
+    if isinstance(mask, torch.Tensor):  # the dense boolean mask
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    else:  # a BlockMask: flex attention traced into the layer's graph
+        from torch.nn.attention.flex_attention import flex_attention
+
+        o = flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
+    B, L = x.shape[:2]
+    return out_mlp(layer, x, o.transpose(1, 2).reshape(B, L, -1))
+
+
+_COMPILED_LAYERS: dict[str, Any] = {}
+_COMPILED_LOCK = threading.Lock()
+
+
+def compiled_packed_layer(backend: str):
+    """The process's one compiled :func:`packed_layer` per backend (every target worker and
+    every layer shares it: one dynamo cache, one graph per shape bucket)."""
+    from .decoder import compile_region
+
+    with _COMPILED_LOCK:
+        if backend not in _COMPILED_LAYERS:
+            _COMPILED_LAYERS[backend] = compile_region(packed_layer, backend)
+        return _COMPILED_LAYERS[backend]
+
+
+def compile_backend(target: TargetSpec, device: str, backend: str, model=None) -> str | None:
+    """``target.compile`` resolved for one device: the torch.compile backend the feature
+    extractor's decoder layers use, or None (eager HF forward).
+
+    ``auto``: on for CUDA with ``compile.backend`` inductor (the fusions are the point), off on
+    CPU (a compile costs more than a CPU run's few steps save). ``on``: ``compile.backend`` on
+    any device. With ``model`` given, an architecture :mod:`dflash.decoder` cannot run turns
+    ``auto`` off and makes ``on`` a SpecError.
+    """
+    from .decoder import unsupported_reason
+
+    mode = target.compile
+    if mode == "off" or (mode == "auto" and not (device.startswith("cuda")
+                                                 and backend == "inductor")):
+        return None
+    why = unsupported_reason(model) if model is not None else None
+    if why:
+        if mode == "on":
+            raise SpecError(f"target.compile: 'on' cannot compile this target's decoder layers: "
+                            f"{why}; use 'auto' or 'off'")
+        return None
+    return backend
+
+
 class FeatureExtractor:
     """Runs the frozen target on packed rows and returns the feature layers' hidden states.
 
     Only the decoder layers up to max(layer_ids) run (the model is loaded truncated) and only
-    those layers' outputs are kept (forward hooks), never all hidden states: 65 layers of a
-    16×3072 batch do not fit in 141 GB. Output: [1, L, N·H] in the target dtype, i.e. the
-    concatenation the drafter's ``fc`` expects (never [1, L, N, H]).
+    those layers' outputs are kept, never all hidden states: 65 layers of a 16×3072 batch do not
+    fit in 141 GB. Output: [1, L, N·H] in the target dtype, i.e. the concatenation the drafter's
+    ``fc`` expects (never [1, L, N, H]).
+
+    ``compile`` None: HF's forward, the feature layers' outputs read by forward hooks. A backend
+    name: the layers run one by one through :func:`compiled_packed_layer` (regional compilation;
+    the same math on the same modules, so the same features up to summation order). Every call
+    must then run inside the compile gate (its first call per row length compiles).
     """
 
-    def __init__(self, target: Target):
+    def __init__(self, target: Target, compile: str | None = None):
         self.target = target
         self.base = target.model.get_decoder() if hasattr(target.model, "get_decoder") \
             else target.model.model
+        self.compile = compile
         self._captured: dict[int, Any] = {}
-        for lid in target.layer_ids:
-            self.base.layers[lid].register_forward_hook(self._hook(lid))
+        if compile:
+            from .decoder import rope_of
+
+            self._layer = compiled_packed_layer(compile)
+            self._rope = rope_of(self.base.layers[0])
+        else:
+            for lid in target.layer_ids:
+                self.base.layers[lid].register_forward_hook(self._hook(lid))
 
     def _hook(self, lid: int):
         def hook(_module, _inputs, output):
@@ -307,15 +379,30 @@ class FeatureExtractor:
         from .masks import document_block_mask, document_dense_mask
 
         self._captured.clear()
-        mask = (document_block_mask(doc_ids) if self.target.attention == "flex"
-                else document_dense_mask(doc_ids))
+        # compiled layers: the BlockMask is built by a compiled kernel too (a compile per row
+        # length, like the layers; eager code materialises [L, L] intermediates)
+        mask = (document_block_mask(doc_ids, _compile=bool(self.compile))
+                if self.target.attention == "flex" else document_dense_mask(doc_ids))
         # no_grad, not inference_mode: the drafter saves these features for its backward.
         with torch.no_grad():
-            self.base(input_ids=input_ids[None], position_ids=position_ids[None],
-                      attention_mask=mask, use_cache=False)
+            if self.compile:
+                self._layers(input_ids[None], position_ids[None], mask)
+            else:
+                self.base(input_ids=input_ids[None], position_ids=position_ids[None],
+                          attention_mask=mask, use_cache=False)
             feats = torch.cat([self._captured[i] for i in self.target.layer_ids], dim=-1)
         self._captured.clear()
         return feats
+
+    def _layers(self, input_ids, position_ids, mask) -> None:
+        """Every loaded layer (as HF's forward runs them; the final norm is not needed)."""
+        x = self.base.embed_tokens(input_ids)
+        cos, sin = self.base.rotary_emb(x, position_ids)  # the model's own rope, once per row
+        want = set(self.target.layer_ids)
+        for i, layer in enumerate(self.base.layers):
+            x = self._layer(layer, x, cos, sin, self._rope, mask)
+            if i in want:
+                self._captured[i] = x
 
 
 def target_embeddings(target: TargetSpec, seed: int = 0):

@@ -41,16 +41,18 @@ def make_replicas(spec, cfg: DFlashConfig, init_state: dict, total_steps: int
 
 
 def make_target_workers(spec) -> list[tuple[str, object]]:
-    """One frozen target copy per target device, truncated after the last feature layer."""
+    """One frozen target copy per target device, truncated after the last feature layer, its
+    decoder layers compiled where ``target.compile`` resolves to a backend."""
     from .masks import attention_backend
-    from .target import FeatureExtractor, hf_config, layer_ids, load_target
+    from .target import FeatureExtractor, compile_backend, hf_config, layer_ids, load_target
 
     ids = layer_ids(spec.target, hf_config(spec.target))
     workers = []
     for dev in spec.topology.targets:
         t = load_target(spec.target, dev, seed=spec.seed, num_layers=max(ids) + 1,
                         need_tokenizer=False, attention=attention_backend(dev))
-        fx = FeatureExtractor(t)
+        fx = FeatureExtractor(t, compile=compile_backend(spec.target, dev, spec.compile.backend,
+                                                         t.model))
         workers.append((dev, lambda row, fx=fx, dev=dev: fx(row.input_ids.to(dev),
                                                              row.doc_ids.to(dev),
                                                              row.position_ids.to(dev))))

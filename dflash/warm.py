@@ -1,7 +1,8 @@
 """The warm-up: compile every (worker, shape bucket) once, through the compile gate.
 
-The warmup stage compiles each drafter replica's whole step (forward, backward, optimizer) and,
-on CUDA, the target's flex attention, filling the compile cache; the train stage's warm start
+The warmup stage compiles each drafter replica's whole step (forward, backward, optimizer) and
+the target feature extractor's compiled parts (its decoder layers, flex attention on CUDA),
+filling the compile cache; the train stage's warm start
 runs the same callables again (cache hits) before the gate starts refusing recompiles. Each
 bucket is run twice with different inputs, so any specialisation on the first call's objects
 recompiles here, under the exclusive side, never as a refused recompile in steady state.
@@ -13,7 +14,6 @@ import time
 import torch
 
 from .masks import PackedRow, sample_anchors
-from .model import head_dim_of
 from .replica import DrafterReplica
 
 
@@ -106,9 +106,10 @@ def warm_all(replicas: list[DrafterReplica], bucket_lens: list[int], feat_width:
 
 def warm_targets(targets: list[tuple[str, object]], bucket_lens: list[int], vocab_size: int,
                  log=None) -> list[dict]:
-    """One synthetic forward per (target device, bucket) through the gate before training: on
-    CUDA it compiles the target's flex attention for the bucket (a cache hit after the warmup
-    stage), so steady state never compiles."""
+    """One synthetic forward per (target device, bucket) through the gate before training: it
+    compiles what the feature extractor compiles for the bucket (flex attention on CUDA, the
+    decoder layers where ``target.compile`` is on; a cache hit after the warmup stage), so
+    steady state never compiles."""
     from .gate import get_gate
 
     gate = get_gate()
@@ -128,32 +129,29 @@ def warm_targets(targets: list[tuple[str, object]], bucket_lens: list[int], voca
     return _warm_in_threads(targets, work, log)
 
 
-def warm_target_attention(spec, bucket_lens: list[int], log=None) -> list[dict]:
-    """Warmup stage, without loading target weights: compile the target's flex attention for
-    every (target device, bucket) on q/k/v of the target's shapes, dtype and layout, filling the
-    compile cache that the train stage's :func:`warm_targets` then hits. No-op on CPU (SDPA)."""
-    from .gate import get_gate
-    from .masks import attention_backend, compiled_flex_attention, document_block_mask
-    from .spec import dtype_of
-    from .target import hf_config
+def warm_target_features(spec, bucket_lens: list[int], log=None) -> list[dict]:
+    """Warmup stage, without loading the target's weights: on every target device where the
+    feature extractor compiles something (flex attention on CUDA, the decoder layers where
+    ``target.compile`` is on), run a ONE-layer copy of the target (random weights: a compiled
+    graph depends on shapes, dtypes and code only) through :func:`warm_targets`, filling the
+    compile cache that the train stage's warm start then hits. Nothing to do on an eager CPU
+    target (SDPA, no compile)."""
+    import dataclasses
 
-    tcfg = hf_config(spec.target)
-    hq, hkv = tcfg.num_attention_heads, tcfg.num_key_value_heads
-    hd = head_dim_of(tcfg)
-    dtype = dtype_of(spec.target.dtype)
-    gate = get_gate()
-    devices = [d for d in spec.topology.targets if attention_backend(d) == "flex"]
+    from .masks import attention_backend
+    from .target import FeatureExtractor, compile_backend, load_target
 
-    def work(dev):
-        for L in bucket_lens:
-            # [B, L, heads, D] transposed to [B, heads, L, D]: the layout HF attention passes
-            q, k, v = (torch.randn(1, L, h, hd, device=dev, dtype=dtype).transpose(1, 2)
-                       for h in (hq, hkv, hkv))
-            t0 = time.perf_counter()
-            for docs in (1, 3):  # two layouts: the second settles any specialisation
-                mask = document_block_mask(synthetic_row(L, 8, docs=docs).doc_ids.to(dev))
-                gate.run(("target_attention", dev, L), lambda: compiled_flex_attention()(
-                    q, k, v, block_mask=mask, scale=hd ** -0.5, enable_gqa=hq != hkv))
-            yield _warm_record("target_flex_attention", dev, L, t0)
-
-    return _warm_in_threads(devices, work, log)
+    jobs, vocab = [], 8
+    for dev in spec.topology.targets:
+        attention = attention_backend(dev)
+        if attention != "flex" and compile_backend(spec.target, dev, spec.compile.backend) is None:
+            continue
+        t = load_target(dataclasses.replace(spec.target, init="random"), dev, seed=spec.seed,
+                        num_layers=1, need_tokenizer=False, attention=attention)
+        t, vocab = dataclasses.replace(t, layer_ids=[0]), t.model.config.vocab_size
+        fx = FeatureExtractor(t, compile=compile_backend(spec.target, dev, spec.compile.backend,
+                                                         t.model))
+        jobs.append((dev, lambda row, fx=fx, dev=dev: fx(row.input_ids.to(dev),
+                                                         row.doc_ids.to(dev),
+                                                         row.position_ids.to(dev))))
+    return warm_targets(jobs, bucket_lens, vocab, log=log)

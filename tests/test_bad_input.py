@@ -431,7 +431,7 @@ def test_missing_target_model_names_target_model(tmp_path):
     (tmp_path / "no-config").mkdir()            # a folder, but without config.json
     for model in (str(tmp_path / "does-not-exist"), str(tmp_path / "no-config"), "qwen3-9b"):
         tgt = TargetSpec(model=model, init="pretrained", dtype="float32", num_feature_layers=5,
-                         layer_ids=None)
+                         layer_ids=None, compile="auto")
         for fn in (lambda: T.hf_config(tgt), lambda: T.tokenizer_dir(model),
                    lambda: T.target_fingerprint(tgt)):
             with pytest.raises(SpecError) as e:

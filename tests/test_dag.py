@@ -71,6 +71,11 @@ def test_full_dag_artifacts(wf):
     # the τ monitor (monitor.tau_every_steps: 3) logged at steps 3 and 6
     assert [r["step"] for r in rows if "tau_heldout" in r] == [2, 5]
     assert all(r["tau_heldout"] >= 1.0 for r in rows if "tau_heldout" in r)
+    # the live status carries each worker's busy fraction (how a user sees an idling drafter)
+    status = json.loads((res / "train" / "status.json").read_text())
+    assert status["phase"] == "done"
+    assert set(status["busy"]) >= {"drafter-0", "drafter-1", "target-0"}
+    assert all(0.0 < f <= 1.0 for f in status["busy"].values())
     warm = json.loads((res / "warmup" / "manifest.json").read_text())
     assert {(c["replica"], c["bucket"]) for c in warm["compiled"]} == {(0, 256), (1, 256)}
     cfg = json.loads((res / "train" / "drafter" / "config.json").read_text())

@@ -130,3 +130,12 @@ def test_failure_ends_within_10s_once_running():
         pipe.run()
     assert 3 in marks
     assert time.perf_counter() - marks[3] < 10
+
+
+def test_busy_fractions_show_an_idling_worker():
+    from dflash.status import busy_fractions
+
+    assert busy_fractions({"target-0": 3.0, "drafter-0": 1.0},
+                          {"target-0": 0.0, "drafter-0": 3.0}) == {"drafter-0": 0.25,
+                                                                    "target-0": 1.0}
+    assert busy_fractions({"x": 0.0}, {}) == {"x": None}

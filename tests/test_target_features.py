@@ -133,3 +133,97 @@ def test_training_features_equal_inference_features_and_last_layer_is_refused():
     assert not torch.allclose(raw["x"], post, atol=1e-3)
     with pytest.raises(SpecError, match=r"target.layer_ids: 5 is the target's last layer"):
         layer_ids(dataclasses.replace(TARGET, layer_ids=(1, n - 1)), hf_config(TARGET))
+
+
+# ---------------------------------------------------------------------------------------------
+# target.compile: the decoder layers compiled (regional), on the real SmolLM2 target
+# ---------------------------------------------------------------------------------------------
+SMOL = section_spec("target", {"model": "smollm2-135m-instruct", "dtype": "float32",
+                               "layer_ids": [1, 4], "compile": "on"})
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_compiled_target_features_equal_eager_and_never_recompile(attention, monkeypatch):
+    """The compiled layers (inductor; flex = the CUDA path's BlockMask inside the layer graph)
+    give HF's eager features; one graph serves every layer; after a warm start through the
+    gate, another document layout of the same length is no recompile."""
+    from torch._dynamo.utils import counters
+
+    import dflash.gate as gate_mod
+    from dflash.target import compile_backend
+    from dflash.warm import synthetic_row, warm_targets
+
+    gate = gate_mod.Gate()
+    monkeypatch.setattr(gate_mod, "_GATE", gate)
+    # the reference: HF's eager forward, SDPA with the dense document mask
+    eager = FeatureExtractor(load_target(SMOL, "cpu", need_tokenizer=False, num_layers=5))
+    tgt = load_target(SMOL, "cpu", need_tokenizer=False, num_layers=5, attention=attention)
+    backend = compile_backend(SMOL, "cpu", "inductor", tgt.model)
+    assert backend == "inductor"
+    fx = FeatureExtractor(tgt, compile=backend)
+    vocab = tgt.model.config.vocab_size
+
+    def run(row):
+        return fx(row.input_ids, row.doc_ids, row.position_ids)
+
+    graphs = counters["stats"]["unique_graphs"]
+    warm_targets([("cpu", run)], [64], vocab)
+    # one layer graph for all 5 layers (+ flex: the compiled BlockMask build), not one per layer
+    assert counters["stats"]["unique_graphs"] - graphs == (2 if attention == "flex" else 1)
+    gate.mark_warm()
+    try:
+        for seed, docs in ((5, 2), (6, 4)):
+            row = synthetic_row(64, vocab, seed=seed, docs=docs)
+            got = gate.run(("target_forward", "cpu", 64), lambda: run(row))
+            ref = eager(row.input_ids, row.doc_ids, row.position_ids)
+            assert got.shape == ref.shape == (1, 64, 2 * tgt.config.hidden_size)
+            # SmolLM2's hidden states reach ~3e4 in a few channels: relative tolerance
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-3)
+        st = gate.stats()
+        assert st["recompiles_after_warmup"]["count"] == 0, st["recompiles_after_warmup"]
+        assert st["race_errors"]["count"] == 0
+    finally:
+        gate.mark_cold()
+
+
+def test_target_compile_resolution():
+    """auto: on for CUDA + inductor only; on: the spec's backend anywhere; an architecture the
+    layer code cannot run turns auto off and makes on an error naming target.compile."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    from dflash.errors import SpecError
+    from dflash.target import compile_backend
+
+    auto, on, off = (dataclasses.replace(SMOL, compile=m) for m in ("auto", "on", "off"))
+    assert section_spec("target", {"model": "qwen3-8b"}).compile == "auto"  # the default
+    assert compile_backend(auto, "cuda:0", "inductor") == "inductor"
+    assert compile_backend(auto, "cpu", "inductor") is None
+    assert compile_backend(auto, "cuda:0", "aot_eager") is None
+    assert compile_backend(on, "cpu", "aot_eager") == "aot_eager"
+    assert compile_backend(off, "cuda:0", "inductor") is None
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=16, n_head=2,
+                                                       vocab_size=64, n_positions=32))
+    assert compile_backend(auto, "cuda:0", "inductor", gpt2) is None
+    with pytest.raises(SpecError, match=r"target.compile: 'on' .*model_type 'gpt2'"):
+        compile_backend(on, "cpu", "inductor", gpt2)
+
+
+def test_warmup_compiles_the_target_layers_when_on(micro_spec, monkeypatch):
+    """The warmup stage's target part: with target.compile on, one gated compile per bucket on a
+    one-layer copy of the target; with auto on CPU nothing (the CPU suite compiles no target)."""
+    import dflash.gate as gate_mod
+    from dflash.spec import load_spec
+    from dflash.topology import buckets
+    from dflash.warm import warm_target_features
+
+    spec = load_spec(micro_spec)
+    assert spec.target.compile == "auto"
+    assert warm_target_features(spec, buckets(spec)) == []
+    gate = gate_mod.Gate()
+    monkeypatch.setattr(gate_mod, "_GATE", gate)
+    on = spec.replace(target={"compile": "on"})
+    records = warm_target_features(on, buckets(on))
+    assert [(r["callable"], r["device"], r["bucket"]) for r in records] == [
+        ("target_forward", "cpu", L) for L in buckets(on)]
+    assert [c["sig"] for c in gate.stats()["compiles"]["list"]] == [
+        ("target_forward", "cpu", L) for L in buckets(on)]

@@ -32,9 +32,10 @@ if [[ $what == *gateoff* ]]; then
   done
 fi
 if [[ $what == *anchor* ]]; then
-  # isolated target forward: plain HF vs our extractor (flex / dense SDPA), same run, cuda:0
+  # isolated target forward: plain HF vs our extractor (flex / dense SDPA / compiled layers), same
+  # run, cuda:0; ANCHOR_PATHS picks paths (default: all)
   timeout $(( ${DEADLINE:-100000} - SECONDS )) python bench/gpu/target_anchor.py --models ${ANCHOR_MODELS:-qwen3-8b qwen3-32b} \
-    --out "$OUT/target_anchor.json" 2>&1 | grep -E "^\[anchor\]|rror"
+    ${ANCHOR_PATHS:+--paths $ANCHOR_PATHS} --out "$OUT/target_anchor.json" 2>&1 | grep -E "^\[anchor\]|rror"
 fi
 if [[ $what == stress || $what == all || $what == dag+stress ]]; then
   # ungated: reproduce the FX-tracing race; gated: 0 errors, >= 10 runs (shared compile cache)

@@ -10,12 +10,29 @@ peak measured in the same process:
   every layer of the model, feature layers captured;
 * ``ours_dense_sdpa``: the same packed row with SDPA and the dense 4-D document mask (the path
   the target workers used before: SDPA leaves its flash kernel and computes all L² scores);
-* ``ours_flex_truncated``: what training actually runs: layers up to the last feature layer.
+* ``ours_flex_truncated``: what training ran before ``target.compile``: layers up to the last
+  feature layer, eager;
+* ``ours_flex_compiled`` / ``ours_flex_compiled_truncated``: the same two with the decoder layers
+  compiled by inductor (``target.compile``, regional: one graph shared by every layer) — what
+  training runs on CUDA now. They reuse the eager path's loaded model; the JSON records the
+  first call's seconds (the compile, cold cache) and dynamo's graph count (1 expected).
+
+``attention``: one layer's attention alone on the packed row (the target's q/k/v shapes):
+compiled flex attention with its default kernel options and with 128×128 tiles, and
+``torch.nn.attention.varlen.varlen_attn`` (flash varlen over the documents' cumulative
+lengths), each with its TFLOP/s of useful (causal, per-document) attention FLOPs; a variant this
+torch cannot run records its error.
+
+Also ``mask_seconds``: building the document BlockMask for the row alone (eager, as the
+extractor does; and ``create_block_mask(_compile=True)``), since a faster forward makes it a
+larger share.
 
 MFU counts useful FLOPs only (:func:`dflash.flops.target_flops`: causal attention inside each
 document). Ratios are taken within the run.
 
     python bench/gpu/target_anchor.py --models qwen3-8b qwen3-32b --out $OUT/target_anchor.json
+    python bench/gpu/target_anchor.py --models qwen3-8b --out $OUT/target_anchor.json \
+        --paths hf_plain ours_flex_truncated ours_flex_compiled_truncated   # ~2 min
 """
 from __future__ import annotations
 
@@ -26,13 +43,16 @@ import time
 import torch
 
 
-PATHS = ("hf_plain", "ours_dense_sdpa", "ours_flex", "ours_flex_truncated")
+PATHS = ("hf_plain", "ours_dense_sdpa", "ours_flex", "ours_flex_truncated",
+         "ours_flex_compiled", "ours_flex_compiled_truncated", "attention")
 
 
 def measure(model_name: str, batch: int, seq: int, device: str, peak: float, iters: int,
             paths=PATHS) -> dict:
     from dflash.flops import best_seconds_per_call as timed, target_flops
     from dflash.spec import section_spec
+    from torch._dynamo.utils import counters
+
     from dflash.target import FeatureExtractor, hf_config, layer_ids, load_target
 
     spec_target = section_spec("target", {"model": model_name, "init": "random",
@@ -47,6 +67,11 @@ def measure(model_name: str, batch: int, seq: int, device: str, peak: float, ite
     pos = torch.arange(seq).repeat(batch)
     out: dict = {"model": model_name, "batch": batch, "seq": seq, "tokens": tokens,
                  "layers": n_layers, "feature_layers": ids}
+    features: dict = {}  # first path's features per layer count, to compare the second with
+
+    def sync() -> None:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)
 
     def record(name: str, seconds: float, layers: int) -> None:
         fl = target_flops(cfg, layers, [seq] * batch)
@@ -73,29 +98,122 @@ def measure(model_name: str, batch: int, seq: int, device: str, peak: float, ite
             del fx
         del t, base
         torch.cuda.empty_cache()
-    # 3. our CUDA path: FlexAttention + document BlockMask, all layers then truncated
-    for name, layers in (("ours_flex", n_layers), ("ours_flex_truncated", max(ids) + 1)):
-        if name not in paths:
+    # 3. our CUDA path: FlexAttention + document BlockMask, all layers then truncated; each
+    #    model loaded once, eager then compiled (target.compile) on the same weights
+    for layers, eager_name, comp_name in ((n_layers, "ours_flex", "ours_flex_compiled"),
+                                          (max(ids) + 1, "ours_flex_truncated",
+                                           "ours_flex_compiled_truncated")):
+        if eager_name not in paths and comp_name not in paths:
             continue
         t = load_target(spec_target, device, need_tokenizer=False,
                         num_layers=layers, attention="flex")
-        fx = FeatureExtractor(t)
-        t0 = time.perf_counter()
-        fx(xi, di, pi)
-        torch.cuda.synchronize(device)
-        out[f"{name}_first_call_s"] = round(time.perf_counter() - t0, 2)  # incl. flex compile
-        record(name, timed(lambda: fx(xi, di, pi), device, iters, warmup=1), layers)  # noqa: F821
-        del fx, t
+        # compiled first: the eager extractor's forward hooks stay on the layers afterwards
+        for name, backend in ((comp_name, "inductor"), (eager_name, None)):
+            if name not in paths:
+                continue
+            fx = FeatureExtractor(t, compile=backend)
+            graphs = counters["stats"]["unique_graphs"]
+            t0 = time.perf_counter()
+            first = fx(xi, di, pi)
+            sync()
+            out[f"{name}_first_call_s"] = round(time.perf_counter() - t0, 2)  # incl. compiles
+            if backend:
+                out[f"{name}_new_graphs"] = counters["stats"]["unique_graphs"] - graphs
+            other = features.pop(layers, None)
+            if other is None:
+                features[layers] = first
+            else:  # compiled vs eager features (bf16: summation order only)
+                diff = (first - other).float()
+                out[f"{comp_name}_max_abs_diff_vs_eager"] = round(float(diff.abs().max()), 4)
+                out[f"{comp_name}_rel_l2_diff_vs_eager"] = round(
+                    float(diff.norm() / other.float().norm()), 6)
+                del other, diff
+            del first
+            record(name, timed(lambda: fx(xi, di, pi), device, iters, warmup=1),  # noqa: F821
+                   layers)
+            del fx
+        del t
+        features.pop(layers, None)
         torch.cuda.empty_cache()
+    # the document BlockMask alone: eager (what the extractor builds per row) and compiled
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from dflash.masks import document_block_mask, document_mask_mod
+
+    L = di.shape[0]
+    out["mask_seconds"] = {
+        "eager": round(timed(lambda: document_block_mask(di), device, iters, warmup=1), 5),
+        "compiled": round(timed(lambda: create_block_mask(
+            document_mask_mod(di), B=None, H=None, Q_LEN=L, KV_LEN=L, device=di.device,
+            BLOCK_SIZE=128, _compile=True), device, iters, warmup=2), 5)}
+    print(f"[anchor] {model_name} document BlockMask: {out['mask_seconds']}", flush=True)
+    if "attention" in paths:
+        out["attention"] = attention_variants(cfg, di, [seq] * batch, device, iters)
+        print(f"[anchor] {model_name} attention alone: {out['attention']}", flush=True)
     for a, b in (("ours_flex", "hf_plain"), ("ours_dense_sdpa", "hf_plain"),
-                 ("ours_flex", "ours_dense_sdpa")):
+                 ("ours_flex", "ours_dense_sdpa"), ("ours_flex_compiled", "hf_plain"),
+                 ("ours_flex_compiled", "ours_flex"),
+                 ("ours_flex_compiled_truncated", "ours_flex_truncated")):
         if a in out and b in out:
             out[f"ratio_{a}_vs_{b}"] = round(out[a]["tokens_per_s"] / out[b]["tokens_per_s"], 3)
     return out
 
 
+def attention_variants(cfg, doc, doc_lengths: list[int], device: str, iters: int) -> dict:
+    """One layer's attention on the packed row, per kernel: seconds and useful TFLOP/s."""
+    import inspect
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from dflash.flops import best_seconds_per_call as timed
+    from dflash.masks import document_block_mask
+    from dflash.model import head_dim_of
+
+    hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, head_dim_of(cfg)
+    L = doc.shape[0]
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(1, L, h, hd, device=device, dtype=torch.bfloat16, generator=g)
+               .transpose(1, 2) for h in (hq, hkv, hkv))
+    flops = sum(4 * n * (n + 1) / 2 * hd * hq for n in doc_lengths)  # QK^T and PV, causal
+    mask = document_block_mask(doc)
+    flex = torch.compile(flex_attention, dynamic=False)
+    res: dict = {}
+
+    def run(name: str, fn) -> None:
+        try:
+            sec = timed(fn, device, iters, warmup=2)
+            res[name] = {"seconds": round(sec, 6), "tflops": round(flops / sec / 1e12, 1)}
+        except Exception as e:  # noqa: BLE001 - a variant this torch/GPU cannot run
+            res[name] = {"error": f"{type(e).__name__}: {str(e).strip()[:200]}"}
+
+    for name, opts in (("flex_default", None), ("flex_128x128", {"BLOCK_M": 128, "BLOCK_N": 128})):
+        run(name, lambda opts=opts: flex(q, k, v, block_mask=mask, scale=hd ** -0.5,
+                                         enable_gqa=hq != hkv, kernel_options=opts))
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError as e:
+        res["varlen"] = {"error": f"ImportError: {e}"}
+        return res
+    params = inspect.signature(varlen_attn).parameters
+    cu = torch.tensor([0] + doc_lengths, device=device).cumsum(0).to(torch.int32)
+    qv, kv, vv = (t.transpose(1, 2)[0] for t in (q, k, v))  # [L, heads, D]
+    kw: dict = {"scale": hd ** -0.5}
+    if "is_causal" in params:
+        kw["is_causal"] = True
+    elif "window_size" in params:
+        kw["window_size"] = (-1, 0)  # causal
+    if hq != hkv and "enable_gqa" in params:
+        kw["enable_gqa"] = True
+    elif hq != hkv:  # an older varlen without GQA: K/V repeated (the copy is not timed)
+        kv, vv = (t.repeat_interleave(hq // hkv, dim=1) for t in (kv, vv))
+    m = max(doc_lengths)
+    run("varlen", lambda: varlen_attn(qv, kv, vv, cu, cu, m, m, **kw))
+    return res
+
+
 def main() -> None:
     from dflash.flops import measure_peak_flops
+    from dflash.gate import worker_thread_setup
 
     p = argparse.ArgumentParser()
     p.add_argument("--models", nargs="+", default=["qwen3-8b"])
@@ -106,9 +224,11 @@ def main() -> None:
     p.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
     p.add_argument("--out", required=True)
     a = p.parse_args()
+    worker_thread_setup()  # as training: a compile failure or recompile limit raises, never eager
     peak = measure_peak_flops(a.device, torch.bfloat16)
     print(f"[anchor] bf16 matmul peak {peak['flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
-    res = {"peak": peak, "device": torch.cuda.get_device_name(a.device),
+    res = {"peak": peak, "device": (torch.cuda.get_device_name(a.device)
+                                    if a.device.startswith("cuda") else a.device),
            "torch": torch.__version__, "transformers": __import__("transformers").__version__,
            "runs": []}
     for m in a.models:

@@ -1,8 +1,9 @@
 """The warmup stage: compile every shape bucket on every drafter device once, and record it.
 
 Builds the drafter exactly as training does (dflash.topology), then, on each drafter device in
-turn, runs forward + backward + optimizer step for every bucket through the compile gate; on
-CUDA target devices it also compiles the target's flex attention per bucket (no weights needed). The
+turn, runs forward + backward + optimizer step for every bucket through the compile gate; on the
+target devices it compiles the feature extractor per bucket on a one-layer copy of the target
+(no weights needed): its decoder layers (``target.compile``) and, on CUDA, its flex attention. The
 manifest lists every (callable, device, bucket) with its seconds, the compile cache directory
 (one per env fingerprint) and the env and shape fingerprints that training checks.
 """
@@ -19,7 +20,7 @@ def run(ctx: StageContext) -> dict:
     from ..gate import get_gate
     from ..spec import dtype_of
     from ..topology import buckets, drafter_config, initial_state, make_replicas
-    from ..warm import warm_all, warm_target_attention
+    from ..warm import warm_all, warm_target_features
 
     spec = ctx.spec
     cache = compile_cache_dir(ctx.env_fingerprint)
@@ -33,10 +34,11 @@ def run(ctx: StageContext) -> dict:
         print(f"[warmup] {rec['callable']} on {rec['device']} ({who}) "
               f"bucket {rec['bucket']}: {rec['seconds']:.1f}s", flush=True)
 
-    records = warm_all(replicas, buckets(spec), feat_width, dtype_of(spec.target.dtype),
-                       optimizer_step=True, log=log)
-    # the target's flex attention per (target device, bucket): CUDA only (CPU targets use SDPA)
-    records += warm_target_attention(spec, buckets(spec), log=log)
+    # the target feature extractor's compiled parts per (target device, bucket), on a one-layer
+    # copy; first, as in training (loading a model registers its pytree node types)
+    records = warm_target_features(spec, buckets(spec), log=log)
+    records += warm_all(replicas, buckets(spec), feat_width, dtype_of(spec.target.dtype),
+                        optimizer_step=True, log=log)
     st = get_gate().stats()
     total = time.perf_counter() - t0
     per_device: dict[str, float] = {}

@@ -1,0 +1,78 @@
+"""A Llama-family decoder layer's math, written on the HF model's own modules, and the one way we
+compile it (regional compilation).
+
+Two users run the target's layers themselves instead of through HF's forward: the generation
+engine (:mod:`dflash.generate`: static KV cache, CUDA graphs) and the feature extractor
+(:class:`dflash.target.FeatureExtractor`: packed rows, document mask). Both call these functions
+with the layer module as the first argument and compile them with :func:`compile_region`: dynamo
+lifts the layer's parameters to graph inputs, so ONE compiled graph serves every layer (one
+compile, not one per layer), and inductor fuses what eager mode runs as separate memory-bound
+kernels: RMSNorm, rotary, SiLU·mul, the residual adds.
+
+Architectures: ``input_layernorm → self_attn (q/k/v/o projections, optional q_norm/k_norm as in
+Qwen3) → post_attention_layernorm → mlp`` with full attention (``llama``, ``qwen2``, ``qwen3``);
+:func:`unsupported_reason` says why another model is not.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+def unsupported_reason(model) -> str | None:
+    """Why these functions cannot run ``model``'s decoder layers (None when they can)."""
+    cfg = model.config
+    mt = getattr(cfg, "model_type", None)
+    if mt not in SUPPORTED_MODEL_TYPES:
+        return f"model_type {mt!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+    types = getattr(cfg, "layer_types", None) or []
+    if any(t != "full_attention" for t in types) or (
+            getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None)):
+        return "sliding-window attention layers"
+    rope = (getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) in ("dynamic",
+                                                                              "longrope"):
+        return f"rope_type {rope.get('rope_type', rope.get('type'))!r} (length-dependent)"
+    base = getattr(model, "model", None)
+    for attr in ("embed_tokens", "layers", "norm", "rotary_emb"):
+        if not hasattr(base, attr):
+            return f"no model.{attr}"
+    return None
+
+
+def rope_of(layer) -> Callable:
+    """The model's own ``apply_rotary_pos_emb`` (from the layer's modeling module)."""
+    return getattr(sys.modules[type(layer.self_attn).__module__], "apply_rotary_pos_emb")
+
+
+def qkv(layer, x, cos, sin, rope):
+    """input_layernorm + q/k/v projections (+ q/k norms) + rotary: -> q [B,nh,L,D], k/v [B,kvh,L,D]."""
+    attn = layer.self_attn
+    h = layer.input_layernorm(x)
+    B, L = h.shape[:2]
+    D = attn.head_dim
+    q = attn.q_proj(h).view(B, L, -1, D)
+    k = attn.k_proj(h).view(B, L, -1, D)
+    v = attn.v_proj(h).view(B, L, -1, D)
+    if getattr(attn, "q_norm", None) is not None:  # Qwen3
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    q, k = rope(q, k, cos, sin)
+    return q, k, v
+
+
+def out_mlp(layer, x, o):
+    """o_proj + residual, post_attention_layernorm + mlp + residual (o: [B, L, nh*D])."""
+    x = x + layer.self_attn.o_proj(o)
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def compile_region(fn: Callable, backend: str) -> Callable:
+    """The one regional compile: ``fn`` takes a layer module first and is compiled once with
+    static shapes (a graph per shape, shared by every layer). Call the result only inside the
+    compile gate (:mod:`dflash.gate`): its first call per shape compiles."""
+    import torch
+
+    return torch.compile(fn, backend=backend, dynamic=False)
