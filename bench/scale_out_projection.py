@@ -25,7 +25,10 @@ Inputs, each recorded in the JSON with where it came from:
   --train-manifest its train manifest: the measured all-reduce seconds and bytes per step are
   recorded beside the projection);
 - tokens and labelled tokens per batch: a train metrics.jsonl of the same batching (default: the
-  expanded-1gpu H200 run), else token_budget.
+  expanded-1gpu H200 run), else token_budget;
+- a check on the drafter time: the steady state of the 1 target + 1 drafter H200 run of the
+  same shapes (expanded-2gpu): its tokens/s is the slower worker's, so tokens per batch / it is
+  an upper bound on the drafter's seconds per batch; the projection is repeated at that bound.
 """
 from __future__ import annotations
 
@@ -119,7 +122,8 @@ def project(args) -> dict:
     link = args.link_gbps * 1e9 / 8
     lat = args.latency_us * 1e-6
 
-    def rows(grad_bytes_per_param: int, overlap: bool = False, links: int = 1) -> list[dict]:
+    def rows(grad_bytes_per_param: int, overlap: bool = False, links: int = 1,
+             drafter_s: float = drafter_s) -> list[dict]:
         nbytes = params * grad_bytes_per_param
         base = max(target_s, drafter_s + local_s)
         out = []
@@ -171,6 +175,21 @@ def project(args) -> dict:
                        "fp32_overlapped_with_backward": rows(4, overlap=True),
                        "fp32_8_links": rows(4, links=8)},
     }
+    if args.steady_state and Path(args.steady_state).is_file():
+        # a measured run of the same shapes with 1 target + 1 drafter GPU: each step is one
+        # batch through the slower of the two workers, so its step time bounds the drafter's
+        # time per batch from above
+        ss_path = Path(args.steady_state).resolve()
+        ss = json.loads(ss_path.read_text())
+        upper = ss["step_time_s"]
+        result["measured_1_plus_1"] = {
+            "tokens_per_s": ss["tokens_per_s"], "step_time_s": ss["step_time_s"],
+            "steady_steps": ss.get("steady_steps"),
+            "drafter_s_upper_bound": round(upper, 4),
+            "estimate_within_bound": drafter_s <= upper,
+            "source": str(ss_path.relative_to(REPO)) if ss_path.is_relative_to(REPO)
+            else str(ss_path)}
+        result["projection"]["fp32_drafter_at_upper_bound"] = rows(4, drafter_s=upper)
     if args.train_manifest:
         # a multi-node run's measured all-reduce (dflash/stages/train.py: manifest "distributed")
         d = json.loads(Path(args.train_manifest).read_text()).get("distributed", {})
@@ -196,7 +215,8 @@ def markdown(r: dict) -> str:
              f"tokens/s", ""]
     names = {"fp32": "fp32 all-reduce (as built)", "bf16": "bf16 all-reduce",
              "fp32_overlapped_with_backward": "fp32, overlapped with the backward",
-             "fp32_8_links": "fp32, 8 x 400 Gb/s per node"}
+             "fp32_8_links": "fp32, 8 x 400 Gb/s per node",
+             "fp32_drafter_at_upper_bound": "fp32, drafter time at its measured upper bound"}
     for key, rows in r["projection"].items():
         lines += [f"**{names.get(key, key)}**", "",
                   "| nodes | GPUs | all-reduce s | exposed s | step s | tokens/s | efficiency |",
@@ -227,6 +247,9 @@ def main(argv=None) -> int:
     p.add_argument("--report", default=None,
                    help="a bench report.json of the projected shapes (its drafter_mfu, and its "
                         "measured all-reduce if present, replace the defaults)")
+    p.add_argument("--steady-state", default=str(H200 / "expanded-2gpu" / "steady_state.json"),
+                   help="steady state of a 1 target + 1 drafter run of the same shapes "
+                        "(bench/steady_state_from_metrics.py): bounds the drafter time")
     p.add_argument("--train-manifest", default=None,
                    help="the train manifest.json of a multi-node run: its measured all-reduce "
                         "seconds per step and bytes are recorded beside the projection")
