@@ -91,7 +91,7 @@ class Dist:
     def _terminated(self, signum, frame) -> None:
         """torchrun ends the ranks of a node when one of them exits with an error."""
         why = self.watchdog.verdict or self.watchdog.probe() or \
-            "another rank of this node exited, or its torchrun lost the rendezvous"
+            "the job was cancelled, or another rank of this node exited"
         print(f"error: {self.name()} stopped by torchrun (SIGTERM): {why}", file=sys.stderr,
               flush=True)
         os._exit(128 + signum)
@@ -156,6 +156,7 @@ class Watchdog:
         self.hosts: dict[int, str] = {}
         self.verdict: str | None = None
         self.callbacks: list = []
+        self._reported = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="dist-watchdog", daemon=True)
 
@@ -178,8 +179,8 @@ class Watchdog:
         return None
 
     def _store_lost(self, e: BaseException) -> str:
-        return (f"lost the rendezvous store at {self.where} (it lives with rank 0's torchrun on "
-                f"{self.hosts.get(0, 'node 0')}: rank 0 or its node is gone; "
+        return (f"lost the rendezvous store at {self.where} (it lives with the torchrun of "
+                f"node 0: that node, its torchrun or its rank is gone; "
                 f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
 
     def start(self) -> None:
@@ -193,6 +194,7 @@ class Watchdog:
 
     def report_failure(self, message: str) -> None:
         """This rank failed: tell the others (first writer wins; best effort)."""
+        self._reported = True  # the record is ours: not a reason to stop again
         try:
             self.store.compare_set("failed", "", f"rank {self.d.rank} on {self.host}: {message}")
         except Exception:  # noqa: BLE001 - the store may be gone with node 0
@@ -203,7 +205,7 @@ class Watchdog:
         while not self._stop.wait(HEARTBEAT_S):
             try:
                 self.store.add(f"hb/{self.d.rank}", 1)
-                if self.store.check(["failed"]):
+                if not self._reported and self.store.check(["failed"]):
                     msg = self.store.get("failed").decode()
                     if msg:
                         self._fire(f"{msg}; stopping {self.d.name()}")

@@ -8,7 +8,8 @@ the real stage on the micro target.
   every active replica of every node equally;
 * one rank killed with SIGKILL (two "SLURM nodes", one torchrun each): every process exits
   within 30 s, naming the dead rank and its host; the same command resumes from the last
-  checkpoint and finishes exactly-once;
+  checkpoint; killing node 0 (the rendezvous store's host) ends node 1 naming the lost store;
+  the third run finishes, every epoch exactly once;
 * an error on one rank stops the other, naming it; a checkpoint of 2 nodes refuses a 1-node run
   with one message naming topology.nodes; nodes = 1 runs without torchrun or a process group.
 """
@@ -157,8 +158,11 @@ def test_killed_rank_stops_every_rank_naming_it_then_resumes(w):
         assert fi.wait_until(lambda: fi.newest_checkpoint(td) >= 4, runs[0], timeout=300), \
             runs[0].text()[-3000:]
         assert runs[1].alive(), "the run ended before the kill"
+        victim = _rank_pid(runs[1])
+        environ = Path(f"/proc/{victim}/environ").read_bytes().split(b"\0")
+        rank = int(next(x for x in environ if x.startswith(b"RANK="))[5:])  # c10d assigns it
         t_kill = time.time()
-        os.kill(_rank_pid(runs[1]), signal.SIGKILL)
+        os.kill(victim, signal.SIGKILL)
         for r in runs:
             r.wait(timeout=60)
         waited = time.time() - t_kill
@@ -170,19 +174,41 @@ def test_killed_rank_stops_every_rank_naming_it_then_resumes(w):
     assert all(r.proc.returncode != 0 for r in runs)
     text = runs[0].text()
     errors = [x for x in text.splitlines() if x.startswith("error: ")]
-    # rank 0's one message names the dead rank and its host (torchrun's summary follows)
-    assert len(errors) == 1 and f"rank 1 on {HOST}" in errors[0] and \
-        "stopped responding" in errors[0] and f"stopping rank 0 on {HOST}" in errors[0], text
-    # the same command resumes from the last checkpoint and finishes, exactly once
+    # the survivor's one message names the dead rank and its host (torchrun's summary follows)
+    assert len(errors) == 1 and f"rank {rank} on {HOST}" in errors[0] and \
+        "stopped responding" in errors[0] and f"stopping rank {1 - rank} on {HOST}" in errors[0], \
+        text
+    # the same command resumes from the last checkpoint; this time node 0 (it hosts the
+    # rendezvous store) loses its rank: node 1's rank names the lost store within seconds
     last = fi.newest_checkpoint(td)
     runs = _start_nodes(w, "mnk", root, "resume")
+    try:
+        assert fi.wait_until(lambda: fi.newest_checkpoint(td) >= last + 4, runs[0],
+                             timeout=300), runs[0].text()[-3000:]
+        assert runs[1].alive(), "the run ended before the kill"
+        t_kill = time.time()
+        os.kill(_rank_pid(runs[0]), signal.SIGKILL)
+        for r in runs:
+            r.wait(timeout=60)
+        waited = time.time() - t_kill
+    finally:
+        for r in runs:
+            if r.alive():
+                r.kill()
+    assert waited < 30 and all(r.proc.returncode != 0 for r in runs), waited
+    assert max(r.resumed_from() for r in runs) == last > 0
+    errors = [x for x in runs[1].text().splitlines() if x.startswith("error: ")]
+    assert len(errors) == 1 and "lost the rendezvous store" in errors[0], runs[1].text()
+    # and once more: it finishes, every epoch exactly once over the three runs
+    last = fi.newest_checkpoint(td)
+    runs = _start_nodes(w, "mnk", root, "finish")
     try:
         assert [r.wait(timeout=300) for r in runs] == [0, 0], runs[0].text()[-3000:]
     finally:
         for r in runs:
             if r.alive():
                 r.kill()
-    assert runs[0].resumed_from() == last > 0
+    assert max(r.resumed_from() for r in runs) == last > 0
     m = json.loads((td / "manifest.json").read_text())
     assert m["steps"]["resumed_from"] == last and m["distributed"]["nodes"] == 2
     assert m["distributed"]["replicas_identical_across_ranks"]
