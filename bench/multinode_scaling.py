@@ -3,7 +3,8 @@
 On two H200s of one host (2 simulated nodes x 1 GPU, target and drafter sharing each GPU; the
 train stage runs 2 local processes under torchrun, NCCL between them), from the repo root:
 
-    SPECS="qwen3-8b-1node-shared qwen3-8b-2node-shared" bash bench/gpu/run_all.sh dag
+    SPECS=qwen3-8b-1node-shared DAG_TIMEOUT=560 timeout 590 bash bench/gpu/run_all.sh dag
+    SPECS=qwen3-8b-2node-shared DAG_TIMEOUT=560 timeout 590 bash bench/gpu/run_all.sh dag
     # then, on the files that came back (results.tgz unpacked into bench/results/h200/multinode):
     python bench/multinode_scaling.py bench/results/h200/multinode \
         --one qwen3-8b-1node-shared --many qwen3-8b-2node-shared \
