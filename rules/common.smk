@@ -28,6 +28,7 @@ DEFAULT_SPEC = config["default_spec"]
 RESULTS = config["results"]
 LOGS = config["logs"]
 BENCHMARKS = config["benchmarks"]
+SLURM = config["slurm"]  # profiles/slurm: jobs go to a SLURM cluster (see device_resources)
 wildcard_constraints:
     spec="|".join(SPECS) or "no-specs",
 
@@ -60,33 +61,126 @@ def python_for(wc):
 # names), so each job holds every CUDA device its spec names: a resource of capacity 1 per device
 # (cuda_0, cuda_1, ...), and two jobs never share a GPU on any machine. `gpu` is the count (for
 # executors that place jobs by it; limit it with --resources gpu=N if you like). A spec with
-# topology.nodes > 1 holds the GPUs of all its nodes (as they run here: local processes).
-CUDA_DEVICES = sorted({d for s in SPECS.values() for d in s.machine_devices() if d != "cpu"})
+# topology.nodes > 1 holds the GPUs of all its nodes (as they run here: local processes;
+# Spec.machine_devices).
+CUDA_DEVICES = sorted({d for s in SPECS.values() for d in s.machine_devices() if d != "cpu"},
+                      key=lambda d: int(d.split(":", 1)[1]))
 for _device in CUDA_DEVICES:
     workflow.register_resource(_device.replace(":", "_"), 1)
 
 
-def gpus(wc):
-    return len({d for d in SPECS[wc.spec].machine_devices() if d != "cpu"})
+def gpus_per_node(spec):
+    """GPUs one node of a spec uses: the highest CUDA index it names + 1 (a spec that names
+    cuda:5 needs six visible devices; SLURM, like dflash.launch, numbers a node's GPUs from 0)."""
+    idx = [int(d.split(":", 1)[1]) for d in spec.devices() if d.startswith("cuda:")]
+    return max(idx) + 1 if idx else 0
+
+
+def nodes(spec):
+    return spec.topology.nodes
+
+
+# On a SLURM cluster (profiles/slurm sets `config: slurm=True`; snakemake-executor-plugin-slurm
+# turns resources into sbatch flags) SLURM places the jobs: a job's GPUs are the ones SLURM gives
+# it, numbered from 0 on each node. The per-device resources above would be cluster-wide limits
+# there (one cuda_0 job at a time on the whole cluster), and `gpu` becomes `--gpus` (a job total
+# that SLURM may spread over nodes), so instead each job asks for `nodes` and `gres: gpu:K` per
+# node. Only the train rule may span nodes (topology.nodes); every other stage is a one-node job.
 
 
 def device_resources():
+    """Resources of a stage: this machine's GPUs it holds (locally), or on SLURM a one-node job
+    (the train rule adds the multi-node part, train_resources)."""
+    if SLURM:
+        def gres(wc):
+            k = gpus_per_node(SPECS[wc.spec])
+            return f"gpu:{k}" if k else None  # None: no such resource (a CPU job)
+
+        return {"nodes": 1, "gres": gres}
+
+    def gpus(wc):
+        return len({d for d in SPECS[wc.spec].machine_devices() if d != "cpu"})
+
     def holds(device):
         return lambda wc: int(device in SPECS[wc.spec].machine_devices())
 
     return {"gpu": gpus, **{d.replace(":", "_"): holds(d) for d in CUDA_DEVICES}}
 
 
+def check_executor():
+    """`config: slurm=True` (profiles/slurm) and the SLURM executor go together. A `--config` on the
+    command line replaces the profile's list, dropping slurm=True: the jobs would then ask SLURM
+    for nothing (no nodes, no GPUs). Checked when a real run starts (not for dry runs)."""
+    executor = getattr(workflow.executor_plugin, "name", None)
+    if executor is None or executor in ("dryrun", "touch"):
+        return
+    if (executor == "slurm") != SLURM:
+        raise WorkflowError(
+            f"config slurm={SLURM} but the executor is {executor!r}: "
+            + ("add slurm=True to your --config (it replaces the one profiles/slurm sets)"
+               if executor == "slurm" else
+               "slurm=True is for the SLURM executor (--workflow-profile profiles/slurm)"))
+
+
+onstart:
+    check_executor()
+
+
+def srun(n):
+    """How the train stage starts on a SLURM allocation of n > 1 nodes: one task per node, each the
+    same `python -m dflash train` (dflash/launch.py: it reads SLURM_NODEID, SLURM_NNODES and
+    SLURM_JOB_NODELIST and becomes its node's torchrun, the rendezvous on the first host).
+    --kill-on-bad-exit: a rank that dies takes the whole step down. The CPUs per task come from
+    the allocation, so `cpus_per_task` stays a profile setting."""
+    return (f"srun --nodes={n} --ntasks={n} --ntasks-per-node=1 "
+            f"--cpus-per-task=${{SLURM_CPUS_PER_TASK:-1}} --kill-on-bad-exit=1 ")
+
+
+def train_resources():
+    """The train rule's resources: a one-node stage's, and under SLURM with topology.nodes > 1 a
+    multi-node job: `nodes`, `tasks` = one per node, `gres` per node, and `mpi` — which makes the
+    plugin's jobstep run the rule's shell in the allocation as it is instead of under `srun -n1`
+    (one task on one node), so the shell starts the ranks itself with `launch` (srun above).
+    `launch` is empty otherwise. It sits in the shell command, so the command text (Snakemake's
+    `code` rerun trigger) is the same under every profile: a train run on the cluster is not
+    redone by a later local `snakemake bench_<spec>`."""
+    res = device_resources()
+
+    def launch(wc):
+        n = nodes(SPECS[wc.spec])
+        return srun(n) if SLURM and n > 1 else ""
+
+    if not SLURM:
+        return {**res, "launch": launch}
+
+    def multi(value):  # only on a multi-node job: None leaves the resource out
+        return lambda wc: value(nodes(SPECS[wc.spec])) if nodes(SPECS[wc.spec]) > 1 else None
+
+    return {
+        **res,
+        "nodes": lambda wc: nodes(SPECS[wc.spec]),
+        "tasks": multi(lambda n: n),
+        # 0: no --ntasks-per-gpu; the plugin would otherwise take `tasks` for it (n tasks per GPU)
+        "tasks_per_gpu": multi(lambda n: 0),
+        "mpi": multi(lambda n: "srun"),
+        "launch": launch,
+    }
+
+
 def spec_file(wc):
     return f"specs/{wc.spec}.yaml"
 
 
-def stage_cmd(stage):
+def stage_cmd(stage, launch=False):
     # `tee` shows live progress on the console and keeps the log; pipefail keeps the exit code.
     # Every value is shell-quoted: the interpreter path derives from the spec's env.lock (build
     # mode) and the results/logs roots from the config, so none may reach the shell raw.
+    # `launch`: the rule's `launch` resource goes first (train_resources: srun on a multi-node
+    # SLURM job, else empty); it is built from integers only.
     results = shlex.quote(RESULTS).replace("{", "{{").replace("}", "}}")
-    return f"{{params.python:q}} -m dflash {stage} {{params.spec:q}} --results {results} 2>&1 | tee {{log:q}}"
+    prefix = "{resources.launch}" if launch else ""
+    return (f"{prefix}{{params.python:q}} -m dflash {stage} {{params.spec:q}} --results {results}"
+            f" 2>&1 | tee {{log:q}}")
 
 
 # dflash.stages.bench.PLOTS

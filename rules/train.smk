@@ -13,10 +13,10 @@ rule train:
         fields=spec_params("train"),
         code=code_hash("train"),
     resources:
-        **device_resources(),
+        **train_resources(),
     log:
         f"{LOGS}/{{spec}}/train.log",
     benchmark:
         f"{BENCHMARKS}/{{spec}}/train.tsv",
     shell:
-        stage_cmd("train")
+        stage_cmd("train", launch=True)

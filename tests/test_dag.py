@@ -133,6 +133,8 @@ def test_gpu_jobs_hold_the_devices_their_spec_names(tmp_path, micro_spec):
     r = snakemake(gpu, "-n", "train_qwen3-8b-2gpu")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     res = [ln.strip() for ln in (r.stdout + r.stderr).splitlines() if "gpu=" in ln]
+    # train also carries `launch` (empty here: srun only for a multi-node job on SLURM)
+    res = [ln.removesuffix(", launch=") for ln in res]
     assert len(res) == 4 and set(res) == {"resources: tmpdir=/tmp, gpu=2, cuda_0=1, cuda_1=1"}, res
 
 

@@ -1,0 +1,40 @@
+"""bench/scale_out_projection.py: the figures docs/scale-out.md quotes, checked against the
+Qwen3-32B shape by hand and against the ring all-reduce formula."""
+from __future__ import annotations
+
+import importlib.util
+import json
+
+from dflash.harness import REPO
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("scale_out_projection",
+                                                  REPO / "bench" / "scale_out_projection.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_expanded_projection(tmp_path):
+    out = tmp_path / "p.json"
+    assert _module().main(["--spec", "specs/expanded.yaml", "--nodes", "1", "8",
+                           "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    # Qwen3-32B shape: hidden 5120, 64 heads / 8 kv heads of 128, MLP 25600; 5 drafter layers,
+    # fc from 5 feature layers; norms: 4 per layer (input, post-attn, q, k) + norm + hidden_norm
+    H, hd, I = 5120, 128, 25600
+    layer = H * hd * (64 + 8 + 8) + 64 * hd * H + 3 * H * I + 2 * H + 2 * hd
+    params = 5 * layer + 5 * H * H + 2 * H
+    assert r["drafter"]["trainable_params"] == params
+    assert r["gradient_bytes_per_step"]["fp32"] == 4 * params
+    one, eight = r["projection"]["fp32"]
+    assert one["efficiency"] == 1.0 and one["allreduce_s"] == 0.0
+    ring = 2 * 7 / 8 * 4 * params / (400e9 / 8) + 2 * 7 * 10e-6
+    assert abs(eight["allreduce_s"] - ring) < 1e-3
+    assert eight["gpus"] == 64 and 0 < eight["efficiency"] < 1
+    # tokens/s = 8 nodes x 3 drafters x tokens per batch / step time
+    tokens = 8 * 3 * r["batch"]["tokens"] / eight["step_s"]
+    assert abs(eight["tokens_per_s"] - tokens) / tokens < 1e-3
+    # halving the bytes (bf16) halves the bandwidth term and never lowers efficiency
+    assert r["projection"]["bf16"][1]["efficiency"] >= eight["efficiency"]
