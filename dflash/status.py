@@ -116,8 +116,11 @@ class StatusReporter:
                 "step_time_s": dt / (len(s) - 1), "seconds": dt}
 
     def done(self, manifest: dict) -> None:
+        # the whole run's busy fractions (a short run may end before its first tick)
+        busy_s, wait_s = manifest.get("busy_s", {}), manifest.get("wait_s", {})
         self.state.update(phase="done", final_loss=manifest.get("final_loss"),
-                          steady_state=manifest.get("steady_state"))
+                          steady_state=manifest.get("steady_state"),
+                          busy=busy_fractions(busy_s, wait_s), busy_s=busy_s, wait_s=wait_s)
         self._write()
 
 

@@ -326,7 +326,8 @@ def compile_backend(target: TargetSpec, device: str, backend: str, model=None) -
     """
     from .decoder import unsupported_reason
 
-    mode = target.compile
+    # YAML 1.1 reads a bare `compile: off` as False: both spellings mean the same
+    mode = {True: "on", False: "off"}.get(target.compile, target.compile)
     if mode == "off" or (mode == "auto" and not (device.startswith("cuda")
                                                  and backend == "inductor")):
         return None
