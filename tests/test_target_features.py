@@ -201,6 +201,10 @@ def test_target_compile_resolution():
     assert compile_backend(auto, "cuda:0", "aot_eager") is None
     assert compile_backend(on, "cpu", "aot_eager") == "aot_eager"
     assert compile_backend(off, "cuda:0", "inductor") is None
+    # YAML reads a bare `compile: off` / `on` as a boolean: the schema and resolution accept it
+    assert section_spec("target", {"model": "qwen3-8b", "compile": False}).compile is False
+    assert compile_backend(dataclasses.replace(SMOL, compile=False), "cuda:0", "inductor") is None
+    assert compile_backend(dataclasses.replace(SMOL, compile=True), "cpu", "eager") == "eager"
     gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=16, n_head=2,
                                                        vocab_size=64, n_positions=32))
     assert compile_backend(auto, "cuda:0", "inductor", gpt2) is None
