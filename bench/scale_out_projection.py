@@ -20,12 +20,13 @@ allreduce_s(n) = 2 (n-1)/n x bytes / link + 2 (n-1) x latency          (ring, on
 Inputs, each recorded in the JSON with where it came from:
 - the target forward rate per GPU: bench/results/h200/target_anchor_32b.json (our packed-row flex
   path, full 64 layers), scaled to the layers the pipeline runs (up to the last feature layer);
-- the drafter MFU: a bench report (default: the 2-H200 qwen3-8b-2gpu run); --report takes the one
+- the drafter MFU while busy: a bench report (default: the 2-H200 qwen3-8b-2gpu-balanced run,
+  drafter busy 98 % of its steps); --report takes the one
   from a run of the projected shapes instead, e.g. the 2-H200 expanded-shape measurement (and
   --train-manifest its train manifest: the measured all-reduce seconds and bytes per step are
   recorded beside the projection);
 - tokens and labelled tokens per batch: a train metrics.jsonl of the same batching (default: the
-  expanded-1gpu H200 run), else token_budget;
+  expanded-2gpu H200 run), else token_budget;
 - a check on the drafter time: the steady state of the 1 target + 1 drafter H200 run of the
   same shapes (expanded-2gpu): its tokens/s is the slower worker's, so tokens per batch / it is
   an upper bound on the drafter's seconds per batch; the projection is repeated at that bound.
@@ -106,7 +107,8 @@ def project(args) -> dict:
 
     report_path = Path(args.report) if args.report else args.mfu_report
     report = json.loads(report_path.read_text())
-    mfu = report["drafter_mfu"]
+    # the drafter's MFU while it computes: a run whose drafter idled reports a lower wall MFU
+    mfu = report.get("drafter_mfu_while_busy") or report["drafter_mfu"]
     tgt = target_rate(args.anchor, layers_run)
     peak = report.get("peak", {}).get("flops_per_s") or tgt["peak_flops_per_s"]
     batch = batch_tokens(args.metrics, spec.batching.token_budget)
@@ -243,7 +245,7 @@ def main(argv=None) -> int:
                    help="GPU-to-GPU copy on a node (NVLink), GB/s, for the in-process grad sum")
     p.add_argument("--anchor", type=Path, default=H200 / "target_anchor_32b.json")
     p.add_argument("--mfu-report", type=Path,
-                   default=H200 / "qwen3-8b-2gpu" / "qwen3-8b-2gpu__bench__report.json")
+                   default=H200 / "qwen3-8b-2gpu-balanced" / "replayed_bench" / "report.json")
     p.add_argument("--report", default=None,
                    help="a bench report.json of the projected shapes (its drafter_mfu, and its "
                         "measured all-reduce if present, replace the defaults)")
@@ -254,7 +256,7 @@ def main(argv=None) -> int:
                    help="the train manifest.json of a multi-node run: its measured all-reduce "
                         "seconds per step and bytes are recorded beside the projection")
     p.add_argument("--metrics", type=Path,
-                   default=H200 / "expanded-1gpu-partial" / "train__metrics.jsonl")
+                   default=H200 / "expanded-2gpu" / "expanded-2gpu__train__metrics.jsonl")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--markdown", action="store_true", help="print the tables as markdown")
     args = p.parse_args(argv)
