@@ -134,6 +134,21 @@ def _start_nodes(w: fi.Workflow, spec: str, root: str, tag: str) -> list[fi.Run]
     return runs
 
 
+
+def _kill_and_wait(pid: int, runs) -> float:
+    """kill -9 one rank's process; seconds until every node's run has exited."""
+    t_kill = time.time()
+    os.kill(pid, signal.SIGKILL)
+    for r in runs:
+        r.wait(timeout=60)
+    return time.time() - t_kill
+
+
+def _stop(runs) -> None:
+    for r in runs:
+        if r.alive():
+            r.kill()
+
 def _rank_pid(run: fi.Run) -> int:
     """The rank process torchrun started for this node (its child running dflash)."""
     for p in Path("/proc").iterdir():
@@ -161,15 +176,9 @@ def test_killed_rank_stops_every_rank_naming_it_then_resumes(w):
         victim = _rank_pid(runs[1])
         environ = Path(f"/proc/{victim}/environ").read_bytes().split(b"\0")
         rank = int(next(x for x in environ if x.startswith(b"RANK="))[5:])  # c10d assigns it
-        t_kill = time.time()
-        os.kill(victim, signal.SIGKILL)
-        for r in runs:
-            r.wait(timeout=60)
-        waited = time.time() - t_kill
+        waited = _kill_and_wait(victim, runs)
     finally:
-        for r in runs:
-            if r.alive():
-                r.kill()
+        _stop(runs)
     assert waited < 30, waited
     assert all(r.proc.returncode != 0 for r in runs)
     text = runs[0].text()
@@ -186,15 +195,9 @@ def test_killed_rank_stops_every_rank_naming_it_then_resumes(w):
         assert fi.wait_until(lambda: fi.newest_checkpoint(td) >= last + 4, runs[0],
                              timeout=300), runs[0].text()[-3000:]
         assert runs[1].alive(), "the run ended before the kill"
-        t_kill = time.time()
-        os.kill(_rank_pid(runs[0]), signal.SIGKILL)
-        for r in runs:
-            r.wait(timeout=60)
-        waited = time.time() - t_kill
+        waited = _kill_and_wait(_rank_pid(runs[0]), runs)
     finally:
-        for r in runs:
-            if r.alive():
-                r.kill()
+        _stop(runs)
     assert waited < 30 and all(r.proc.returncode != 0 for r in runs), waited
     assert max(r.resumed_from() for r in runs) == last > 0
     errors = [x for x in runs[1].text().splitlines() if x.startswith("error: ")]
