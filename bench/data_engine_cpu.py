@@ -14,7 +14,8 @@ from pathlib import Path
 
 from dflash.generate import Engine, eos_ids_of, generate_batch, sample_seed
 from dflash.spec import load_spec
-from dflash.stages.data import _tokenizer, build_samples, make_chunks
+from dflash.sources import build_samples, tokenizer_for
+from dflash.stages.data import make_chunks
 from dflash.target import load_target
 
 
@@ -26,7 +27,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     spec = load_spec(a.spec)
     d = spec.data
-    samples, *_ = build_samples(spec, _tokenizer(spec.target.model))
+    samples, *_ = build_samples(spec, tokenizer_for(spec.target.model))
     chunks = make_chunks(samples, d.gen_batch_size)
     tgt = load_target(spec.target, a.device)
     eos, pad = eos_ids_of(tgt), tgt.tokenizer.pad_token_id

@@ -31,7 +31,7 @@ import time
 
 from dflash import packing
 from dflash.spec import load_spec
-from dflash.stages.data import synthetic_responses, synthetic_samples
+from dflash.sources import synthetic_responses, synthetic_samples
 
 
 def window_ffd(lengths, token_budget, max_batch_size, seed, epoch, window_batches=16,

@@ -141,7 +141,7 @@ def test_default_source_has_no_mtbench_question():
 
 def test_user_file_mtbench_question_dropped_and_counted(tmp_path):
     """The data stage's reject hook drops MT-Bench questions (case/whitespace-insensitive)."""
-    from dflash.stages.data import build_samples
+    from dflash.sources import build_samples
     from dflash.spec import parse_spec
     from dflash.target import tokenizer_dir
     from transformers import AutoTokenizer

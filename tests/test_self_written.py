@@ -12,6 +12,7 @@ import yaml
 from dflash.errors import DFlashError, SpecError
 from dflash.prompts import (CHATTERBOT, NgramIndex, eval_index, eval_overlap, load_humaneval,
                             load_mtbench, load_prompts)
+from dflash import sources
 from dflash.self_written import check, user_turn_prefix
 from dflash.spec import parse_spec, section_spec
 from dflash.stages import StageContext
@@ -29,9 +30,9 @@ def tiny_raw(**data):
 
 
 def test_user_turn_prefix_is_the_template_up_to_the_user_text():
-    from dflash.stages.data import _tokenizer
+    from dflash.sources import tokenizer_for
 
-    tok = _tokenizer("smollm2-135m-instruct")
+    tok = tokenizer_for("smollm2-135m-instruct")
     text = tok.decode(user_turn_prefix(tok))
     assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_end|>\n<|im_start|>user\n")
 
@@ -79,7 +80,7 @@ def test_ngram_overlap_catches_copies_not_topics():
 
 
 def test_source_quotas():
-    q = data_stage.source_quotas
+    q = sources.source_quotas
     d = lambda sources, n=10: section_spec("data", {"sources": sources, "max_prompts": n})  # noqa
     assert q(d([{"source": "a", "count": 3}, {"source": "b"}, {"source": "c", "weight": 2}])) \
         == [("a", 3), ("b", 2), ("c", 5)]
@@ -129,9 +130,9 @@ def test_mix_counts_and_no_eval_overlap(mixed):
     assert sw["candidates"] - sw["kept"] >= sum(sw["filtered"].values()) + sw["duplicates"] - 0
     assert sw["engine"] == "fast" and sw["rounds"] >= 1
     # the produced training set shares no n-gram with either evaluation set
-    from dflash.stages.data import _tokenizer
+    from dflash.sources import tokenizer_for
 
-    tok = _tokenizer("smollm2-135m-instruct")
+    tok = tokenizer_for("smollm2-135m-instruct")
     rows = pq.read_table(tmp / "out" / "data" / "dataset.parquet").to_pylist()
     texts = [tok.decode(r["input_ids"][:r["num_prompt_tokens"]], skip_special_tokens=True)
              for r in rows]
