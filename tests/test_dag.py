@@ -196,7 +196,8 @@ def test_failed_train_reruns_train_and_bench_only_and_resumes(wf):
         epochs = {json.loads(x)["epoch"] for x in
                   (wf / "results" / "micro" / "train" / "metrics.jsonl").read_text().splitlines()}
         assert set(train["exactly_once"]) == {str(e) for e in epochs}
-        assert train["exactly_once"]["0"] == {"samples": 12, "distinct": 12, "exactly_once": True}
+        assert train["exactly_once"]["0"] == {"samples": 12, "distinct": 12, "duplicates": 0,
+                                              "complete": True, "exactly_once": True}
 
 
 def test_stale_warmup_manifest_is_refused(wf):

@@ -77,7 +77,11 @@ class EpochLedger:
         self.epochs.setdefault(epoch, {"ids": []})["ids"].extend(ids)
 
     def _verdict(self, ids: list[int]) -> dict:
-        return {"samples": len(ids), "distinct": len(set(ids)),
+        # an epoch cut short by max_steps is not exactly-once, but it is not a bug either:
+        # "duplicates" 0 with "complete" false says so at a glance
+        distinct = len(set(ids))
+        return {"samples": len(ids), "distinct": distinct, "duplicates": len(ids) - distinct,
+                "complete": distinct == len(self.all_ids),
                 "exactly_once": sorted(ids) == self.all_ids}
 
     def state(self) -> dict:
