@@ -144,8 +144,14 @@ def violations(source: str, filename: str = "<src>") -> list[tuple[str, int, str
             add("weights_only", node, name)
         if name in ("torch.save", "pandas.read_pickle") or name.endswith(".read_pickle"):
             add("pickle", node, name)
-        if name in SHELL_FNS or name.startswith(("os.spawn", "os.exec")):
+        if name in SHELL_FNS:
             add("shell", node, name)
+        if name.startswith(("os.spawn", "os.exec")):
+            # the one allowed form: replacing this process with its own interpreter
+            # (dflash/launch.py: `python -m torch.distributed.run ...`, an argv list, no shell)
+            first = node.args[0] if node.args else None
+            if not (first is not None and _dotted(first, aliases) == "sys.executable"):
+                add("shell", node, name)
         if name.startswith("subprocess.") and name.split(".")[-1] in SUBPROCESS_FNS:
             cmd = node.args[0] if node.args else _kw(node, "args")
             if cmd is not None and _stringy(cmd):
@@ -191,6 +197,7 @@ torch.save(sd, "x.pt")
 sp.run("ls " + name, shell=True)
 sp.check_output(f"echo {name}")
 os.system("rm -rf " + name)
+os.execv("/bin/sh", ["sh", "-c", name])
 d = yaml.load(text, Loader=yaml.Loader)
 d2 = yaml.load(text)
 d3 = yaml.load(text, Loader=getattr(yaml, "CLoader", yaml.SafeLoader))
@@ -202,11 +209,13 @@ def test_scanner_catches_every_rule():
     assert rules == {"pickle", "eval", "trust_remote_code", "weights_only", "shell", "yaml"}
     details = [d for _, _, d in violations(BAD_SNIPPET)]
     assert "os.system" in details and "subprocess.check_output with a command string" in details
+    assert "os.execv" in details  # any other program than this interpreter
     assert "torch.load" in details and "torch.save" in details
     clean = '''
-import subprocess, sys, torch, yaml
+import os, subprocess, sys, torch, yaml
 from safetensors.torch import load_file
 subprocess.run([sys.executable, "-m", "pip", "install", path], check=True)
+os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", "-m", "dflash"])
 model.eval()
 torch.compile(fn)
 re.compile("x")
@@ -339,7 +348,10 @@ def test_rules_run_only_the_stage_command():
         assert "shell(" not in text, f
         for m in re.finditer(r"^\s*shell:\s*\n\s*(.+)$", text, re.M):
             shells.append((f.name, m.group(1).strip()))
-    assert sorted(s for _, s in shells) == sorted(f'stage_cmd("{s}")' for s in STAGES), shells
+    # train's command may start with its `launch` resource (srun on a multi-node SLURM job)
+    want = [f'stage_cmd("{s}", launch=True)' if s == "train" else f'stage_cmd("{s}")'
+            for s in STAGES]
+    assert sorted(s for _, s in shells) == sorted(want), shells
 
 
 def test_rule_params_are_derived_not_raw_config():
@@ -356,18 +368,19 @@ def test_rule_params_are_derived_not_raw_config():
             assert not re.search(r"\bconfig\b", text), f
     common = (REPO / "rules" / "common.smk").read_text()
     assert re.findall(r"\bconfig(?:\[|\.get)\S*", common) == [
-        'config["default_spec"]', 'config["results"]', 'config["logs"]', 'config["benchmarks"]'
+        'config["default_spec"]', 'config["results"]', 'config["logs"]', 'config["benchmarks"]',
+        'config["slurm"]',  # a boolean (config.schema.yaml): jobs go to a SLURM cluster
     ], common
 
 
-def _stage_cmd(results: str):
-    """``stage_cmd`` as defined in rules/common.smk, with RESULTS set to ``results``."""
+def _common_fn(name: str, results: str = "results"):
+    """A function as defined in rules/common.smk, with RESULTS set to ``results``."""
     text = (REPO / "rules" / "common.smk").read_text()
-    m = re.search(r"^def stage_cmd\(stage\):\n(?:(?:    .*)?\n)+", text, re.M)
-    assert m, "rules/common.smk defines stage_cmd(stage)"
+    m = re.search(rf"^def {name}\(.*\):\n(?:(?:    .*)?\n)+", text, re.M)
+    assert m, f"rules/common.smk defines {name}"
     ns = {"shlex": shlex, "RESULTS": results}
-    exec(compile(m.group(0), "rules/common.smk:stage_cmd", "exec"), ns)  # test-side only
-    return ns["stage_cmd"]
+    exec(compile(m.group(0), f"rules/common.smk:{name}", "exec"), ns)  # test-side only
+    return ns[name]
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -378,15 +391,32 @@ def test_stage_command_quotes_every_value(stage):
             "spec": "specs/t.yaml",
             "results": "/r s/$(touch pwned)/{x}`id`",
             "log": "/l g/a'b\";c/t.log"}
-    template = _stage_cmd(evil["results"])(stage)
-    # every placeholder is a rule's own param/input/log, shell-quoted with :q
+    launch = stage == "train"
+    template = _common_fn("stage_cmd", evil["results"])(stage, launch=launch)
+    # every placeholder is a rule's own param/input/log, shell-quoted with :q; train's command
+    # may start with its `launch` resource, unquoted on purpose (srun's words) and made of
+    # integers only (below)
     holes = re.findall(r"(?<!\{)\{([^{}]+)\}(?!\})", template)
-    assert holes and all(h.endswith(":q") for h in holes), template
-    assert {h[:-2] for h in holes} <= {"params.python", "params.spec", "log", "output"}, holes
-    cmd = smk_format(template, params=types.SimpleNamespace(python=evil["python"],
-                                                            spec=evil["spec"]), log=evil["log"])
-    assert shlex.split(cmd) == [evil["python"], "-m", "dflash", stage, evil["spec"],
-                                "--results", evil["results"], "2>&1", "|", "tee", evil["log"]]
+    quoted = [h for h in holes if h != "resources.launch"]
+    assert quoted and all(h.endswith(":q") for h in quoted), template
+    assert {h[:-2] for h in quoted} <= {"params.python", "params.spec", "log", "output"}, holes
+    assert ("resources.launch" in holes) == launch and template.startswith("{resources.launch}"
+                                                                         ) == launch
+    base = [evil["python"], "-m", "dflash", stage, evil["spec"], "--results", evil["results"],
+            "2>&1", "|", "tee", evil["log"]]
+    srun = _common_fn("srun")
+    for prefix in (["", srun(2)] if launch else [""]):
+        cmd = smk_format(template, params=types.SimpleNamespace(python=evil["python"],
+                                                                spec=evil["spec"]),
+                         log=evil["log"], resources=types.SimpleNamespace(launch=prefix))
+        assert shlex.split(cmd) == shlex.split(prefix) + base
+
+
+def test_launch_prefix_is_built_from_an_integer_only():
+    srun = _common_fn("srun")
+    assert shlex.split(srun(3)) == ["srun", "--nodes=3", "--ntasks=3", "--ntasks-per-node=1",
+                                    "--cpus-per-task=${SLURM_CPUS_PER_TASK:-1}",
+                                    "--kill-on-bad-exit=1"]
 
 
 def test_spec_names_in_snakemake_paths_are_validated():
