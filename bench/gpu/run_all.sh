@@ -69,3 +69,21 @@ if [[ $what == *selfwritten* ]]; then
   grep "^\[data\]" "$OUT/data_smollm2-data-h200.log" | tail -12
   cp results/smollm2-data-h200/data/manifest.json "$OUT/smollm2-data-h200__data__manifest.json" 2>/dev/null
 fi
+if [[ $what == *multinode* ]]; then
+  # issue #18: 2 simulated nodes x 1 GPU (torchrun, NCCL) vs the same per-node topology on 1 node;
+  # the 2-node spec first (it is the one at risk), then the 1-node baseline on the warm cache
+  export NCCL_NVLS_ENABLE=0
+  for spec in qwen3-8b-2node-shared qwen3-8b-1node-shared; do
+    timeout ${MN_TIMEOUT:-280} snakemake --cores all "bench_$spec" > "$OUT/snakemake_$spec.log" 2>&1
+    echo "$spec rc=$?"; grep -E "^\[train\] (done|health|[0-9]+ simulated)|^error" "$OUT/snakemake_$spec.log" | tail -4
+    for f in results/$spec/train/manifest.json results/$spec/bench/report.json results/$spec/train/metrics.jsonl; do
+      [ -f "$f" ] && cp "$f" "$OUT/${spec}__$(basename $(dirname $f))__$(basename $f)"
+    done
+  done
+  python bench/multinode_scaling.py "$OUT" --out "$OUT/scaling.json" 2>&1 | tail -8
+fi
+if [[ $what == *drafterstep* ]]; then
+  # the drafter alone at the expanded shapes (its rate is hidden in the target-bound pipeline)
+  timeout ${DS_TIMEOUT:-300} python bench/gpu/drafter_step.py --spec specs/expanded-2gpu.yaml \
+    --device cuda:${DS_GPU:-0} --steps 8 --out "$OUT/drafter_step_expanded.json" 2>&1 | grep -E "^\[drafter_step\]|rror"
+fi
