@@ -342,43 +342,44 @@ class Pipeline:
         except BaseException as e:  # noqa: BLE001
             self._fail(name, rep.device, e)
 
-    def _average_grads(self, results: list) -> None:
-        active = [i for i, res in enumerate(results) if res is not None]
-        if not active:
-            return
+    def _local_sum(self, results: list) -> tuple[torch.Tensor | None, int]:
+        """The sum of this node's active replicas' flat gradients on the lead device (fixed
+        order: the same bits on every run) and how many replicas had a batch."""
         lead = self.replicas[0].device
         total = None
-        for i in active:  # fixed order: the mean is deterministic
+        active = [i for i, res in enumerate(results) if res is not None]
+        for i in active:
             g = self.replicas[i].flat_grad().to(lead)
             total = g if total is None else total + g
-        mean = total / len(active)
+        return total, len(active)
+
+    def _set_mean(self, mean: torch.Tensor) -> None:
         for rep in self.replicas:
             rep.set_flat_grad(mean)
 
+    def _average_grads(self, results: list) -> None:
+        total, n = self._local_sum(results)
+        if n:
+            self._set_mean(total / n)
+
     def _average_grads_across(self, results: list) -> None:
-        """The mean over every active replica of every node: local sum (fixed order), one
-        all-reduce of [sum, count], divide. Launched and finished under the shared side, waited
-        for outside the gate (a cross-process wait must not stall this process's writers)."""
+        """The mean over every active replica of every node: local sum, one all-reduce of
+        [sum, count], divide. Launched and finished under the shared side, waited for outside
+        the gate (a cross-process wait must not stall this process's writers)."""
         lead = self.replicas[0].device
         if self.allreduce is None:
             self.allreduce = DeviceBusy(lead)
         with self.gate.shared():
-            active = [i for i, res in enumerate(results) if res is not None]
-            total = None
-            for i in active:  # fixed order: the same bits on every run
-                g = self.replicas[i].flat_grad().to(lead)
-                total = g if total is None else total + g
-            if total is None:
+            total, n = self._local_sum(results)
+            if total is None:  # no batch here this step: still join the collective
                 total = torch.zeros_like(self.replicas[0].flat_grad()).to(lead)
-            buf = torch.cat([total, total.new_tensor([float(len(active))])])
+            buf = torch.cat([total, total.new_tensor([float(n)])])
             t0 = self.allreduce.start()
             work = self.comm.all_reduce_start(buf)
         work.wait()
         with self.gate.shared():
             self.allreduce.stop(t0)
-            mean = buf[:-1] / buf[-1].clamp(min=1.0)
-            for rep in self.replicas:
-                rep.set_flat_grad(mean)
+            self._set_mean(buf[:-1] / buf[-1].clamp(min=1.0))
 
     def _record(self, step: int, epoch: int, norm, lr: float, results: list) -> None:
         # the step's one host-device sync: losses and the norm read together, after the
