@@ -19,7 +19,8 @@ from .manifest import fingerprint
 from .prompts import BadReport, Prompt, eval_overlap, load_prompts, normalize, render_prompt
 
 
-def _log(msg: str) -> None:
+def log(msg: str) -> None:
+    """The data stage's console line (this module is its first half)."""
     print(f"[data] {msg}", flush=True)
 
 
@@ -160,7 +161,7 @@ def _mix(spec, tokenizer, reject, data_dir: Path | None):
             seen.add(key)
             take.append(p)
         if len(take) < want:
-            _log(f"data.sources[{i}] {src}: {len(take)} prompts available, {want} wanted")
+            log(f"data.sources[{i}] {src}: {len(take)} prompts available, {want} wanted")
         picked[i] = take
         _merge_report(combined, rep)
         per_source[_name(src, i, per_source)] = {"requested": want, "taken": len(take),
@@ -223,9 +224,9 @@ def _self_written(spec, tokenizer, count: int, reject, seen: set[str], data_dir:
     round_dir = Path(data_dir) / "self_written"
     prompts, rep = write_prompts(count, sample=sample, tokenizer=tokenizer, eos_ids=eos,
                                  settings=sw, seed=spec.seed, ident=ident,
-                                 round_dir=round_dir, seen=seen, reject=reject, log=_log)
+                                 round_dir=round_dir, seen=seen, reject=reject, log=log)
     rep.update(engine=engine, seconds=round(time.time() - t0, 2))
-    _log(f"self-written: {len(prompts)} prompts from {rep['candidates']} candidates in "
+    log(f"self-written: {len(prompts)} prompts from {rep['candidates']} candidates in "
          f"{rep['rounds']} round(s), {rep['seconds']}s")
     tgt = None  # free the copy before the answers are generated
     holder.clear()

@@ -35,16 +35,12 @@ from ..dataset import DATASET
 from ..errors import DFlashError
 from ..generate import eos_ids_of, generate_batch, sample_seed
 from ..manifest import atomic_path, atomic_write_json, fingerprint, sha256_file, write_manifest
-from ..sources import (SYNTHETIC, Sample, build_samples, engine_compile, synthetic_responses,
-                       tokenizer_for)
+from ..sources import (SYNTHETIC, Sample, build_samples, engine_compile, log,
+                       synthetic_responses, tokenizer_for)
 from . import StageContext
 
 SHARDS = "shards"
 SHARD_META = "meta.json"
-
-
-def _log(msg: str) -> None:
-    print(f"[data] {msg}", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,7 +99,7 @@ def _prepare_shards(shard_dir: Path, meta: dict, chunks: list[list[Sample]]) -> 
     if existing and old != meta:
         why = "no shard record" if old is None else ", ".join(
             f"{k} {old.get(k)!r} -> {v!r}" for k, v in meta.items() if old.get(k) != v)
-        _log(f"discarding {len(existing)} shard(s) made from other inputs ({why})")
+        log(f"discarding {len(existing)} shard(s) made from other inputs ({why})")
         shutil.rmtree(shard_dir)
         existing = []
     shard_dir.mkdir(parents=True, exist_ok=True)
@@ -119,7 +115,7 @@ def _prepare_shards(shard_dir: Path, meta: dict, chunks: list[list[Sample]]) -> 
             if sorted(ids) != want:  # a chunk is regenerated whole, as one batch
                 raise ValueError(f"does not hold exactly the samples of chunk {chunk}")
         except Exception as e:  # unreadable / foreign shard: regenerate it
-            _log(f"discarding shard {path.name} ({e})")
+            log(f"discarding shard {path.name} ({e})")
             path.unlink()
             continue
         done.update(ids)
@@ -154,7 +150,7 @@ def run(ctx: StageContext, on_shard: Callable[[int, Path], None] | None = None) 
     chunks = make_chunks(samples, d.gen_batch_size)
     plan_fp = fingerprint([[s.sample_id, list(s.prompt_ids)] for c in chunks for s in c])
     meta = {"fingerprints": fingerprints, "plan": plan_fp}
-    _log(f"{len(prompts)} prompts from {d.source or ', '.join(per_source)} "
+    log(f"{len(prompts)} prompts from {d.source or ', '.join(per_source)} "
          f"({report.total} records, {report.bad} bad "
          f"{dict(report.counts)}, {report.duplicates} duplicates) -> {len(samples)} samples in "
          f"{len(chunks)} chunks of <= {d.gen_batch_size}")
@@ -163,14 +159,14 @@ def run(ctx: StageContext, on_shard: Callable[[int, Path], None] | None = None) 
     todo = [(i, c) for i, c in enumerate(chunks) if c[0].sample_id not in done]
     resumed = len(chunks) - len(todo)
     if resumed:
-        _log(f"resuming: {len(done)} samples in {resumed} chunk(s) already done, "
+        log(f"resuming: {len(done)} samples in {resumed} chunk(s) already done, "
              f"{sum(len(c) for _, c in todo)} samples in {len(todo)} chunk(s) to generate")
     gen = _generate(spec, todo, shard_dir, len(chunks), resumed, on_shard)
 
     table = _merge(shard_dir, chunks, samples)
     manifest = _write(spec, data_dir, table, fingerprints, plan_fp, report, prompts, chunks,
                       resumed, gen, time.time() - t0, per_source)
-    _log(f"wrote {data_dir / DATASET}: {table.num_rows} samples, "
+    log(f"wrote {data_dir / DATASET}: {table.num_rows} samples, "
          f"{manifest['tokens']['total_tokens']} tokens in {time.time() - t0:.1f}s")
     return manifest
 
@@ -188,7 +184,7 @@ def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int, on_shard
             table = _rows_table(samples, responses, {eos})
             with atomic_path(shard_path(shard_dir, chunk)) as tmp:
                 pq.write_table(table, tmp)
-        _log(f"synthetic responses for {sum(len(c) for _, c in todo)} samples")
+        log(f"synthetic responses for {sum(len(c) for _, c in todo)} samples")
         info["engine"] = SYNTHETIC
         return info
     from ..generate import resolve_engine
@@ -198,7 +194,7 @@ def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int, on_shard
     devices = list(spec.topology.targets)[:len(todo)]
     t_load = time.time()
     targets = [load_target(spec.target, dev, seed=spec.seed) for dev in devices]
-    _log(f"loaded {len(targets)} target cop{'y' if len(targets) == 1 else 'ies'} on "
+    log(f"loaded {len(targets)} target cop{'y' if len(targets) == 1 else 'ies'} on "
          f"{', '.join(devices)} in {time.time() - t_load:.1f}s")
     eos = eos_ids_of(targets[0])
     pad = targets[0].tokenizer.pad_token_id
@@ -236,7 +232,7 @@ def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int, on_shard
                 progress["logged"] = now
                 rate = progress["new_tokens"] / el if el else 0.0
                 eta = el / max(1, progress["chunks"] - resumed) * left
-                _log(f"chunk {progress['chunks']}/{n_chunks} on {dev}: {len(samples)} "
+                log(f"chunk {progress['chunks']}/{n_chunks} on {dev}: {len(samples)} "
                      f"samples, {new} new tokens in {now - tc:.1f}s; overall "
                      f"{rate:.1f} tok/s, ETA {eta:.0f}s")
         if on_shard is not None:
