@@ -12,11 +12,11 @@ import sys
 import time
 from pathlib import Path
 
-from dflash.generate import Engine, eos_ids_of, generate_batch, sample_seed
+from dflash.data.generate import Engine, eos_ids_of, generate_batch, sample_seed
 from dflash.spec import load_spec
-from dflash.sources import build_samples, tokenizer_for
+from dflash.data.sources import build_samples, tokenizer_for
 from dflash.stages.data import make_chunks
-from dflash.target import load_target
+from dflash.models.target import load_target
 
 
 def main(argv=None) -> int:

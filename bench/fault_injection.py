@@ -20,7 +20,7 @@ What it does, for real (no mocks), in a temporary copy of the workflow:
    metrics (each run contributes steps [its resume step, the next run's resume step)) compared
    with the reference step by step: samples lost, samples duplicated, each epoch exactly once.
 
-The machinery is :mod:`dflash.faults`, shared with ``tests/test_resume.py`` (a short version
+The machinery is :mod:`dflash.runtime.faults`, shared with ``tests/test_resume.py`` (a short version
 with >= 3 kills).
 """
 from __future__ import annotations
@@ -38,10 +38,25 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash.faults import (REPO, Run, Workflow, checkpoints, compare_ids, dataset_ids, decided,
-                           derived_spec, epochs_exactly_once, final_tensors, metrics_steps,
-                           newest_checkpoint, prepare, reference, stitch, tensors_equal,
-                           wait_until)
+from dflash.runtime.faults import (
+    REPO,
+    Run,
+    Workflow,
+    checkpoints,
+    compare_ids,
+    dataset_ids,
+    decided,
+    derived_spec,
+    epochs_exactly_once,
+    final_tensors,
+    metrics_steps,
+    newest_checkpoint,
+    prepare,
+    reference,
+    stitch,
+    tensors_equal,
+    wait_until,
+)
 
 
 # ---------------------------------------------------------------------------------------------

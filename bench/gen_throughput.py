@@ -1,5 +1,5 @@
 """New tokens/s of the target's generation: plain HF ``generate``, the data stage's old HF loop
-(``dflash.generate.generate_batch``) and the fast engine (``dflash.generate.Engine``), on the same
+(``dflash.data.generate.generate_batch``) and the fast engine (``dflash.data.generate.Engine``), on the same
 prompts, in one process.
 
 Prompts are real: chatterbot-corpus first turns through the target's chat template, repeated
@@ -24,9 +24,9 @@ import sys
 import time
 from pathlib import Path
 
-from dflash.generate import Engine, eos_ids_of, generate_batch, sample_seed
-from dflash.prompts import load_prompts, render_prompt
-from dflash.target import load_target
+from dflash.data.generate import Engine, eos_ids_of, generate_batch, sample_seed
+from dflash.data.prompts import load_prompts, render_prompt
+from dflash.models.target import load_target
 
 
 def _sync(device: str) -> None:
@@ -86,7 +86,7 @@ def run_hf_generate(model, prompts, seeds, a, eos, pad, device) -> dict:
 
 
 def run_loop(model, prompts, seeds, a, eos, pad, device) -> dict:
-    """The data stage's former path (``dflash.generate.generate_batch``), batches of --hf-batch."""
+    """The data stage's former path (``dflash.data.generate.generate_batch``), batches of --hf-batch."""
     t0 = time.time()
     new = 0
     for i in range(0, len(prompts), a.hf_batch):

@@ -13,14 +13,14 @@ import time
 
 import torch
 
-from dflash.evaluate import greedy_continuations, load_eval_sets, target_features
-from dflash.generate import eos_ids_of
-from dflash.masks import PackedRow, block_loss_weights, dense_mask, sample_anchors
-from dflash.model import DFlashDrafter, drafter_loss
-from dflash.replica import lr_lambda
+from dflash.eval.tau import greedy_continuations, load_eval_sets, target_features
+from dflash.data.generate import eos_ids_of
+from dflash.models.masks import PackedRow, block_loss_weights, dense_mask, sample_anchors
+from dflash.models.drafter import DFlashDrafter, drafter_loss
+from dflash.train.replica import lr_lambda
 from dflash.spec import load_spec
-from dflash.target import load_target, target_embeddings
-from dflash.topology import drafter_config
+from dflash.models.target import load_target, target_embeddings
+from dflash.train.workers import drafter_config
 
 torch.set_num_threads(1)
 spec = load_spec("specs/tiny.yaml")

@@ -5,10 +5,10 @@ tokens, ``efficiency_padded``) is the share of the target's work that is useful.
 still be random draws of the data: ``length_grouping`` (between-row share of the length variance
 above that of random rows; ~0 random, large when long samples share rows) and ``lag1_corr``
 (correlation of consecutive batches' mean length; ~1 for an unshuffled sorted order), see
-``dflash.packing.batch_randomness``.
+``dflash.train.packing.batch_randomness``.
 
 Planners compared, each over several epochs:
-  stream_close    dflash.packing.plan_epoch (today): the shuffled order as it comes, each row
+  stream_close    dflash.train.packing.plan_epoch (today): the shuffled order as it comes, each row
                   closed with the best-fitting 1-2 of the next LOOKAHEAD samples
   window_ffd16    the previous planner: first-fit decreasing inside windows of 16 batches
   next_fit        reference for randomness: the shuffled order cut into rows as it comes
@@ -29,14 +29,14 @@ import argparse
 import json
 import time
 
-from dflash import packing
+from dflash.train import packing
 from dflash.spec import load_spec
-from dflash.sources import synthetic_responses, synthetic_samples
+from dflash.data.sources import synthetic_responses, synthetic_samples
 
 
 def window_ffd(lengths, token_budget, max_batch_size, seed, epoch, window_batches=16,
                shuffle_batches=True):
-    """The planner before this change (dflash/packing.py at 8d4e5df), verbatim but for the
+    """The planner before this change (dflash/train/packing.py at 8d4e5df), verbatim but for the
     window parameter: first-fit decreasing inside windows of the shuffled order."""
     order = list(range(len(lengths)))
     packing._rng(seed, epoch, "order").shuffle(order)

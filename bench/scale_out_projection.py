@@ -5,7 +5,7 @@ quotes its output. CPU only, no weights (the drafter is built on the meta device
     python bench/scale_out_projection.py --spec specs/expanded.yaml --nodes 1 2 4 8 16 32 64 \
         --out bench/results/scale_out_projection.json
 
-The step model follows dflash/scheduler.py with topology.nodes > 1: per node, T target workers
+The step model follows dflash/train/scheduler.py with topology.nodes > 1: per node, T target workers
 produce one packed batch per drafter replica per step (D replicas); the replicas train, their
 gradients are summed in-process on the node, then one all-reduce of the flat fp32 gradient goes
 across nodes, and every replica steps its optimizer. Target workers do not wait for the
@@ -14,7 +14,7 @@ all-reduce (they run ahead by topology.queue_depth batches), so
     step(n) = max(target_s, drafter_s + allreduce_s(n))
 
 target_s  = D x tokens_per_batch / (T x target tokens/s per GPU)
-drafter_s = drafter fwd+bwd FLOPs per batch (dflash.flops, the bench stage's count) / (MFU x peak)
+drafter_s = drafter fwd+bwd FLOPs per batch (dflash.train.flops, the bench stage's count) / (MFU x peak)
 allreduce_s(n) = 2 (n-1)/n x bytes / link + 2 (n-1) x latency          (ring, one rank per node)
 
 Inputs, each recorded in the JSON with where it came from:
@@ -45,8 +45,8 @@ H200 = REPO / "bench" / "results" / "h200"
 
 
 def drafter_config(spec):
-    from dflash.model import DFlashConfig
-    from dflash.target import hf_config, layer_ids
+    from dflash.models.drafter import DFlashConfig
+    from dflash.models.target import hf_config, layer_ids
 
     tcfg = hf_config(spec.target)
     ids = layer_ids(spec.target, tcfg)
@@ -60,7 +60,7 @@ def trainable_params(dcfg) -> int:
     target's, frozen, not part of it)."""
     import torch
 
-    from dflash.model import DFlashDrafter
+    from dflash.models.drafter import DFlashDrafter
 
     with torch.device("meta"):
         model = DFlashDrafter(dcfg)
@@ -96,7 +96,7 @@ def allreduce_s(nbytes: float, nodes: int, link_bytes_per_s: float, latency_s: f
 
 
 def project(args) -> dict:
-    from dflash.flops import drafter_flops_per_step
+    from dflash.train.flops import drafter_flops_per_step
     from dflash.spec import load_spec
 
     spec = load_spec(REPO / args.spec)
@@ -157,7 +157,7 @@ def project(args) -> dict:
                     "feature_layers": dcfg.target_layer_ids, "trainable_params": params},
         "gradient_bytes_per_step": {"fp32": params * 4, "bf16": params * 2,
                                     "note": "the replicas keep fp32 master weights and fp32 "
-                                            "grads (dflash/replica.py); the all-reduce sends the "
+                                            "grads (dflash/train/replica.py); the all-reduce sends the "
                                             "flat fp32 gradient"},
         "batch": batch,
         "target": tgt,

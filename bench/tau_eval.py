@@ -32,7 +32,7 @@ def legacy(tgt, drafter, cfg, embed, head, sets, max_new, eos, device) -> dict:
     """The old bench path: target_greedy + speculative_generate (no drafter cache) per prompt."""
     import torch
 
-    from dflash.speculative import speculative_generate, target_greedy
+    from dflash.eval.speculative import speculative_generate, target_greedy
 
     out = {}
     for es in sets:
@@ -75,12 +75,12 @@ def main(argv=None) -> int:
 
     import torch
 
-    from dflash.generate import eos_ids_of
+    from dflash.data.generate import eos_ids_of
     from dflash.errors import DFlashError
-    from dflash.evaluate import evaluate_sets, load_eval_sets
-    from dflash.model import load_drafter
+    from dflash.eval.tau import evaluate_sets, load_eval_sets
+    from dflash.models.drafter import load_drafter
     from dflash.spec import dtype_of, load_spec
-    from dflash.target import load_target, target_embeddings
+    from dflash.models.target import load_target, target_embeddings
 
     if a.threads:
         torch.set_num_threads(a.threads)

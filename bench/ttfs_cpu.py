@@ -2,7 +2,7 @@
 
     python bench/ttfs_cpu.py --spec specs/tiny.yaml --out bench/results/cpu/ttfs_tiny.json
 
-In a temporary copy of the workflow (dflash.harness, as the tests do) with its own DFLASH_CACHE (the
+In a temporary copy of the workflow (dflash.runtime.harness, as the tests do) with its own DFLASH_CACHE (the
 converted SmolLM2 HF folder of the repo's cache is symlinked in, to skip the ~25 s conversion):
 
 1. ``env_<spec>`` and ``data_<spec>`` through Snakemake, once.
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import yaml
 
-from dflash.harness import copy_workflow
+from dflash.runtime.harness import copy_workflow
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -207,7 +207,7 @@ def main() -> int:
                                 "buckets": wm["buckets"]},
         "environment": versions() | {"env_fingerprint": env_fp},
         "method": {
-            "workflow": "temporary copy of the workflow (dflash.harness.copy_workflow), own "
+            "workflow": "temporary copy of the workflow (dflash.runtime.harness.copy_workflow), own "
                         "DFLASH_CACHE; converted SmolLM2 HF folder symlinked from " +
                         (", ".join(reused) or "nowhere (converted in the run)"),
             "env_data": f"snakemake --cores 2 env_{name} data_{name}",

@@ -20,17 +20,17 @@ TOOLS = {
     "audit": ("env.audit", "pinned vs live environment; non-zero on drift"),
     "check-env": ("env.drift", "this interpreter against results/<spec>/env; exit 1 on drift"),
     "lock-from-freeze": ("env.freeze", "an adopt-mode lock from `pip list --format=freeze`"),
-    "status": ("status", "live status of a training run"),
-    "stress": ("stress", "race stress harness (gate on/off)"),
+    "status": ("runtime.status", "live status of a training run"),
+    "stress": ("runtime.stress", "race stress harness (gate on/off)"),
 }
 
 
 def run_stage(name: str, spec_path: str, root: str = "results") -> dict:
     from .stages import begin
 
-    if name == "train":  # topology.nodes > 1: this process becomes torchrun (dflash.launch)
-        from .distributed import select_local_gpus
-        from .launch import maybe_launch
+    if name == "train":  # topology.nodes > 1: this process becomes torchrun (dflash.runtime.launch)
+        from .runtime.distributed import select_local_gpus
+        from .runtime.launch import maybe_launch
 
         maybe_launch(spec_path, root)
         select_local_gpus()  # a simulated node's own GPUs, before anything touches CUDA

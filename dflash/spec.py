@@ -259,7 +259,7 @@ class Spec:
 
     def machine_devices(self) -> list[str]:
         """The devices of this machine the stages use when every node runs here (simulated
-        nodes, dflash.launch): node i's cuda:j is cuda:(i·k + j), k = GPUs per node."""
+        nodes, dflash.runtime.launch): node i's cuda:j is cuda:(i·k + j), k = GPUs per node."""
         devs = self.devices()
         ids = [int(d.split(":")[1]) for d in devs if d.startswith("cuda:")]
         if self.topology.nodes == 1 or not ids:

@@ -35,7 +35,7 @@ wildcard_constraints:
 
 def code_hash(stage):
     """Content hash of the package code and data the stage runs: its module's import closure
-    inside dflash/ (computed, see dflash/code_fingerprint.py). Editing dflash/scheduler.py
+    inside dflash/ (computed, see dflash/code_fingerprint.py). Editing dflash/train/scheduler.py
     reruns warmup, train and bench; editing the report template reruns bench only."""
     return stage_code_fingerprint(stage, Path(workflow.basedir, "dflash"))
 
@@ -71,7 +71,7 @@ for _device in CUDA_DEVICES:
 
 def gpus_per_node(spec):
     """GPUs one node of a spec uses: the highest CUDA index it names + 1 (a spec that names
-    cuda:5 needs six visible devices; SLURM, like dflash.launch, numbers a node's GPUs from 0)."""
+    cuda:5 needs six visible devices; SLURM, like dflash.runtime.launch, numbers a node's GPUs from 0)."""
     idx = [int(d.split(":", 1)[1]) for d in spec.devices() if d.startswith("cuda:")]
     return max(idx) + 1 if idx else 0
 
@@ -128,7 +128,7 @@ onstart:
 
 def srun(n):
     """How the train stage starts on a SLURM allocation of n > 1 nodes: one task per node, each the
-    same `python -m dflash train` (dflash/launch.py: it reads SLURM_NODEID, SLURM_NNODES and
+    same `python -m dflash train` (dflash/runtime/launch.py: it reads SLURM_NODEID, SLURM_NNODES and
     SLURM_JOB_NODELIST and becomes its node's torchrun, the rendezvous on the first host).
     --kill-on-bad-exit: a rank that dies takes the whole step down. The CPUs per task come from
     the allocation, so `cpus_per_task` stays a profile setting."""

@@ -1,11 +1,11 @@
-"""Shared fixtures. The workflow-copy machinery is dflash.harness (benchmarks use it too)."""
+"""Shared fixtures. The workflow-copy machinery is dflash.runtime.harness (benchmarks use it too)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 
-from dflash.harness import REPO
+from dflash.runtime.harness import REPO
 
 
 @pytest.fixture(scope="session")

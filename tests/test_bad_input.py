@@ -331,7 +331,7 @@ def good(i):
 
 
 def test_bad_data_lines_past_threshold_name_file_line_and_kind(tmp_path):
-    from dflash.prompts import load_prompts
+    from dflash.data.prompts import load_prompts
 
     path = write_jsonl(tmp_path / "convs.jsonl", [
         good(1),
@@ -361,7 +361,7 @@ def test_bad_data_lines_past_threshold_name_file_line_and_kind(tmp_path):
 
 
 def test_data_source_problems_are_one_message(tmp_path):
-    from dflash.prompts import load_prompts
+    from dflash.data.prompts import load_prompts
 
     def refused(source, *parts):
         with pytest.raises(DFlashError) as e:
@@ -425,7 +425,7 @@ def test_missing_lock_file_is_one_message(tmp_path, monkeypatch):
 # a missing target model
 # ---------------------------------------------------------------------------------------------
 def test_missing_target_model_names_target_model(tmp_path):
-    from dflash import target as T
+    from dflash.models import target as T
     from dflash.spec import TargetSpec
 
     (tmp_path / "no-config").mkdir()            # a folder, but without config.json

@@ -10,7 +10,7 @@ import pytest
 from dflash.spec import load_spec
 from dflash.stages.bench import (drafter_cost, hardware_facts, project_tokens_per_s,
                                  render_report_md, worker_balance)
-from dflash.topology import drafter_config
+from dflash.train.workers import drafter_config
 
 REPO = Path(__file__).resolve().parents[1]
 H200 = REPO / "bench" / "results" / "h200" / "qwen3-8b-2gpu"

@@ -29,8 +29,8 @@ def spec_with(tmp_path, **bench):
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """A random-weight drafter for the tiny spec, exported as the train stage does."""
-    from dflash.model import DFlashDrafter, export_drafter
-    from dflash.topology import drafter_config
+    from dflash.models.drafter import DFlashDrafter, export_drafter
+    from dflash.train.workers import drafter_config
 
     spec = load_spec(REPO / "specs" / "tiny.yaml")
     cfg = drafter_config(spec)
@@ -41,8 +41,8 @@ def exported(tmp_path_factory):
 
 
 def test_eval_sets_mtbench_categories_humaneval_heldout(tmp_path):
-    from dflash.evaluate import heldout_prompts, load_eval_sets
-    from dflash.target import load_target
+    from dflash.eval.tau import heldout_prompts, load_eval_sets
+    from dflash.models.target import load_target
 
     spec = spec_with(tmp_path)
     tok = load_target(spec.target, "cpu").tokenizer
@@ -120,10 +120,9 @@ def test_bench_failure_is_one_message_naming_the_file(tmp_path, exported):
 
 def test_tau_monitor_equals_simulated_tau_of_the_replica(tmp_path):
     """The training-time τ monitor gives the simulated τ of the replica's current weights."""
-    from dflash.evaluate import TauMonitor, heldout_prompts, simulate, \
-        summarize
-    from dflash.target import load_target
-    from dflash.topology import drafter_config, initial_state, make_replicas
+    from dflash.eval.tau import TauMonitor, heldout_prompts, simulate, summarize
+    from dflash.models.target import load_target
+    from dflash.train.workers import drafter_config, initial_state, make_replicas
 
     raw = yaml.safe_load((REPO / "tests" / "specs" / "micro.yaml").read_text())
     path = tmp_path / "micro.yaml"

@@ -30,16 +30,16 @@ def test_modules_belong_to_the_stages_that_import_them():
     # warmup builds packing's buckets (the hand-kept list missed packing); only training (and
     # bench's timed run) runs the scheduler; every stage that compiles takes the gate (warmup's
     # threads its dynamo settings, data's fast generation engine its exclusive side)
-    for mod in ("packing.py", "warm.py", "replica.py"):
+    for mod in ("train/packing.py", "train/warm.py", "train/replica.py"):
         assert [s for s in STAGES if mod in _names(s)] == ["warmup", "train", "bench"], mod
-    assert [s for s in STAGES if "scheduler.py" in _names(s)] == ["train", "bench"]
-    assert [s for s in STAGES if "gate.py" in _names(s)] == ["warmup", "data", "train", "bench"]
+    assert [s for s in STAGES if "train/scheduler.py" in _names(s)] == ["train", "bench"]
+    assert [s for s in STAGES if "runtime/gate.py" in _names(s)] == ["warmup", "data", "train", "bench"]
     assert [s for s in STAGES if "stages/data.py" in _names(s)] == ["data"]
 
 
 def test_env_runs_no_model_code():
     names = _names("env")
-    assert not names & {"target.py", "model.py", "scheduler.py", "gate.py"}, names
+    assert not names & {"models/target.py", "models/drafter.py", "train/scheduler.py", "runtime/gate.py"}, names
 
 
 @pytest.fixture
@@ -52,7 +52,7 @@ def package_copy(tmp_path):
 def test_an_edit_changes_exactly_the_fingerprints_of_the_stages_that_run_it(package_copy):
     before = {s: stage_code_fingerprint(s, package_copy) for s in STAGES}
     assert before == {s: stage_code_fingerprint(s) for s in STAGES}  # relative paths: same value
-    packing = package_copy / "packing.py"
+    packing = package_copy / "train" / "packing.py"
     packing.write_text(packing.read_text() + "\n# edited\n")
     after = {s: stage_code_fingerprint(s, package_copy) for s in STAGES}
     assert {s for s in STAGES if after[s] != before[s]} == {"warmup", "train", "bench"}

@@ -12,7 +12,7 @@ import json
 import pytest
 import yaml
 
-from dflash.harness import REPO, copy_workflow, job_counts, snakemake
+from dflash.runtime.harness import REPO, copy_workflow, job_counts, snakemake
 
 pytestmark = pytest.mark.e2e
 
@@ -163,8 +163,8 @@ def test_report_template_edit_reruns_bench_only(wf):
 
 
 @pytest.mark.parametrize("module, reruns", [
-    ("scheduler.py", {"train": 1, "bench": 1}),  # the training pipeline (bench's timed run too)
-    ("packing.py", {"warmup": 1, "train": 1, "bench": 1}),  # warmup builds its buckets
+    ("train/scheduler.py", {"train": 1, "bench": 1}),  # the training pipeline (bench's timed run too)
+    ("train/packing.py", {"warmup": 1, "train": 1, "bench": 1}),  # warmup builds its buckets
 ])
 def test_module_edit_reruns_every_stage_that_imports_it(wf, module, reruns):
     with _rewritten(wf / "dflash" / module, lambda t: t + "\n# edited\n"):

@@ -9,9 +9,9 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from dflash.dataset import load_dataset
+from dflash.data.dataset import load_dataset
 from dflash.errors import DFlashError, StaleArtifact
-from dflash.prompts import load_mtbench, render_prompt
+from dflash.data.prompts import load_mtbench, render_prompt
 from dflash.spec import parse_spec
 from dflash.stages import StageContext
 from dflash.stages import data as data_stage
@@ -82,8 +82,8 @@ def test_dataset_and_manifest(reference, capsys):
     # loss_mask covers exactly the response; the prompt is the chat-templated prompt
     from transformers import AutoTokenizer
 
-    from dflash.prompts import load_prompts
-    from dflash.target import tokenizer_dir
+    from dflash.data.prompts import load_prompts
+    from dflash.models.target import tokenizer_dir
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir("llama-micro"))
     prompts, _ = load_prompts("chatterbot-corpus", 12, spec.seed, 0.05)
@@ -211,7 +211,7 @@ def test_real_smollm2_generation(tmp_path):
     """SmolLM2-135M-Instruct on CPU: 2 prompts, 8 new tokens; matches HF greedy generate."""
     import torch
 
-    from dflash.target import load_target
+    from dflash.models.target import load_target
 
     raw = yaml.safe_load((ROOT / "specs" / "tiny.yaml").read_text())
     raw["data"].update(max_prompts=2, max_new_tokens=8, gen_batch_size=2)

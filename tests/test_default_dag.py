@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from dflash.harness import REPO, copy_workflow, job_counts, snakemake
+from dflash.runtime.harness import REPO, copy_workflow, job_counts, snakemake
 
 pytestmark = pytest.mark.e2e
 

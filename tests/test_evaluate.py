@@ -11,12 +11,21 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dflash.evaluate import (Chain, draft_every_position, evaluate_sets, EvalSet,
-                             greedy_continuations, real_chain, simulate, summarize,
-                             target_features, walk_chain)
-from dflash.masks import PackedRow, block_loss_weights, dense_mask, sample_anchors
-from dflash.model import DFlashConfig, DFlashDrafter, drafter_loss
-from dflash.speculative import speculative_generate, target_greedy
+from dflash.eval.tau import (
+    Chain,
+    draft_every_position,
+    evaluate_sets,
+    EvalSet,
+    greedy_continuations,
+    real_chain,
+    simulate,
+    summarize,
+    target_features,
+    walk_chain,
+)
+from dflash.models.masks import PackedRow, block_loss_weights, dense_mask, sample_anchors
+from dflash.models.drafter import DFlashConfig, DFlashDrafter, drafter_loss
+from dflash.eval.speculative import speculative_generate, target_greedy
 
 V, MASK, B, EOS = 96, 95, 5, [93]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -157,7 +166,7 @@ def test_trained_drafter_simulated_equals_real_and_lossless(world):
 
 def test_every_position_drafts_equal_single_block_drafts(world):
     """The batched all-anchor call (training mask) drafts exactly what draft_block drafts."""
-    from dflash.speculative import DrafterCache, draft_block
+    from dflash.eval.speculative import DrafterCache, draft_block
 
     target, cfg, ps, conts, drafter = world
     emb, head = target.get_input_embeddings().weight, target.lm_head.weight
@@ -212,7 +221,7 @@ def test_summary_of_an_untrained_drafter(world):
 
 
 def test_divergence_report_finds_the_first_difference(world):
-    from dflash.evaluate import _divergence
+    from dflash.eval.tau import _divergence
 
     target, _, ps, conts, _ = world
     c = conts[0]

@@ -11,8 +11,14 @@ import torch
 import torch.fx._symbolic_trace as st
 
 from dflash.errors import PoisonedProcess
-from dflash.gate import (FX_NESTED, Gate, classify_error, get_gate, is_recompile_refusal,
-                         worker_thread_setup)
+from dflash.runtime.gate import (
+    FX_NESTED,
+    Gate,
+    classify_error,
+    get_gate,
+    is_recompile_refusal,
+    worker_thread_setup,
+)
 
 
 def _stance() -> str:
@@ -348,7 +354,7 @@ def test_nogate_is_a_recording_pass_through():
     import subprocess
     import sys
 
-    from dflash.gate import NoGate
+    from dflash.runtime.gate import NoGate
 
     g = NoGate()
     assert g.run(("sig", 1), lambda: 41) == 41 and g.run(("sig", 1), lambda: 42) == 42
@@ -365,7 +371,7 @@ def test_nogate_is_a_recording_pass_through():
             RuntimeError("Detected that you are using FX to symbolically trace a "
                          "dynamo-optimized function")))
     assert g.stats()["race_errors"]["count"] == 1
-    out = subprocess.run([sys.executable, "-c", "from dflash.gate import get_gate; "
+    out = subprocess.run([sys.executable, "-c", "from dflash.runtime.gate import get_gate; "
                           "print(type(get_gate()).__name__)"], capture_output=True, text=True,
                          env={**__import__("os").environ, "DFLASH_GATE": "off"}, check=True)
     assert out.stdout.strip() == "NoGate"

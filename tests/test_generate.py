@@ -1,4 +1,4 @@
-"""The fast generation engine (dflash/generate.py) on the real SmolLM2-135M-Instruct, float32, CPU."""
+"""The fast generation engine (dflash/data/generate.py) on the real SmolLM2-135M-Instruct, float32, CPU."""
 from __future__ import annotations
 
 import math
@@ -7,12 +7,11 @@ import pytest
 import torch
 
 from dflash.errors import DFlashError
-from dflash.generate import (Engine, _mix32, eos_ids_of, generate, gumbel_noise, resolve_engine,
-                             seed_keys)
-from dflash.prompts import render_prompt
-from dflash.prompts import load_prompts
+from dflash.data.generate import Engine, _mix32, eos_ids_of, generate, gumbel_noise, resolve_engine, seed_keys
+from dflash.data.prompts import render_prompt
+from dflash.data.prompts import load_prompts
 from dflash.spec import section_spec
-from dflash.target import load_target
+from dflash.models.target import load_target
 
 TARGET = section_spec("target", {"model": "smollm2-135m-instruct", "init": "pretrained",
                                  "dtype": "float32", "num_feature_layers": 5})

@@ -1,4 +1,4 @@
-"""How `dflash train` starts torchrun for topology.nodes > 1 (dflash.launch): the command line
+"""How `dflash train` starts torchrun for topology.nodes > 1 (dflash.runtime.launch): the command line
 it builds from the environment (one machine, SLURM, by hand), and its refusals. The real runs
 are tests/test_multinode.py."""
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from dflash.errors import SpecError
-from dflash.launch import first_host, torchrun_args
+from dflash.runtime.launch import first_host, torchrun_args
 from dflash.spec import load_spec
-from dflash.harness import REPO
+from dflash.runtime.harness import REPO
 
 
 def _spec(tmp_path, nodes=2, rendezvous="auto", targets=("cpu",), drafters=("cpu", "cpu")):
@@ -52,7 +52,7 @@ def test_simulated_nodes_get_their_own_gpus(tmp_path):
 
 
 def test_select_local_gpus_shifts_by_local_rank(monkeypatch):
-    from dflash.distributed import select_local_gpus
+    from dflash.runtime.distributed import select_local_gpus
 
     monkeypatch.setenv("DFLASH_DIST_WORKER", "1")
     monkeypatch.setenv("RANK", "1")
@@ -102,7 +102,7 @@ def test_by_hand_needs_a_rendezvous(tmp_path):
 
 def test_simulated_nodes_hold_every_gpu_they_use(tmp_path):
     """Snakemake: the 2-node spec's jobs hold cuda_0 and cuda_1 (node 1 runs on GPU 1 here)."""
-    from dflash.harness import copy_workflow, snakemake
+    from dflash.runtime.harness import copy_workflow, snakemake
 
     wf = copy_workflow(tmp_path, [REPO / "specs" / "qwen3-8b-2node-shared.yaml"])
     r = snakemake(wf, "-n", "train_qwen3-8b-2node-shared")

@@ -5,8 +5,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash.masks import (IGNORE_INDEX, Blocks, PackedRow, anchor_candidates, block_loss_weights,
-                          dense_mask, flex_block_mask, loss_weights, sample_anchors)
+from dflash.models.masks import (
+    IGNORE_INDEX,
+    Blocks,
+    PackedRow,
+    anchor_candidates,
+    block_loss_weights,
+    dense_mask,
+    flex_block_mask,
+    loss_weights,
+    sample_anchors,
+)
 
 MASK = 999
 

@@ -7,10 +7,24 @@ import pytest
 import torch
 from transformers import LlamaConfig, Qwen3Config
 
-from dflash.masks import (IGNORE_INDEX, PackedRow, block_loss_weights, dense_mask,
-                          flex_block_mask, sample_anchors)
-from dflash.model import (DFlashConfig, DFlashDrafter, default_layer_ids, drafter_loss,
-                          export_drafter, extract_features, hidden_state_indices, load_drafter)
+from dflash.models.masks import (
+    IGNORE_INDEX,
+    PackedRow,
+    block_loss_weights,
+    dense_mask,
+    flex_block_mask,
+    sample_anchors,
+)
+from dflash.models.drafter import (
+    DFlashConfig,
+    DFlashDrafter,
+    default_layer_ids,
+    drafter_loss,
+    export_drafter,
+    extract_features,
+    hidden_state_indices,
+    load_drafter,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -256,12 +270,12 @@ def test_initial_loss_on_smollm2_is_the_mask_token_path_and_falls_fast():
     """
     import math
 
-    from dflash.generate import eos_ids_of
-    from dflash.evaluate import greedy_continuations, heldout_prompts, target_features
-    from dflash.model import RMSNorm
+    from dflash.data.generate import eos_ids_of
+    from dflash.eval.tau import greedy_continuations, heldout_prompts, target_features
+    from dflash.models.drafter import RMSNorm
     from dflash.spec import load_spec
-    from dflash.target import load_target, target_embeddings
-    from dflash.topology import drafter_config
+    from dflash.models.target import load_target, target_embeddings
+    from dflash.train.workers import drafter_config
 
     spec = load_spec(os.path.join(os.path.dirname(__file__), "..", "specs", "tiny.yaml"))
     tgt = load_target(spec.target, "cpu")

@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash import faults as fi
-from dflash.harness import copy_workflow, snakemake, stage_env
+from dflash.runtime import faults as fi
+from dflash.runtime.harness import copy_workflow, snakemake, stage_env
 
 pytestmark = pytest.mark.e2e
 HOST = socket.gethostname()

@@ -7,8 +7,14 @@ import pytest
 import torch
 
 from dflash.errors import DFlashError
-from dflash.packing import (batch_randomness, bucket_for, bucket_lengths, pack_row, packing_stats,
-                            plan_epoch)
+from dflash.train.packing import (
+    batch_randomness,
+    bucket_for,
+    bucket_lengths,
+    pack_row,
+    packing_stats,
+    plan_epoch,
+)
 
 
 def random_cases(n_cases: int = 40, seed: int = 1234):

@@ -11,8 +11,14 @@ import pytest
 import yaml
 
 from dflash.errors import DFlashError
-from dflash.prompts import (CHATTERBOT, is_mtbench, load_mtbench, load_prompts, normalize,
-                            parse_conversation)
+from dflash.data.prompts import (
+    CHATTERBOT,
+    is_mtbench,
+    load_mtbench,
+    load_prompts,
+    normalize,
+    parse_conversation,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -141,9 +147,9 @@ def test_default_source_has_no_mtbench_question():
 
 def test_user_file_mtbench_question_dropped_and_counted(tmp_path):
     """The data stage's reject hook drops MT-Bench questions (case/whitespace-insensitive)."""
-    from dflash.sources import build_samples
+    from dflash.data.sources import build_samples
     from dflash.spec import parse_spec
-    from dflash.target import tokenizer_dir
+    from dflash.models.target import tokenizer_dir
     from transformers import AutoTokenizer
 
     q = load_mtbench()[5]

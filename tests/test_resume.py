@@ -16,7 +16,7 @@ One workflow copy with a micro-derived spec (24 steps, a checkpoint every 3, dat
 * the data stage SIGKILLed after its first shard appears: the rerun says it resumed and writes
   the very dataset an uninterrupted run wrote (same sha256).
 
-The machinery is :mod:`dflash.faults`, shared with ``bench/fault_injection.py`` (the N >= 20
+The machinery is :mod:`dflash.runtime.faults`, shared with ``bench/fault_injection.py`` (the N >= 20
 random-kill benchmark).
 """
 from __future__ import annotations
@@ -32,8 +32,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash import faults as fi
-from dflash.harness import job_counts, snakemake
+from dflash.runtime import faults as fi
+from dflash.runtime.harness import job_counts, snakemake
 
 pytestmark = pytest.mark.e2e
 
@@ -238,7 +238,7 @@ def test_resumed_run_proves_exactly_once_over_the_whole_run(killed, ref, w):
 
 def test_corrupt_or_truncated_checkpoints_are_skipped(ref, w, tmp_path):
     """checkpoint.latest_good on copies: a truncated file, a torn state.json, flipped bytes."""
-    from dflash import checkpoint as ckpt
+    from dflash.train import checkpoint as ckpt
 
     src = w.train_dir("results_ref") / "checkpoints"
     steps = sorted(src.glob("step-*"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 
-from dflash.harness import REPO
+from dflash.runtime.harness import REPO
 
 
 def _module():

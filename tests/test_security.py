@@ -148,7 +148,7 @@ def violations(source: str, filename: str = "<src>") -> list[tuple[str, int, str
             add("shell", node, name)
         if name.startswith(("os.spawn", "os.exec")):
             # the one allowed form: replacing this process with its own interpreter
-            # (dflash/launch.py: `python -m torch.distributed.run ...`, an argv list, no shell)
+            # (dflash/runtime/launch.py: `python -m torch.distributed.run ...`, an argv list, no shell)
             first = node.args[0] if node.args else None
             if not (first is not None and _dotted(first, aliases) == "sys.executable"):
                 add("shell", node, name)
@@ -246,7 +246,7 @@ def test_weights_never_unpickled():
     assert package_violations("weights_only") == []
     assert package_violations("pickle") == []
     # checkpoints and exported drafters are written and read with safetensors
-    for mod in ("checkpoint.py", "model.py"):
+    for mod in ("train/checkpoint.py", "models/drafter.py"):
         text = (PACKAGE / mod).read_text()
         assert "safetensors" in text, mod
 

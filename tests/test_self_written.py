@@ -10,10 +10,17 @@ import pytest
 import yaml
 
 from dflash.errors import DFlashError, SpecError
-from dflash.prompts import (CHATTERBOT, NgramIndex, eval_index, eval_overlap, load_humaneval,
-                            load_mtbench, load_prompts)
-from dflash import sources
-from dflash.self_written import check, user_turn_prefix
+from dflash.data.prompts import (
+    CHATTERBOT,
+    NgramIndex,
+    eval_index,
+    eval_overlap,
+    load_humaneval,
+    load_mtbench,
+    load_prompts,
+)
+from dflash.data import sources
+from dflash.data.self_written import check, user_turn_prefix
 from dflash.spec import parse_spec, section_spec
 from dflash.stages import StageContext
 from dflash.stages import data as data_stage
@@ -30,7 +37,7 @@ def tiny_raw(**data):
 
 
 def test_user_turn_prefix_is_the_template_up_to_the_user_text():
-    from dflash.sources import tokenizer_for
+    from dflash.data.sources import tokenizer_for
 
     tok = tokenizer_for("smollm2-135m-instruct")
     text = tok.decode(user_turn_prefix(tok))
@@ -130,7 +137,7 @@ def test_mix_counts_and_no_eval_overlap(mixed):
     assert sw["candidates"] - sw["kept"] >= sum(sw["filtered"].values()) + sw["duplicates"] - 0
     assert sw["engine"] == "fast" and sw["rounds"] >= 1
     # the produced training set shares no n-gram with either evaluation set
-    from dflash.sources import tokenizer_for
+    from dflash.data.sources import tokenizer_for
 
     tok = tokenizer_for("smollm2-135m-instruct")
     rows = pq.read_table(tmp / "out" / "data" / "dataset.parquet").to_pylist()

@@ -14,7 +14,7 @@ import re
 import pytest
 import yaml
 
-from dflash.harness import REPO, copy_workflow, snakemake
+from dflash.runtime.harness import REPO, copy_workflow, snakemake
 
 pytestmark = pytest.mark.e2e
 
@@ -138,8 +138,8 @@ def test_every_other_stage_is_a_one_node_job(dry_run, rule, spec, gres):
 
 def test_local_multi_node_jobs_hold_every_simulated_nodes_gpus(tmp_path):
     """Without the profile, nodes: 2 on one machine runs two local processes, process i on GPUs
-    [i·k, (i+1)·k) (dflash/launch.py): the jobs hold all of them (Spec.machine_devices), and
-    the train command is the plain one (no srun: dflash.launch starts the local processes)."""
+    [i·k, (i+1)·k) (dflash/runtime/launch.py): the jobs hold all of them (Spec.machine_devices), and
+    the train command is the plain one (no srun: dflash.runtime.launch starts the local processes)."""
     spec = _spec(tmp_path, REPO / "specs" / "qwen3-8b-2gpu.yaml", "two-by-two", nodes=2)
     (tmp_path / "wf").mkdir()
     wf = copy_workflow(tmp_path / "wf", [spec])

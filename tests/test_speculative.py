@@ -3,8 +3,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dflash.model import DFlashConfig, DFlashDrafter
-from dflash.speculative import speculative_generate, target_greedy
+from dflash.models.drafter import DFlashConfig, DFlashDrafter
+from dflash.eval.speculative import speculative_generate, target_greedy
 
 V, MASK, P = 96, 95, 9
 

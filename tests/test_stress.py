@@ -1,4 +1,4 @@
-"""`python -m dflash.stress` in a SUBPROCESS (a poisoned process must not poison pytest), both ways:
+"""`python -m dflash.runtime.stress` in a SUBPROCESS (a poisoned process must not poison pytest), both ways:
 without the gate the FX-nested-trace race must reproduce (so this test can fail), with it: zero errors."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _stress(*args: str, timeout: float = 120) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    p = subprocess.run([sys.executable, "-m", "dflash.stress", *args], cwd=ROOT, env=env,
+    p = subprocess.run([sys.executable, "-m", "dflash.runtime.stress", *args], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]

@@ -9,9 +9,9 @@ import dataclasses
 import pytest
 import torch
 
-from dflash.masks import document_block_mask, document_dense_mask
+from dflash.models.masks import document_block_mask, document_dense_mask
 from dflash.spec import section_spec
-from dflash.target import FeatureExtractor, load_target
+from dflash.models.target import FeatureExtractor, load_target
 
 TARGET = section_spec("target", {"model": "llama-micro", "init": "random", "dtype": "float32",
                                  "num_feature_layers": 3})
@@ -111,8 +111,8 @@ def test_training_features_equal_inference_features_and_last_layer_is_refused():
     hidden_states[i+1]. They agree for every layer but the last (after the final norm there),
     which target.layer_ids refuses with one message naming the field."""
     from dflash.errors import SpecError
-    from dflash.model import extract_features
-    from dflash.target import hf_config, layer_ids
+    from dflash.models.drafter import extract_features
+    from dflash.models.target import hf_config, layer_ids
 
     n = hf_config(TARGET).num_hidden_layers
     allowed = list(range(n - 1))
@@ -149,9 +149,9 @@ def test_compiled_target_features_equal_eager_and_never_recompile(attention, mon
     gate, another document layout of the same length is no recompile."""
     from torch._dynamo.utils import counters
 
-    import dflash.gate as gate_mod
-    from dflash.target import compile_backend
-    from dflash.warm import synthetic_row, warm_targets
+    import dflash.runtime.gate as gate_mod
+    from dflash.models.target import compile_backend
+    from dflash.train.warm import synthetic_row, warm_targets
 
     gate = gate_mod.Gate()
     monkeypatch.setattr(gate_mod, "_GATE", gate)
@@ -192,7 +192,7 @@ def test_target_compile_resolution():
     from transformers import AutoModelForCausalLM, GPT2Config
 
     from dflash.errors import SpecError
-    from dflash.target import compile_backend
+    from dflash.models.target import compile_backend
 
     auto, on, off = (dataclasses.replace(SMOL, compile=m) for m in ("auto", "on", "off"))
     assert section_spec("target", {"model": "qwen3-8b"}).compile == "auto"  # the default
@@ -215,10 +215,10 @@ def test_target_compile_resolution():
 def test_warmup_compiles_the_target_layers_when_on(micro_spec, monkeypatch):
     """The warmup stage's target part: with target.compile on, one gated compile per bucket on a
     one-layer copy of the target; with auto on CPU nothing (the CPU suite compiles no target)."""
-    import dflash.gate as gate_mod
+    import dflash.runtime.gate as gate_mod
     from dflash.spec import load_spec
-    from dflash.topology import buckets
-    from dflash.warm import warm_target_features
+    from dflash.train.workers import buckets
+    from dflash.train.warm import warm_target_features
 
     spec = load_spec(micro_spec)
     assert spec.target.compile == "auto"

@@ -12,7 +12,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from dflash.spec import section_spec
-from dflash.target import dropped_layer_keys, hf_config, load_target
+from dflash.models.target import dropped_layer_keys, hf_config, load_target
 
 MICRO = section_spec("target", {"model": "llama-micro", "init": "random", "dtype": "float32",
                                 "num_feature_layers": 3})

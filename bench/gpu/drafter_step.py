@@ -3,7 +3,7 @@ and the capacity in target tokens/s one drafter GPU can absorb (issue #17: the d
 the per-worker rates, for runs whose pipeline is target-bound so the drafter's rate never shows).
 
 The replica, its compile (through the gate) and its step are the training ones
-(dflash.topology / dflash.warm); the row is a full synthetic row of the bucket, and the anchor
+(dflash.train.workers / dflash.train.warm); the row is a full synthetic row of the bucket, and the anchor
 count per bucket is static, so the step's work equals a real step's.
 
     python bench/gpu/drafter_step.py --spec specs/expanded-2gpu.yaml --anchors 1024 \
@@ -26,12 +26,12 @@ def _sync(device: str) -> None:
 
 
 def measure(spec, anchors: int, device: str, steps: int, peak: float | None) -> dict:
-    from dflash.flops import drafter_flops_per_step
-    from dflash.gate import get_gate, worker_thread_setup
-    from dflash.masks import sample_anchors
+    from dflash.train.flops import drafter_flops_per_step
+    from dflash.runtime.gate import get_gate, worker_thread_setup
+    from dflash.models.masks import sample_anchors
     from dflash.spec import dtype_of
-    from dflash.topology import buckets, drafter_config, initial_state, make_replicas
-    from dflash.warm import synthetic_row, warm_replica
+    from dflash.train.workers import buckets, drafter_config, initial_state, make_replicas
+    from dflash.train.warm import synthetic_row, warm_replica
 
     spec = spec.replace(batching={"max_anchors": anchors},
                         topology={"targets": [device], "drafters": [device],
@@ -75,7 +75,7 @@ def measure(spec, anchors: int, device: str, steps: int, peak: float | None) -> 
 
 
 def main() -> None:
-    from dflash.flops import measure_peak_flops
+    from dflash.train.flops import measure_peak_flops
     from dflash.spec import dtype_of, load_spec
 
     ap = argparse.ArgumentParser()

@@ -5,7 +5,7 @@ peak measured in the same process:
 
 * ``hf_plain``: plain transformers, SDPA, ``B × S`` causal batch, ``output_hidden_states=True``
   (the users' anchor: Qwen3-8B 26–31 K tok/s, Qwen3-32B 7.2–7.8 K tok/s on one H200);
-* ``ours_flex``: :class:`dflash.target.FeatureExtractor` as the train stage runs it on CUDA
+* ``ours_flex``: :class:`dflash.models.target.FeatureExtractor` as the train stage runs it on CUDA
   (FlexAttention + document BlockMask) on ONE packed row of the same B documents of S tokens,
   every layer of the model, feature layers captured;
 * ``ours_dense_sdpa``: the same packed row with SDPA and the dense 4-D document mask (the path
@@ -27,7 +27,7 @@ Also ``mask_seconds``: building the document BlockMask for the row alone (eager,
 extractor does; and ``create_block_mask(_compile=True)``), since a faster forward makes it a
 larger share.
 
-MFU counts useful FLOPs only (:func:`dflash.flops.target_flops`: causal attention inside each
+MFU counts useful FLOPs only (:func:`dflash.train.flops.target_flops`: causal attention inside each
 document). Ratios are taken within the run.
 
     python bench/gpu/target_anchor.py --models qwen3-8b qwen3-32b --out $OUT/target_anchor.json
@@ -49,11 +49,11 @@ PATHS = ("hf_plain", "ours_dense_sdpa", "ours_flex", "ours_flex_truncated",
 
 def measure(model_name: str, batch: int, seq: int, device: str, peak: float, iters: int,
             paths=PATHS) -> dict:
-    from dflash.flops import best_seconds_per_call as timed, target_flops
+    from dflash.train.flops import best_seconds_per_call as timed, target_flops
     from dflash.spec import section_spec
     from torch._dynamo.utils import counters
 
-    from dflash.target import FeatureExtractor, hf_config, layer_ids, load_target
+    from dflash.models.target import FeatureExtractor, hf_config, layer_ids, load_target
 
     spec_target = section_spec("target", {"model": model_name, "init": "random",
                                           "dtype": "bfloat16", "num_feature_layers": 5})
@@ -138,7 +138,7 @@ def measure(model_name: str, batch: int, seq: int, device: str, peak: float, ite
     # the document BlockMask alone: eager (what the extractor builds per row) and compiled
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from dflash.masks import document_block_mask, document_mask_mod
+    from dflash.models.masks import document_block_mask, document_mask_mod
 
     L = di.shape[0]
     out["mask_seconds"] = {
@@ -165,9 +165,9 @@ def attention_variants(cfg, doc, doc_lengths: list[int], device: str, iters: int
 
     from torch.nn.attention.flex_attention import flex_attention
 
-    from dflash.flops import best_seconds_per_call as timed
-    from dflash.masks import document_block_mask
-    from dflash.model import head_dim_of
+    from dflash.train.flops import best_seconds_per_call as timed
+    from dflash.models.masks import document_block_mask
+    from dflash.models.drafter import head_dim_of
 
     hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, head_dim_of(cfg)
     L = doc.shape[0]
@@ -212,8 +212,8 @@ def attention_variants(cfg, doc, doc_lengths: list[int], device: str, iters: int
 
 
 def main() -> None:
-    from dflash.flops import measure_peak_flops
-    from dflash.gate import worker_thread_setup
+    from dflash.train.flops import measure_peak_flops
+    from dflash.runtime.gate import worker_thread_setup
 
     p = argparse.ArgumentParser()
     p.add_argument("--models", nargs="+", default=["qwen3-8b"])

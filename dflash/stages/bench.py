@@ -3,7 +3,7 @@
 Writes results/<spec>/bench/report.json, report.md (jinja2) and PNG plots. Throughput comes
 from the train stage's steady state (bench.mode train_metrics) or from a fresh timed run of
 ``bench.warmup_steps + bench.steps`` steps (bench.mode run). τ of the exported drafter comes
-from :mod:`dflash.evaluate`: simulated acceptance on every ``bench.eval_sets`` set (MT-Bench
+from :mod:`dflash.eval.tau`: simulated acceptance on every ``bench.eval_sets`` set (MT-Bench
 first turns, HumanEval, held-out training-source prompts), real speculative decoding on
 ``bench.real_prompts`` prompts of each (speed-up, and a check that its output equals the target's
 own greedy output token for token and the simulated blocks).
@@ -15,13 +15,13 @@ from pathlib import Path
 
 
 from ..errors import DFlashError
-from ..flops import drafter_flops_per_step, measure_peak_flops, target_flops
+from ..train.flops import drafter_flops_per_step, measure_peak_flops, target_flops
 from ..manifest import atomic_path, atomic_write_json, atomic_write_text, expect, read_manifest
 from . import StageContext
 
 
 # ---------------------------------------------------------------------------------------------
-# acceptance length τ (the work is in dflash.evaluate)
+# acceptance length τ (the work is in dflash.eval.tau)
 # ---------------------------------------------------------------------------------------------
 def evaluate_tau(spec, drafter_dir: Path, device: str, results_dir: Path | None = None) -> dict:
     """τ of the exported drafter on the spec's eval sets (``bench.*``), as a dict for the report.
@@ -29,11 +29,11 @@ def evaluate_tau(spec, drafter_dir: Path, device: str, results_dir: Path | None 
     Any failure becomes ONE message naming what failed and the spec fields / files involved;
     the traceback goes to ``bench/tau_error.txt`` beside the report, not to the console.
     """
-    from ..generate import eos_ids_of
-    from ..evaluate import evaluate_sets, load_eval_sets
-    from ..model import load_drafter
+    from ..data.generate import eos_ids_of
+    from ..eval.tau import evaluate_sets, load_eval_sets
+    from ..models.drafter import load_drafter
     from ..spec import dtype_of
-    from ..target import load_target, target_embeddings
+    from ..models.target import load_target, target_embeddings
 
     b = spec.bench
     if b.eval_prompts == 0 or not b.eval_sets:
@@ -203,8 +203,8 @@ def throughput(ctx: StageContext, source: dict, metrics: list[dict]) -> dict:
     """Tokens/s, MFU (FLOPs from the configs and the tokens processed in the steady-state
     window, against a peak measured on the first drafter device now), busy/wait per step."""
     from ..spec import dtype_of
-    from ..target import hf_config
-    from ..topology import drafter_config
+    from ..models.target import hf_config
+    from ..train.workers import drafter_config
 
     spec = ctx.spec
     steady = source["steady_state"]
@@ -463,7 +463,7 @@ def _last_draft_acc(metrics: list[dict], last: int = 10) -> list[float | None] |
 
 
 def _doc_lengths_per_step(ctx, window: list[dict]) -> list[list[int]]:
-    from ..dataset import load_dataset
+    from ..data.dataset import load_dataset
 
     ds = load_dataset(ctx.spec, ctx.results)
     length = dict(zip(ds.sample_ids, ds.lengths))

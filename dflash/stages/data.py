@@ -11,14 +11,14 @@ generated twice and nothing is lost; shards made from other inputs are discarded
 
 Chunks are spread over ``topology.targets`` (one thread per entry, each with its own target copy;
 several ``cpu`` entries share the CPU). ``data.engine`` picks the generator: ``fast``
-(:mod:`dflash.generate`: every chunk of a worker streams through one continuous batch of
+(:mod:`dflash.data.generate`: every chunk of a worker streams through one continuous batch of
 ``gen_batch_size`` slots; a chunk's shard is written when its last sample finishes) or ``hf``
 (:func:`generate_batch`, one chunk per batch); ``auto`` takes ``fast`` where it supports the
 architecture. Sampling (``temperature > 0``) is seeded per sample (``sample_seed``), so a sample
 does not depend on which device or batch produced it.
 
 Which prompts (one ``data.source`` or a mix, target-written prompts, decontamination against
-MT-Bench and HumanEval) is :mod:`dflash.sources`; docs/data.md has the details.
+MT-Bench and HumanEval) is :mod:`dflash.data.sources`; docs/data.md has the details.
 """
 from __future__ import annotations
 
@@ -31,12 +31,19 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Callable, Sequence
 
-from ..dataset import DATASET
+from ..data.dataset import DATASET
 from ..errors import DFlashError
-from ..generate import eos_ids_of, generate_batch, sample_seed
+from ..data.generate import eos_ids_of, generate_batch, sample_seed
 from ..manifest import atomic_path, atomic_write_json, fingerprint, sha256_file, write_manifest
-from ..sources import (SYNTHETIC, Sample, build_samples, engine_compile, log,
-                       synthetic_responses, tokenizer_for)
+from ..data.sources import (
+    SYNTHETIC,
+    Sample,
+    build_samples,
+    engine_compile,
+    log,
+    synthetic_responses,
+    tokenizer_for,
+)
 from . import StageContext
 
 SHARDS = "shards"
@@ -136,7 +143,7 @@ def run(ctx: StageContext, on_shard: Callable[[int, Path], None] | None = None) 
     ``on_shard(chunk_index, path)`` is called after each shard is written (tests use it to
     simulate an interruption).
     """
-    from ..target import target_fingerprint
+    from ..models.target import target_fingerprint
 
     spec = ctx.spec
     t0 = time.time()
@@ -187,8 +194,8 @@ def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int, on_shard
         log(f"synthetic responses for {sum(len(c) for _, c in todo)} samples")
         info["engine"] = SYNTHETIC
         return info
-    from ..generate import resolve_engine
-    from ..target import load_target
+    from ..data.generate import resolve_engine
+    from ..models.target import load_target
 
     d = spec.data
     devices = list(spec.topology.targets)[:len(todo)]
@@ -256,7 +263,7 @@ def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int, on_shard
             write_shard(dev, chunk, samples, responses, tc)
 
     def fast_worker(dev: str, target) -> None:
-        from ..generate import Engine
+        from ..data.generate import Engine
 
         eng = Engine(target.model, slots=min(d.gen_batch_size, n_todo), max_len=max_len,
                      max_new_tokens=d.max_new_tokens, eos_ids=eos,

@@ -7,8 +7,8 @@ checkpoint (Snakemake keeps the checkpoints: they are not declared outputs).
 :func:`train` reads top to bottom as its phases: prepare (verify inputs, plan steps, build
 replicas) → resume → warm start → train steps → check replicas → export → manifest.
 
-With ``topology.nodes`` > 1 the stage runs once per node under torchrun (:mod:`dflash.launch`
-starts it; :mod:`dflash.distributed` joins the ranks): every rank trains its share of each
+With ``topology.nodes`` > 1 the stage runs once per node under torchrun (:mod:`dflash.runtime.launch`
+starts it; :mod:`dflash.runtime.distributed` joins the ranks): every rank trains its share of each
 epoch, rank 0 alone writes metrics, status, checkpoints, the drafter and the manifest, and the
 outputs have the same shape as a one-node run's.
 """
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .. import checkpoint as ckpt
+from ..train import checkpoint as ckpt
 from ..manifest import atomic_write_text, expect, read_manifest, write_manifest
 from ..cache import compile_cache_dir
 from . import StageContext
@@ -127,14 +127,14 @@ class Job:
     persist: bool            # checkpoints, resume and export (the bench's timed run: none)
     warmup: dict             # the verified warmup manifest
     compile_cache: Path
-    ds: Any                  # dflash.dataset.TokenDataset
+    ds: Any                  # dflash.data.dataset.TokenDataset
     bucket_lens: list[int]
-    step_map: Any            # dflash.scheduler.StepMap
+    step_map: Any            # dflash.train.scheduler.StepMap
     total_steps: int
-    cfg: Any                 # dflash.model.DFlashConfig
+    cfg: Any                 # dflash.models.drafter.DFlashConfig
     replicas: list
     run_fingerprint: dict    # a checkpoint only resumes the run it came from
-    comm: Any = None         # dflash.distributed.Dist (nodes > 1) or None
+    comm: Any = None         # dflash.runtime.distributed.Dist (nodes > 1) or None
 
     @property
     def main(self) -> bool:
@@ -152,8 +152,8 @@ class Progress:
 
 @dataclass
 class Trained:
-    pipe: Any                # dflash.scheduler.Pipeline, after its run
-    status: Any              # dflash.status.StatusReporter
+    pipe: Any                # dflash.train.scheduler.Pipeline, after its run
+    status: Any              # dflash.runtime.status.StatusReporter
     ledger: EpochLedger
     seconds: float
 
@@ -161,7 +161,7 @@ class Trained:
 def run(ctx: StageContext) -> dict:
     """The train stage: results/<spec>/train/{manifest.json, metrics.jsonl, status.json,
     checkpoints/, drafter/}; resumes from the newest good checkpoint of the same run."""
-    from .. import distributed
+    from ..runtime import distributed
 
     comm = distributed.init(ctx.spec.topology.drafters[0])
     if comm is None:
@@ -172,7 +172,7 @@ def run(ctx: StageContext) -> dict:
 def run_rank(ctx: StageContext, comm) -> dict:
     """One node's process of a multi-node run. Whatever fails, every rank exits promptly with
     one message naming the rank (and host) at fault; a finished run leaves the group together."""
-    from ..distributed import HEARTBEAT_S, STALE_S, PeerFailed
+    from ..runtime.distributed import HEARTBEAT_S, STALE_S, PeerFailed
     from ..errors import DFlashError
 
     try:
@@ -248,10 +248,10 @@ def train(ctx: StageContext, out: Path, persist: bool, max_steps: int | None = N
 def prepare(ctx: StageContext, out: Path, persist: bool, max_steps: int | None,
             comm=None) -> Job:
     """Verify the inputs (warmup manifest, dataset), plan the steps, build the replicas."""
-    from ..dataset import load_dataset
-    from ..packing import plan_epoch
-    from ..scheduler import StepMap
-    from ..topology import buckets, drafter_config, initial_state, make_replicas
+    from ..data.dataset import load_dataset
+    from ..train.packing import plan_epoch
+    from ..train.scheduler import StepMap
+    from ..train.workers import buckets, drafter_config, initial_state, make_replicas
 
     spec = ctx.spec
     warm = verify_warmup(ctx)
@@ -325,10 +325,10 @@ def resume(job: Job) -> Progress:
 def warm_start(job: Job) -> tuple[list, float, list[dict]]:
     """Every (worker, bucket) compiles once under the exclusive gate (fast: the warmup stage
     filled the compile cache); then the gate refuses and counts recompiles."""
-    from ..gate import get_gate
+    from ..runtime.gate import get_gate
     from ..spec import dtype_of
-    from ..topology import make_target_workers
-    from ..warm import warm_all, warm_targets
+    from ..train.workers import make_target_workers
+    from ..train.warm import warm_all, warm_targets
 
     spec, cfg = job.ctx.spec, job.cfg
     t0 = time.perf_counter()
@@ -352,9 +352,9 @@ def train_steps(job: Job, progress: Progress, targets: list, fail_at: dict) -> T
     to metrics.jsonl and status.json, a checkpoint every ``checkpoint.every_steps``, simulated τ
     on held-out prompts every ``monitor.tau_every_steps`` (off by default; never in the bench
     stage's timed run)."""
-    from ..packing import bucket_for, pack_row
-    from ..scheduler import Pipeline
-    from ..status import StatusReporter
+    from ..train.packing import bucket_for, pack_row
+    from ..train.scheduler import Pipeline
+    from ..runtime.status import StatusReporter
 
     spec, ds, out = job.ctx.spec, job.ds, job.out
     counters = progress.counters
@@ -366,7 +366,7 @@ def train_steps(job: Job, progress: Progress, targets: list, fail_at: dict) -> T
     every_tau = spec.monitor.tau_every_steps if job.persist and job.main else None
     monitor = None
     if every_tau:
-        from ..evaluate import TauMonitor
+        from ..eval.tau import TauMonitor
 
         monitor = TauMonitor(spec, job.ctx.results, job.replicas[0].device)
     pad_id = 0
@@ -407,7 +407,7 @@ def train_steps(job: Job, progress: Progress, targets: list, fail_at: dict) -> T
                     queue_depth=spec.topology.queue_depth, on_step=on_step,
                     fail_at=fail_at, comm=job.comm)
     if job.comm is not None:
-        from ..distributed import PeerFailed
+        from ..runtime.distributed import PeerFailed
 
         job.comm.watchdog.on_failure(
             lambda msg: pipe._fail("watchdog", job.comm.name(), PeerFailed(msg)))
@@ -452,7 +452,7 @@ def allreduce_seconds(pipe) -> dict:
 
 def export(job: Job) -> Path:
     """The HF drafter folder (reference parameter names), complete or not at all."""
-    from ..model import export_drafter
+    from ..models.drafter import export_drafter
 
     export_dir, tmp = job.out / "drafter", job.out / ".drafter.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -482,7 +482,7 @@ def _distributed_facts(job: Job, across: dict | None) -> dict:
 def write_train_manifest(job: Job, progress: Progress, trained: Trained, warm_start_s: float,
                          warm_records: list[dict], replicas_identical: bool,
                          wall_s: float, across: dict | None = None) -> dict:
-    from ..gate import get_gate
+    from ..runtime.gate import get_gate
 
     ctx, spec, pipe = job.ctx, job.ctx.spec, trained.pipe
     st = get_gate().stats()

@@ -1,6 +1,6 @@
 """The warmup stage: compile every shape bucket on every drafter device once, and record it.
 
-Builds the drafter exactly as training does (dflash.topology), then, on each drafter device in
+Builds the drafter exactly as training does (dflash.train.workers), then, on each drafter device in
 turn, runs forward + backward + optimizer step for every bucket through the compile gate; on the
 target devices it compiles the feature extractor per bucket on a one-layer copy of the target
 (no weights needed): its decoder layers (``target.compile``) and, on CUDA, its flex attention. The
@@ -17,10 +17,10 @@ from . import StageContext
 
 
 def run(ctx: StageContext) -> dict:
-    from ..gate import get_gate
+    from ..runtime.gate import get_gate
     from ..spec import dtype_of
-    from ..topology import buckets, drafter_config, initial_state, make_replicas
-    from ..warm import warm_all, warm_target_features
+    from ..train.workers import buckets, drafter_config, initial_state, make_replicas
+    from ..train.warm import warm_all, warm_target_features
 
     spec = ctx.spec
     cache = compile_cache_dir(ctx.env_fingerprint)

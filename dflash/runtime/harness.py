@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 WORKFLOW_FILES = ["Snakefile", "rules", "config", "profiles", "report", "dflash", "envs"]
 # The thread counts Snakemake gives a rule's job (threads: 1). A stage started alone must compute
 # exactly as the same stage under Snakemake: float sums depend on the number of intra-op threads,

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from .masks import PackedRow, sample_anchors
+from ..models.masks import PackedRow, sample_anchors
 from .replica import DrafterReplica
 
 
@@ -37,7 +37,7 @@ def warm_replica(rep: DrafterReplica, bucket_len: int, feat_width: int, feat_dty
     ``optimizer_step`` True runs the optimizer too (warmup stage: everything a step touches);
     training's warm start passes False so the weights stay exactly the initial/checkpoint ones.
     """
-    from .gate import get_gate
+    from ..runtime.gate import get_gate
 
     gate = get_gate()
     row = synthetic_row(bucket_len, rep.cfg.vocab_size)
@@ -79,7 +79,7 @@ def _warm_in_threads(jobs: list, work, log=None) -> list[dict]:
     here."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from .gate import worker_thread_setup
+    from ..runtime.gate import worker_thread_setup
 
     def collect(job) -> list[dict]:
         records = []
@@ -110,7 +110,7 @@ def warm_targets(targets: list[tuple[str, object]], bucket_lens: list[int], voca
     compiles what the feature extractor compiles for the bucket (flex attention on CUDA, the
     decoder layers where ``target.compile`` is on; a cache hit after the warmup stage), so
     steady state never compiles."""
-    from .gate import get_gate
+    from ..runtime.gate import get_gate
 
     gate = get_gate()
 
@@ -138,8 +138,8 @@ def warm_target_features(spec, bucket_lens: list[int], log=None) -> list[dict]:
     target (SDPA, no compile)."""
     import dataclasses
 
-    from .masks import attention_backend
-    from .target import FeatureExtractor, compile_backend, load_target
+    from ..models.masks import attention_backend
+    from ..models.target import FeatureExtractor, compile_backend, load_target
 
     jobs, vocab = [], 8
     for dev in spec.topology.targets:

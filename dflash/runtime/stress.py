@@ -1,4 +1,4 @@
-"""``python -m dflash.stress``: drive real compiled drafter-like training steps from several threads,
+"""``python -m dflash.runtime.stress``: drive real compiled drafter-like training steps from several threads,
 with and without the compile gate, beside the adversarial mixes of docs/gate.md. Prints ONE JSON line.
 
 Workers: each owns a small transformer block (attention + MLP; its own code object, so its own dynamo
@@ -82,7 +82,7 @@ def run_stress(gate: bool, threads: int, iterations: int, device: str = "cpu", s
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from dflash.errors import PoisonedProcess
-    from dflash.gate import Gate, classify_error, worker_thread_setup
+    from dflash.runtime.gate import Gate, classify_error, worker_thread_setup
 
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown scenario {scenario!r}; one of {SCENARIOS}")

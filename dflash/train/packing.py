@@ -9,7 +9,7 @@ Planning is deterministic for ``(seed, epoch)``: a seeded shuffle, then rows fil
 order as it comes and closed with the best-fitting one or two of the next samples (keeps the
 randomness, fills rows to ~99.9 %), then a seeded shuffle of the batches. A resumed run
 re-plans the same epochs, so the step number is the whole data-order state
-(:class:`dflash.scheduler.StepMap` maps steps to batches).
+(:class:`dflash.train.scheduler.StepMap` maps steps to batches).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import bisect
 import random
 from typing import Sequence
 
-from .errors import DFlashError
+from ..errors import DFlashError
 
 LOOKAHEAD = 256  # samples a row may pull forward from later in the shuffled order to close it
 CLOSE_ROOM = 1.5  # x mean sample length: room left when a row stops taking the stream in order
@@ -225,7 +225,7 @@ def pack_row(samples: Sequence[tuple], bucket_len: int, pad_id: int):
     """Concatenate ``(sample_id, input_ids, loss_mask)`` documents into one padded PackedRow."""
     import torch
 
-    from .masks import PackedRow
+    from ..models.masks import PackedRow
 
     ids, docs, pos, lm, sids = [], [], [], [], []
     for d, (sid, input_ids, loss_mask) in enumerate(samples):

@@ -25,7 +25,7 @@ import subprocess
 import sys
 
 from .distributed import WORKER_ENV, is_worker
-from .errors import SpecError
+from ..errors import SpecError
 
 DEFAULT_PORT = 29500
 
@@ -125,7 +125,7 @@ def torchrun_args(spec, env: dict) -> tuple[list[str], dict, str]:
 def maybe_launch(spec_path: str, root: str) -> None:
     """With nodes > 1 and not yet a rank: replace this process with torchrun. Otherwise return
     (one node: the stage runs here, exactly as before)."""
-    from .spec import load_spec
+    from ..spec import load_spec
 
     if is_worker():
         return

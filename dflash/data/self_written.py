@@ -34,8 +34,8 @@ import re
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .errors import DFlashError
-from .manifest import atomic_write_json, fingerprint
+from ..errors import DFlashError
+from ..manifest import atomic_write_json, fingerprint
 from .prompts import Prompt, normalize
 
 SOURCE = "self-written"

@@ -1,12 +1,12 @@
 """One training process per node, joined by torch.distributed (``topology.nodes`` > 1).
 
-torchrun (started by :mod:`dflash.launch`) gives every process RANK, WORLD_SIZE, LOCAL_RANK and
+torchrun (started by :mod:`dflash.runtime.launch`) gives every process RANK, WORLD_SIZE, LOCAL_RANK and
 MASTER_ADDR/MASTER_PORT (its rendezvous store); :func:`init` joins the process group from them
 (``env://``: NCCL when the drafters are on CUDA, gloo on CPU) with a collective timeout, plus a
 gloo group for the small per-step records, and starts the :class:`Watchdog`. With one node
 nothing here runs: :func:`current` is ``None`` and the stage is exactly the one-process stage.
 
-Per step (see :class:`dflash.scheduler.Pipeline`): each node sums its replicas' gradients in a
+Per step (see :class:`dflash.train.scheduler.Pipeline`): each node sums its replicas' gradients in a
 fixed order, then ONE all-reduce of ``[sum, active replica count]`` across nodes; every rank
 divides by the global count, so the mean weights every replica that had a batch equally (not a
 mean of means) and every rank ends with the same bits.
@@ -28,9 +28,9 @@ from datetime import timedelta
 
 import torch
 
-from .errors import DFlashError
+from ..errors import DFlashError
 
-WORKER_ENV = "DFLASH_DIST_WORKER"   # set by dflash.launch for the processes torchrun starts
+WORKER_ENV = "DFLASH_DIST_WORKER"   # set by dflash.runtime.launch for the processes torchrun starts
 HEARTBEAT_S = float(os.environ.get("DFLASH_HEARTBEAT_S", "1"))
 STALE_S = float(os.environ.get("DFLASH_HEARTBEAT_TIMEOUT_S", "15"))
 # a backstop only (the watchdog acts first): long enough for rank 0's checkpoint or τ monitor

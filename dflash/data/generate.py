@@ -1,7 +1,7 @@
 """Fast, exact generation with the target: static per-slot KV cache, continuous batching, and a
 decode step captured once as a CUDA graph.
 
-    from dflash.generate import Engine
+    from dflash.data.generate import Engine
     eng = Engine(model, slots=1024, max_len=512, max_new_tokens=256, eos_ids=[2])
     answers = eng.generate(prompt_token_lists, seeds=None)      # greedy; list of token lists
     for key, tokens in eng.stream(((k, ids, seed) for ...)):   # completion order
@@ -21,13 +21,14 @@ How (the model's own modules do the math; only the attention + cache glue is wri
   groups (right-padded, causal attention) straight into free slots, and their first token is
   picked from the prefill's logits. No answer waits for another.
 * **One captured step.** On CUDA the per-layer pieces are ``torch.compile``-d once (regional
-  compilation, :mod:`dflash.decoder`: the same code serves every layer) and the whole decode step — embedding, every
-  layer, lm_head, token pick, state update — is captured once as a CUDA graph and replayed;
+  compilation, :mod:`dflash.models.decoder`: the same code serves every layer) and the whole
+  decode step — embedding, every layer, lm_head, token pick, state update — is captured once
+  as a CUDA graph and replayed;
   the host syncs only every ``sync_every`` steps to harvest finished answers. Prefills run in
   fixed shapes (``prefill_batch`` rows × a multiple of 32 tokens; unused rows write to a spare
   cache row), each length captured once too: run eager, a prefill's ~1200 kernel launches held the
   host ~100 ms per refill on an H200 while the GPU waited (30 % of the run's time). Compile and
-  capture run under the compile gate's exclusive side (:mod:`dflash.gate`), replays under its
+  capture run under the compile gate's exclusive side (:mod:`dflash.runtime.gate`), replays under its
   shared side.
 
 Exactness: greedy answers are HF greedy answers (``tests/test_generate.py`` checks them prompt by
@@ -52,13 +53,13 @@ import sys
 import time
 from typing import Any, Hashable, Iterable, Iterator, Sequence
 
-from .decoder import SUPPORTED_MODEL_TYPES  # noqa: F401 (re-exported)
-from .decoder import compile_region, rope_of
-from .decoder import out_mlp as _out_mlp
-from .decoder import qkv as _qkv
-from .decoder import unsupported_reason as _layers_unsupported
-from .errors import DFlashError
-from .manifest import fingerprint
+from ..models.decoder import SUPPORTED_MODEL_TYPES  # noqa: F401 (re-exported)
+from ..models.decoder import compile_region, rope_of
+from ..models.decoder import out_mlp as _out_mlp
+from ..models.decoder import qkv as _qkv
+from ..models.decoder import unsupported_reason as _layers_unsupported
+from ..errors import DFlashError
+from ..manifest import fingerprint
 
 ENGINES = ("auto", "hf", "fast")
 _M32 = 0xFFFFFFFF
@@ -90,7 +91,7 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     """
     import torch
 
-    from .target import kv_cache
+    from ..models.target import kv_cache
 
     device = next(model.parameters()).device
     B, P = len(prompts), max(len(p) for p in prompts)
@@ -278,7 +279,7 @@ class Engine:
         if attention not in DECODE_ATTENTION:
             raise DFlashError(f"fast generation engine: attention {attention!r} is not one of "
                               f"{', '.join(DECODE_ATTENTION)}")
-        from .gate import get_gate
+        from ..runtime.gate import get_gate
 
         self.model = model
         self.base = model.model

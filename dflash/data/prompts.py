@@ -23,7 +23,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from .errors import DFlashError
+from ..errors import DFlashError
 
 CHATTERBOT = "chatterbot-corpus"
 MAX_EXAMPLES = 3          # locations kept per bad kind

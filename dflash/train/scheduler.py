@@ -5,10 +5,10 @@
 * The feeder enqueues work items in step order: item (step, r) is batch ``step·M + r`` of the
   epoch's deterministic plan, so every sample reaches exactly one replica exactly once per epoch
   and a resumed run sees the very same batches. With R nodes (``topology.nodes``, one Pipeline
-  per node, :mod:`dflash.distributed`) rank k's replica r takes batch ``step·R·M + k·M + r``:
+  per node, :mod:`dflash.runtime.distributed`) rank k's replica r takes batch ``step·R·M + k·M + r``:
   every rank plans the same epoch, and together they take each batch once.
 * Queues are bounded (backpressure): at most ``queue_depth`` items per replica are in flight.
-* Every worker iteration runs through the one process-wide compile gate (:mod:`dflash.gate`):
+* Every worker iteration runs through the one process-wide compile gate (:mod:`dflash.runtime.gate`):
   ``gate.run(sig, fn)`` takes the exclusive side for anything that may compile or trace and the
   shared side for warm work; the optimizer step runs under the shared side too, so no thread's
   eager code ever sees another thread's ``is_compiling()``.
@@ -33,9 +33,9 @@ from typing import Any, Callable
 
 import torch
 
-from .errors import DFlashError
-from .gate import get_gate, worker_thread_setup
-from .masks import PackedRow, sample_anchors
+from ..errors import DFlashError
+from ..runtime.gate import get_gate, worker_thread_setup
+from ..models.masks import PackedRow, sample_anchors
 
 POLL_S = 0.1
 
@@ -172,7 +172,7 @@ class Pipeline:
         self.seed, self.mask_token_id = seed, mask_token_id
         self.on_step = on_step
         self.fail_at = fail_at or {}  # test hook: {"worker name": step} raises there
-        self.comm = comm  # dflash.distributed.Dist across nodes; None: this process only
+        self.comm = comm  # dflash.runtime.distributed.Dist across nodes; None: this process only
         self.allreduce = None  # DeviceBusy of the cross-node all-reduce (leader thread)
         self.gate = get_gate()
         self.stop = threading.Event()

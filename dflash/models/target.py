@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .cache import cache_root
-from .errors import SpecError
-from .manifest import file_lock, fingerprint
-from .spec import TargetSpec
+from ..cache import cache_root
+from ..errors import SpecError
+from ..manifest import file_lock, fingerprint
+from ..spec import TargetSpec
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -116,7 +116,7 @@ def hf_config(target: TargetSpec):
 
 def layer_ids(target: TargetSpec, config) -> list[int]:
     """Feature layer ids: the spec's, or the reference default spread over 1..L-3."""
-    from .model import default_layer_ids
+    from .drafter import default_layer_ids
 
     n_layers = config.num_hidden_layers
     ids = target.layer_ids or default_layer_ids(n_layers, target.num_feature_layers)
@@ -186,7 +186,7 @@ def load_target(target: TargetSpec, device: str, seed: int = 0,
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .spec import dtype_of
+    from ..spec import dtype_of
 
     dtype = dtype_of(target.dtype)
     impl = _register_flex() if attention == "flex" else "sdpa"
@@ -280,9 +280,9 @@ def _register_flex() -> str:
 
 
 def packed_layer(layer, x, cos, sin, rope, mask):
-    """One decoder layer on a packed row: the layer math of :mod:`dflash.decoder` with the
+    """One decoder layer on a packed row: the layer math of :mod:`dflash.models.decoder` with the
     document mask as a FlexAttention BlockMask (CUDA) or a dense boolean mask (SDPA). Compiled
-    once per process (:func:`dflash.decoder.compile_region`), shared by every layer."""
+    once per process (:func:`dflash.models.decoder.compile_region`), shared by every layer."""
     import torch
     import torch.nn.functional as F
 
@@ -321,7 +321,7 @@ def compile_backend(target: TargetSpec, device: str, backend: str, model=None) -
 
     ``auto``: on for CUDA with ``compile.backend`` inductor (the fusions are the point), off on
     CPU (a compile costs more than a CPU run's few steps save). ``on``: ``compile.backend`` on
-    any device. With ``model`` given, an architecture :mod:`dflash.decoder` cannot run turns
+    any device. With ``model`` given, an architecture :mod:`dflash.models.decoder` cannot run turns
     ``auto`` off and makes ``on`` a SpecError.
     """
     from .decoder import unsupported_reason
@@ -415,7 +415,7 @@ def target_embeddings(target: TargetSpec, seed: int = 0):
     import torch
     from safetensors import safe_open
 
-    from .spec import dtype_of
+    from ..spec import dtype_of
 
     cfg = hf_config(target)
     dtype = dtype_of(target.dtype)

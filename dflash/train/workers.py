@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import torch
 
-from .model import DFlashConfig, DFlashDrafter
+from ..models.drafter import DFlashConfig, DFlashDrafter
 from .packing import bucket_lengths
 from .replica import DrafterReplica
 
 
 def drafter_config(spec) -> DFlashConfig:
-    from .target import hf_config, layer_ids
+    from ..models.target import hf_config, layer_ids
 
     tcfg = hf_config(spec.target)
     d = spec.drafter
@@ -33,7 +33,7 @@ def initial_state(cfg: DFlashConfig, seed: int) -> dict:
 
 def make_replicas(spec, cfg: DFlashConfig, init_state: dict, total_steps: int
                   ) -> list[DrafterReplica]:
-    from .target import target_embeddings
+    from ..models.target import target_embeddings
 
     embed, head = target_embeddings(spec.target, spec.seed)
     return [DrafterReplica(i, dev, cfg, spec, embed, head, init_state, total_steps)
@@ -43,8 +43,8 @@ def make_replicas(spec, cfg: DFlashConfig, init_state: dict, total_steps: int
 def make_target_workers(spec) -> list[tuple[str, object]]:
     """One frozen target copy per target device, truncated after the last feature layer, its
     decoder layers compiled where ``target.compile`` resolves to a backend."""
-    from .masks import attention_backend
-    from .target import FeatureExtractor, compile_backend, hf_config, layer_ids, load_target
+    from ..models.masks import attention_backend
+    from ..models.target import FeatureExtractor, compile_backend, hf_config, layer_ids, load_target
 
     ids = layer_ids(spec.target, hf_config(spec.target))
     workers = []

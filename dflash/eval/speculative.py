@@ -26,7 +26,7 @@ from typing import Callable, Iterable
 import torch
 import torch.nn.functional as F
 
-from .model import DFlashConfig, DFlashDrafter, extract_features
+from ..models.drafter import DFlashConfig, DFlashDrafter, extract_features
 
 
 @dataclass
@@ -69,7 +69,7 @@ def _first_stop(tokens: list[int], stops: frozenset[int]) -> int:
 def target_greedy(target, prompt_ids: torch.Tensor, max_new_tokens: int,
                   eos_id: int | Iterable[int] | None = None) -> list[int]:
     """Plain greedy decoding, one token per target forward, with the KV cache."""
-    from .target import kv_cache
+    from ..models.target import kv_cache
 
     ids = prompt_ids.reshape(1, -1)
     stops = _stop_set(eos_id)
@@ -153,7 +153,7 @@ def speculative_generate(target, drafter: DFlashDrafter | None, cfg: DFlashConfi
     it to inject perfect or corrupted drafts); by default :func:`draft_block` with ``drafter``,
     reading its context from a :class:`DrafterCache` (``use_drafter_cache``) or recomputing it.
     """
-    from .target import kv_cache
+    from ..models.target import kv_cache
 
     B = cfg.block_size
     ids = prompt_ids.reshape(1, -1)

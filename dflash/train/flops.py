@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from .model import head_dim_of
+from ..models.drafter import head_dim_of
 
 
 def best_seconds_per_call(fn, device: str, reps: int, warmup: int = 1, windows: int = 3) -> float:

@@ -8,7 +8,7 @@ greedy decoding every token speculative decoding emits is the target's own greed
    (:func:`target_features`, batched and padded);
 3. the drafter drafts a block at EVERY continuation position in a few large batched calls: each
    position is an anchor whose context is the features strictly before it, blocks do not see
-   each other — exactly the training layout (:mod:`dflash.masks`), so one dense mask per call
+   each other — exactly the training layout (:mod:`dflash.models.masks`), so one dense mask per call
    (:func:`draft_every_position`);
 4. the host walks the chain (:func:`walk_chain`): the block at s_j accepts the longest prefix of
    its drafts that matches the continuation; the next block starts at s_j + accepted_j + 1.
@@ -18,7 +18,7 @@ the drafter work of the blocks actually used, but a handful of big batched calls
 small call per round per prompt (measured in docs/benchmarks.md). The drafts at every position
 also give the teacher-forced per-position accuracy (the training metric) on eval data.
 
-Real speculative decoding (:mod:`dflash.speculative`, with the drafter KV cache) runs on a few
+Real speculative decoding (:mod:`dflash.eval.speculative`, with the drafter KV cache) runs on a few
 prompts of the first set: wall-clock tokens/s of target-only vs speculative decoding, the speed-up, and
 a check that its tokens and block lengths equal the simulated ones and target greedy's.
 
@@ -38,7 +38,7 @@ from typing import Sequence
 
 import torch
 
-from .errors import DFlashError
+from ..errors import DFlashError
 
 SETS = ("mtbench", "humaneval", "heldout")
 # the reference benchmark's HumanEval format (z-lab/dflash benchmark.py), so τ is comparable
@@ -76,7 +76,7 @@ def render(tokenizer, user_text: str) -> list[int]:
 
 def mtbench_questions() -> list[dict]:
     """(first turn, category) of every MT-Bench question, file order."""
-    from .prompts import mtbench_path
+    from ..data.prompts import mtbench_path
 
     path = mtbench_path()
     out = []
@@ -100,7 +100,7 @@ def heldout_prompts(spec, results_dir: Path | None, tokenizer, n: int) -> tuple[
     holds whatever the data stage did) is dropped, as are MT-Bench overlaps and prompts longer
     than ``data.max_prompt_tokens``. Returns (prompts, note); empty when every prompt was used.
     """
-    from .prompts import CHATTERBOT, is_mtbench, load_prompts
+    from ..data.prompts import CHATTERBOT, is_mtbench, load_prompts
 
     d = spec.data
     # a mix (data.sources) holds out of its corpus/file sources; self-written prompts are
@@ -139,7 +139,7 @@ def heldout_prompts(spec, results_dir: Path | None, tokenizer, n: int) -> tuple[
 def load_eval_sets(spec, results_dir: Path | None, tokenizer, names: Sequence[str],
                    n: int) -> list[EvalSet]:
     """The named eval sets, ``n`` prompts each (MT-Bench has 80, HumanEval 164)."""
-    from .prompts import load_humaneval
+    from ..data.prompts import load_humaneval
 
     sets = []
     for name in names:
@@ -171,7 +171,7 @@ def greedy_continuations(model, prompts: Sequence[Sequence[int]], max_new: int,
     Prompts of similar length are batched together (little left padding). The generator is
     one line below: swap in a faster engine there.
     """
-    from .generate import generate_batch
+    from ..data.generate import generate_batch
 
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: list[list[int]] = [[] for _ in prompts]
@@ -189,7 +189,7 @@ def target_features(model, seqs: Sequence[Sequence[int]], layer_ids: list[int],
                     batch_size: int = 16) -> list[torch.Tensor]:
     """Feature-layer hidden states [len, n*H] of every sequence: one forward per batch of
     right-padded sequences (padding after a causal sequence changes nothing before it)."""
-    from .model import extract_features
+    from ..models.drafter import extract_features
 
     dev = next(model.parameters()).device
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
@@ -222,11 +222,11 @@ def draft_every_position(drafter, embed: torch.Tensor, lm_head: torch.Tensor,
     position ``starts[i] + j`` (the j-th continuation token), context = positions before it.
 
     Rows of (prompt, chunk of anchors) are grouped into calls of about ``query_tokens`` block
-    tokens; the mask is the training mask (:func:`dflash.masks.dense_mask`), so this is exactly
-    the computation of :func:`dflash.speculative.draft_block` at each anchor, batched.
+    tokens; the mask is the training mask (:func:`dflash.models.masks.dense_mask`), so this is exactly
+    the computation of :func:`dflash.eval.speculative.draft_block` at each anchor, batched.
     ``embed``/``lm_head`` should already be in the drafter's dtype and on its device.
     """
-    from .masks import Blocks, dense_mask
+    from ..models.masks import Blocks, dense_mask
 
     cfg = drafter.cfg
     B, dev = cfg.block_size, embed.device
@@ -289,7 +289,7 @@ def walk_chain(drafts: torch.Tensor, continuation: Sequence[int]) -> Chain:
     ``drafts[j]`` are the B-1 drafts after continuation token j. A block at j accepts the
     longest prefix matching ``continuation[j+1:]``; it produces accepted + 1 tokens (the bonus),
     truncated to what is left, and the next block starts there. As in
-    :func:`dflash.speculative.speculative_generate`, the first token (from the prefill) is not
+    :func:`dflash.eval.speculative.speculative_generate`, the first token (from the prefill) is not
     a block.
     """
     n = len(continuation)
@@ -526,8 +526,8 @@ class TauMonitor:
     """
 
     def __init__(self, spec, results_dir: Path, device: str, log=print):
-        from .generate import eos_ids_of
-        from .target import load_target
+        from ..data.generate import eos_ids_of
+        from ..models.target import load_target
 
         m = spec.monitor
         t0 = time.perf_counter()
@@ -536,7 +536,7 @@ class TauMonitor:
         if not prompts:
             raise DFlashError(f"monitor.tau_every_steps: no held-out prompts ({note})")
         eos = eos_ids_of(tgt)
-        from .target import layer_ids
+        from ..models.target import layer_ids
 
         ids = layer_ids(spec.target, tgt.config)
         conts = greedy_continuations(tgt.model, prompts, m.tau_max_new_tokens, eos)
@@ -551,7 +551,7 @@ class TauMonitor:
 
     @torch.no_grad()
     def __call__(self, replica) -> dict:
-        from .gate import get_gate
+        from ..runtime.gate import get_gate
 
         t = time.perf_counter()
         with get_gate().shared(), replica._autocast():

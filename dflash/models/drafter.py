@@ -5,7 +5,7 @@ Shapes: N rows, Q block tokens per row (all blocks of a row, flattened), C conte
   computed once per forward and shared by every layer;
 - every layer: Q from the block; K/V = concat(proj(context), proj(block)); k_norm and RoPE apply
   to both (context keys rotate by the context position ids, block queries/keys by the block
-  position ids); the attention mask decides who sees what (see :mod:`dflash.masks`).
+  position ids); the attention mask decides who sees what (see :mod:`dflash.models.masks`).
 The target's token embedding and lm_head are frozen and shared, so they are not parameters here:
 the caller embeds the block tokens and :func:`drafter_loss` takes the lm_head weight.
 
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .manifest import atomic_path, atomic_write_json
+from ..manifest import atomic_path, atomic_write_json
 
 # ---------------------------------------------------------------------------------------------
 # feature layers
@@ -250,7 +250,7 @@ class Attention(nn.Module):
 
         They depend only on the context features and their positions, never on the block, so
         speculative decoding computes them once per verified position and appends (the drafter
-        KV cache, :class:`dflash.speculative.DrafterCache`).
+        KV cache, :class:`dflash.eval.speculative.DrafterCache`).
         """
         k = self.k_norm(self._heads(self.k_proj(ctx), self.nkv)).transpose(1, 2)
         v = self._heads(self.v_proj(ctx), self.nkv).transpose(1, 2)

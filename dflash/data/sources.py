@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from .errors import DFlashError
+from ..errors import DFlashError
 from .generate import eos_ids_of, generate_batch, sample_seed
-from .manifest import fingerprint
+from ..manifest import fingerprint
 from .prompts import BadReport, Prompt, eval_overlap, load_prompts, normalize, render_prompt
 
 
@@ -36,7 +36,7 @@ class Sample:
 def tokenizer_for(model: str):
     from transformers import AutoTokenizer
 
-    from .target import tokenizer_dir
+    from ..models.target import tokenizer_dir
 
     return AutoTokenizer.from_pretrained(tokenizer_dir(model))
 
@@ -88,8 +88,8 @@ def source_quotas(d) -> list[tuple[str, int]]:
     ``count`` entries get their count; the others share ``max_prompts`` minus the counts by
     ``weight`` (default 1; largest remainder, ties to the earlier entry).
     """
-    from .errors import SpecError
-    from .spec import SourceSpec
+    from ..errors import SpecError
+    from ..spec import SourceSpec
 
     entries = d.sources or (SourceSpec(source=d.source, count=d.max_prompts),)
     fixed = 0
@@ -185,10 +185,10 @@ def _name(src: str, i: int, taken: dict) -> str:
 
 
 def _self_written(spec, tokenizer, count: int, reject, seen: set[str], data_dir: Path | None):
-    """``count`` prompts written by the target (dflash/self_written.py) with the data engine."""
+    """``count`` prompts written by the target (dflash/data/self_written.py) with the data engine."""
     from .generate import Engine, resolve_engine
     from .self_written import write_prompts
-    from .target import load_target, target_fingerprint
+    from ..models.target import load_target, target_fingerprint
 
     d = spec.data
     sw = d.self_written
@@ -247,7 +247,7 @@ SYNTHETIC = "synthetic"
 
 
 def _synthetic_vocab_eos(spec) -> tuple[int, int]:
-    from .target import hf_config
+    from ..models.target import hf_config
 
     cfg = hf_config(spec.target)
     eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else 2

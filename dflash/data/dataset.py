@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import DFlashError
-from .manifest import expect, read_manifest, sha256_file
+from ..errors import DFlashError
+from ..manifest import expect, read_manifest, sha256_file
 
 DATASET = "dataset.parquet"
 
@@ -31,7 +31,7 @@ def load_dataset(spec, results_dir: Path) -> TokenDataset:
     """Read ``results_dir/data``, refusing a stale (other spec/target) or modified dataset."""
     import pyarrow.parquet as pq
 
-    from .target import target_fingerprint
+    from ..models.target import target_fingerprint
 
     data_dir = Path(results_dir) / "data"
     mpath = data_dir / "manifest.json"

@@ -11,9 +11,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .masks import (Blocks, PackedRow, attention_backend, block_loss_weights, dense_mask,
-                    flex_block_mask)
-from .model import DFlashConfig, DFlashDrafter, drafter_loss
+from ..models.masks import (
+    Blocks,
+    PackedRow,
+    attention_backend,
+    block_loss_weights,
+    dense_mask,
+    flex_block_mask,
+)
+from ..models.drafter import DFlashConfig, DFlashDrafter, drafter_loss
 
 
 @dataclass
@@ -49,7 +55,7 @@ class DrafterReplica:
         self.gamma = spec.loss.gamma
         self.num_slots_full = spec.batching.max_anchors
         self.token_budget = spec.batching.token_budget
-        from .spec import dtype_of
+        from ..spec import dtype_of
 
         # fp32 master weights; bf16/fp16 compute through autocast on CUDA
         self.compute_dtype = dtype_of(spec.drafter.dtype)

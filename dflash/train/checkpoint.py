@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .manifest import _fsync_dir, atomic_write_json, sha256_file
+from ..manifest import _fsync_dir, atomic_write_json, sha256_file
 
 CKPT_VERSION = 1
 

@@ -2,8 +2,8 @@
 compile it (regional compilation).
 
 Two users run the target's layers themselves instead of through HF's forward: the generation
-engine (:mod:`dflash.generate`: static KV cache, CUDA graphs) and the feature extractor
-(:class:`dflash.target.FeatureExtractor`: packed rows, document mask). Both call these functions
+engine (:mod:`dflash.data.generate`: static KV cache, CUDA graphs) and the feature extractor
+(:class:`dflash.models.target.FeatureExtractor`: packed rows, document mask). Both call these functions
 with the layer module as the first argument and compile them with :func:`compile_region`: dynamo
 lifts the layer's parameters to graph inputs, so ONE compiled graph serves every layer (one
 compile, not one per layer), and inductor fuses what eager mode runs as separate memory-bound
@@ -72,7 +72,7 @@ def out_mlp(layer, x, o):
 def compile_region(fn: Callable, backend: str) -> Callable:
     """The one regional compile: ``fn`` takes a layer module first and is compiled once with
     static shapes (a graph per shape, shared by every layer). Call the result only inside the
-    compile gate (:mod:`dflash.gate`): its first call per shape compiles."""
+    compile gate (:mod:`dflash.runtime.gate`): its first call per shape compiles."""
     import torch
 
     return torch.compile(fn, backend=backend, dynamic=False)
