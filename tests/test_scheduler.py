@@ -57,7 +57,7 @@ def _pipeline(spec, samples, total_epochs=2, fail_at=None, on_step=None):
 
     return Pipeline(target_workers=make_target_workers(spec), replicas=replicas,
                     step_map=step_map, make_row=make_row, start_step=0, total_steps=total,
-                    seed=0, mask_token_id=cfg.mask_token_id, queue_depth=2, on_step=on_step,
+                    seed=0, queue_depth=2, on_step=on_step,
                     fail_at=fail_at), replicas, step_map
 
 

@@ -29,7 +29,7 @@ def measure(spec, anchors: int, device: str, steps: int, peak: float | None) -> 
     from dflash.train.flops import drafter_flops_per_step
     from dflash.runtime.gate import get_gate, worker_thread_setup
     from dflash.models.masks import sample_anchors
-    from dflash.spec import dtype_of
+    from dflash.models.dtypes import dtype_of
     from dflash.train.workers import buckets, drafter_config, initial_state, make_replicas
     from dflash.train.warm import synthetic_row, warm_replica
 
@@ -76,7 +76,8 @@ def measure(spec, anchors: int, device: str, steps: int, peak: float | None) -> 
 
 def main() -> None:
     from dflash.train.flops import measure_peak_flops
-    from dflash.spec import dtype_of, load_spec
+    from dflash.models.dtypes import dtype_of
+    from dflash.spec import load_spec
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--spec", required=True)
