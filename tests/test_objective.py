@@ -51,7 +51,7 @@ def case(B, seed=0, kind="ce", gamma=7.0, cap=None, top_k=8):
 def soft_of(target_logits, r, k):
     pos = soft_positions(r.doc_ids, r.loss_mask)
     top = torch.log_softmax(target_logits[pos], -1).topk(k, dim=-1)
-    return SoftLabels(pos, top.indices, top.values)
+    return SoftLabels(pos, top.indices.to(torch.int32), top.values)
 
 
 def reference(obj, blocks, hidden, head, target_logits, top_k):
@@ -195,8 +195,8 @@ def test_target_soft_labels_equal_a_plain_hf_forward():
             local = soft.positions[mine] - sel[0]
             top = lp[local].topk(6, dim=-1)
             torch.testing.assert_close(soft.logprobs[mine], top.values, atol=1e-5, rtol=1e-5)
-            assert torch.equal(soft.token_ids[mine], top.indices)
-    assert soft.nbytes() == soft.positions.numel() * (8 + 6 * (8 + 4))
+            assert torch.equal(soft.token_ids[mine].long(), top.indices)
+    assert soft.nbytes() == soft.positions.numel() * (8 + 6 * (4 + 4))
     with pytest.raises(ValueError, match="whole target"):
         FeatureExtractor(load_target(TARGET, "cpu", need_tokenizer=False, num_layers=3),
                          soft_top_k=4)

@@ -449,7 +449,7 @@ class FeatureExtractor:
             for s in range(0, max(1, positions.numel()), self.SOFT_CHUNK):  # >= 1: P may be 0
                 lp = torch.log_softmax(head(last[positions[s:s + self.SOFT_CHUNK]]).float(), -1)
                 top = lp.topk(self.soft_top_k, dim=-1)
-                ids.append(top.indices)
+                ids.append(top.indices.to(torch.int32))  # vocab < 2**31: half the bytes
                 lps.append(top.values)
         return SoftLabels(positions, torch.cat(ids), torch.cat(lps))
 

@@ -30,7 +30,7 @@ class SoftLabels:
     exp sums to <= 1; the objective renormalises them), float32 for an exact loss."""
 
     positions: torch.Tensor  # Long[P]
-    token_ids: torch.Tensor  # Long[P, k]
+    token_ids: torch.Tensor  # Int32[P, k] (vocabularies are < 2**31 tokens)
     logprobs: torch.Tensor   # Float[P, k]
 
     @property

@@ -111,6 +111,7 @@ class Objective:
             raise ValueError(f"loss.kind {self.kind!r} needs the target's soft labels")
         anchor = blocks.anchor_pos.reshape(-1)[keep // self.block_size]
         ids, lp = soft.at(anchor + k - 1, row_len)   # the target's output one before the label
+        ids = ids.long()
         lp = torch.log_softmax(lp.float(), dim=-1)   # top-k renormalised
         pk = lp.exp()
         neg_entropy = (pk * lp).sum(-1)

@@ -41,7 +41,8 @@ def synthetic_output(rep: DrafterReplica, row: PackedRow, feat_width: int, feat_
     if not obj.soft_labels:
         return TargetOutput(feats)
     pos = soft_positions(row.doc_ids, row.loss_mask)
-    ids = torch.randint(0, rep.cfg.vocab_size, (pos.numel(), obj.top_k), generator=g)
+    ids = torch.randint(0, rep.cfg.vocab_size, (pos.numel(), obj.top_k), generator=g,
+                        dtype=torch.int32)
     lp = torch.log_softmax(torch.randn(pos.numel(), obj.top_k, generator=g), -1)
     return TargetOutput(feats, SoftLabels(pos, ids, lp).to(rep.device))
 
