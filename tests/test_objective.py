@@ -252,3 +252,21 @@ def test_max_position_must_be_a_block_position():
                       "kd.yaml").loss.max_position == 3
     with pytest.raises(SpecError, match="loss.kind"):
         parse_spec({**KD_SPEC, "loss": {"gamma": 4, "kind": "kl"}}, "kd.yaml")
+
+
+def test_replica_step_counts_only_supervised_positions():
+    """With loss.max_position the replica's books (labelled, per-position counts) and its
+    gradient cover k <= K only; a bare feature tensor stands for a features-only output."""
+    from dflash.train.workers import drafter_config, initial_state, make_replicas
+
+    spec = parse_spec({**KD_SPEC, "loss": {"gamma": 4, "max_position": 2}}, "kd.yaml")
+    cfg = drafter_config(spec)
+    [rep] = make_replicas(spec, cfg, initial_state(cfg, 0), 10)
+    r = row(4)
+    blocks = rep.anchors(r, 1)
+    feats = torch.randn(1, 64, len(cfg.target_layer_ids) * cfg.hidden_size)
+    res = rep.forward_backward(r, feats, blocks)
+    has = (blocks.labels != IGNORE_INDEX).reshape(-1, 4)
+    assert res.counts == [0, int(has[:, 1].sum()), int(has[:, 2].sum()), 0]
+    assert res.labelled == sum(res.counts) and float(res.hits[3]) == 0
+    assert torch.isfinite(res.loss) and rep.flat_grad().abs().sum() > 0
