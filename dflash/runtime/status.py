@@ -17,6 +17,17 @@ from ..manifest import atomic_write_json
 STEADY_SKIP = 0.2  # the first 20 % of steps are not steady state (allocator, caches)
 
 
+def worker_name(role: str, index: int) -> str:
+    """A worker's name (its thread's, and its key in busy_s/wait_s/first_step_s of the status,
+    the train manifest and the report): ``role`` is "target" or "drafter"."""
+    return f"{role}-{index}"
+
+
+def by_role(times: dict, role: str) -> dict:
+    """The entries of a per-worker dict (keyed by :func:`worker_name`) of one role."""
+    return {k: v for k, v in times.items() if k.rpartition("-")[0] == role}
+
+
 def _memory() -> dict:
     import torch
 

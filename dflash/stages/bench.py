@@ -15,7 +15,10 @@ from pathlib import Path
 
 
 from ..errors import DFlashError
-from ..train.flops import drafter_flops_per_step, measure_peak_flops, target_flops
+from ..env.facts import hardware_facts
+from ..runtime.status import by_role
+from ..train.flops import (drafter_flops_per_step, measure_peak_flops, target_flops,
+                           worker_balance)
 from ..eval.report import training_curves, write_report
 from ..manifest import atomic_write_text, expect, read_manifest
 from . import StageContext
@@ -147,8 +150,8 @@ def throughput(ctx: StageContext, source: dict, metrics: list[dict]) -> dict:
     busy, wait = source.get("busy_s", {}), source.get("wait_s", {})
     # share of each target thread's life spent computing, not waiting for work or for room in
     # the queues (train_s also holds the final checkpoint, after the targets are done)
-    target_busy = [v / (v + wait.get(k, 0.0)) for k, v in busy.items()
-                   if k.startswith("target") and v + wait.get(k, 0.0) > 0]
+    target_busy = [v / (v + wait.get(k, 0.0)) for k, v in by_role(busy, "target").items()
+                   if v + wait.get(k, 0.0) > 0]
     n_run = max(1, (source.get("steps") or {}).get("run_now") or steady.get("steps") or 1)
     n_t, n_d = len(spec.topology.targets), len(spec.topology.drafters)
     on_cpu = all(d == "cpu" for d in spec.devices())
@@ -165,7 +168,7 @@ def throughput(ctx: StageContext, source: dict, metrics: list[dict]) -> dict:
         target_mfu, drafter_mfu = t_fl / seconds / t_peak, d_fl / seconds / d_peak
         # the drafter's MFU while it computes (a starved drafter idles; that is the target
         # side's share, not the drafter's efficiency): window FLOPs over its busy time there
-        d_busy = [v / n_run for k, v in busy.items() if k.startswith("drafter")]
+        d_busy = [v / n_run for v in by_role(busy, "drafter").values()]
         if d_busy and not on_cpu and sum(d_busy) > 0:
             drafter_mfu_busy = d_fl / (sum(d_busy) / len(d_busy) * len(window)) / d_peak
     return {
@@ -187,143 +190,6 @@ def throughput(ctx: StageContext, source: dict, metrics: list[dict]) -> dict:
                       "note": "busy: target forward (host-synced) / drafter fwd+bwd+optim "
                               "(CUDA events); wait: for inputs, room in queues, barriers"},
     }
-
-
-BALANCE_MARGIN = 0.9  # recommended anchors fill this share of the target's step time
-
-
-def worker_balance(spec, dcfg, window: list[dict], busy: dict, wait: dict, n_run: int) -> dict:
-    """Per-GPU rates from busy time, the drafter's idle share, the ``batching.max_anchors``
-    that would balance the drafter to the target, and projections to other GPU splits.
-
-    Rates: a step trains one row per drafter and the targets share those rows, so a target GPU
-    does ``tokens/step / T`` per its busy seconds and a drafter GPU ``tokens/step / D`` per its
-    busy seconds (its capacity at the current anchors: it is busy only part of the step when
-    starved). Anchors: a drafter step costs ``c0 + A·c1`` FLOPs (:func:`drafter_cost`: the
-    context's K/V and fc are fixed, block tokens and the lm_head grow with the A anchor slots),
-    and its busy time scales with that cost, so the anchors that make it busy
-    ``BALANCE_MARGIN`` × the target's step are ``(margin·t/d·c(A) − c0) / c1``: more training
-    signal per target token at no wall time while the drafter would idle (fewer when it is the
-    bottleneck), capped at ``token_budget`` (spec validation) and rounded down to 64.
-    """
-    n_t, n_d = len(spec.topology.targets), len(spec.topology.drafters)
-    t_busy = [v / n_run for k, v in busy.items() if k.startswith("target")]
-    d_busy = [v / n_run for k, v in busy.items() if k.startswith("drafter")]
-    if not window or not t_busy or not d_busy or min(t_busy + d_busy) <= 0:
-        return {"skipped": "no steady-state steps or no busy times recorded"}
-    t_busy_s, d_busy_s = sum(t_busy) / len(t_busy), sum(d_busy) / len(d_busy)
-    tokens = sum(m["tokens"] for m in window) / len(window)
-    labelled = sum(m["labelled"] for m in window) / len(window)
-    b, B = spec.batching, spec.drafter.block_size
-    target_rate = tokens / n_t / t_busy_s
-    drafter_rate = tokens / n_d / d_busy_s
-    idle = [wait.get(k, 0.0) / (v + wait.get(k, 0.0)) for k, v in busy.items()
-            if k.startswith("drafter") and v + wait.get(k, 0.0) > 0]
-    t_idle = [wait.get(k, 0.0) / (v + wait.get(k, 0.0)) for k, v in busy.items()
-              if k.startswith("target") and v + wait.get(k, 0.0) > 0]
-    row_tokens = tokens / n_d
-    a_now = b.max_anchors
-    c0 = drafter_cost(dcfg, row_tokens, 0, B)
-    c_now = drafter_cost(dcfg, row_tokens, a_now, B)
-    c1 = (c_now - c0) / a_now
-    ideal = (BALANCE_MARGIN * t_busy_s / d_busy_s * c_now - c0) / c1
-    rec = int(max(1, min(b.token_budget, ideal)))
-    rec = max(1, rec - rec % 64) if rec >= 64 else rec
-    rate_rec = drafter_rate * c_now / drafter_cost(dcfg, row_tokens, rec, B)
-    splits = sorted({(n_t, n_d), *((t, 8 - t) for t in range(1, 8))})
-    return {
-        "target_tokens_per_s_per_gpu": target_rate,
-        "drafter_tokens_per_s_per_gpu": drafter_rate,
-        "target_busy_s_per_step": t_busy_s, "drafter_busy_s_per_step": d_busy_s,
-        "drafter_idle_fraction": sum(idle) / len(idle) if idle else None,
-        "target_idle_fraction": sum(t_idle) / len(t_idle) if t_idle else None,
-        "anchors": {
-            "max_anchors": a_now,
-            # labelled positions per row / (B−1): slots a row could not fill count as unused
-            "used_per_row": labelled / n_d / (B - 1),
-            "recommended_max_anchors": rec, "margin": BALANCE_MARGIN,
-            "unbounded_recommendation": round(ideal, 1),
-            "drafter_tokens_per_s_per_gpu_at_recommended": rate_rec,
-        },
-        "projection": {
-            "formula": "tokens/s = min(T × target tokens/s per GPU, D × drafter tokens/s per "
-                       "GPU) from this run's per-GPU busy rates",
-            "splits": [{"targets": t, "drafters": d,
-                        "tokens_per_s": project_tokens_per_s(target_rate, drafter_rate, t, d),
-                        "tokens_per_s_at_recommended_anchors":
-                            project_tokens_per_s(target_rate, rate_rec, t, d)}
-                       for t, d in splits],
-        },
-        "note": "busy totals over the run's steps (the first step included), tokens over the "
-                "steady-state window; on CPU all workers share the cores, so rates there only "
-                "describe this run",
-    }
-
-
-def drafter_cost(dcfg, row_tokens: float, anchors: int, block_size: int) -> float:
-    """FLOPs a drafter step computes for one row with ``anchors`` slots (all slots run, padded
-    or not): the cost model the anchor recommendation scales busy time with."""
-    return drafter_flops_per_step(dcfg, row_tokens, anchors * block_size,
-                                  anchors * (block_size - 1))
-
-
-def project_tokens_per_s(target_rate: float, drafter_rate: float, targets: int,
-                         drafters: int) -> float:
-    """Target tokens/s of ``targets`` target GPUs + ``drafters`` drafter GPUs with the measured
-    per-GPU rates: the slower side sets the pace (the pipeline overlaps the two)."""
-    return min(targets * target_rate, drafters * drafter_rate)
-
-
-def hardware_facts(devices: list[str], env_manifest: dict) -> dict:
-    """The GPUs the run used: model name per topology device, their count, the NVIDIA driver
-    (the env stage's record of this machine, else NVML, else nvidia-smi). CPU runs say so."""
-    gpus = sorted({d for d in devices if d.startswith("cuda")},
-                  key=lambda d: int(d.partition(":")[2] or 0))
-    if not gpus:
-        return {"accelerator": "cpu", "gpu_count": 0, "gpus": [], "driver": None,
-                "note": "CPU run: no GPU in the topology"}
-    import torch
-
-    names = []
-    for d in gpus:
-        try:
-            names.append({"device": d, "name": torch.cuda.get_device_name(torch.device(d))})
-        except Exception as e:  # noqa: BLE001 - a report field, not a reason to fail the bench
-            names.append({"device": d, "name": None, "error": f"{type(e).__name__}: {e}"})
-    driver, source = (env_manifest.get("nvidia") or {}).get("driver"), "env manifest"
-    if not driver:
-        driver, source = _nvidia_driver()
-    return {"accelerator": "cuda", "gpu_count": len(gpus), "gpus": names,
-            "models": sorted({n["name"] for n in names if n["name"]}),
-            "driver": driver, "driver_source": source if driver else None,
-            "visible_gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0}
-
-
-def _nvidia_driver() -> tuple[str | None, str | None]:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            v = pynvml.nvmlSystemGetDriverVersion()
-            return (v.decode() if isinstance(v, bytes) else str(v)), "pynvml"
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # noqa: BLE001 - not installed or no driver: try the next source
-        pass
-    import shutil
-    import subprocess
-
-    if shutil.which("nvidia-smi"):
-        try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
-                                  "--format=csv,noheader"], capture_output=True, text=True,
-                                 timeout=30).stdout.split()
-            if out:
-                return out[0].strip(), "nvidia-smi"
-        except (OSError, subprocess.SubprocessError):
-            pass
-    return None, None
 
 
 def run_facts(ctx: StageContext, source: dict) -> dict:

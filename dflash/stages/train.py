@@ -28,6 +28,7 @@ import torch
 from ..train import checkpoint as ckpt
 from ..manifest import atomic_write_text, expect, read_manifest, write_manifest
 from ..cache import compile_cache_dir
+from ..runtime.status import by_role
 from . import StageContext
 
 
@@ -500,8 +501,8 @@ def write_train_manifest(job: Job, progress: Progress, trained: Trained, warm_st
         warm_start={"seconds": round(warm_start_s, 3), "records": warm_records},
         # the first *training* step: the drafter replicas' first optimizer step (replicas step
         # together; target workers finish their first forward earlier)
-        time_to_first_step_s=round(min((v for k, v in pipe.first_step_s.items()
-                                        if k.startswith("drafter")), default=0.0)
+        time_to_first_step_s=round(min(by_role(pipe.first_step_s, "drafter").values(),
+                                       default=0.0)
                                    + warm_start_s, 3),
         first_step_s=pipe.first_step_s,
         gate={"enabled": st["enabled"], "compiles": st["compiles"]["count"],

@@ -35,6 +35,7 @@ import torch
 
 from ..errors import DFlashError
 from ..runtime.gate import get_gate, worker_thread_setup
+from ..runtime.status import worker_name
 from ..models.masks import PackedRow, sample_anchors
 
 POLL_S = 0.1
@@ -246,7 +247,7 @@ class Pipeline:
             self._fail("feeder", "cpu", e)
 
     def _target_worker(self, i: int, device: str, feature_fn: Callable) -> None:
-        name = f"target-{i}"
+        name = worker_name("target", i)
         try:
             worker_thread_setup()
             busy = wait = 0.0
@@ -285,7 +286,7 @@ class Pipeline:
 
     def _drafter_worker(self, r: int) -> None:
         rep = self.replicas[r]
-        name = f"drafter-{r}"
+        name = worker_name("drafter", r)
         try:
             worker_thread_setup()
             pending: dict[int, tuple] = {}
@@ -442,10 +443,10 @@ class Pipeline:
             tick_s: float = 5.0) -> None:
         threads = [threading.Thread(target=self._feeder, name="feeder", daemon=True)]
         threads += [threading.Thread(target=self._target_worker, args=(i, dev, fn),
-                                     name=f"target-{i}", daemon=True)
+                                     name=worker_name("target", i), daemon=True)
                     for i, (dev, fn) in enumerate(self.targets)]
         threads += [threading.Thread(target=self._drafter_worker, args=(r,),
-                                     name=f"drafter-{r}", daemon=True)
+                                     name=worker_name("drafter", r), daemon=True)
                     for r in range(self.M)]
         self.t0 = time.perf_counter()
         for t in threads:
