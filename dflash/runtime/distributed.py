@@ -28,13 +28,9 @@ from datetime import timedelta
 
 import torch
 
+from .. import settings
 from ..errors import DFlashError
 
-WORKER_ENV = "DFLASH_DIST_WORKER"   # set by dflash.runtime.launch for the processes torchrun starts
-HEARTBEAT_S = float(os.environ.get("DFLASH_HEARTBEAT_S", "1"))
-STALE_S = float(os.environ.get("DFLASH_HEARTBEAT_TIMEOUT_S", "15"))
-# a backstop only (the watchdog acts first): long enough for rank 0's checkpoint or τ monitor
-COLLECTIVE_TIMEOUT_S = float(os.environ.get("DFLASH_COLLECTIVE_TIMEOUT_S", "600"))
 
 
 class PeerFailed(DFlashError):
@@ -43,19 +39,18 @@ class PeerFailed(DFlashError):
 
 
 def is_worker() -> bool:
-    return os.environ.get(WORKER_ENV) == "1" and "RANK" in os.environ
+    return settings.dist_worker() and "RANK" in os.environ
 
 
 def select_local_gpus() -> None:
     """Simulated nodes on one machine: local process i sees GPUs [i·k, (i+1)·k) of the ones
     the launcher saw, renumbered from 0, so the spec's per-node 'cuda:0' is its own GPU. Must run
     before anything initialises CUDA."""
-    k = int(os.environ.get("DFLASH_GPUS_PER_NODE", "0") or 0)
+    k = settings.gpus_per_node()
     if k <= 0 or not is_worker():
         return
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    seen = os.environ.get("DFLASH_LAUNCH_VISIBLE_DEVICES", "").split(",")
-    seen = [d for d in seen if d]
+    seen = settings.launch_visible_devices()
     mine = seen[local * k:(local + 1) * k]
     if len(mine) < k:
         raise DFlashError(f"topology.nodes: local process {local} needs GPUs "
@@ -78,7 +73,8 @@ class Dist:
         self.backend = "nccl" if cuda else "gloo"
         if cuda:
             torch.cuda.set_device(torch.device(lead_device))
-        timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        # a backstop only (the watchdog acts first): long enough for rank 0's checkpoint or τ
+        timeout = timedelta(seconds=settings.collective_timeout_s())
         dist.init_process_group(self.backend, timeout=timeout)
         # small host-side records (sample ids, losses) go over gloo whatever the grads use
         self.meta = dist.new_group(backend="gloo", timeout=timeout) if cuda else None
@@ -134,8 +130,8 @@ class Dist:
 class Watchdog:
     """Heartbeats and failure records in the rendezvous store (torch.distributed.TCPStore).
 
-    Every HEARTBEAT_S each rank bumps ``hb/<rank>`` and reads the others'; a peer whose counter
-    has not moved for STALE_S, a failure record ``failed``, or a store that cannot be reached (it
+    Every ``DFLASH_HEARTBEAT_S`` each rank bumps ``hb/<rank>`` and reads the others'; a peer whose counter
+    has not moved for ``DFLASH_HEARTBEAT_TIMEOUT_S``, a failure record ``failed``, or a store that cannot be reached (it
     lives with node 0's torchrun) is a dead job: :meth:`on_failure` callbacks run (the pipeline
     stops) and, if this process has not left by itself within a few seconds, it exits here.
     """
@@ -202,7 +198,7 @@ class Watchdog:
 
     def _loop(self) -> None:
         last: dict[int, tuple[int, float]] = {}
-        while not self._stop.wait(HEARTBEAT_S):
+        while not self._stop.wait(settings.heartbeat_s()):
             try:
                 self.store.add(f"hb/{self.d.rank}", 1)
                 if not self._reported and self.store.check(["failed"]):
@@ -218,7 +214,7 @@ class Watchdog:
                     n = self.store.add(f"hb/{r}", 0)
                     if r not in last or last[r][0] != n:
                         last[r] = (n, now)
-                    elif now - last[r][1] > STALE_S:
+                    elif now - last[r][1] > settings.heartbeat_timeout_s():
                         self._fire(f"{self.d.name(r)} stopped responding (no heartbeat for "
                                    f"{now - last[r][1]:.0f} s: killed, crashed or its node is "
                                    f"gone); stopping {self.d.name()}")

@@ -45,7 +45,6 @@ DEADLOCK RULES
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 import warnings
@@ -53,6 +52,7 @@ from typing import Any, Callable, Hashable, Iterator
 
 import torch
 
+from dflash import settings
 from dflash.errors import PoisonedProcess
 
 __all__ = [
@@ -426,5 +426,5 @@ def get_gate() -> Gate:
     global _GATE
     with _GATE_LOCK:
         if _GATE is None:
-            _GATE = NoGate() if os.environ.get("DFLASH_GATE", "on") == "off" else Gate()
+            _GATE = NoGate() if settings.gate_off() else Gate()
         return _GATE
