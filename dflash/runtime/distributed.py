@@ -18,13 +18,16 @@ collectives time out as a backstop. No rank hangs.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import socket
 import sys
 import threading
 import time
+import traceback
 from datetime import timedelta
+from typing import Callable
 
 import torch
 
@@ -256,3 +259,86 @@ def init(lead_device: str) -> Dist | None:
     if _CURRENT is None and is_worker():
         _CURRENT = Dist(lead_device)
     return _CURRENT
+
+
+# ---------------------------------------------------------------------------------------------
+# supervising one rank of a multi-node run
+# ---------------------------------------------------------------------------------------------
+def supervise(comm: Dist, fn: Callable[[], dict]) -> dict:
+    """Run one node's share of a multi-node job (``fn``). Whatever fails, every rank exits
+    promptly with one message naming the rank (and host) at fault; a finished run leaves the
+    group together."""
+    try:
+        result = fn()
+        comm.close()
+        return result
+    except BaseException as e:  # noqa: BLE001 - reported below, then this process exits
+        verdict = comm.watchdog.verdict
+        if verdict is None and lost_peer(e):
+            # a collective failed because a peer vanished: the watchdog names which one
+            deadline = time.monotonic() + settings.heartbeat_timeout_s() + 3
+            while comm.watchdog.verdict is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            verdict = comm.watchdog.verdict
+        if verdict is not None:
+            msg, code = verdict, PeerFailed.exit_code
+        else:
+            msg = f"{comm.name()} failed: {e}" if isinstance(e, DFlashError) else \
+                f"{comm.name()} failed: {type(e).__name__}: {e}"
+            code = getattr(e, "exit_code", 1)
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            comm.watchdog.report_failure(first)
+            if not isinstance(e, DFlashError) or e.__cause__ is not None:
+                traceback.print_exception(e, file=sys.stderr)
+            # let the other ranks read the record and stop with this rank's error named
+            # before torchrun notices this exit and terminates them
+            time.sleep(3 * settings.heartbeat_s())
+        comm.watchdog.stop()
+        print(f"error: {msg}", file=sys.stderr)
+        print("what to do: fix the cause above if any, then rerun the same command; training "
+              "resumes from the last checkpoint", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # no interpreter shutdown: a thread may still wait in a collective for the dead peer
+        os._exit(code)
+
+
+def lost_peer(e: BaseException) -> bool:
+    """Whether an exception (or one in its chain) is a collective failing because a peer
+    vanished: torch.distributed reports it only as text (gloo/NCCL errors, closed sockets)."""
+    text = ""
+    while e is not None:
+        text += f" {type(e).__name__}: {e}"
+        e = e.__cause__ or e.__context__
+    return any(k in text for k in ("Connection closed", "Connection reset", "Broken pipe",
+                                   "gloo", "NCCL", "DistBackendError", "timed out",
+                                   "Socket", "ECONNRESET"))
+
+
+def weights_sha256(state_dict: dict) -> str:
+    h = hashlib.sha256()
+    for k, v in sorted(state_dict.items()):
+        h.update(k.encode())
+        h.update(v.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def rank_report(comm: Dist | None, state_dict: dict, allreduce_s: float, steps: int,
+                n_params: int) -> dict:
+    """Across nodes: every rank's weights (hashed; equal: the replicas stayed identical across
+    nodes), host and seconds in the cross-node all-reduce (from the local sum being ready to
+    the global sum being there: transfer plus waiting for the slowest rank), gathered in rank
+    order, and the gradient bytes each all-reduce moves. ``{"nodes": 1}`` for a one-node run."""
+    if comm is None:
+        return {"nodes": 1}
+    local = {"rank": comm.rank, "host": comm.host, "weights_sha256": weights_sha256(state_dict),
+             "allreduce_s": {"total": round(allreduce_s, 4),
+                             "per_step_mean": allreduce_s / max(1, steps)}}
+    ranks = comm.all_gather(local)
+    per_step = [r["allreduce_s"]["per_step_mean"] for r in ranks]
+    return {"nodes": len(ranks), "backend": comm.backend,
+            "hosts": [r["host"] for r in ranks],
+            "allreduce_bytes_per_step": (n_params + 1) * 4,
+            "allreduce_s_per_step_mean": sum(per_step) / len(per_step),
+            "allreduce_s_per_step_by_rank": per_step,
+            "weights_sha256_by_rank": [r["weights_sha256"] for r in ranks],
+            "replicas_identical_across_ranks": len({r["weights_sha256"] for r in ranks}) == 1}

@@ -91,10 +91,7 @@ class StatusReporter:
             busy=busy_fractions(pipe.busy_s, pipe.wait_s),
             busy_s={k: round(v, 3) for k, v in pipe.busy_s.items()},
             wait_s={k: round(v, 3) for k, v in pipe.wait_s.items()},
-            gate={"shared_wait_s": g["shared_wait_s"], "exclusive_wait_s": g["exclusive_wait_s"],
-                  "compiles": g["compiles"]["count"],
-                  "recompiles_after_warmup": g["recompiles_after_warmup"]["count"],
-                  "race_errors": g["race_errors"]["count"]},
+            gate=g.summary(),
             healthy_workers=sorted(pipe.first_step_s), elapsed_s=round(time.perf_counter()
                                                                         - self.t0, 1))
         self._write()
@@ -109,8 +106,8 @@ class StatusReporter:
               f"{'%.0f' % tps if tps else '-'} tok/s · loss "
               f"{'%.4f' % loss if loss is not None else '-'} · queues {self.state['queues']} · "
               f"busy {self.state['busy']} · "
-              f"gate wait {g['shared_wait_s']:.2f}s/{g['exclusive_wait_s']:.2f}s · "
-              f"recompiles {g['recompiles_after_warmup']['count']} · mem {self.state['memory']}",
+              f"gate wait {g.shared_wait_s:.2f}s/{g.exclusive_wait_s:.2f}s · "
+              f"recompiles {g.recompiles_after_warmup} · mem {self.state['memory']}",
               flush=True)
 
     def steady_state(self) -> dict:

@@ -17,6 +17,7 @@ from pathlib import Path
 from ..errors import DFlashError
 from ..env.facts import hardware_facts
 from ..runtime.status import by_role
+from ..train.trainer import timed_run
 from ..train.flops import (drafter_flops_per_step, measure_peak_flops, target_flops,
                            worker_balance)
 from ..eval.report import training_curves, write_report
@@ -126,8 +127,6 @@ def throughput_source(ctx: StageContext, train: dict, out: Path) -> tuple[dict, 
     b = ctx.spec.bench
     if b.mode != "run":
         return train, _read_metrics(ctx.results / "train" / "metrics.jsonl")
-    from .train import timed_run
-
     timed = timed_run(ctx, out / "run", b.warmup_steps + b.steps)
     return timed, _read_metrics(out / "run" / "metrics.jsonl")[b.warmup_steps:]
 

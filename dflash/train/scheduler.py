@@ -192,7 +192,9 @@ class Pipeline:
         self.last_record: StepRecord | None = None
 
     # ---- helpers -----------------------------------------------------------------------------
-    def _fail(self, name: str, device: str, exc: BaseException) -> None:
+    def fail(self, name: str, device: str, exc: BaseException) -> None:
+        """Stop the pipeline with this error (the first one wins): every worker ends promptly
+        and :meth:`run` raises it, naming the worker and device (the watchdog uses it too)."""
         with self._err_lock:
             if self.error is None:
                 self.error = (name, device, exc, traceback.format_exc())
@@ -244,7 +246,7 @@ class Pipeline:
         except Stopped:
             pass
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
-            self._fail("feeder", "cpu", e)
+            self.fail("feeder", "cpu", e)
 
     def _target_worker(self, i: int, device: str, feature_fn: Callable) -> None:
         name = worker_name("target", i)
@@ -276,7 +278,7 @@ class Pipeline:
         except Stopped:
             pass
         except BaseException as e:  # noqa: BLE001
-            self._fail(name, device, e)
+            self.fail(name, device, e)
 
     def _next_item(self, r: int, step: int, pending: dict):
         while step not in pending:
@@ -341,7 +343,7 @@ class Pipeline:
         except Stopped:
             pass
         except BaseException as e:  # noqa: BLE001
-            self._fail(name, rep.device, e)
+            self.fail(name, rep.device, e)
 
     def _local_sum(self, results: list) -> tuple[torch.Tensor | None, int]:
         """The sum of this node's active replicas' flat gradients on the lead device (fixed
@@ -464,7 +466,7 @@ class Pipeline:
                     on_tick(self)
                     next_tick = time.perf_counter() + tick_s
         except KeyboardInterrupt as e:
-            self._fail("main", "cpu", e)
+            self.fail("main", "cpu", e)
         # wake everyone, then wait a bounded time for the threads to leave
         if self.stop.is_set():
             deadline = time.perf_counter() + 10
