@@ -12,7 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from dflash.data.generate import Engine, eos_ids_of, generate_batch, sample_seed
+from dflash.data.engine import Engine
+from dflash.data.generate import eos_ids_of, generate_batch, sample_seed
 from dflash.spec import load_spec
 from dflash.data.sources import build_samples, tokenizer_for
 from dflash.stages.data import make_chunks
