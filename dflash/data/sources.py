@@ -12,13 +12,14 @@ import time
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Callable
 
 from ..errors import DFlashError, SpecError
 from ..manifest import fingerprint
 from ..models.target import hf_config, load_target, target_fingerprint, tokenizer_dir
 from ..spec import SourceSpec
 from .generate import eos_ids_of, open_generator, resolve_engine, sample_seed
-from .prompts import BadReport, Prompt, eval_overlap, load_prompts, normalize, render_prompt
+from .prompts import BadReport, Prompt, load_prompts, normalize, render_prompt
 from .self_written import write_prompts
 
 
@@ -43,9 +44,14 @@ def tokenizer_for(model: str):
     return AutoTokenizer.from_pretrained(tokenizer_dir(model))
 
 
-def build_samples(spec, tokenizer, data_dir: Path | None = None):
+def build_samples(spec, tokenizer, data_dir: Path | None = None, *,
+                  overlap: Callable[[list[dict], int], str | None]):
     """Load prompts (dropping over-long ones and any that overlap an evaluation set as bad
     records), render, expand. Returns (samples, combined report, prompts, per-source counts).
+
+    ``overlap(messages, n)``: the decontamination check, ``"<set>_overlap"`` or None
+    (:func:`dflash.eval.evalsets.eval_overlap`; required: eval/ sits above data/, so the caller
+    hands it in).
     """
     d = spec.data
     if d.source == SYNTHETIC:
@@ -54,7 +60,7 @@ def build_samples(spec, tokenizer, data_dir: Path | None = None):
     rendered: dict[str, list[int]] = {}
 
     def reject(messages: list[dict]) -> str | None:
-        why = eval_overlap(messages, d.decontaminate_ngram)
+        why = overlap(messages, d.decontaminate_ngram)
         if why:
             return why
         key = json.dumps(messages, sort_keys=True)

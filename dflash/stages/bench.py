@@ -35,7 +35,8 @@ def evaluate_tau(spec, drafter_dir: Path, device: str, results_dir: Path | None 
     the traceback goes to ``bench/tau_error.txt`` beside the report, not to the console.
     """
     from ..data.generate import eos_ids_of
-    from ..eval.tau import evaluate_sets, load_eval_sets
+    from ..eval.evalsets import load_eval_sets
+    from ..eval.tau import evaluate_sets
     from ..models.drafter import load_drafter
     from ..spec import dtype_of
     from ..models.target import load_target, target_embeddings

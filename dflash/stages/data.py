@@ -46,6 +46,7 @@ from ..data.sources import (
     synthetic_responses,
     tokenizer_for,
 )
+from ..eval.evalsets import eval_overlap
 from ..runtime import faults
 from . import StageContext
 
@@ -152,7 +153,8 @@ def run(ctx: StageContext) -> dict:
     fingerprints = {"data": spec.fingerprint("data"), "target": target_fingerprint(spec.target)}
 
     tokenizer = None if d.source == SYNTHETIC else tokenizer_for(spec.target.model)
-    samples, report, prompts, per_source = build_samples(spec, tokenizer, data_dir)
+    samples, report, prompts, per_source = build_samples(spec, tokenizer, data_dir,
+                                                         overlap=eval_overlap)
     chunks = make_chunks(samples, d.gen_batch_size)
     plan_fp = fingerprint([[s.sample_id, list(s.prompt_ids)] for c in chunks for s in c])
     meta = {"fingerprints": fingerprints, "plan": plan_fp}
