@@ -265,3 +265,31 @@ def generate_chunks(devices: Sequence[str], open_one: Callable[[str], object],
             stop.set()
             raise
     return gens
+
+
+class ChunkProgress:
+    """A chunked generation's console line (``log``): one per chunk, at most one per 5 s unless
+    ``every_chunk`` (the fast engine finishes several a second), from any worker thread; and
+    the new tokens so far. ``resumed``: chunks already done before this run."""
+
+    def __init__(self, n_chunks: int, resumed: int, log: Callable[[str], None],
+                 every_chunk: bool):
+        self.n, self.resumed, self.every_chunk, self.log = n_chunks, resumed, every_chunk, log
+        self.chunks, self.new_tokens, self.logged = resumed, 0, 0.0
+        self.lock = threading.Lock()
+        self.t0 = time.time()
+
+    def done(self, dev: str, samples: int, new: int, tc: float) -> None:
+        with self.lock:
+            self.chunks += 1
+            self.new_tokens += new
+            now = time.time()
+            el = now - self.t0
+            left = self.n - self.chunks
+            if now - self.logged >= 5 or left == 0 or self.every_chunk:
+                self.logged = now
+                rate = self.new_tokens / el if el else 0.0
+                eta = el / max(1, self.chunks - self.resumed) * left
+                self.log(f"chunk {self.chunks}/{self.n} on {dev}: {samples} "
+                    f"samples, {new} new tokens in {now - tc:.1f}s; overall "
+                    f"{rate:.1f} tok/s, ETA {eta:.0f}s")

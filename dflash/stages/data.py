@@ -26,15 +26,14 @@ from __future__ import annotations
 
 import json
 import shutil
-import threading
 import time
 from pathlib import Path
 from typing import Sequence
 
 from ..data.dataset import DATASET
 from ..errors import DFlashError
-from ..data.generate import (eos_ids_of, generate_chunks, open_generator, resolve_engine,
-                             sample_seed)
+from ..data.generate import (ChunkProgress, eos_ids_of, generate_chunks, open_generator,
+                             resolve_engine, sample_seed)
 from ..models.target import load_target, target_fingerprint
 from ..manifest import atomic_path, atomic_write_json, fingerprint, sha256_file, write_manifest
 from ..data.sources import (
@@ -201,7 +200,7 @@ def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int) -> dict:
     eos = eos_ids_of(targets[devices[0]])
     info["engine"] = engine = resolve_engine(d.engine, targets[devices[0]].model)
     by_chunk = dict(todo)
-    progress = _Progress(n_chunks, resumed, every_chunk=engine == "hf")
+    progress = ChunkProgress(n_chunks, resumed, log, every_chunk=engine == "hf")
 
     def open_one(dev: str):
         # the fast engine's cache holds the longest prompt still to generate + max_new_tokens;
@@ -238,32 +237,6 @@ def _write_shard(shard_dir: Path, chunk: int, samples, responses, eos: set) -> P
     with atomic_path(path) as tmp:
         pq.write_table(_rows_table(samples, responses, eos), tmp)
     return path
-
-
-class _Progress:
-    """The generation's console line: one per chunk, at most one per 5 s (the fast engine
-    finishes several a second), from any worker thread."""
-
-    def __init__(self, n_chunks: int, resumed: int, every_chunk: bool):
-        self.n, self.resumed, self.every_chunk = n_chunks, resumed, every_chunk
-        self.chunks, self.new_tokens, self.logged = resumed, 0, 0.0
-        self.lock = threading.Lock()
-        self.t0 = time.time()
-
-    def done(self, dev: str, samples: int, new: int, tc: float) -> None:
-        with self.lock:
-            self.chunks += 1
-            self.new_tokens += new
-            now = time.time()
-            el = now - self.t0
-            left = self.n - self.chunks
-            if now - self.logged >= 5 or left == 0 or self.every_chunk:
-                self.logged = now
-                rate = self.new_tokens / el if el else 0.0
-                eta = el / max(1, self.chunks - self.resumed) * left
-                log(f"chunk {self.chunks}/{self.n} on {dev}: {samples} "
-                    f"samples, {new} new tokens in {now - tc:.1f}s; overall "
-                    f"{rate:.1f} tok/s, ETA {eta:.0f}s")
 
 
 def _merge(shard_dir: Path, chunks, samples):
