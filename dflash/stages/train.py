@@ -156,6 +156,7 @@ class Trained:
     status: Any              # dflash.runtime.status.StatusReporter
     ledger: EpochLedger
     seconds: float
+    feature_cache: dict | None = None  # its counters, when features.cache is on
 
 
 def run(ctx: StageContext) -> dict:
@@ -274,6 +275,9 @@ def prepare(ctx: StageContext, out: Path, persist: bool, max_steps: int | None,
     step_map = StepMap(epoch_batches, len(spec.topology.drafters), ranks, rank)
     total_steps = max_steps if max_steps is not None else total_steps_for(spec, step_map)
     cfg = drafter_config(spec)
+    from ..train.feature_cache import check_run
+
+    check_run(spec, ds, out, cfg)  # refuses a cache that does not fit, before heavy work
     replicas = make_replicas(spec, cfg, initial_state(cfg, spec.seed), total_steps)
     run_fp = {"train": spec.fingerprint("train"), "shape": spec.fingerprint("warmup"),
               "dataset_sha256": ds.manifest["dataset"]["sha256"]}
@@ -394,18 +398,25 @@ def train_steps(job: Job, progress: Progress, targets: list, fail_at: dict) -> T
                        "sample_ids": rec.sample_ids, "t": round(rec.t_end - t0, 4), **extra})
         status.step(rec)
         if job.persist and ((rec.step + 1) % every == 0 or rec.step + 1 == job.total_steps):
+            if cache is not None:
+                cache.flush()  # what this checkpoint's steps computed is stored
             # every rank has reached this step (the step's record was gathered from all)
             ckpt.save(out / "checkpoints", rec.step + 1, job.replicas[0], dict(counters),
                       spec.checkpoint.keep, job.run_fingerprint, ledger.state(),
                       nodes=spec.topology.nodes)
 
+    from ..spec import cache_mode
+    from ..train.feature_cache import open_for_run
+
+    cache = open_for_run(spec, ds, out, job.cfg, job.step_map, progress.start_step,
+                         job.total_steps, job.run_fingerprint)
     t0 = time.perf_counter()
     pipe = Pipeline(target_workers=targets, replicas=job.replicas, step_map=job.step_map,
                     make_row=make_row, start_step=progress.start_step,
                     total_steps=job.total_steps, seed=spec.seed,
                     mask_token_id=job.cfg.mask_token_id,
                     queue_depth=spec.topology.queue_depth, on_step=on_step,
-                    fail_at=fail_at, comm=job.comm)
+                    fail_at=fail_at, comm=job.comm, feature_cache=cache)
     if job.comm is not None:
         from ..runtime.distributed import PeerFailed
 
@@ -416,7 +427,11 @@ def train_steps(job: Job, progress: Progress, targets: list, fail_at: dict) -> T
     finally:
         if metrics is not None:
             metrics.close()
-    return Trained(pipe=pipe, status=status, ledger=ledger, seconds=time.perf_counter() - t0)
+        if cache is not None:  # a completed run deletes a disk cache; a failed one keeps it
+            cache.close(remove=pipe.steps_done >= job.total_steps and pipe.error is None)
+    return Trained(pipe=pipe, status=status, ledger=ledger, seconds=time.perf_counter() - t0,
+                   feature_cache=dict(cache.stats, mode=cache_mode(spec),
+                                      dtype=spec.features.dtype) if cache else None)
 
 
 def check_replicas(job: Job) -> bool:
@@ -520,7 +535,8 @@ def write_train_manifest(job: Job, progress: Progress, trained: Trained, warm_st
         replicas=len(job.replicas), replicas_identical=replicas_identical,
         exactly_once=trained.ledger.report(),
         drafter_dir=str(job.out / "drafter"), env_drift_overridden=ctx.drift,
-        topology=asdict(spec.topology), distributed=_distributed_facts(job, across))
+        topology=asdict(spec.topology), distributed=_distributed_facts(job, across),
+        feature_cache=trained.feature_cache)
     trained.status.done(manifest)
     print(f"[train] done: {steps_run} steps in {trained.seconds:.1f}s, final loss "
           f"{manifest['final_loss']}, recompiles after warmup "
