@@ -42,6 +42,7 @@ class TargetSpec:
     num_feature_layers: int
     layer_ids: tuple[int, ...] | None
     compile: str
+    cuda_graph: str
 
 
 @dataclass(frozen=True)

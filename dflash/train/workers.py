@@ -53,7 +53,20 @@ def make_target_workers(spec) -> list[tuple[str, object]]:
                         need_tokenizer=False, attention=attention_backend(dev))
         fx = FeatureExtractor(t, compile=compile_backend(spec.target, dev, spec.compile.backend,
                                                          t.model))
+        if captured(spec, dev, fx):
+            from ..models.target_graph import CapturedFeatures
+
+            cap = CapturedFeatures(fx, dev)  # takes the row's host tensors: one copy in
+            workers.append((dev, lambda row, cap=cap: cap(row.input_ids, row.doc_ids,
+                                                          row.position_ids)))
+            continue
         workers.append((dev, lambda row, fx=fx, dev=dev: fx(row.input_ids.to(dev),
                                                              row.doc_ids.to(dev),
                                                              row.position_ids.to(dev))))
     return workers
+
+
+def captured(spec, device: str, fx) -> bool:
+    """``target.cuda_graph``: auto captures a compiled extractor on a CUDA device."""
+    mode = {False: "off"}.get(spec.target.cuda_graph, spec.target.cuda_graph)
+    return mode == "auto" and device.startswith("cuda") and bool(fx.compile)
