@@ -247,3 +247,16 @@ def test_cached_run_is_exactly_once_and_resumes_bit_identically(tmp_path):
         assert torch.equal(v, ref_weights[k]), k
     assert cache.filled(samples[victim][0])
     cache.close(remove=True)
+
+
+def test_cuda_graph_capture_only_for_a_compiled_cuda_extractor():
+    from types import SimpleNamespace
+
+    from dflash.train.workers import captured
+
+    compiled, eager = SimpleNamespace(compile="inductor"), SimpleNamespace(compile=None)
+    auto, off = _spec(), parse_spec(dict(SPEC, target={**SPEC["target"], "cuda_graph": "off"}),
+                                    "x.yaml")
+    assert captured(auto, "cuda:0", compiled)
+    assert not captured(auto, "cpu", compiled) and not captured(auto, "cuda:0", eager)
+    assert not captured(off, "cuda:0", compiled)
