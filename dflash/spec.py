@@ -42,7 +42,9 @@ class TargetSpec:
     num_feature_layers: int
     layer_ids: tuple[int, ...] | None
     compile: str
-    cuda_graph: str
+    # a default, unlike the other fields: code that builds a TargetSpec by hand (tests, tools)
+    # predates the field; the schema's default is the same
+    cuda_graph: str = "auto"
 
 
 @dataclass(frozen=True)
