@@ -15,8 +15,9 @@ import torch
 
 from dflash.eval.tau import greedy_continuations, load_eval_sets, target_features
 from dflash.data.generate import eos_ids_of
-from dflash.models.masks import PackedRow, block_loss_weights, dense_mask, sample_anchors
-from dflash.models.drafter import DFlashDrafter, drafter_loss
+from dflash.models.masks import PackedRow, dense_mask, sample_anchors
+from dflash.models.drafter import DFlashDrafter
+from dflash.train.objective import Objective
 from dflash.train.replica import lr_lambda
 from dflash.spec import load_spec
 from dflash.models.target import load_target, target_embeddings
@@ -58,7 +59,7 @@ for name, w in [("ref_norm1", 1.0), ("norm0.1", 0.1), ("norm0.3", 0.3), ("target
         b = sample_anchors(row, 12, 16, g, cfg.mask_token_id)
         h = d(emb[b.block_input_ids][None], f[None], b.block_position_ids[None],
               row.position_ids[None], dense_mask(row.doc_ids, b)[None])
-        loss = drafter_loss(h, head, b.labels[None], block_loss_weights(b, 7.0)[None])
+        loss, _ = Objective(16, cfg.mask_token_id, 12, 1, 7.0).loss(h, head, b)
         opt.zero_grad()
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(d.parameters(), 1.0)

@@ -79,7 +79,8 @@ def main(argv=None) -> int:
     from dflash.errors import DFlashError
     from dflash.eval.tau import evaluate_sets, load_eval_sets
     from dflash.models.drafter import load_drafter
-    from dflash.spec import dtype_of, load_spec
+    from dflash.models.dtypes import dtype_of
+    from dflash.spec import load_spec
     from dflash.models.target import load_target, target_embeddings
 
     if a.threads:

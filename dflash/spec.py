@@ -66,6 +66,9 @@ class BatchingSpec:
 @dataclass(frozen=True)
 class LossSpec:
     gamma: float
+    kind: str
+    max_position: int | None
+    kd_top_k: int
 
 
 @dataclass(frozen=True)
@@ -454,6 +457,9 @@ def _check_cross_fields(spec: Spec, file: str) -> None:
     if b.max_anchors > b.token_budget:
         fail("batching.max_anchors", f"{b.max_anchors} anchors exceed "
              f"batching.token_budget = {b.token_budget} (one anchor per row position at most)")
+    if spec.loss.max_position is not None and spec.loss.max_position >= d.block_size:
+        fail("loss.max_position", f"{spec.loss.max_position} is not a block position: "
+             f"drafter.block_size = {d.block_size} has positions 1..{d.block_size - 1}")
     if b.max_batch_size > b.token_budget:
         fail("batching.max_batch_size", f"{b.max_batch_size} sequences cannot fit in "
              f"token_budget {b.token_budget}")
@@ -520,9 +526,3 @@ def check_devices(spec: Spec, found: list[str] | None = None) -> None:
         raise SpecError(f"{spec.path}: field 'topology': spec '{spec.name}' asks for devices "
                         f"{', '.join(dict.fromkeys(spec.devices()))}; missing here: "
                         f"{', '.join(missing)}; this machine has: {', '.join(found)}")
-
-
-def dtype_of(name: str):
-    import torch
-
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]

@@ -23,8 +23,9 @@ from dflash.eval.tau import (
     target_features,
     walk_chain,
 )
-from dflash.models.masks import PackedRow, block_loss_weights, dense_mask, sample_anchors
-from dflash.models.drafter import DFlashConfig, DFlashDrafter, drafter_loss
+from dflash.models.masks import PackedRow, dense_mask, sample_anchors
+from dflash.models.drafter import DFlashConfig, DFlashDrafter
+from dflash.train.objective import Objective
 from dflash.eval.speculative import speculative_generate, target_greedy
 
 V, MASK, B, EOS = 96, 95, 5, [93]
@@ -75,12 +76,13 @@ def train_briefly(drafter, target, cfg, ps, conts, steps=120):
                         torch.tensor([0] * len(p) + [1] * (L - len(p))).bool(), [0])
         blocks = sample_anchors(row, L, cfg.block_size, None, cfg.mask_token_id)
         batches.append((row, blocks, f[None]))
+    obj = Objective(cfg.block_size, cfg.mask_token_id, max_anchors=1, token_budget=1, gamma=4.0)
     drafter.train()
     for step in range(steps):
         row, blocks, f = batches[step % len(batches)]
         h = drafter(emb[blocks.block_input_ids][None], f, blocks.block_position_ids[None],
                     row.position_ids[None], dense_mask(row.doc_ids, blocks)[None])
-        loss = drafter_loss(h, head, blocks.labels[None], block_loss_weights(blocks, 4.0)[None])
+        loss, _ = obj.loss(h, head, blocks)
         opt.zero_grad()
         loss.backward()
         opt.step()

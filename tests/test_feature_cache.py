@@ -28,9 +28,11 @@ def _one_thread(one_torch_thread):
     """Replicas, targets and the cache's writer share 2 cores: one intra-op thread each."""
 
 
-def _spec(cache="host", dtype="target", **topology):
+def _spec(cache="host", dtype="target", loss=None, **topology):
     s = dict(SPEC, features={"cache": cache, "dtype": dtype},
              topology={**SPEC["topology"], **topology})
+    if loss:
+        s["loss"] = {**SPEC["loss"], **loss}
     return parse_spec(s, "cache.yaml")
 
 
@@ -56,11 +58,11 @@ def _rows(spec, samples, epoch):
                        bucket_for(sum(lengths[i] for i in batch), bks), 0)
 
 
-def _cache(spec, samples, folder=None):
+def _cache(spec, samples, folder=None, tensor_values=False):
     cfg = drafter_config(spec)
     planes = fc.planes_for(spec, len(cfg.target_layer_ids), cfg.hidden_size)
     return fc.FeatureCache(planes, DS(samples).sample_ids, DS(samples).lengths, folder=folder,
-                           ident={"test": 1})
+                           ident={"test": 1}, tensor_values=tensor_values)
 
 
 def _real_tokens(row):
@@ -78,14 +80,14 @@ def test_read_back_equals_what_the_target_computed(dtype, tmp_path):
     (dev, fn), = make_target_workers(spec.replace(topology={"targets": ["cpu"]}))
     cache = _cache(spec, samples, tmp_path / "fc")
     rows0 = list(_rows(spec, samples, 0))
-    computed = [fn(r) for r in rows0]
+    computed = [fn(r).features for r in rows0]
     for r, f in zip(rows0, computed):
         cache.write(r, f)
     cache.flush()
     assert all(cache.filled(s[0]) for s in samples)
     groups = spec.target.num_feature_layers
     for r, f in zip(rows0, computed):
-        got = cache.read(r, "cpu")
+        got = cache.read(r, "cpu").features
         n = _real_tokens(r)
         assert got.shape == f.shape and got.dtype == f.dtype
         assert torch.equal(got[0, n:], torch.zeros_like(got[0, n:]))
@@ -106,8 +108,8 @@ def test_read_back_equals_what_the_target_computed(dtype, tmp_path):
     again = _cache(spec, samples, tmp_path / "fc")
     r1 = next(_rows(spec, samples, 1))
     assert again.serves(r1.sample_ids)
-    got = again.read(r1, "cpu")
-    ref = fn(r1)
+    got = again.read(r1, "cpu").features
+    ref = fn(r1).features
     n = _real_tokens(r1)
     tol = {"target": 1e-4, "bfloat16": 2e-2, "float8_e4m3": 0.3}[dtype]
     assert torch.allclose(got[0, :n], ref[0, :n], atol=tol, rtol=tol)
@@ -115,12 +117,36 @@ def test_read_back_equals_what_the_target_computed(dtype, tmp_path):
     assert not (tmp_path / "fc").exists()
 
 
+def test_soft_labels_travel_whole_through_the_cache():
+    """A distilling objective: the target's TargetOutput (features + top-k soft labels at the
+    row's response positions) is stored whole and read back equal, positions included, for
+    the epoch-0 rows it was written from."""
+    spec = _spec("host", loss={"kind": "ce+kd", "kd_top_k": 4})
+    samples = _dataset()
+    (dev, fn), = make_target_workers(spec.replace(topology={"targets": ["cpu"]}))
+    cache = _cache(spec, samples)
+    assert set(cache.planes) == {"features", "soft_ids", "soft_logprobs"}
+    rows0 = list(_rows(spec, samples, 0))
+    outs = [fn(r) for r in rows0]
+    for r, o in zip(rows0, outs):
+        assert o.soft is not None and o.soft.positions.numel() > 0
+        cache.write(r, o)
+    cache.flush()
+    for r, o in zip(rows0, outs):
+        got, n = cache.read(r, "cpu"), _real_tokens(r)
+        assert torch.equal(got.features[:, :n], o.features[:, :n])  # padding reads as zeros
+        assert torch.equal(got.soft.positions, o.soft.positions)
+        assert torch.equal(got.soft.token_ids, o.soft.token_ids)
+        assert torch.equal(got.soft.logprobs, o.soft.logprobs)
+    cache.close(remove=True)
+
+
 def test_disk_cache_of_another_run_is_discarded(tmp_path):
     spec = _spec("disk")
     samples = _dataset()
     cache = _cache(spec, samples, tmp_path / "fc")
     row = next(_rows(spec, samples, 0))
-    cache.write(row, torch.ones(1, row.input_ids.shape[0], cache.planes["feats"].width))
+    cache.write(row, torch.ones(1, row.input_ids.shape[0], cache.planes["features"].width))
     cache.close(remove=False)
     cfg = drafter_config(spec)
     planes = fc.planes_for(spec, len(cfg.target_layer_ids), cfg.hidden_size)
@@ -174,8 +200,8 @@ def _pipeline(spec, samples, cache, start_step=0, total_epochs=3, state=None, on
 
     pipe = Pipeline(target_workers=make_target_workers(spec), replicas=replicas,
                     step_map=step_map, make_row=make_row, start_step=start_step,
-                    total_steps=total, seed=0, mask_token_id=cfg.mask_token_id, queue_depth=2,
-                    on_step=on_step, feature_cache=cache)
+                    total_steps=total, seed=0, queue_depth=2, on_step=on_step,
+                    feature_cache=cache)
     return pipe, replicas
 
 

@@ -57,7 +57,7 @@ def _pipeline(spec, samples, total_epochs=2, fail_at=None, on_step=None):
 
     return Pipeline(target_workers=make_target_workers(spec), replicas=replicas,
                     step_map=step_map, make_row=make_row, start_step=0, total_steps=total,
-                    seed=0, mask_token_id=cfg.mask_token_id, queue_depth=2, on_step=on_step,
+                    seed=0, queue_depth=2, on_step=on_step,
                     fail_at=fail_at), replicas, step_map
 
 
@@ -85,6 +85,23 @@ def test_every_sample_exactly_once_per_epoch_and_replicas_identical():
         for k, v in rep.model.state_dict().items():
             assert torch.equal(v, ref[k]), k
     assert pipe.steps_done == pipe.total_steps
+
+
+def test_distilling_pipeline_carries_soft_labels_to_the_replicas():
+    """loss.kind ce+kd through the threaded pipeline: the target worker's TargetOutput (features
+    + soft labels of the same forward) reaches each replica, every sample once, replicas equal."""
+    spec = parse_spec({**SPEC, "loss": {"gamma": 4, "kind": "ce+kd", "kd_top_k": 4},
+                       "topology": {"targets": ["cpu"], "drafters": ["cpu", "cpu"]},
+                       "compile": {"backend": "eager"}},
+                      "sched.yaml")
+    samples = _dataset(n=9)
+    recs = []
+    pipe, replicas, _ = _pipeline(spec, samples, total_epochs=1, on_step=recs.append)
+    pipe.run()
+    assert sorted(i for r in recs for i in r.sample_ids) == sorted(s[0] for s in samples)
+    assert all(r.loss == r.loss and r.loss > 0 for r in recs)   # finite, positive
+    ref = replicas[0].model.state_dict()
+    assert all(torch.equal(v, ref[k]) for k, v in replicas[1].model.state_dict().items())
 
 
 def test_epochs_with_uneven_batch_counts_lose_nothing():

@@ -25,13 +25,14 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(spec, anchors: int, device: str, steps: int, peak: float | None) -> dict:
-    from dflash.train.flops import drafter_flops_per_step
+def measure(spec, anchors: int, device: str, steps: int, peak: float | None,
+            prepare=None) -> dict:
+    """``prepare(rep)``, when given, adjusts the replica before its warm-up (an A/B's arm)."""
+    from dflash.models.dtypes import dtype_of
     from dflash.runtime.gate import get_gate, worker_thread_setup
-    from dflash.models.masks import sample_anchors
-    from dflash.spec import dtype_of
+    from dflash.train.flops import drafter_flops_per_step
+    from dflash.train.warm import synthetic_output, synthetic_row, warm_replica
     from dflash.train.workers import buckets, drafter_config, initial_state, make_replicas
-    from dflash.train.warm import synthetic_row, warm_replica
 
     spec = spec.replace(batching={"max_anchors": anchors},
                         topology={"targets": [device], "drafters": [device],
@@ -40,6 +41,8 @@ def measure(spec, anchors: int, device: str, steps: int, peak: float | None) -> 
     L = buckets(spec)[-1]
     feat_width = len(cfg.target_layer_ids) * cfg.hidden_size
     rep = make_replicas(spec, cfg, initial_state(cfg, spec.seed), total_steps=1000)[0]
+    if prepare is not None:
+        prepare(rep)
     gate = get_gate()
 
     def work() -> dict:
@@ -47,10 +50,9 @@ def measure(spec, anchors: int, device: str, steps: int, peak: float | None) -> 
         warm_replica(rep, L, feat_width, dtype_of(spec.target.dtype), optimizer_step=True)
         compile_s = time.perf_counter() - t0
         row = synthetic_row(L, cfg.vocab_size, seed=3, docs=8)
-        feats = torch.randn(1, L, feat_width, dtype=dtype_of(spec.target.dtype), device=device)
-        blocks = sample_anchors(row, rep.num_slots(L), rep.block_size,
-                                torch.Generator().manual_seed(5), cfg.mask_token_id)
-        labelled = int((blocks.labels != -100).sum())
+        feats = synthetic_output(rep, row, feat_width, dtype_of(spec.target.dtype))
+        blocks = rep.anchors(row, 5)
+        labelled = int(rep.objective.supervised(blocks).sum())
 
         def step():
             gate.run(rep.signature(L), lambda: rep.forward_backward(row, feats, blocks))
@@ -64,8 +66,9 @@ def measure(spec, anchors: int, device: str, steps: int, peak: float | None) -> 
             step()
         _sync(device)
         s = (time.perf_counter() - t) / steps
-        flops = drafter_flops_per_step(cfg, L, rep.num_slots(L) * rep.block_size, labelled)
+        flops = drafter_flops_per_step(cfg, L, rep.num_slots(L) * cfg.block_size, labelled)
         return {"anchors": anchors, "num_slots": rep.num_slots(L), "bucket": L,
+                "labelled": labelled,
                 "compile_s": round(compile_s, 1), "steps": steps, "s_per_step": round(s, 4),
                 "tokens_per_s_capacity": round(L / s, 1), "flops_per_step": flops,
                 "mfu_while_busy": round(flops / s / peak, 4) if peak else None}
@@ -76,7 +79,8 @@ def measure(spec, anchors: int, device: str, steps: int, peak: float | None) -> 
 
 def main() -> None:
     from dflash.train.flops import measure_peak_flops
-    from dflash.spec import dtype_of, load_spec
+    from dflash.models.dtypes import dtype_of
+    from dflash.spec import load_spec
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--spec", required=True)

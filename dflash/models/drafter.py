@@ -7,7 +7,8 @@ Shapes: N rows, Q block tokens per row (all blocks of a row, flattened), C conte
   to both (context keys rotate by the context position ids, block queries/keys by the block
   position ids); the attention mask decides who sees what (see :mod:`dflash.models.masks`).
 The target's token embedding and lm_head are frozen and shared, so they are not parameters here:
-the caller embeds the block tokens and :func:`drafter_loss` takes the lm_head weight.
+the caller embeds the block tokens and the objective's loss (:mod:`dflash.train.objective`)
+takes the lm_head weight.
 
 Parameter names match the reference ``DFlashDraftModel`` export exactly (docs/design.md §6).
 """
@@ -27,19 +28,6 @@ from ..manifest import atomic_path, atomic_write_json
 # ---------------------------------------------------------------------------------------------
 # feature layers
 # ---------------------------------------------------------------------------------------------
-
-
-def default_layer_ids(num_target_layers: int, n: int) -> list[int]:
-    """``n`` target layer ids spread evenly from layer 1 to L-3 (the reference default).
-
-    Layer ids are 0-based decoder layer indices; a single layer takes the middle one.
-    """
-    if n < 1:
-        raise ValueError(f"need at least one feature layer, got n={n}")
-    if n == 1:
-        return [num_target_layers // 2]
-    start, end = 1, max(1, num_target_layers - 3)
-    return [int(round(start + i * (end - start) / (n - 1))) for i in range(n)]
 
 
 def hidden_state_indices(layer_ids: list[int]) -> list[int]:
@@ -102,8 +90,10 @@ class DFlashConfig:
 
     @classmethod
     def from_target_config(cls, hf_config, num_layers: int, block_size: int, mask_token_id: int,
-                           layer_ids: list[int] | None = None) -> "DFlashConfig":
-        """Drafter config sized like the target (Llama or Qwen3 HF config)."""
+                           layer_ids: list[int]) -> "DFlashConfig":
+        """Drafter config sized like the target (Llama or Qwen3 HF config), fed by the target's
+        feature layers ``layer_ids`` (the rule that picks them: :func:`dflash.models.target.
+        layer_ids`)."""
         c = hf_config
         n_target = int(c.num_hidden_layers)
         heads = int(c.num_attention_heads)
@@ -115,8 +105,7 @@ class DFlashConfig:
             rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)), rope_theta=_rope_theta(c),
             vocab_size=int(c.vocab_size), block_size=int(block_size),
             mask_token_id=int(mask_token_id),
-            target_layer_ids=list(layer_ids) if layer_ids is not None
-            else default_layer_ids(n_target, num_layers),
+            target_layer_ids=list(layer_ids),
             num_target_layers=n_target,
             max_position_embeddings=int(getattr(c, "max_position_embeddings", 32768)),
         )
@@ -370,66 +359,6 @@ class DFlashDrafter(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------
-# loss
-# ---------------------------------------------------------------------------------------------
-def _chunk_ce_sum(h, w_lm, y, wt, k=None, num_positions: int = 0):
-    logits = (h @ w_lm.t()).float()
-    total = (F.cross_entropy(logits, y, reduction="none") * wt).sum()
-    if k is None:
-        return total
-    # top-1 hits per block position, from the logits the loss computes anyway (no grad, no sync)
-    with torch.no_grad():
-        hit = (logits.argmax(-1) == y).float()
-        hits = torch.zeros(num_positions, device=h.device).scatter_add_(0, k, hit)
-    return total, hits
-
-
-def drafter_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
-                 weights: torch.Tensor, chunk_size: int = 2048,
-                 positions: torch.Tensor | None = None, num_positions: int = 0):
-    """Weighted CE over labelled positions, normalised by the sum of their weights.
-
-    Logits are computed ``chunk_size`` positions at a time and recomputed in backward
-    (activation checkpointing), so at most one chunk of [chunk, vocab] logits ever exists:
-    32768 positions x 151936 vocab would otherwise be ~10 GB.
-
-    With ``positions`` (the block position k of every label, shape of ``labels``) it returns
-    ``(loss, hits)``: hits [num_positions] = labelled positions whose top-1 prediction equals the
-    label, per block position (the draft accuracy the training log shows), a device tensor.
-    """
-    from torch.utils.checkpoint import checkpoint
-
-    H = hidden.shape[-1]
-    h = hidden.reshape(-1, H)
-    y = labels.reshape(-1)
-    w = torch.broadcast_to(weights, labels.shape).reshape(-1).to(torch.float32)
-    keep = (y != -100) & (w > 0)
-    h, y, w = h[keep], y[keep], w[keep]
-    k = None
-    if positions is not None:
-        k = torch.broadcast_to(positions, labels.shape).reshape(-1)[keep]
-    hits = hidden.new_zeros(num_positions, dtype=torch.float32)
-    if y.numel() == 0:
-        empty = hidden.sum() * 0.0  # keeps the graph (and DDP) happy on an empty batch
-        return (empty, hits) if positions is not None else empty
-    denom = w.sum()
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for s in range(0, y.numel(), chunk_size):
-        sl = slice(s, s + chunk_size)
-        args = (h[sl], lm_head_weight, y[sl], w[sl]) + (
-            (k[sl], num_positions) if k is not None else ())
-        if torch.is_grad_enabled() and h.requires_grad:
-            out = checkpoint(_chunk_ce_sum, *args, use_reentrant=False)
-        else:
-            out = _chunk_ce_sum(*args)
-        if k is not None:
-            out, chunk_hits = out
-            hits = hits + chunk_hits
-        total = total + out
-    return (total / denom, hits) if positions is not None else total / denom
-
-
-# ---------------------------------------------------------------------------------------------
 # export / load (safetensors + config.json only; nothing is ever unpickled)
 # ---------------------------------------------------------------------------------------------
 def export_drafter(model: DFlashDrafter, cfg: DFlashConfig, out_dir, dtype=None) -> Path:
@@ -464,6 +393,6 @@ def load_drafter(path, device="cpu", dtype=None, attention: str = "sdpa"
     return model, cfg
 
 
-__all__ = ["default_layer_ids", "hidden_state_indices", "extract_features", "head_dim_of",
+__all__ = ["hidden_state_indices", "extract_features", "head_dim_of",
            "DFlashConfig",
-           "DFlashDrafter", "attend", "drafter_loss", "export_drafter", "load_drafter"]
+           "DFlashDrafter", "attend", "export_drafter", "load_drafter"]

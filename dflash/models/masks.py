@@ -108,14 +108,18 @@ def sample_anchors(row: PackedRow, num_slots: int, block_size: int,
                   block_doc=block_doc, block_size=B)
 
 
-def loss_weights(block_size: int, gamma: float) -> torch.Tensor:
-    """Per block position weight: w_0 = 0 (the anchor is given), w_k = exp(-(k-1)/gamma).
+def loss_weights(block_size: int, gamma: float, max_position: int | None = None
+                 ) -> torch.Tensor:
+    """Per block position weight: w_0 = 0 (the anchor is given), w_k = exp(-(k-1)/gamma), and
+    0 above ``max_position`` (those positions are not supervised at all).
 
     Early positions matter most: a draft is only accepted up to its first miss.
     """
     k = torch.arange(block_size, dtype=torch.float32)
     w = torch.exp(-(k - 1) / gamma)
     w[0] = 0.0
+    if max_position is not None:
+        w[max_position + 1:] = 0.0
     return w
 
 
@@ -253,9 +257,10 @@ def _blocks_to(blocks: Blocks, device) -> Blocks:
     return Blocks(**kw)
 
 
-def block_loss_weights(blocks: Blocks, gamma: float) -> torch.Tensor:
+def block_loss_weights(blocks: Blocks, gamma: float, max_position: int | None = None
+                       ) -> torch.Tensor:
     """Loss weight of every block token (shape of ``blocks.labels``), zero where unlabelled."""
-    w = loss_weights(blocks.block_size, gamma).to(blocks.labels.device)
+    w = loss_weights(blocks.block_size, gamma, max_position).to(blocks.labels.device)
     w = w.repeat(blocks.labels.shape[-1] // blocks.block_size)
     w = w.expand_as(blocks.labels)
     return torch.where(blocks.labels != IGNORE_INDEX, w, torch.zeros_like(w))

@@ -114,10 +114,22 @@ def hf_config(target: TargetSpec):
     return AutoConfig.from_pretrained(_user_dir(model))
 
 
-def layer_ids(target: TargetSpec, config) -> list[int]:
-    """Feature layer ids: the spec's, or the reference default spread over 1..L-3."""
-    from .drafter import default_layer_ids
+def default_layer_ids(num_target_layers: int, n: int) -> list[int]:
+    """``n`` target layer ids spread evenly from layer 1 to L-3 (the reference default).
 
+    Layer ids are 0-based decoder layer indices; a single layer takes the middle one.
+    """
+    if n < 1:
+        raise ValueError(f"need at least one feature layer, got n={n}")
+    if n == 1:
+        return [num_target_layers // 2]
+    start, end = 1, max(1, num_target_layers - 3)
+    return [int(round(start + i * (end - start) / (n - 1))) for i in range(n)]
+
+
+def layer_ids(target: TargetSpec, config) -> list[int]:
+    """Feature layer ids, the one rule: the spec's, or the reference default spread over
+    1..L-3 (:func:`default_layer_ids`); never the last layer."""
     n_layers = config.num_hidden_layers
     ids = target.layer_ids or default_layer_ids(n_layers, target.num_feature_layers)
     bad = [i for i in ids if i >= n_layers]
@@ -186,7 +198,7 @@ def load_target(target: TargetSpec, device: str, seed: int = 0,
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..spec import dtype_of
+    from .dtypes import dtype_of
 
     dtype = dtype_of(target.dtype)
     impl = _register_flex() if attention == "flex" else "sdpa"
@@ -348,17 +360,29 @@ class FeatureExtractor:
     fit in 141 GB. Output: [1, L, N·H] in the target dtype, i.e. the concatenation the drafter's
     ``fc`` expects (never [1, L, N, H]).
 
+    ``soft_top_k`` k (a distilling objective; the target loaded whole): :meth:`outputs` also
+    returns the target's top-k next-token log-probs at the row's response positions
+    (:func:`~dflash.models.target_output.soft_positions`), from the same forward: the last
+    layers, the final norm and the LM head run after the features are taken, the head at those
+    positions only, ``SOFT_CHUNK`` positions at a time (the [P, vocab] logits never exist whole).
+
     ``compile`` None: HF's forward, the feature layers' outputs read by forward hooks. A backend
     name: the layers run one by one through :func:`compiled_packed_layer` (regional compilation;
     the same math on the same modules, so the same features up to summation order). Every call
     must then run inside the compile gate (its first call per row length compiles).
     """
 
-    def __init__(self, target: Target, compile: str | None = None):
+    SOFT_CHUNK = 2048
+
+    def __init__(self, target: Target, compile: str | None = None,
+                 soft_top_k: int | None = None):
         self.target = target
         self.base = target.model.get_decoder() if hasattr(target.model, "get_decoder") \
             else target.model.model
         self.compile = compile
+        self.soft_top_k = soft_top_k
+        if soft_top_k is not None and len(self.base.layers) < target.config.num_hidden_layers:
+            raise ValueError("soft labels need the whole target (load_target num_layers=None)")
         self._captured: dict[int, Any] = {}
         if compile:
             from .decoder import rope_of
@@ -375,6 +399,22 @@ class FeatureExtractor:
         return hook
 
     def __call__(self, input_ids, doc_ids, position_ids):
+        return self._run(input_ids, doc_ids, position_ids, final=False)[0]
+
+    def outputs(self, row, device: str):
+        """The :class:`~dflash.models.target_output.TargetOutput` of a PackedRow on ``device``:
+        features, and soft labels when ``soft_top_k`` is set."""
+        from .target_output import TargetOutput, soft_positions
+
+        ids, doc, pos = (t.to(device) for t in (row.input_ids, row.doc_ids, row.position_ids))
+        if self.soft_top_k is None:
+            return TargetOutput(self(ids, doc, pos))
+        feats, last = self._run(ids, doc, pos, final=True)
+        return TargetOutput(feats, self._soft(last[0], soft_positions(doc, row.loss_mask.to(
+            device))))
+
+    def _run(self, input_ids, doc_ids, position_ids, final: bool):
+        """(features, the final-norm hidden states [1, L, H] or None) of one forward."""
         import torch
 
         from .masks import document_block_mask, document_dense_mask
@@ -387,16 +427,34 @@ class FeatureExtractor:
         # no_grad, not inference_mode: the drafter saves these features for its backward.
         with torch.no_grad():
             if self.compile:
-                self._layers(input_ids[None], position_ids[None], mask)
+                x = self._layers(input_ids[None], position_ids[None], mask)
+                last = self.base.norm(x) if final else None
             else:
-                self.base(input_ids=input_ids[None], position_ids=position_ids[None],
-                          attention_mask=mask, use_cache=False)
+                out = self.base(input_ids=input_ids[None], position_ids=position_ids[None],
+                                attention_mask=mask, use_cache=False)
+                last = out.last_hidden_state if final else None  # after the final norm
             feats = torch.cat([self._captured[i] for i in self.target.layer_ids], dim=-1)
         self._captured.clear()
-        return feats
+        return feats, last
 
-    def _layers(self, input_ids, position_ids, mask) -> None:
-        """Every loaded layer (as HF's forward runs them; the final norm is not needed)."""
+    def _soft(self, last, positions):
+        """Top-k log-softmax of the LM head at ``positions`` of ``last`` [L, H], chunked."""
+        import torch
+
+        from .target_output import SoftLabels
+
+        head = self.target.model.get_output_embeddings()
+        ids, lps = [], []
+        with torch.no_grad():
+            for s in range(0, max(1, positions.numel()), self.SOFT_CHUNK):  # >= 1: P may be 0
+                lp = torch.log_softmax(head(last[positions[s:s + self.SOFT_CHUNK]]).float(), -1)
+                top = lp.topk(self.soft_top_k, dim=-1)
+                ids.append(top.indices.to(torch.int32))  # vocab < 2**31: half the bytes
+                lps.append(top.values)
+        return SoftLabels(positions, torch.cat(ids), torch.cat(lps))
+
+    def _layers(self, input_ids, position_ids, mask):
+        """Every loaded layer (as HF's forward runs them); returns the last layer's output."""
         x = self.base.embed_tokens(input_ids)
         cos, sin = self.base.rotary_emb(x, position_ids)  # the model's own rope, once per row
         want = set(self.target.layer_ids)
@@ -404,6 +462,7 @@ class FeatureExtractor:
             x = self._layer(layer, x, cos, sin, self._rope, mask)
             if i in want:
                 self._captured[i] = x
+        return x
 
 
 def target_embeddings(target: TargetSpec, seed: int = 0):
@@ -415,7 +474,7 @@ def target_embeddings(target: TargetSpec, seed: int = 0):
     import torch
     from safetensors import safe_open
 
-    from ..spec import dtype_of
+    from .dtypes import dtype_of
 
     cfg = hf_config(target)
     dtype = dtype_of(target.dtype)

@@ -32,7 +32,7 @@ def evaluate_tau(spec, drafter_dir: Path, device: str, results_dir: Path | None 
     from ..data.generate import eos_ids_of
     from ..eval.tau import evaluate_sets, load_eval_sets
     from ..models.drafter import load_drafter
-    from ..spec import dtype_of
+    from ..models.dtypes import dtype_of
     from ..models.target import load_target, target_embeddings
 
     b = spec.bench
@@ -202,7 +202,7 @@ def throughput_source(ctx: StageContext, train: dict, out: Path) -> tuple[dict, 
 def throughput(ctx: StageContext, source: dict, metrics: list[dict]) -> dict:
     """Tokens/s, MFU (FLOPs from the configs and the tokens processed in the steady-state
     window, against a peak measured on the first drafter device now), busy/wait per step."""
-    from ..spec import dtype_of
+    from ..models.dtypes import dtype_of
     from ..models.target import hf_config
     from ..train.workers import drafter_config
 

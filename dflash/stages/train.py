@@ -330,7 +330,7 @@ def warm_start(job: Job) -> tuple[list, float, list[dict]]:
     """Every (worker, bucket) compiles once under the exclusive gate (fast: the warmup stage
     filled the compile cache); then the gate refuses and counts recompiles."""
     from ..runtime.gate import get_gate
-    from ..spec import dtype_of
+    from ..models.dtypes import dtype_of
     from ..train.workers import make_target_workers
     from ..train.warm import warm_all, warm_targets
 
@@ -414,7 +414,6 @@ def train_steps(job: Job, progress: Progress, targets: list, fail_at: dict) -> T
     pipe = Pipeline(target_workers=targets, replicas=job.replicas, step_map=job.step_map,
                     make_row=make_row, start_step=progress.start_step,
                     total_steps=job.total_steps, seed=spec.seed,
-                    mask_token_id=job.cfg.mask_token_id,
                     queue_depth=spec.topology.queue_depth, on_step=on_step,
                     fail_at=fail_at, comm=job.comm, feature_cache=cache)
     if job.comm is not None:

@@ -18,7 +18,7 @@ from . import StageContext
 
 def run(ctx: StageContext) -> dict:
     from ..runtime.gate import get_gate
-    from ..spec import dtype_of
+    from ..models.dtypes import dtype_of
     from ..train.workers import buckets, drafter_config, initial_state, make_replicas
     from ..train.warm import warm_all, warm_target_features
 

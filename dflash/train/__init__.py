@@ -1,4 +1,5 @@
-"""train: how the drafter learns. The objective's numbers, the replica (drafter + optimizer), the
+"""train: how the drafter learns. The objective (its numbers, blocks and loss: objective.py; the
+fused LM head + cross-entropy: head_loss.py), the replica (drafter + optimizer), the
 race-free threaded scheduler, row packing, checkpoints, the worker factory, warm-up, the
 FLOP/balance model.
 

@@ -26,13 +26,13 @@ served from it.
   share f of the samples would serve a row only when all of its ~n samples are stored (~f^n of
   the rows), so a partial cache saves next to nothing: we refuse rather than pretend.
 
-What the target hands the drafter is a tensor ``[1, L, W]`` today; a typed value (a dataclass
-of per-token tensors, e.g. soft labels) is stored whole, one *plane* per tensor field, once its
-planes are declared in :func:`planes_for`.
+What the target hands the drafter, a :class:`~dflash.models.target_output.TargetOutput`, is
+stored whole: one *plane* per per-token field (:func:`planes_for`): the features, and with a
+distilling objective the soft labels' token ids and log-probs (scattered to their row positions
+on write; on read their positions come from the row itself, as the target worker computes them).
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import threading
@@ -59,7 +59,7 @@ class CacheStopped(Exception):
 @dataclass(frozen=True)
 class Plane:
     """One per-token tensor field of what the target hands the drafter."""
-    name: str            # "feats": the feature layers' hidden states, concatenated
+    name: str            # "features", "soft_ids", "soft_logprobs"
     width: int           # values per token
     dtype: torch.dtype   # the dtype the drafter gets
     store: torch.dtype   # the dtype stored (FP8: with ``groups`` float32 scales per token)
@@ -72,13 +72,19 @@ class Plane:
 
 
 def planes_for(spec, layers: int, hidden: int) -> list[Plane]:
-    """The planes of ``spec``'s run. The hook for more fields (soft labels): add their planes
-    here, with the names of the typed value's tensor fields."""
-    from ..spec import dtype_of
+    """The planes of ``spec``'s run: the features, and the soft labels when the objective
+    distils (``loss.kind`` kd / ce+kd: top-k token ids and log-probs, stored per token)."""
+    from ..models.dtypes import dtype_of
+    from .objective import SOFT_KINDS
 
     target = dtype_of(spec.target.dtype)
     store = STORE_DTYPES.get(spec.features.dtype, target)
-    return [Plane("feats", layers * hidden, target, store, groups=layers)]
+    planes = [Plane("features", layers * hidden, target, store, groups=layers)]
+    if spec.loss.kind in SOFT_KINDS:
+        k = spec.loss.kd_top_k
+        planes += [Plane("soft_ids", k, torch.int32, torch.int32),
+                   Plane("soft_logprobs", k, torch.float32, torch.float32)]
+    return planes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,18 +188,35 @@ def spec_budget(spec, results: Path, available: int | None = None) -> Budget | N
 # ---------------------------------------------------------------------------------------------
 # the value handed over: planes in, planes out
 # ---------------------------------------------------------------------------------------------
-def as_planes(value: Any) -> dict[str, torch.Tensor]:
-    """``[1, L, W]`` tensor -> {"feats": [L, W]}; a dataclass -> its tensor fields ([1, L, w])."""
+def as_planes(value: Any, L: int) -> dict[str, torch.Tensor]:
+    """What the target handed over, as per-token planes of ``L`` rows: a ``[1, L, W]`` tensor or
+    a :class:`~dflash.models.target_output.TargetOutput` (soft labels scattered to their row
+    positions; the other rows of those planes are zeros and never read back)."""
     if torch.is_tensor(value):
-        return {"feats": value.reshape(value.shape[-2], value.shape[-1])}
-    return {f.name: getattr(value, f.name).reshape(getattr(value, f.name).shape[-2], -1)
-            for f in dataclasses.fields(value) if torch.is_tensor(getattr(value, f.name))}
+        return {"features": value.reshape(L, -1)}
+    out = {"features": value.features.reshape(L, -1)}
+    soft = value.soft
+    if soft is not None:
+        for name, t in (("soft_ids", soft.token_ids), ("soft_logprobs", soft.logprobs)):
+            dense = torch.zeros((L, t.shape[-1]), dtype=t.dtype, device=t.device)
+            dense[soft.positions] = t
+            out[name] = dense
+    return out
 
 
-def from_planes(planes: dict[str, torch.Tensor], like: type | None) -> Any:
-    if like is None or like is torch.Tensor:
-        return planes["feats"][None]
-    return like(**{k: v[None] for k, v in planes.items()})
+def from_planes(planes: dict[str, torch.Tensor], row, tensor: bool) -> Any:
+    """The value the target would hand over, from planes read for ``row``."""
+    from ..models.target_output import SoftLabels, TargetOutput, soft_positions
+
+    feats = planes["features"][None]
+    if tensor:
+        return feats
+    soft = None
+    if "soft_ids" in planes:
+        dev = feats.device
+        pos = soft_positions(row.doc_ids.to(dev), row.loss_mask.to(dev))
+        soft = SoftLabels(pos, planes["soft_ids"][pos], planes["soft_logprobs"][pos])
+    return TargetOutput(feats, soft)
 
 
 def quantize(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,7 +305,7 @@ class FeatureCache:
 
     def __init__(self, planes: list[Plane], sample_ids: Sequence[int], lengths: Sequence[int],
                  folder: Path | None = None, ident: dict | None = None, gate=None,
-                 value_type: type | None = None):
+                 tensor_values: bool = False):
         self.planes = {p.name: p for p in planes}
         self.index = {int(s): i for i, s in enumerate(sample_ids)}
         self.lengths = [int(n) for n in lengths]
@@ -293,7 +316,8 @@ class FeatureCache:
                  "lengths_fp": fingerprint(self.lengths), **(ident or {})}
         self.a = _Arrays(planes, self.offsets[-1], len(self.lengths), folder, ident)
         self.folder = folder
-        self.value_type = value_type
+        # what read() returns: a TargetOutput (the pipeline's value) or the bare features tensor
+        self.tensor_values = tensor_values
         self.gate = gate
         self._pending: set[int] = set()
         self._cond = threading.Condition()
@@ -338,7 +362,7 @@ class FeatureCache:
             start += n
         if not todo:
             return
-        planes = as_planes(value)
+        planes = as_planes(value, row.input_ids.shape[0])
         host = {}
         for name, t in planes.items():
             t = t[:start]
@@ -349,9 +373,9 @@ class FeatureCache:
             for k, v in parts.items():
                 host[k] = _to_host(v)
         event = None
-        if planes["feats"].is_cuda:
+        if planes["features"].is_cuda:
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(planes["features"].device))
         self._bound_writes()
         fut = self._pool.submit(self._store, todo, host, event)
         with self._wlock:
@@ -425,7 +449,7 @@ class FeatureCache:
             else:
                 out[name] = staged[name].to(p.dtype)
         self.stats["rows_read"] += 1
-        return from_planes(out, self.value_type)
+        return from_planes(out, row, self.tensor_values)
 
     # ---- end -------------------------------------------------------------------------------
     def close(self, remove: bool) -> None:

@@ -60,12 +60,14 @@ def target_flops(tcfg, layers_run: int, doc_lengths: list[int]) -> float:
 
 
 def drafter_flops_per_step(dcfg, ctx_tokens: int, block_tokens: int, labelled: int) -> float:
-    """Useful training FLOPs (forward + backward = 3× forward) of one replica step."""
+    """Useful training FLOPs of one replica step: the drafter's own layers forward + backward
+    (3× forward); the frozen LM head at the supervised positions forward + input gradient (2×
+    its forward: no weight gradient, and a recomputation is not useful work)."""
     n_feat = len(dcfg.target_layer_ids)
     fwd = (2 * _linear_params(dcfg, dcfg.num_hidden_layers) * block_tokens
            # K/V projections of the injected context in every layer
            + 2 * ctx_tokens * dcfg.hidden_size * dcfg.head_dim * dcfg.num_key_value_heads * 2
            * dcfg.num_hidden_layers
-           + 2 * ctx_tokens * n_feat * dcfg.hidden_size * dcfg.hidden_size      # fc
-           + 2 * labelled * dcfg.hidden_size * dcfg.vocab_size)                 # lm_head
-    return 3 * fwd
+           + 2 * ctx_tokens * n_feat * dcfg.hidden_size * dcfg.hidden_size)     # fc
+    head = 2 * labelled * dcfg.hidden_size * dcfg.vocab_size                   # lm_head
+    return 3 * fwd + 2 * head

@@ -8,18 +8,17 @@ from __future__ import annotations
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..models.masks import (
-    Blocks,
-    PackedRow,
-    attention_backend,
-    block_loss_weights,
-    dense_mask,
-    flex_block_mask,
-)
-from ..models.drafter import DFlashConfig, DFlashDrafter, drafter_loss
+from ..models.drafter import DFlashConfig, DFlashDrafter
+from ..models.masks import Blocks, PackedRow, attention_backend, dense_mask, flex_block_mask
+from ..models.target_output import TargetOutput
+from .objective import Objective
+
+if TYPE_CHECKING:
+    from ..spec import OptimSpec
 
 
 @dataclass
@@ -47,18 +46,18 @@ def lr_lambda(total_steps: int, warmup_ratio: float):
 
 
 class DrafterReplica:
-    def __init__(self, index: int, device: str, cfg: DFlashConfig, spec, embed_weight: torch.Tensor,
-                 lm_head_weight: torch.Tensor, init_state: dict | None, total_steps: int):
-        self.index, self.device, self.cfg, self.spec = index, device, cfg, spec
-        self.attention = attention_backend(device)
-        self.block_size = spec.drafter.block_size
-        self.gamma = spec.loss.gamma
-        self.num_slots_full = spec.batching.max_anchors
-        self.token_budget = spec.batching.token_budget
-        from ..spec import dtype_of
+    """One replica. It takes its own config sections: the drafter config, the objective (block
+    size, anchors, loss), the optimizer section, the compute dtype and the compile backend."""
 
+    def __init__(self, index: int, device: str, cfg: DFlashConfig, objective: Objective,
+                 optim: OptimSpec, dtype: torch.dtype, backend: str,
+                 embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
+                 init_state: dict | None, total_steps: int):
+        self.index, self.device, self.cfg = index, device, cfg
+        self.objective, self.optim = objective, optim
+        self.attention = attention_backend(device)
         # fp32 master weights; bf16/fp16 compute through autocast on CUDA
-        self.compute_dtype = dtype_of(spec.drafter.dtype)
+        self.compute_dtype = dtype
         self.model = DFlashDrafter(cfg, attention=self.attention,
                                    compile_flex=False).to(device)
         if init_state is not None:  # every replica starts from the same weights
@@ -68,19 +67,21 @@ class DrafterReplica:
         self.lm_head = (self.embed if lm_head_weight is embed_weight
                         else lm_head_weight.to(device=device, dtype=self.compute_dtype))
         self.params = [p for p in self.model.parameters()]
-        o = spec.optim
+        o = optim
         self.opt = torch.optim.AdamW(self.params, lr=o.lr, betas=(0.9, 0.95),
                                      weight_decay=o.weight_decay, foreach=True)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lr_lambda(total_steps, o.warmup_ratio))
-        backend = spec.compile.backend
         self.forward = (self.model.forward if backend == "eager" else
                         torch.compile(self.model.forward, backend=backend, dynamic=False))
 
-    # ---- shapes ------------------------------------------------------------------------------
+    # ---- shapes and blocks (the objective's) -------------------------------------------------
     def num_slots(self, bucket_len: int) -> int:
-        """Anchor slots for a bucket: max_anchors scaled to the bucket (static per bucket)."""
-        return max(1, self.num_slots_full * bucket_len // self.token_budget)
+        return self.objective.num_slots(bucket_len)
+
+    def anchors(self, row: PackedRow, seed: int) -> Blocks:
+        """The blocks this replica trains on ``row``: a pure function of (row, seed)."""
+        return self.objective.anchors(row, seed)
 
     def signature(self, bucket_len: int) -> tuple:
         return ("drafter_step", self.device, bucket_len, self.num_slots(bucket_len))
@@ -92,8 +93,13 @@ class DrafterReplica:
 
     # ---- one forward + backward (grads accumulate in .grad; no state mutation before the
     #      compiled call, so a refused recompile can be retried safely) ----------------------
-    def forward_backward(self, row: PackedRow, feats: torch.Tensor, blocks: Blocks) -> StepResult:
+    def forward_backward(self, row: PackedRow, target: TargetOutput | torch.Tensor,
+                         blocks: Blocks) -> StepResult:
+        """``target``: the target worker's output for ``row`` (features, and soft labels when
+        the objective distils); a bare feature tensor stands for features alone."""
         dev = self.device
+        out = target if isinstance(target, TargetOutput) else TargetOutput(target)
+        out = out.to(dev, non_blocking=True)
         doc = row.doc_ids.to(dev, non_blocking=True)
         blocks_d = Blocks(**{k: (v.to(dev, non_blocking=True) if torch.is_tensor(v) else v)
                              for k, v in vars(blocks).items()})
@@ -104,22 +110,18 @@ class DrafterReplica:
         block_embeds = torch.nn.functional.embedding(blocks_d.block_input_ids, self.embed)[None]
         ctx_pos = row.position_ids.to(dev, non_blocking=True)[None]
         with self._autocast():
-            hidden = self.forward(block_embeds, feats.to(dev, non_blocking=True),
-                                  blocks_d.block_position_ids[None], ctx_pos, mask)
-            weights = block_loss_weights(blocks_d, self.gamma)
-            B = self.block_size
-            k = torch.arange(B, device=dev).repeat(blocks_d.labels.shape[-1] // B)
-            loss, hits = drafter_loss(hidden, self.lm_head, blocks_d.labels[None], weights[None],
-                                      positions=k[None], num_positions=B)
+            hidden = self.forward(block_embeds, out.features, blocks_d.block_position_ids[None],
+                                  ctx_pos, mask)
+            loss, hits = self.objective.loss(hidden, self.lm_head, blocks_d, out.soft,
+                                             row_len=row.input_ids.shape[0])
         loss.backward()
         # counts from the host copies, and loss/hits stay device tensors: no host-device sync
         # here, so this thread goes on queueing work while the GPU runs the backward
-        has_label = (blocks.labels != -100).reshape(-1, B)
-        labelled = int(has_label.sum())
+        supervised = self.objective.supervised(blocks)
         tokens = int((row.doc_ids >= 0).sum())
-        return StepResult(loss=loss.detach(), labelled=labelled, tokens=tokens,
+        return StepResult(loss=loss.detach(), labelled=int(supervised.sum()), tokens=tokens,
                           sample_ids=list(row.sample_ids), hits=hits,
-                          counts=has_label.sum(0).tolist())
+                          counts=supervised.sum(0).tolist())
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -139,7 +141,7 @@ class DrafterReplica:
 
     def clip_and_step(self) -> torch.Tensor:
         """Clip, step, zero; returns the pre-clip grad norm as a 0-d device tensor (no sync)."""
-        norm = torch.nn.utils.clip_grad_norm_(self.params, self.spec.optim.grad_clip,
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.optim.grad_clip,
                                               foreach=True)
         self.opt.step()
         self.sched.step()

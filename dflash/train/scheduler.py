@@ -35,7 +35,7 @@ import torch
 
 from ..errors import DFlashError
 from ..runtime.gate import get_gate, worker_thread_setup
-from ..models.masks import PackedRow, sample_anchors
+from ..models.masks import PackedRow
 
 POLL_S = 0.1
 
@@ -157,10 +157,10 @@ class Stopped(Exception):
 class Pipeline:
     def __init__(self, *, target_workers: list[tuple[str, Callable]], replicas: list,
                  step_map: StepMap, make_row: Callable[[list], PackedRow], start_step: int,
-                 total_steps: int, seed: int, mask_token_id: int, queue_depth: int,
+                 total_steps: int, seed: int, queue_depth: int,
                  on_step: Callable[[StepRecord], None] | None = None,
                  fail_at: dict[str, int] | None = None, comm=None, feature_cache=None):
-        """``target_workers``: (device, feature_fn(row)->feats) per target device.
+        """``target_workers``: (device, fn(row) -> TargetOutput) per target device.
         ``feature_cache``: a :class:`dflash.train.feature_cache.FeatureCache` (epoch 0 writes
         it, later epochs read the rows it serves instead of running the target) or None.
         ``step_map`` maps steps to the deterministic per-epoch batch plans; ``make_row(batch)``
@@ -171,7 +171,7 @@ class Pipeline:
         self.step_map = step_map
         self.make_row = make_row
         self.start_step, self.total_steps = start_step, total_steps
-        self.seed, self.mask_token_id = seed, mask_token_id
+        self.seed = seed
         self.on_step = on_step
         self.fail_at = fail_at or {}  # test hook: {"worker name": step} raises there
         self.comm = comm  # dflash.runtime.distributed.Dist across nodes; None: this process only
@@ -321,10 +321,9 @@ class Pipeline:
                 b0 = busy.start()
                 if item.row is not None:
                     row = item.row
-                    g = torch.Generator().manual_seed(
-                        anchor_seed(self.seed, item.epoch, item.batch_index))
-                    blocks = sample_anchors(row, rep.num_slots(row.input_ids.shape[0]),
-                                            rep.block_size, g, self.mask_token_id)
+                    # outside the gate, as host work: the replica's objective owns the blocks
+                    blocks = rep.anchors(row, anchor_seed(self.seed, item.epoch,
+                                                          item.batch_index))
                     res = self.gate.run(rep.signature(row.input_ids.shape[0]),
                                         lambda: rep.forward_backward(row, feats, blocks))
                     del feats

@@ -13,7 +13,8 @@ import time
 
 import torch
 
-from ..models.masks import PackedRow, sample_anchors
+from ..models.masks import PackedRow
+from ..models.target_output import SoftLabels, TargetOutput, soft_positions
 from .replica import DrafterReplica
 
 
@@ -30,6 +31,22 @@ def synthetic_row(bucket_len: int, vocab_size: int, seed: int = 0, docs: int = 1
                      loss_mask=lm, sample_ids=[-1])
 
 
+def synthetic_output(rep: DrafterReplica, row: PackedRow, feat_width: int, feat_dtype,
+                     seed: int = 0) -> TargetOutput:
+    """Random target output of the right shapes for ``row``: features [1, L, feat_width] and,
+    when the replica's objective distils, top-k soft labels at the row's response positions."""
+    g = torch.Generator().manual_seed(seed + row.input_ids.shape[0])
+    L, obj = row.input_ids.shape[0], rep.objective
+    feats = torch.randn(1, L, feat_width, generator=g).to(rep.device, feat_dtype)
+    if not obj.soft_labels:
+        return TargetOutput(feats)
+    pos = soft_positions(row.doc_ids, row.loss_mask)
+    ids = torch.randint(0, rep.cfg.vocab_size, (pos.numel(), obj.top_k), generator=g,
+                        dtype=torch.int32)
+    lp = torch.log_softmax(torch.randn(pos.numel(), obj.top_k, generator=g), -1)
+    return TargetOutput(feats, SoftLabels(pos, ids, lp).to(rep.device))
+
+
 def warm_replica(rep: DrafterReplica, bucket_len: int, feat_width: int, feat_dtype,
                  optimizer_step: bool) -> dict:
     """Compile (through the gate) one replica's step for one bucket; returns timing.
@@ -41,19 +58,17 @@ def warm_replica(rep: DrafterReplica, bucket_len: int, feat_width: int, feat_dty
 
     gate = get_gate()
     row = synthetic_row(bucket_len, rep.cfg.vocab_size)
-    blocks = sample_anchors(row, rep.num_slots(bucket_len), rep.block_size,
-                            torch.Generator().manual_seed(bucket_len), rep.cfg.mask_token_id)
-    feats = torch.randn(1, bucket_len, feat_width, dtype=feat_dtype, device=rep.device)
+    blocks = rep.anchors(row, bucket_len)
+    out = synthetic_output(rep, row, feat_width, feat_dtype)
     sig = rep.signature(bucket_len)
     t0 = time.perf_counter()
-    gate.run(sig, lambda: rep.forward_backward(row, feats, blocks))
+    gate.run(sig, lambda: rep.forward_backward(row, out, blocks))
     # A second call with fresh inputs: dynamo may specialise on the first call's objects (on
     # CUDA the BlockMask's mask_mod closure) and recompile once on the next; that must happen
     # here, under the exclusive side, not as a refused recompile in steady state.
-    blocks2 = sample_anchors(row, rep.num_slots(bucket_len), rep.block_size,
-                             torch.Generator().manual_seed(bucket_len + 1), rep.cfg.mask_token_id)
+    blocks2 = rep.anchors(row, bucket_len + 1)
     with gate.exclusive(f"settle:{sig!r}"):
-        rep.forward_backward(row, feats.clone(), blocks2)
+        rep.forward_backward(row, TargetOutput(out.features.clone(), out.soft), blocks2)
     with gate.shared():
         if optimizer_step:
             rep.clip_and_step()

@@ -1,13 +1,17 @@
 """Build the workers a spec describes: drafter replicas and target feature extractors.
 
 Warmup and training both build through here, so they compile the same callables for the same
-config, dtypes, feature width (N·H, never [.., N, H]) and shape buckets.
+config, dtypes, feature width (N·H, never [.., N, H]) and shape buckets. Each worker gets its
+own config sections, resolved here: the replica the objective, the optimizer section and a
+torch dtype; the target worker whether to produce soft labels (the objective's kind).
 """
 from __future__ import annotations
 
 import torch
 
 from ..models.drafter import DFlashConfig, DFlashDrafter
+from ..models.dtypes import dtype_of
+from .objective import SOFT_KINDS, Objective
 from .packing import bucket_lengths
 from .replica import DrafterReplica
 
@@ -19,6 +23,10 @@ def drafter_config(spec) -> DFlashConfig:
     d = spec.drafter
     return DFlashConfig.from_target_config(tcfg, d.num_layers, d.block_size,
                                            d.mask_token_id, layer_ids(spec.target, tcfg))
+
+
+def objective(spec, cfg: DFlashConfig) -> Objective:
+    return Objective.of(cfg, spec.batching, spec.loss)
 
 
 def buckets(spec) -> list[int]:
@@ -36,37 +44,47 @@ def make_replicas(spec, cfg: DFlashConfig, init_state: dict, total_steps: int
     from ..models.target import target_embeddings
 
     embed, head = target_embeddings(spec.target, spec.seed)
-    return [DrafterReplica(i, dev, cfg, spec, embed, head, init_state, total_steps)
+    obj, dtype = objective(spec, cfg), dtype_of(spec.drafter.dtype)
+    return [DrafterReplica(i, dev, cfg, obj, spec.optim, dtype, spec.compile.backend, embed,
+                           head, init_state, total_steps)
             for i, dev in enumerate(spec.topology.drafters)]
 
 
 def make_target_workers(spec) -> list[tuple[str, object]]:
-    """One frozen target copy per target device, truncated after the last feature layer, its
-    decoder layers compiled where ``target.compile`` resolves to a backend."""
+    """One frozen target copy per target device, its decoder layers compiled where
+    ``target.compile`` resolves to a backend; each worker maps a PackedRow to its
+    :class:`~dflash.models.target_output.TargetOutput`. Truncated after the last feature layer,
+    unless the objective distils: then the whole target runs (its soft labels need the last
+    layers, the final norm and the LM head), in the same forward."""
     from ..models.masks import attention_backend
     from ..models.target import FeatureExtractor, compile_backend, hf_config, layer_ids, load_target
 
     ids = layer_ids(spec.target, hf_config(spec.target))
+    soft = spec.loss.kind in SOFT_KINDS
+    top_k = spec.loss.kd_top_k if soft else None
     workers = []
     for dev in spec.topology.targets:
-        t = load_target(spec.target, dev, seed=spec.seed, num_layers=max(ids) + 1,
+        t = load_target(spec.target, dev, seed=spec.seed,
+                        num_layers=None if soft else max(ids) + 1,
                         need_tokenizer=False, attention=attention_backend(dev))
         fx = FeatureExtractor(t, compile=compile_backend(spec.target, dev, spec.compile.backend,
-                                                         t.model))
+                                                         t.model), soft_top_k=top_k)
         if captured(spec, dev, fx):
             from ..models.target_graph import CapturedFeatures
+            from ..models.target_output import TargetOutput
 
             cap = CapturedFeatures(fx, dev)  # takes the row's host tensors: one copy in
-            workers.append((dev, lambda row, cap=cap: cap(row.input_ids, row.doc_ids,
-                                                          row.position_ids)))
+            workers.append((dev, lambda row, cap=cap: TargetOutput(cap(
+                row.input_ids, row.doc_ids, row.position_ids))))
             continue
-        workers.append((dev, lambda row, fx=fx, dev=dev: fx(row.input_ids.to(dev),
-                                                             row.doc_ids.to(dev),
-                                                             row.position_ids.to(dev))))
+        workers.append((dev, lambda row, fx=fx, dev=dev: fx.outputs(row, dev)))
     return workers
 
 
 def captured(spec, device: str, fx) -> bool:
-    """``target.cuda_graph``: auto captures a compiled extractor on a CUDA device."""
+    """``target.cuda_graph``: auto captures a compiled extractor on a CUDA device, when it
+    hands over features only (soft labels take the LM head at a row-dependent number of
+    positions: not one static graph)."""
     mode = {False: "off"}.get(spec.target.cuda_graph, spec.target.cuda_graph)
-    return mode == "auto" and device.startswith("cuda") and bool(fx.compile)
+    return (mode == "auto" and device.startswith("cuda") and bool(fx.compile)
+            and getattr(fx, "soft_top_k", None) is None)

@@ -1,0 +1,124 @@
+"""The drafter's training objective: one frozen owner of its numbers and of its loss.
+
+:class:`Objective` holds the block size and mask token (from the drafter config), the anchor
+count and token budget (``batching``) and the loss section (γ, kind, supervised positions,
+soft-label top-k). It answers everything the replica, the scheduler and the warm-up ask about
+the objective: anchor slots per bucket, the blocks of a row (:meth:`Objective.anchors`), the
+loss weight of every block token and the loss itself.
+
+Loss kinds (``loss.kind``):
+- ``ce``: cross-entropy on the sampled answer tokens (the reference recipe);
+- ``kd``: forward KL to the target's own next-token distribution (top-k, renormalised) at the
+  label's position: the soft labels of :class:`dflash.models.target_output.SoftLabels`;
+- ``ce+kd``: the mean of the two.
+Every kind uses the same γ weights w_k = exp(−(k−1)/γ), k = 1..B−1, and ``loss.max_position``
+K keeps only k ≤ K (weights above K are 0, so the head never runs there). The loss is
+Σ w·loss / Σ w over the supervised positions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..models.masks import IGNORE_INDEX, Blocks, PackedRow, block_loss_weights, sample_anchors
+from ..models.target_output import SoftLabels
+from .head_loss import head_cross_entropy
+
+KINDS = ("ce", "kd", "ce+kd")
+SOFT_KINDS = ("kd", "ce+kd")  # the kinds whose target worker produces soft labels
+
+
+@dataclass(frozen=True)
+class Objective:
+    block_size: int
+    mask_token_id: int
+    max_anchors: int
+    token_budget: int
+    gamma: float
+    kind: str = "ce"
+    max_position: int | None = None  # None: every block position k >= 1 carries loss
+    top_k: int = 32                  # soft labels kept per position (kd, ce+kd)
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"loss.kind {self.kind!r}: expected one of {', '.join(KINDS)}")
+
+    @classmethod
+    def of(cls, drafter_cfg, batching, loss) -> "Objective":
+        """From the drafter config (block size, mask id) and the spec's batching and loss."""
+        return cls(block_size=drafter_cfg.block_size, mask_token_id=drafter_cfg.mask_token_id,
+                   max_anchors=batching.max_anchors, token_budget=batching.token_budget,
+                   gamma=loss.gamma, kind=loss.kind, max_position=loss.max_position,
+                   top_k=loss.kd_top_k)
+
+    @property
+    def soft_labels(self) -> bool:
+        """Whether the target must produce its soft labels (kd, ce+kd)."""
+        return self.kind in SOFT_KINDS
+
+    # ---- blocks ------------------------------------------------------------------------------
+    def num_slots(self, bucket_len: int) -> int:
+        """Anchor slots for a bucket: max_anchors scaled to the bucket (static per bucket)."""
+        return max(1, self.max_anchors * bucket_len // self.token_budget)
+
+    def anchors(self, row: PackedRow, seed: int) -> Blocks:
+        """The blocks of ``row``: anchors a pure function of (row, seed)."""
+        return sample_anchors(row, self.num_slots(row.input_ids.shape[0]), self.block_size,
+                              torch.Generator().manual_seed(seed), self.mask_token_id)
+
+    def weights(self, blocks: Blocks) -> torch.Tensor:
+        """Loss weight of every block token (shape of ``blocks.labels``), 0 where unsupervised."""
+        return block_loss_weights(blocks, self.gamma, self.max_position)
+
+    def supervised(self, blocks: Blocks) -> torch.Tensor:
+        """Bool [..., A, B]: block tokens that carry loss (a label, k <= max_position)."""
+        B = self.block_size
+        has = (blocks.labels != IGNORE_INDEX).reshape(*blocks.labels.shape[:-1], -1, B)
+        if self.max_position is not None:
+            has = has & (torch.arange(B, device=has.device) <= self.max_position)
+        return has
+
+    # ---- loss --------------------------------------------------------------------------------
+    def loss(self, hidden: torch.Tensor, lm_head: torch.Tensor, blocks: Blocks,
+             soft: SoftLabels | None = None, row_len: int | None = None,
+             chunk: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss, hits) for one row's blocks: hidden [1, A*B, H] (or [A*B, H]) of the drafter,
+        the frozen head [V, H], the blocks (on hidden's device) and, for kd / ce+kd, the row's
+        soft labels (``row_len`` = L). hits [B]: supervised positions whose top-1 equals the
+        label, per block position (no gradient)."""
+        B = self.block_size
+        h = hidden.reshape(-1, hidden.shape[-1])
+        y = blocks.labels.reshape(-1)
+        w = self.weights(blocks).reshape(-1).float()
+        keep = torch.nonzero(w > 0, as_tuple=False).flatten()
+        k = torch.arange(B, device=y.device).repeat(y.numel() // B)[keep]
+        hits = torch.zeros(B, dtype=torch.float32, device=h.device)
+        if keep.numel() == 0:
+            return h.sum() * 0.0, hits  # keeps the graph (and the gradient mean) whole
+        h, y, w = h[keep], y[keep], w[keep]
+        ids, p, const = self._targets(y, keep, k, blocks, soft, row_len)
+        total, hits = head_cross_entropy(h, lm_head, ids, p, w, y, k, B, chunk)
+        return (total + (const * w).sum()) / w.sum(), hits
+
+    def _targets(self, y, keep, k, blocks, soft, row_len):
+        """The target distribution per supervised position as (ids [n, m], p [n, m]) and the
+        constant that turns soft CE into KL (Σ p log p of the distilled part; no gradient)."""
+        ones = torch.ones(y.shape[0], 1, device=y.device)
+        if self.kind == "ce":
+            return y[:, None], ones, torch.zeros_like(ones[:, 0])
+        if soft is None or row_len is None:
+            raise ValueError(f"loss.kind {self.kind!r} needs the target's soft labels")
+        anchor = blocks.anchor_pos.reshape(-1)[keep // self.block_size]
+        ids, lp = soft.at(anchor + k - 1, row_len)   # the target's output one before the label
+        ids = ids.long()
+        lp = torch.log_softmax(lp.float(), dim=-1)   # top-k renormalised
+        pk = lp.exp()
+        neg_entropy = (pk * lp).sum(-1)
+        if self.kind == "kd":
+            return ids, pk, neg_entropy
+        return (torch.cat([y[:, None], ids], 1), torch.cat([ones, pk], 1) * 0.5,
+                0.5 * neg_entropy)
+
+
+__all__ = ["KINDS", "SOFT_KINDS", "Objective"]

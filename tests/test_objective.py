@@ -1,0 +1,272 @@
+"""The objective: its numbers, its blocks, and its losses (ce, kd, ce+kd) against direct
+full-softmax computations, in float32 on CPU; the target's soft labels against a plain HF
+forward; a distilling spec end to end through the real target worker and replica."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash.errors import SpecError
+from dflash.models.masks import IGNORE_INDEX, PackedRow, loss_weights, sample_anchors
+from dflash.models.target import FeatureExtractor, load_target
+from dflash.models.target_output import SoftLabels, TargetOutput, soft_positions
+from dflash.spec import parse_spec, section_spec
+from dflash.train.objective import Objective
+
+H, V, MASK = 32, 96, 95
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_torch_thread):
+    """Tiny tensors: one intra-op thread."""
+
+
+def row(seed=0) -> PackedRow:
+    """Three documents (prompt then response) and padding, in one row of 64."""
+    g = torch.Generator().manual_seed(seed)
+    doc = [0] * 24 + [1] * 20 + [2] * 14 + [-1] * 6
+    pos = list(range(24)) + list(range(20)) + list(range(14)) + [0] * 6
+    lm = [0] * 6 + [1] * 18 + [0] * 4 + [1] * 16 + [0] * 3 + [1] * 11 + [0] * 6
+    return PackedRow(torch.randint(0, MASK, (64,), generator=g), torch.tensor(doc),
+                     torch.tensor(pos), torch.tensor(lm).bool(), [0, 1, 2])
+
+
+def objective(B, gamma=7.0, kind="ce", cap=None, top_k=8, anchors=12):
+    return Objective(B, MASK, max_anchors=anchors, token_budget=64, gamma=gamma, kind=kind,
+                     max_position=cap, top_k=top_k)
+
+
+def case(B, seed=0, kind="ce", gamma=7.0, cap=None, top_k=8):
+    torch.manual_seed(seed)
+    obj = objective(B, gamma, kind, cap, top_k)
+    r = row(seed)
+    blocks = obj.anchors(r, seed)
+    hidden = torch.randn(1, blocks.labels.numel(), H, requires_grad=True)
+    head = torch.randn(V, H) / H ** 0.5
+    target_logits = torch.randn(64, V) * 2      # a stand-in target's logits at every position
+    return obj, r, blocks, hidden, head, target_logits
+
+
+def soft_of(target_logits, r, k):
+    pos = soft_positions(r.doc_ids, r.loss_mask)
+    top = torch.log_softmax(target_logits[pos], -1).topk(k, dim=-1)
+    return SoftLabels(pos, top.indices.to(torch.int32), top.values)
+
+
+def reference(obj, blocks, hidden, head, target_logits, top_k):
+    """The losses computed directly: full [n, V] logits and softmax, no chunking, no fusion,
+    today's weights exp(-(k-1)/γ) (k >= 1, k <= cap)."""
+    B = obj.block_size
+    y = blocks.labels
+    k = torch.arange(B).repeat(y.numel() // B)
+    w = loss_weights(B, obj.gamma)[k] * (y != IGNORE_INDEX)
+    if obj.max_position is not None:
+        w = w * (k <= obj.max_position)
+    logq = torch.log_softmax(hidden[0] @ head.t(), -1)
+    ce = F.cross_entropy(hidden[0] @ head.t(), y.clamp(min=0), reduction="none")
+    # the target's distribution for the token at anchor+k is its output at anchor+k-1
+    src = (blocks.anchor_pos.repeat_interleave(B) + k - 1).clamp(0, 63)  # unlabelled: any
+    lp = torch.log_softmax(target_logits[src], -1)
+    top = lp.topk(top_k, dim=-1)
+    p = torch.zeros_like(lp).scatter_(1, top.indices, torch.softmax(top.values, -1))
+    kl = (p * (torch.log(p.clamp(min=1e-30)) - logq)).sum(-1)
+    per = {"ce": ce, "kd": kl, "ce+kd": 0.5 * (ce + kl)}[obj.kind]
+    return (per * w).sum() / w.sum()
+
+
+@pytest.mark.parametrize("B,gamma,cap", [(4, 7.0, None), (16, 7.0, None), (16, 4.0, 8),
+                                         (8, 1.5, 1), (5, 100.0, 3)])
+def test_ce_loss_and_gradient_equal_direct_full_softmax(B, gamma, cap):
+    obj, r, blocks, hidden, head, _ = case(B, gamma=gamma, cap=cap)
+    loss, hits = obj.loss(hidden, head, blocks, chunk=7)   # several chunks, a ragged last one
+    (g,) = torch.autograd.grad(loss, hidden)
+    ref = reference(obj, blocks, hidden, head, torch.zeros(64, V), 1)
+    (g_ref,) = torch.autograd.grad(ref, hidden)
+    torch.testing.assert_close(loss, ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(g, g_ref, atol=1e-6, rtol=1e-5)
+    # the cap: positions above it get no gradient at all, and no hits are counted there
+    k = torch.arange(B).repeat(blocks.labels.numel() // B)
+    if cap is not None:
+        assert (g[0, k > cap] == 0).all() and (hits[cap + 1:] == 0).all()
+    # hits: supervised positions whose top-1 is the label, per block position
+    sup = obj.supervised(blocks).reshape(-1)
+    top1 = (hidden[0] @ head.t()).argmax(-1) == blocks.labels
+    want = torch.tensor([float((top1 & sup & (k == j)).sum()) for j in range(B)])
+    torch.testing.assert_close(hits, want)
+    assert not hits.requires_grad
+
+
+def test_uncapped_weights_are_todays_and_the_cap_drops_positions():
+    obj = objective(16)
+    r = row()
+    bl = obj.anchors(r, 3)
+    w = obj.weights(bl).reshape(-1, 16)
+    assert torch.equal(w[obj.supervised(bl)], loss_weights(16, 7.0).expand(w.shape[0], 16)[
+        obj.supervised(bl)])
+    capped = objective(16, cap=4)
+    wc = capped.weights(bl).reshape(-1, 16)
+    assert (wc[:, 5:] == 0).all() and torch.equal(wc[:, :5], w[:, :5])
+    assert int(capped.supervised(bl).sum()) == int((w[:, :5] > 0).sum())
+
+
+@pytest.mark.parametrize("kind,top_k,B,cap", [("kd", V, 4, None), ("kd", 5, 16, None),
+                                              ("ce+kd", 8, 8, 3), ("ce+kd", V, 16, None)])
+def test_kd_loss_and_gradient_equal_direct_full_softmax(kind, top_k, B, cap):
+    """KD against the target's top-k (renormalised): with k = vocab it is the full forward
+    KL(p_target || q_drafter); ce+kd is the mean of the two; all with the γ weights."""
+    obj, r, blocks, hidden, head, tl = case(B, seed=1, kind=kind, cap=cap, top_k=top_k)
+    soft = soft_of(tl, r, top_k)
+    loss, _ = obj.loss(hidden, head, blocks, soft, row_len=64, chunk=11)
+    (g,) = torch.autograd.grad(loss, hidden)
+    ref = reference(obj, blocks, hidden, head, tl, top_k)
+    (g_ref,) = torch.autograd.grad(ref, hidden)
+    torch.testing.assert_close(loss, ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(g, g_ref, atol=1e-6, rtol=1e-5)
+    assert float(loss.detach()) > 0
+
+
+def test_kd_is_zero_when_the_drafter_is_the_target():
+    """KL of a distribution to itself: the drafter's logits equal the target's (k = vocab)."""
+    obj, r, blocks, _, _, _ = case(8, kind="kd", top_k=V)
+    head = torch.eye(V)                                 # logits = hidden
+    src = blocks.anchor_pos.repeat_interleave(8) + torch.arange(8).repeat(
+        blocks.labels.numel() // 8) - 1
+    tl = torch.randn(64, V)
+    hidden = tl[src.clamp(0, 63)][None].clone().requires_grad_(True)
+    loss, _ = obj.loss(hidden, head, blocks, soft_of(tl, r, V), row_len=64)
+    assert abs(float(loss)) < 1e-5
+    (g,) = torch.autograd.grad(loss, hidden)
+    assert float(g.abs().max()) < 1e-6
+
+
+def test_no_supervised_position_gives_zero_loss_and_gradient():
+    obj = objective(4)
+    r = row()
+    r.loss_mask[:] = False                              # nothing to supervise
+    bl = obj.anchors(r, 0)
+    hidden = torch.randn(1, bl.labels.numel(), H, requires_grad=True)
+    loss, hits = obj.loss(hidden, torch.randn(V, H), bl)
+    loss.backward()
+    assert float(loss) == 0 and (hidden.grad == 0).all() and (hits == 0).all()
+
+
+def test_kd_without_soft_labels_is_refused():
+    obj, r, blocks, hidden, head, _ = case(4, kind="kd")
+    with pytest.raises(ValueError, match="soft labels"):
+        obj.loss(hidden, head, blocks)
+
+
+def test_anchors_are_the_scheduler_s_and_slots_scale_with_the_bucket():
+    obj = objective(4, anchors=12)
+    r = row()
+    assert obj.num_slots(64) == 12 and obj.num_slots(32) == 6 and obj.num_slots(1) == 1
+    a, b = obj.anchors(r, 5), sample_anchors(r, 12, 4, torch.Generator().manual_seed(5), MASK)
+    assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in
+               ("anchor_pos", "valid", "block_input_ids", "labels", "block_position_ids"))
+    assert not torch.equal(obj.anchors(r, 6).anchor_pos, a.anchor_pos)
+
+
+# ---------------------------------------------------------------------------------------------
+# the target side: soft labels from the same forward as the features
+# ---------------------------------------------------------------------------------------------
+TARGET = section_spec("target", {"model": "llama-micro", "init": "random", "dtype": "float32",
+                                 "num_feature_layers": 2})
+
+
+def test_target_soft_labels_equal_a_plain_hf_forward():
+    """One packed forward yields features equal to the feature-only path and, at every response
+    position, the top-k log-probs of each document run alone through HF's own forward."""
+    tgt = load_target(TARGET, "cpu", need_tokenizer=False)
+    fx = FeatureExtractor(tgt, soft_top_k=6)
+    r = row(2)
+    r.input_ids = torch.randint(5, 49152, (64,), generator=torch.Generator().manual_seed(2))
+    out = fx.outputs(r, "cpu")
+    assert isinstance(out, TargetOutput)
+    torch.testing.assert_close(out.features, fx(r.input_ids, r.doc_ids, r.position_ids))
+    soft = out.soft
+    assert torch.equal(soft.positions, soft_positions(r.doc_ids, r.loss_mask))
+    assert soft.token_ids.shape == (soft.positions.numel(), 6)
+    with torch.no_grad():
+        for d in range(3):
+            sel = torch.nonzero(r.doc_ids == d).flatten()
+            lp = torch.log_softmax(tgt.model(input_ids=r.input_ids[sel][None]).logits[0], -1)
+            mine = torch.isin(soft.positions, sel)
+            local = soft.positions[mine] - sel[0]
+            top = lp[local].topk(6, dim=-1)
+            torch.testing.assert_close(soft.logprobs[mine], top.values, atol=1e-5, rtol=1e-5)
+            assert torch.equal(soft.token_ids[mine].long(), top.indices)
+    assert soft.nbytes() == soft.positions.numel() * (8 + 6 * (4 + 4))
+    with pytest.raises(ValueError, match="whole target"):
+        FeatureExtractor(load_target(TARGET, "cpu", need_tokenizer=False, num_layers=3),
+                         soft_top_k=4)
+
+
+KD_SPEC = {
+    "name": "kd", "seed": 0,
+    "target": {"model": "llama-micro", "init": "random", "num_feature_layers": 2},
+    "drafter": {"num_layers": 1, "block_size": 4, "mask_token_id": 4},
+    "batching": {"token_budget": 64, "max_batch_size": 4, "max_anchors": 8, "num_buckets": 1},
+    "loss": {"gamma": 4, "kind": "kd", "kd_top_k": 4},
+    "topology": {"targets": ["cpu"], "drafters": ["cpu"], "allow_shared_devices": True},
+    "data": {"source": "chatterbot-corpus", "max_prompt_tokens": 16, "max_new_tokens": 32},
+    "optim": {"lr": 1e-2, "epochs": 1, "warmup_ratio": 0.0},
+    "compile": {"backend": "eager"},
+    "env": {"lock": "envs/cpu-py311.lock"},
+}
+
+
+def test_distilling_spec_runs_whole_target_and_trains_the_replica():
+    """kd end to end on the real workers: the target worker loads the whole target and hands
+    soft labels with the features; the replica's step lowers its KD loss on a fixed row."""
+    from dflash.train.workers import (
+        drafter_config,
+        initial_state,
+        make_replicas,
+        make_target_workers,
+    )
+
+    spec = parse_spec(KD_SPEC, "kd.yaml")
+    cfg = drafter_config(spec)
+    [(dev, fn)] = make_target_workers(spec)
+    [rep] = make_replicas(spec, cfg, initial_state(cfg, 0), 40)
+    assert rep.objective.kind == "kd" and rep.objective.top_k == 4
+    r = row(3)
+    r.input_ids = torch.randint(5, 49152, (64,), generator=torch.Generator().manual_seed(3))
+    out = fn(r)
+    assert out.soft is not None and out.soft.top_k == 4
+    blocks = rep.anchors(r, 0)
+    losses = []
+    for _ in range(25):
+        res = rep.forward_backward(r, out, blocks)
+        rep.clip_and_step()
+        losses.append(float(res.loss))
+    assert losses[-1] < losses[0] - 0.3 and min(losses) == losses[-1], losses
+
+
+def test_max_position_must_be_a_block_position():
+    bad = {**KD_SPEC, "loss": {"gamma": 4, "max_position": 4}}
+    with pytest.raises(SpecError, match="loss.max_position"):
+        parse_spec(bad, "kd.yaml")
+    assert parse_spec({**KD_SPEC, "loss": {"gamma": 4, "max_position": 3}},
+                      "kd.yaml").loss.max_position == 3
+    with pytest.raises(SpecError, match="loss.kind"):
+        parse_spec({**KD_SPEC, "loss": {"gamma": 4, "kind": "kl"}}, "kd.yaml")
+
+
+def test_replica_step_counts_only_supervised_positions():
+    """With loss.max_position the replica's books (labelled, per-position counts) and its
+    gradient cover k <= K only; a bare feature tensor stands for a features-only output."""
+    from dflash.train.workers import drafter_config, initial_state, make_replicas
+
+    spec = parse_spec({**KD_SPEC, "loss": {"gamma": 4, "max_position": 2}}, "kd.yaml")
+    cfg = drafter_config(spec)
+    [rep] = make_replicas(spec, cfg, initial_state(cfg, 0), 10)
+    r = row(4)
+    blocks = rep.anchors(r, 1)
+    feats = torch.randn(1, 64, len(cfg.target_layer_ids) * cfg.hidden_size)
+    res = rep.forward_backward(r, feats, blocks)
+    has = (blocks.labels != IGNORE_INDEX).reshape(-1, 4)
+    assert res.counts == [0, int(has[:, 1].sum()), int(has[:, 2].sum()), 0]
+    assert res.labelled == sum(res.counts) and float(res.hits[3]) == 0
+    assert torch.isfinite(res.loss) and rep.flat_grad().abs().sum() > 0
