@@ -33,7 +33,8 @@ class CapturedFeatures:
 
     def __call__(self, input_ids, doc_ids, position_ids):
         L = int(input_ids.shape[-1])
-        with self._lock:  # one capture per length, and a graph replays one row at a time
+        # the capture stream and a replay belong to the current device: make it the target's
+        with self._lock, torch.cuda.device(self.device):  # one replay at a time per extractor
             if L not in self._graphs:
                 self._graphs[L] = self._capture(input_ids, doc_ids, position_ids)
             entry = self._graphs[L]

@@ -136,6 +136,13 @@ def cache_dir(train_dir: Path) -> Path:
     return Path(train_dir) / "feature_cache"
 
 
+def store_bytes(spec, tokens: int, layers: int, hidden: int) -> int:
+    """Bytes the cache of ``spec`` stores for ``tokens`` tokens (every plane, float8 scales
+    included). The one formula: :func:`budget` uses it, and so can a run-wide budget (e.g. a
+    ``dflash.train.budget`` item: disk for ``disk``, host memory for ``host``)."""
+    return tokens * sum(p.bytes_per_token for p in planes_for(spec, layers, hidden))
+
+
 def budget(spec, tokens: int, samples: int, train_dir: Path, layers: int, hidden: int,
            available: int | None = None, upper_bound: bool = False) -> Budget:
     """The storage the spec's cache needs against what this machine has (``available``: the
@@ -143,7 +150,7 @@ def budget(spec, tokens: int, samples: int, train_dir: Path, layers: int, hidden
     from ..spec import cache_mode
 
     mode = cache_mode(spec)
-    need = tokens * sum(p.bytes_per_token for p in planes_for(spec, layers, hidden))
+    need = store_bytes(spec, tokens, layers, hidden)
     free = available_bytes(mode, cache_dir(train_dir)) if available is None else available
     where = "host memory" if mode == "host" else f"the file system of {cache_dir(train_dir)}"
     return Budget(mode, spec.features.dtype, tokens, samples, need,
