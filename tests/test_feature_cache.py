@@ -286,3 +286,40 @@ def test_cuda_graph_capture_only_for_a_compiled_cuda_extractor():
     assert captured(auto, "cuda:0", compiled)
     assert not captured(auto, "cpu", compiled) and not captured(auto, "cuda:0", eager)
     assert not captured(off, "cuda:0", compiled)
+
+
+def test_lost_host_cache_after_a_kill_recomputes_and_stays_exactly_once(tmp_path):
+    """A host cache dies with its process: a run resumed in epoch 1 finds nothing stored and
+    nothing pending, so the target computes every row again; each sample still once an epoch."""
+    spec = _spec("host")
+    samples = _dataset()
+    pipe, reps = _pipeline(spec, samples, None, total_epochs=1)
+    pipe.run()  # epoch 0 without a cache: what the killed run had done
+    start = pipe.total_steps
+    ckpt.save(tmp_path / "ckpt", start, reps[0], {}, 2, {"run": 1})
+    cache = _cache(spec, samples)  # the resumed process: an empty host cache
+    seen, calls = {}, []
+    pipe2, _ = _pipeline(spec, samples, cache, start_step=start,
+                         state=ckpt.latest_good(tmp_path / "ckpt"),
+                         on_step=lambda r: seen.setdefault(r.epoch, []).extend(r.sample_ids))
+    for i, (dev, fn) in enumerate(pipe2.targets):
+        pipe2.targets[i] = (dev, lambda row, fn=fn: calls.append(row.sample_ids) or fn(row))
+    pipe2.run()
+    ids = sorted(s[0] for s in samples)
+    assert sorted(seen) == [1, 2] and all(sorted(v) == ids for v in seen.values())
+    assert sorted(s for c in calls for s in c) == sorted(ids + ids)  # ran on both epochs
+    assert cache.stats["rows_read"] == 0 and not any(cache.filled(s[0]) for s in samples)
+    cache.close(remove=True)
+
+
+def test_validate_prints_the_budget(tmp_path, capsys):
+    import yaml
+
+    from dflash.cli import main
+
+    path = tmp_path / "cachespec.yaml"
+    path.write_text(yaml.safe_dump(dict(SPEC, name="cachespec",
+                                        features={"cache": "disk", "dtype": "float8_e4m3"})))
+    assert main(["validate", str(path), "--no-devices", "--results", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "features.cache disk (float8_e4m3): <= " in out and ": fits" in out, out

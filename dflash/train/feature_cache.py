@@ -50,6 +50,7 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 STORE_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3": FP8}
 MAX_PENDING_WRITES = 4  # rows staged on the host and not yet in the store (bounds pinned memory)
+WAIT_S = 600.0  # a served row's pending sample that stays unwritten this long is a bug: raise
 
 
 class CacheStopped(Exception):
@@ -351,8 +352,15 @@ class FeatureCache:
     def wait_for(self, sids: Sequence[int], stop: threading.Event | None = None,
                  poll_s: float = 0.1) -> None:
         """Block (holding no gate) until every sample of a served row is stored."""
+        import time
+
+        deadline = time.monotonic() + WAIT_S
         with self._cond:
             while not all(self.filled(s) for s in sids):
+                if time.monotonic() > deadline:
+                    missing = [int(s) for s in sids if not self.filled(s)]
+                    raise RuntimeError(f"feature cache: samples {missing[:8]} were expected "
+                                       f"from epoch 0 but not written within {WAIT_S:.0f} s")
                 if stop is not None and stop.is_set():
                     raise CacheStopped
                 self._check_writes()  # a failed write would never commit: raise it here
