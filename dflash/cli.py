@@ -40,6 +40,29 @@ def run_stage(name: str, spec_path: str, root: str = "results") -> dict:
     return importlib.import_module(f"dflash.stages.{name}").run(ctx)
 
 
+def _print_cache_budget(spec, root: str) -> None:
+    """``features.cache`` on: its storage budget against this machine's free memory or disk
+    (exact once the data stage has run, else an upper bound from data.*). An exact budget
+    that does not fit fails here as it would fail the train stage."""
+    from .spec import cache_mode
+
+    if cache_mode(spec) == "off":
+        return  # no torch import for the common case
+    from .stages import results_dir
+
+    # by name, like the stages: validate's model-side checks stay out of every stage's code
+    # fingerprint (dflash.code_fingerprint follows static imports only)
+    fc = importlib.import_module("dflash.train.feature_cache")
+    check_budget, spec_budget = fc.check_budget, fc.spec_budget
+    b = spec_budget(spec, results_dir(spec, root))
+    if b is None:
+        return
+    verdict = "fits" if b.fits else "does NOT fit: the train stage would refuse it"
+    print(f"   {b.describe()}: {verdict}")
+    if not b.upper_bound:
+        check_budget(b, spec.path)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog="dflash", description=__doc__.split("\n")[0])
@@ -52,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("specs", nargs="+")
     p.add_argument("--no-devices", action="store_true",
                    help="skip the check that the spec's devices exist here")
+    p.add_argument("--results", default="results", help="results root (default: results)")
     for name, (_, hlp) in TOOLS.items():
         p = sub.add_parser(name, help=hlp, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
@@ -66,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                 s = load_spec(path, check_devices_present=not a.no_devices)
                 nodes = f" on each of {s.topology.nodes} nodes" if s.topology.nodes > 1 else ""
                 print(f"ok: {path} (spec '{s.name}', devices {', '.join(s.devices())}{nodes})")
+                _print_cache_budget(s, a.results)
             return 0
         run_stage(a.cmd, a.spec, a.results)
         return 0

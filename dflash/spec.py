@@ -42,6 +42,9 @@ class TargetSpec:
     num_feature_layers: int
     layer_ids: tuple[int, ...] | None
     compile: str
+    # a default, unlike the other fields: code that builds a TargetSpec by hand (tests, tools)
+    # predates the field; the schema's default is the same
+    cuda_graph: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -136,6 +139,13 @@ class MonitorSpec:
 
 
 @dataclass(frozen=True)
+class FeaturesSpec:
+    cache: str
+    dtype: str
+    headroom: float
+
+
+@dataclass(frozen=True)
 class CompileSpec:
     backend: str
 
@@ -162,7 +172,8 @@ class EnvSpec:
 SECTIONS: dict[str, type] = {
     "target": TargetSpec, "drafter": DrafterSpec, "batching": BatchingSpec, "loss": LossSpec,
     "topology": TopologySpec, "data": DataSpec, "optim": OptimSpec,
-    "checkpoint": CheckpointSpec, "monitor": MonitorSpec, "compile": CompileSpec,
+    "checkpoint": CheckpointSpec, "monitor": MonitorSpec, "features": FeaturesSpec,
+    "compile": CompileSpec,
     "bench": BenchSpec, "env": EnvSpec,
 }
 
@@ -221,6 +232,7 @@ class Spec:
     optim: OptimSpec
     checkpoint: CheckpointSpec
     monitor: MonitorSpec
+    features: FeaturesSpec
     compile: CompileSpec
     bench: BenchSpec
     env: EnvSpec
@@ -284,10 +296,19 @@ def stage_fields(spec: Spec) -> dict[str, dict[str, Any]]:
                    "batching": spec.batching, "topology.drafters": spec.topology.drafters,
                    "compile": spec.compile, "seed": spec.seed},
         "data": {**target_identity, "data": spec.data, "seed": spec.seed},
+        # features, when a cache is on: a cached epoch >= 1 row holds its samples' epoch-0
+        # features (float8 storage rounds them), so the weights depend on it; off leaves the
+        # fingerprint as it was before the field existed
         "train": {"loss": spec.loss, "optim": spec.optim, "checkpoint": spec.checkpoint,
-                  "topology": spec.topology, "monitor": spec.monitor, "seed": spec.seed},
+                  "topology": spec.topology, "monitor": spec.monitor, "seed": spec.seed,
+                  **({"features": spec.features} if cache_mode(spec) != "off" else {})},
         "bench": {"bench": spec.bench},
     }
+
+
+def cache_mode(spec: Spec) -> str:
+    """``features.cache`` as off, host or disk (YAML 1.1 reads a bare ``off`` as False)."""
+    return "off" if spec.features.cache in ("off", False) else spec.features.cache
 
 
 def _thawed(value: Any) -> Any:
@@ -483,6 +504,10 @@ def _check_cross_fields(spec: Spec, file: str) -> None:
             fail("topology.rendezvous", f"port {port} is out of range (1-65535)")
         if topo.nodes == 1:
             fail("topology.rendezvous", "a rendezvous is only used with topology.nodes > 1")
+    if cache_mode(spec) != "off" and topo.nodes > 1:
+        fail("features.cache", f"a feature cache needs topology.nodes 1 (each node would cache "
+             f"only its own share of epoch 0, and an epoch >= 1 row is served only when every "
+             f"sample in it is cached); this spec has {topo.nodes} nodes")
     if spec.env.lock.startswith("/") or ".." in Path(spec.env.lock).parts:
         fail("env.lock", "must be a path inside the repository (e.g. envs/cpu-py311.lock)")
 

@@ -100,6 +100,7 @@ class StepBooks:
         self.monitor, self.tau_every = monitor, tau_every
         self.metrics = MetricsLog(out / "metrics.jsonl", start_step) if writer else None
         self.t0 = time.perf_counter()
+        self.feature_cache = None  # flushed before every checkpoint (features.cache: disk)
 
     def start(self) -> None:
         """The run's clock starts (metrics' ``t``): call just before the pipeline starts."""
@@ -127,6 +128,8 @@ class StepBooks:
                             "t": round(rec.t_end - self.t0, 4), **extra})
         self.status.step(rec)
         if self.persist and self._due(self.checkpoint.every_steps, rec.step):
+            if self.feature_cache is not None:
+                self.feature_cache.flush()  # what this checkpoint's steps computed is stored
             # every rank has reached this step (the step's record was gathered from all)
             ckpt.save(self.out / "checkpoints", rec.step + 1, self.replica, dict(self.counters),
                       self.checkpoint.keep, self.run_fingerprint, self.ledger.state(),

@@ -160,8 +160,10 @@ class Pipeline:
                  step_map: StepMap, make_row: Callable[[list], PackedRow], start_step: int,
                  total_steps: int, seed: int, queue_depth: int,
                  on_step: Callable[[StepRecord], None] | None = None,
-                 fail_at: dict[str, int] | None = None, comm=None):
+                 fail_at: dict[str, int] | None = None, comm=None, feature_cache=None):
         """``target_workers``: (device, fn(row) -> TargetOutput) per target device.
+        ``feature_cache``: a :class:`dflash.train.feature_cache.FeatureCache` (epoch 0 writes
+        it, later epochs read the rows it serves instead of running the target) or None.
         ``step_map`` maps steps to the deterministic per-epoch batch plans; ``make_row(batch)``
         packs one batch of sample indices into a PackedRow."""
         self.targets = target_workers
@@ -174,6 +176,7 @@ class Pipeline:
         self.on_step = on_step
         self.fail_at = fail_at or {}  # test hook: {"worker name": step} raises there
         self.comm = comm  # dflash.runtime.distributed.Dist across nodes; None: this process only
+        self.cache = feature_cache
         self.allreduce = None  # DeviceBusy of the cross-node all-reduce (leader thread)
         self.gate = get_gate()
         self.stop = threading.Event()
@@ -252,7 +255,9 @@ class Pipeline:
         name = worker_name("target", i)
         try:
             worker_thread_setup()
-            busy = wait = 0.0
+            # device time from event pairs, as the drafters': no host sync per row, so this
+            # thread queues the next row while the device (shared with a drafter) still runs
+            busy, wait = DeviceBusy(device), 0.0
             while True:
                 t = time.perf_counter()
                 item = self._get(self.work_q)
@@ -262,23 +267,40 @@ class Pipeline:
                 self._check_fail_hook(name, item.step)
                 feats = None
                 if item.row is not None:
-                    row = item.row
-                    t = time.perf_counter()
-                    feats = self.gate.run(
-                        ("target_forward", device, row.input_ids.shape[0]),
-                        lambda: feature_fn(row))
-                    if device.startswith("cuda"):
-                        torch.cuda.synchronize(device)
-                    busy += time.perf_counter() - t
+                    b0 = busy.start()
+                    feats = self._features(device, feature_fn, item)
+                    busy.stop(b0)
                     self.first_step_s.setdefault(name, time.perf_counter() - self.t0)
-                self.busy_s[name], self.wait_s[name] = busy, wait
+                self.busy_s[name], self.wait_s[name] = busy.seconds, wait
                 t = time.perf_counter()
                 self._put(self.out_qs[item.replica], (item, feats))
                 wait += time.perf_counter() - t
+            self.busy_s[name] = busy.collect(block=True)
         except Stopped:
             pass
         except BaseException as e:  # noqa: BLE001
             self.fail(name, device, e)
+
+    def _features(self, device: str, feature_fn: Callable, item: WorkItem):
+        """The row's target features: from the cache when it serves the row (epochs >= 1; the
+        wait for a sample still being written holds no gate), else from the target (epoch 0
+        then stores them)."""
+        row, cache = item.row, self.cache
+        if cache is not None and item.epoch >= 1 and cache.serves(row.sample_ids):
+            from .feature_cache import CacheStopped
+
+            try:
+                cache.wait_for(row.sample_ids, self.stop)
+            except CacheStopped:
+                raise Stopped from None
+            with self.gate.shared():
+                return cache.read(row, device)
+        feats = self.gate.run(("target_forward", device, row.input_ids.shape[0]),
+                              lambda: feature_fn(row))
+        if cache is not None and item.epoch == 0:
+            with self.gate.shared():
+                cache.write(row, feats)
+        return feats
 
     def _next_item(self, r: int, step: int, pending: dict):
         while step not in pending:

@@ -37,8 +37,10 @@ from ..runtime.faults import injected_failures
 from ..runtime.gate import get_gate
 from ..runtime.status import StatusReporter, by_role
 from ..models.dtypes import dtype_of
+from ..spec import cache_mode
 from . import checkpoint as ckpt
 from .books import EpochLedger, StepBooks
+from .feature_cache import check_run, open_for_run
 from .packing import bucket_for, pack_row, plan_epoch
 from .scheduler import Pipeline, StepMap
 from .warm import warm_all, warm_targets
@@ -99,6 +101,7 @@ class Trained:
     status: Any              # dflash.runtime.status.StatusReporter
     ledger: EpochLedger
     seconds: float
+    feature_cache: dict | None = None  # its counters, when features.cache is on
 
 
 def timed_run(ctx, out: Path, steps: int) -> dict:
@@ -147,6 +150,7 @@ def prepare(ctx, out: Path, persist: bool, max_steps: int | None, comm=None) -> 
     step_map = StepMap(epoch_batches, len(spec.topology.drafters), ranks, rank)
     total_steps = max_steps if max_steps is not None else total_steps_for(spec, step_map)
     cfg = drafter_config(spec)
+    check_run(spec, ds, out, cfg)  # refuses a feature cache that does not fit, before heavy work
     replicas = make_replicas(spec, cfg, initial_state(cfg, spec.seed), total_steps)
     run_fp = {"train": spec.fingerprint("train"), "shape": spec.fingerprint("warmup"),
               "dataset_sha256": ds.manifest["dataset"]["sha256"]}
@@ -233,6 +237,9 @@ def train_steps(job: Job, progress: Progress, targets: list, fail_at: dict,
                       total_steps=job.total_steps, replica=job.replicas[0],
                       run_fingerprint=job.run_fingerprint, writer=job.main,
                       persist=job.persist, monitor=tau, tau_every=every_tau)
+    cache = open_for_run(spec, ds, job.out, job.cfg, job.step_map, progress.start_step,
+                         job.total_steps, job.run_fingerprint)
+    books.feature_cache = cache
     pad_id = 0
 
     def make_row(batch: list[int]):
@@ -244,7 +251,7 @@ def train_steps(job: Job, progress: Progress, targets: list, fail_at: dict,
                     make_row=make_row, start_step=progress.start_step,
                     total_steps=job.total_steps, seed=spec.seed,
                     queue_depth=spec.topology.queue_depth, on_step=books.record,
-                    fail_at=fail_at, comm=job.comm)
+                    fail_at=fail_at, comm=job.comm, feature_cache=cache)
     if job.comm is not None:
         job.comm.watchdog.on_failure(
             lambda msg: pipe.fail("watchdog", job.comm.name(), PeerFailed(msg)))
@@ -252,8 +259,12 @@ def train_steps(job: Job, progress: Progress, targets: list, fail_at: dict,
         pipe.run(on_tick=status.tick if job.main else None, tick_s=5.0)
     finally:
         books.close()
+        if cache is not None:  # a completed run deletes a disk cache; a failed one keeps it
+            cache.close(remove=pipe.steps_done >= job.total_steps and pipe.error is None)
     return Trained(pipe=pipe, status=status, ledger=books.ledger,
-                   seconds=time.perf_counter() - books.t0)
+                   seconds=time.perf_counter() - books.t0,
+                   feature_cache=dict(cache.stats, mode=cache_mode(spec),
+                                      dtype=spec.features.dtype) if cache else None)
 
 
 def check_replicas(job: Job) -> bool:
@@ -315,7 +326,8 @@ def write_train_manifest(job: Job, progress: Progress, trained: Trained, warm_st
         replicas=len(job.replicas), replicas_identical=replicas_identical,
         exactly_once=trained.ledger.report(),
         drafter_dir=str(job.out / "drafter"), env_drift_overridden=ctx.drift,
-        topology=asdict(spec.topology), distributed=across or {"nodes": 1})
+        topology=asdict(spec.topology), distributed=across or {"nodes": 1},
+        feature_cache=trained.feature_cache)
     trained.status.done(manifest)
     print(f"[train] done: {steps_run} steps in {trained.seconds:.1f}s, final loss "
           f"{manifest['final_loss']}, recompiles after warmup "

@@ -69,5 +69,22 @@ def make_target_workers(spec) -> list[tuple[str, object]]:
                         need_tokenizer=False, attention=attention_backend(dev))
         fx = FeatureExtractor(t, compile=compile_backend(spec.target, dev, spec.compile.backend,
                                                          t.model), soft_top_k=top_k)
+        if captured(spec, dev, fx):
+            from ..models.target_graph import CapturedFeatures
+            from ..models.target_output import TargetOutput
+
+            cap = CapturedFeatures(fx, dev)  # takes the row's host tensors: one copy in
+            workers.append((dev, lambda row, cap=cap: TargetOutput(cap(
+                row.input_ids, row.doc_ids, row.position_ids))))
+            continue
         workers.append((dev, lambda row, fx=fx, dev=dev: fx.outputs(row, dev)))
     return workers
+
+
+def captured(spec, device: str, fx) -> bool:
+    """``target.cuda_graph``: auto captures a compiled extractor on a CUDA device, when it
+    hands over features only (soft labels take the LM head at a row-dependent number of
+    positions: not one static graph)."""
+    mode = {False: "off"}.get(spec.target.cuda_graph, spec.target.cuda_graph)
+    return (mode == "auto" and device.startswith("cuda") and bool(fx.compile)
+            and getattr(fx, "soft_top_k", None) is None)

@@ -1,0 +1,552 @@
+"""The bounded target-feature cache across epochs (``features.cache: host | disk``).
+
+What it owns: the storage of what the target worker hands the drafter, per *sample* (not per
+packed row: every epoch re-plans the packing), its budget, and the one rule for when a row is
+served from it.
+
+* Epoch 0 writes: after the target computed a row, the real tokens' features go to the host
+  (a non-blocking device-to-host copy; a writer thread moves them into the store and only then
+  sets the sample's ``filled`` flag, the commit). Each sample is stored as computed in its
+  epoch-0 row.
+* Epochs >= 1 read: a row whose samples are all filled, or pending from an epoch-0 row this run
+  still computes (:meth:`FeatureCache.expect`; waited for), is gathered from the store instead
+  of running the target. The rule depends on the plan only, never on timing, so a run is as
+  deterministic with the cache as without it. Padding positions read back as zeros: the
+  drafter's mask never lets a block see padding, so they do not change its loss.
+* Storage: ``host`` keeps tensors in process memory (lost on a kill: a resumed run recomputes
+  what the killed one had stored, so it is exactly-once but its features of those rows come
+  from their new packing); ``disk`` keeps raw memory-mapped files (no pickle) under
+  ``results/<spec>/train/feature_cache/``, created atomically (a temporary folder renamed after
+  its ``meta.json``) and reopened by a resumed run when the fingerprint matches (a kill -9
+  loses no committed sample: the page cache keeps what was written). A completed run deletes it.
+* dtype: ``target`` (bit-exact), ``bfloat16``, or ``float8_e4m3`` with one float32 scale per
+  token and feature layer (scale = amax / 448; |error| <= max(|x| / 16, scale / 1024)).
+* Budget: tokens x feature layers x hidden x bytes (+ scales), checked against free host memory
+  or disk before heavy work; a cache that does not fit is refused with the figures. Caching a
+  share f of the samples would serve a row only when all of its ~n samples are stored (~f^n of
+  the rows), so a partial cache saves next to nothing: we refuse rather than pretend.
+
+What the target hands the drafter, a :class:`~dflash.models.target_output.TargetOutput`, is
+stored whole: one *plane* per per-token field (:func:`planes_for`): the features, and with a
+distilling objective the soft labels' token ids and log-probs (scattered to their row positions
+on write; on read their positions come from the row itself, as the target worker computes them).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from ..errors import SpecError
+from ..manifest import atomic_write_json, fingerprint
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+STORE_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3": FP8}
+MAX_PENDING_WRITES = 4  # rows staged on the host and not yet in the store (bounds pinned memory)
+WAIT_S = 600.0  # a served row's pending sample that stays unwritten this long is a bug: raise
+
+
+class CacheStopped(Exception):
+    """A wait for a sample ended because the run is stopping."""
+
+
+@dataclass(frozen=True)
+class Plane:
+    """One per-token tensor field of what the target hands the drafter."""
+    name: str            # "features", "soft_ids", "soft_logprobs"
+    width: int           # values per token
+    dtype: torch.dtype   # the dtype the drafter gets
+    store: torch.dtype   # the dtype stored (FP8: with ``groups`` float32 scales per token)
+    groups: int = 1
+
+    @property
+    def bytes_per_token(self) -> int:
+        scales = 4 * self.groups if self.store == FP8 else 0
+        return self.width * self.store.itemsize + scales
+
+
+def planes_for(spec, layers: int, hidden: int) -> list[Plane]:
+    """The planes of ``spec``'s run: the features, and the soft labels when the objective
+    distils (``loss.kind`` kd / ce+kd: top-k token ids and log-probs, stored per token)."""
+    from ..models.dtypes import dtype_of
+    from .objective import SOFT_KINDS
+
+    target = dtype_of(spec.target.dtype)
+    store = STORE_DTYPES.get(spec.features.dtype, target)
+    planes = [Plane("features", layers * hidden, target, store, groups=layers)]
+    if spec.loss.kind in SOFT_KINDS:
+        k = spec.loss.kd_top_k
+        planes += [Plane("soft_ids", k, torch.int32, torch.int32),
+                   Plane("soft_logprobs", k, torch.float32, torch.float32)]
+    return planes
+
+
+# ---------------------------------------------------------------------------------------------
+# budget
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Budget:
+    mode: str            # host | disk
+    dtype: str           # features.dtype
+    tokens: int
+    samples: int
+    bytes: int
+    available: int       # usable after the headroom
+    where: str           # "host memory" or the cache folder's file system
+    upper_bound: bool = False  # tokens estimated from the spec (no dataset yet)
+
+    @property
+    def fits(self) -> bool:
+        return self.bytes <= self.available
+
+    def describe(self) -> str:
+        bound = "<= " if self.upper_bound else ""
+        return (f"features.cache {self.mode} ({self.dtype}): {bound}{gb(self.bytes)} for "
+                f"{bound}{self.tokens:,} tokens of {self.samples:,} samples; "
+                f"{gb(self.available)} usable in {self.where}")
+
+
+def gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def available_bytes(mode: str, path: Path) -> int:
+    """Free host memory (``MemAvailable``) or free space of the file system holding ``path``."""
+    if mode == "disk":
+        p = Path(path)
+        while not p.exists():
+            p = p.parent
+        return shutil.disk_usage(p).free
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def cache_dir(train_dir: Path) -> Path:
+    return Path(train_dir) / "feature_cache"
+
+
+def store_bytes(spec, tokens: int, layers: int, hidden: int) -> int:
+    """Bytes the cache of ``spec`` stores for ``tokens`` tokens (every plane, float8 scales
+    included). The one formula: :func:`budget` uses it, and so can a run-wide budget (e.g. a
+    ``dflash.train.budget`` item: disk for ``disk``, host memory for ``host``)."""
+    return tokens * sum(p.bytes_per_token for p in planes_for(spec, layers, hidden))
+
+
+def budget(spec, tokens: int, samples: int, train_dir: Path, layers: int, hidden: int,
+           available: int | None = None, upper_bound: bool = False) -> Budget:
+    """The storage the spec's cache needs against what this machine has (``available``: the
+    free bytes, measured when not given), less ``features.headroom``."""
+    from ..spec import cache_mode
+
+    mode = cache_mode(spec)
+    need = store_bytes(spec, tokens, layers, hidden)
+    free = available_bytes(mode, cache_dir(train_dir)) if available is None else available
+    where = "host memory" if mode == "host" else f"the file system of {cache_dir(train_dir)}"
+    return Budget(mode, spec.features.dtype, tokens, samples, need,
+                  int(free * (1 - spec.features.headroom)), where, upper_bound)
+
+
+def check_budget(b: Budget, spec_path) -> None:
+    """Refuse, before heavy work, a cache that does not fit (see the module docstring)."""
+    if not b.fits:
+        raise SpecError(f"{spec_path}: field 'features.cache': {b.describe()}: it does not "
+                        f"fit. Use features.dtype float8_e4m3 (half of bfloat16), "
+                        f"features.cache disk (or host), fewer data.* samples, or "
+                        f"features.cache off")
+
+
+def spec_budget(spec, results: Path, available: int | None = None) -> Budget | None:
+    """For ``dflash validate``: the budget from the dataset when the data stage has run, else
+    an upper bound from the spec's data fields (None when the cache is off)."""
+    from ..models.target import hf_config, layer_ids
+    from ..spec import cache_mode
+
+    if cache_mode(spec) == "off":
+        return None
+    cfg = hf_config(spec.target)
+    layers, hidden = len(layer_ids(spec.target, cfg)), cfg.hidden_size
+    tokens = samples = None
+    try:
+        from ..data.dataset import load_dataset
+
+        ds = load_dataset(spec, results)
+        tokens, samples = sum(ds.lengths), len(ds.lengths)
+    except Exception:  # noqa: BLE001 - no (valid) dataset yet: estimate from the spec
+        pass
+    upper = tokens is None
+    if upper:
+        d = spec.data
+        samples = d.max_prompts * d.samples_per_prompt
+        tokens = samples * (d.max_prompt_tokens + d.max_new_tokens)
+    return budget(spec, tokens, samples, results / "train", layers, hidden, available, upper)
+
+
+# ---------------------------------------------------------------------------------------------
+# the value handed over: planes in, planes out
+# ---------------------------------------------------------------------------------------------
+def as_planes(value: Any, L: int) -> dict[str, torch.Tensor]:
+    """What the target handed over, as per-token planes of ``L`` rows: a ``[1, L, W]`` tensor or
+    a :class:`~dflash.models.target_output.TargetOutput` (soft labels scattered to their row
+    positions; the other rows of those planes are zeros and never read back)."""
+    if torch.is_tensor(value):
+        return {"features": value.reshape(L, -1)}
+    out = {"features": value.features.reshape(L, -1)}
+    soft = value.soft
+    if soft is not None:
+        for name, t in (("soft_ids", soft.token_ids), ("soft_logprobs", soft.logprobs)):
+            dense = torch.zeros((L, t.shape[-1]), dtype=t.dtype, device=t.device)
+            dense[soft.positions] = t
+            out[name] = dense
+    return out
+
+
+def from_planes(planes: dict[str, torch.Tensor], row, tensor: bool) -> Any:
+    """The value the target would hand over, from planes read for ``row``."""
+    from ..models.target_output import SoftLabels, TargetOutput, soft_positions
+
+    feats = planes["features"][None]
+    if tensor:
+        return feats
+    soft = None
+    if "soft_ids" in planes:
+        dev = feats.device
+        pos = soft_positions(row.doc_ids.to(dev), row.loss_mask.to(dev))
+        soft = SoftLabels(pos, planes["soft_ids"][pos], planes["soft_logprobs"][pos])
+    return TargetOutput(feats, soft)
+
+
+def quantize(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float8_e4m3 with one scale per (token, group): ``[T, W] -> ([T, W] fp8, [T, groups])``."""
+    g = x.float().reshape(x.shape[0], groups, -1)
+    scale = (g.abs().amax(-1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    q = (g / scale[..., None]).to(FP8).reshape(x.shape)
+    return q, scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, groups: int, dtype) -> torch.Tensor:
+    g = q.float().reshape(q.shape[0], groups, -1) * scale[..., None]
+    return g.reshape(q.shape).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# the store
+# ---------------------------------------------------------------------------------------------
+class _Arrays:
+    """Per plane a ``[T, width]`` array (+ ``[T, groups]`` scales) and one flag per sample; in
+    memory (host) or as raw memory-mapped files (disk: no pickle, reopened after a kill)."""
+
+    def __init__(self, planes: list[Plane], tokens: int, samples: int, folder: Path | None,
+                 ident: dict):
+        self.folder = folder
+        shapes = {}
+        for p in planes:
+            shapes[p.name] = ((tokens, p.width), p.store)
+            if p.store == FP8:
+                shapes[p.name + ".scale"] = ((tokens, p.groups), torch.float32)
+        shapes["filled"] = ((samples,), torch.uint8)
+        if folder is None:
+            self.t = {k: (torch.zeros if k == "filled" else torch.empty)(s, dtype=d)
+                      for k, (s, d) in shapes.items()}
+            self.mmaps: list = []
+            return
+        self.mmaps = []
+        self.t = self._open(folder, shapes, ident)
+
+    def _open(self, folder: Path, shapes: dict, ident: dict) -> dict:
+        import json
+
+        import numpy as np
+
+        meta = folder / "meta.json"
+        want = fingerprint(ident)
+        if folder.exists():
+            try:
+                ok = json.loads(meta.read_text()).get("fingerprint") == want
+            except (OSError, ValueError):
+                ok = False
+            if not ok:  # another run's cache, or a torn creation
+                shutil.rmtree(folder)
+        if not folder.exists():
+            tmp = folder.with_name(folder.name + f".tmp-{os.getpid()}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            for k, (s, d) in shapes.items():
+                with open(tmp / f"{k}.bin", "wb") as f:  # sparse: no bytes written yet
+                    f.truncate(_nbytes(s, d))
+            atomic_write_json(tmp / "meta.json", {"fingerprint": want, "ident": ident})
+            os.replace(tmp, folder)
+        out = {}
+        for k, (s, d) in shapes.items():
+            mm = np.memmap(folder / f"{k}.bin", dtype=np.uint8, mode="r+",
+                           shape=(_nbytes(s, d),))
+            self.mmaps.append(mm)
+            out[k] = torch.from_numpy(mm).view(d).view(s)
+        return out
+
+    def flush(self) -> None:
+        for mm in self.mmaps:
+            mm.flush()
+
+
+def _nbytes(shape, dtype) -> int:
+    n = dtype.itemsize
+    for s in shape:
+        n *= s
+    return n
+
+
+class FeatureCache:
+    """The cache of one run (see the module docstring). Thread-safe: target workers write
+    distinct samples; readers wait for pending ones."""
+
+    def __init__(self, planes: list[Plane], sample_ids: Sequence[int], lengths: Sequence[int],
+                 folder: Path | None = None, ident: dict | None = None, gate=None,
+                 tensor_values: bool = False):
+        self.planes = {p.name: p for p in planes}
+        self.index = {int(s): i for i, s in enumerate(sample_ids)}
+        self.lengths = [int(n) for n in lengths]
+        self.offsets = [0]
+        for n in self.lengths:
+            self.offsets.append(self.offsets[-1] + n)
+        ident = {"planes": [(p.name, p.width, str(p.store), p.groups) for p in planes],
+                 "lengths_fp": fingerprint(self.lengths), **(ident or {})}
+        self.a = _Arrays(planes, self.offsets[-1], len(self.lengths), folder, ident)
+        self.folder = folder
+        # what read() returns: a TargetOutput (the pipeline's value) or the bare features tensor
+        self.tensor_values = tensor_values
+        self.gate = gate
+        self._pending: set[int] = set()
+        self._cond = threading.Condition()
+        self._writes: list[Future] = []
+        self._wlock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="feature-cache")
+        self.stats = {"rows_written": 0, "rows_read": 0, "samples_written": 0}
+
+    # ---- the serving rule ------------------------------------------------------------------
+    def filled(self, sid: int) -> bool:
+        return bool(self.a.t["filled"][self.index[int(sid)]])
+
+    def expect(self, indices: Iterable[int]) -> None:
+        """Dataset indices of the samples this run's epoch 0 will still write (see
+        :func:`epoch0_samples`): a reader of a later epoch waits for them."""
+        with self._cond:
+            self._pending |= {int(i) for i in indices if not self.a.t["filled"][int(i)]}
+
+    def serves(self, sids: Sequence[int]) -> bool:
+        """The row is read from the cache: each sample is stored or pending (plan-determined)."""
+        with self._cond:
+            return all(self.filled(s) or self.index[int(s)] in self._pending for s in sids)
+
+    def wait_for(self, sids: Sequence[int], stop: threading.Event | None = None,
+                 poll_s: float = 0.1) -> None:
+        """Block (holding no gate) until every sample of a served row is stored."""
+        import time
+
+        deadline = time.monotonic() + WAIT_S
+        with self._cond:
+            while not all(self.filled(s) for s in sids):
+                if time.monotonic() > deadline:
+                    missing = [int(s) for s in sids if not self.filled(s)]
+                    raise RuntimeError(f"feature cache: samples {missing[:8]} were expected "
+                                       f"from epoch 0 but not written within {WAIT_S:.0f} s")
+                if stop is not None and stop.is_set():
+                    raise CacheStopped
+                self._check_writes()  # a failed write would never commit: raise it here
+                self._cond.wait(poll_s)
+
+    # ---- write (epoch 0) -------------------------------------------------------------------
+    def write(self, row, value) -> None:
+        """Stage the row's new samples to the host; the writer thread stores and commits them."""
+        todo, start = [], 0
+        for s in row.sample_ids:
+            i, n = self.index[int(s)], self.lengths[self.index[int(s)]]
+            if not self.a.t["filled"][i]:
+                todo.append((i, start, n))
+            start += n
+        if not todo:
+            return
+        planes = as_planes(value, row.input_ids.shape[0])
+        host = {}
+        for name, t in planes.items():
+            t = t[:start]
+            p = self.planes[name]
+            parts = {name: t.to(p.store) if p.store != FP8 else None}
+            if p.store == FP8:
+                parts[name], parts[name + ".scale"] = quantize(t, p.groups)
+            for k, v in parts.items():
+                host[k] = _to_host(v)
+        event = None
+        if planes["features"].is_cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(planes["features"].device))
+        self._bound_writes()
+        fut = self._pool.submit(self._store, todo, host, event)
+        with self._wlock:
+            self._writes.append(fut)
+
+    def _store(self, todo, host: dict, event) -> None:
+        if event is not None:
+            event.synchronize()
+        with self._shared():
+            for i, start, n in todo:
+                off = self.offsets[i]
+                for k, v in host.items():
+                    _raw(self.a.t[k][off:off + n]).copy_(_raw(v[start:start + n]))
+        with self._cond:
+            for i, _, _ in todo:
+                self.a.t["filled"][i] = 1  # the commit: after the data
+                self._pending.discard(i)
+            self.stats["rows_written"] += 1
+            self.stats["samples_written"] += len(todo)
+            self._cond.notify_all()
+
+    def _bound_writes(self) -> None:
+        self._check_writes()
+        while True:
+            with self._wlock:
+                if len(self._writes) < MAX_PENDING_WRITES:
+                    return
+                oldest = self._writes.pop(0)
+            oldest.result()
+
+    def _check_writes(self) -> None:
+        with self._wlock:
+            done = [f for f in self._writes if f.done()]
+            self._writes = [f for f in self._writes if not f.done()]
+        for f in done:
+            f.result()  # a writer error surfaces in a worker thread
+
+    def flush(self) -> None:
+        """Every staged row stored and (disk) written back: call before a checkpoint."""
+        while True:
+            with self._wlock:
+                if not self._writes:
+                    break
+                f = self._writes.pop(0)
+            f.result()
+        self.a.flush()
+
+    # ---- read (epochs >= 1) ----------------------------------------------------------------
+    def read(self, row, device: str):
+        """The row's value from the store: real tokens from their samples, zeros on padding."""
+        L = row.input_ids.shape[0]
+        cuda = str(device).startswith("cuda")
+        out = {}
+        for name, p in self.planes.items():
+            keys = [name] + ([name + ".scale"] if p.store == FP8 else [])
+            staged = {}
+            for k in keys:
+                src = self.a.t[k]
+                buf = torch.empty((L, src.shape[1]), dtype=src.dtype, pin_memory=cuda)
+                start = 0
+                for s in row.sample_ids:
+                    i = self.index[int(s)]
+                    n = self.lengths[i]
+                    _raw(buf[start:start + n]).copy_(
+                        _raw(src[self.offsets[i]:self.offsets[i] + n]))
+                    start += n
+                _raw(buf[start:]).zero_()
+                staged[k] = buf.to(device, non_blocking=True)
+            if p.store == FP8:
+                out[name] = dequantize(staged[name], staged[name + ".scale"], p.groups, p.dtype)
+            else:
+                out[name] = staged[name].to(p.dtype)
+        self.stats["rows_read"] += 1
+        return from_planes(out, row, self.tensor_values)
+
+    # ---- end -------------------------------------------------------------------------------
+    def close(self, remove: bool) -> None:
+        """Finish the writes; ``remove``: delete the disk cache (a completed run)."""
+        try:
+            self.flush()
+        finally:
+            self._pool.shutdown(wait=True)
+        self.a.mmaps.clear()
+        self.a.t.clear()
+        if remove and self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+    def _shared(self):
+        from contextlib import nullcontext
+
+        return self.gate.shared() if self.gate is not None else nullcontext()
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """float8 as bytes: copies and fills of float8 tensors are not implemented everywhere."""
+    return t.view(torch.uint8) if t.dtype == FP8 else t
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    if not t.is_cuda:
+        return t.clone()  # the caller may reuse its buffer
+    buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    _raw(buf).copy_(_raw(t), non_blocking=True)
+    return buf
+
+
+def epoch0_samples(step_map, start_step: int, total_steps: int) -> list[int]:
+    """Dataset indices of the epoch-0 batches this run still computes (steps >= start_step)."""
+    batches, out = step_map.batches(0), []
+    for step in range(start_step, min(total_steps, step_map.steps_in(0))):
+        for r in range(step_map.M):
+            b = step_map.batch_index(step, r)
+            if b < len(batches):
+                out.extend(batches[b])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# one run's cache (the train stage)
+# ---------------------------------------------------------------------------------------------
+def run_budget(spec, ds, train_dir: Path, cfg, available: int | None = None) -> Budget | None:
+    """The budget of a run on dataset ``ds`` (None when the cache is off)."""
+    from ..spec import cache_mode
+
+    if cache_mode(spec) == "off":
+        return None
+    return budget(spec, sum(ds.lengths), len(ds.lengths), train_dir, len(cfg.target_layer_ids),
+                  cfg.hidden_size, available)
+
+
+def check_run(spec, ds, train_dir: Path, cfg, log=print) -> Budget | None:
+    """Say what the cache will take and refuse it, before heavy work, when it does not fit."""
+    b = run_budget(spec, ds, train_dir, cfg)
+    if b is not None:
+        log(f"[train] {b.describe()}")
+        check_budget(b, spec.path)
+    return b
+
+
+def open_for_run(spec, ds, train_dir: Path, cfg, step_map, start_step: int, total_steps: int,
+                 ident: dict) -> FeatureCache | None:
+    """The run's cache, with what its epoch 0 still writes marked pending; a disk cache of the
+    same run (``ident``) is reopened as a killed run left it."""
+    from ..runtime.gate import get_gate
+    from ..spec import cache_mode
+
+    mode = cache_mode(spec)
+    if mode == "off":
+        return None
+    planes = planes_for(spec, len(cfg.target_layer_ids), cfg.hidden_size)
+    folder = cache_dir(train_dir) if mode == "disk" else None
+    cache = FeatureCache(planes, ds.sample_ids, ds.lengths, folder=folder, ident=ident,
+                         gate=get_gate())
+    cache.expect(epoch0_samples(step_map, start_step, total_steps))
+    have = int(cache.a.t["filled"].sum())
+    if have:
+        print(f"[train] feature cache: {have:,} of {len(ds.lengths):,} samples already stored "
+              f"in {folder}", flush=True)
+    return cache

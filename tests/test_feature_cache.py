@@ -1,0 +1,325 @@
+"""The target-feature cache: what is read back equals what the target computed, its budget
+refuses what does not fit, and a run with the cache on stays exactly-once and resumes
+bit-identically (disk cache, after a simulated kill with a torn write).
+
+Real workers throughout: a random-weight llama-micro target (its FeatureExtractor on CPU),
+DFlash drafter replicas through the compile gate (the scheduler tests' fixtures).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from dflash.errors import SpecError
+from dflash.spec import parse_spec
+from dflash.train import checkpoint as ckpt
+from dflash.train import feature_cache as fc
+from dflash.train.packing import bucket_for, pack_row, plan_epoch
+from dflash.train.scheduler import Pipeline, StepMap
+from dflash.train.workers import (buckets, drafter_config, initial_state, make_replicas,
+                                  make_target_workers)
+from test_scheduler import SPEC, _dataset
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_torch_thread):
+    """Replicas, targets and the cache's writer share 2 cores: one intra-op thread each."""
+
+
+def _spec(cache="host", dtype="target", loss=None, **topology):
+    s = dict(SPEC, features={"cache": cache, "dtype": dtype},
+             topology={**SPEC["topology"], **topology})
+    if loss:
+        s["loss"] = {**SPEC["loss"], **loss}
+    return parse_spec(s, "cache.yaml")
+
+
+@dataclasses.dataclass
+class DS:
+    """The dataset interface the cache reads: sample ids and lengths in index order."""
+    samples: list
+
+    @property
+    def sample_ids(self):
+        return [s[0] for s in self.samples]
+
+    @property
+    def lengths(self):
+        return [len(s[1]) for s in self.samples]
+
+
+def _rows(spec, samples, epoch):
+    b, bks = spec.batching, buckets(spec)
+    lengths = [len(s[1]) for s in samples]
+    for batch in plan_epoch(lengths, b.token_budget, b.max_batch_size, spec.seed, epoch):
+        yield pack_row([samples[i] for i in batch],
+                       bucket_for(sum(lengths[i] for i in batch), bks), 0)
+
+
+def _cache(spec, samples, folder=None, tensor_values=False):
+    cfg = drafter_config(spec)
+    planes = fc.planes_for(spec, len(cfg.target_layer_ids), cfg.hidden_size)
+    return fc.FeatureCache(planes, DS(samples).sample_ids, DS(samples).lengths, folder=folder,
+                           ident={"test": 1}, tensor_values=tensor_values)
+
+
+def _real_tokens(row):
+    return int((row.doc_ids >= 0).sum())
+
+
+@pytest.mark.parametrize("dtype", ["target", "bfloat16", "float8_e4m3"])
+def test_read_back_equals_what_the_target_computed(dtype, tmp_path):
+    """Epoch-0 rows written, then read back as the same rows: exact for storage in the target
+    dtype, exact after the one rounding for bfloat16, within the stated bound for float8; and
+    an epoch-1 row (another packing) read from the cache agrees with the target recomputing it
+    up to summation order, with zeros on padding."""
+    spec = _spec("disk", dtype)
+    samples = _dataset()
+    (dev, fn), = make_target_workers(spec.replace(topology={"targets": ["cpu"]}))
+    cache = _cache(spec, samples, tmp_path / "fc")
+    rows0 = list(_rows(spec, samples, 0))
+    computed = [fn(r).features for r in rows0]
+    for r, f in zip(rows0, computed):
+        cache.write(r, f)
+    cache.flush()
+    assert all(cache.filled(s[0]) for s in samples)
+    groups = spec.target.num_feature_layers
+    for r, f in zip(rows0, computed):
+        got = cache.read(r, "cpu").features
+        n = _real_tokens(r)
+        assert got.shape == f.shape and got.dtype == f.dtype
+        assert torch.equal(got[0, n:], torch.zeros_like(got[0, n:]))
+        x, y = f[0, :n], got[0, :n]
+        if dtype == "target":
+            assert torch.equal(y, x)
+        elif dtype == "bfloat16":
+            assert torch.equal(y, x.to(torch.bfloat16).to(x.dtype))
+        else:
+            scale = x.reshape(n, groups, -1).abs().amax(-1) / fc.FP8_MAX
+            bound = torch.maximum(x.abs().reshape(n, groups, -1) / 16,
+                                  scale[..., None] / 1024).reshape(n, -1)
+            err = (y - x).abs()
+            assert (err <= bound * (1 + 1e-6)).all(), float((err - bound).max())
+            assert err.max() > 0  # it did quantize
+    # a reopened disk cache (same ident) holds the same bytes
+    cache.close(remove=False)
+    again = _cache(spec, samples, tmp_path / "fc")
+    r1 = next(_rows(spec, samples, 1))
+    assert again.serves(r1.sample_ids)
+    got = again.read(r1, "cpu").features
+    ref = fn(r1).features
+    n = _real_tokens(r1)
+    tol = {"target": 1e-4, "bfloat16": 2e-2, "float8_e4m3": 0.3}[dtype]
+    assert torch.allclose(got[0, :n], ref[0, :n], atol=tol, rtol=tol)
+    again.close(remove=True)
+    assert not (tmp_path / "fc").exists()
+
+
+def test_soft_labels_travel_whole_through_the_cache():
+    """A distilling objective: the target's TargetOutput (features + top-k soft labels at the
+    row's response positions) is stored whole and read back equal, positions included, for
+    the epoch-0 rows it was written from."""
+    spec = _spec("host", loss={"kind": "ce+kd", "kd_top_k": 4})
+    samples = _dataset()
+    (dev, fn), = make_target_workers(spec.replace(topology={"targets": ["cpu"]}))
+    cache = _cache(spec, samples)
+    assert set(cache.planes) == {"features", "soft_ids", "soft_logprobs"}
+    rows0 = list(_rows(spec, samples, 0))
+    outs = [fn(r) for r in rows0]
+    for r, o in zip(rows0, outs):
+        assert o.soft is not None and o.soft.positions.numel() > 0
+        cache.write(r, o)
+    cache.flush()
+    for r, o in zip(rows0, outs):
+        got, n = cache.read(r, "cpu"), _real_tokens(r)
+        assert torch.equal(got.features[:, :n], o.features[:, :n])  # padding reads as zeros
+        assert torch.equal(got.soft.positions, o.soft.positions)
+        assert torch.equal(got.soft.token_ids, o.soft.token_ids)
+        assert torch.equal(got.soft.logprobs, o.soft.logprobs)
+    cache.close(remove=True)
+
+
+def test_disk_cache_of_another_run_is_discarded(tmp_path):
+    spec = _spec("disk")
+    samples = _dataset()
+    cache = _cache(spec, samples, tmp_path / "fc")
+    row = next(_rows(spec, samples, 0))
+    cache.write(row, torch.ones(1, row.input_ids.shape[0], cache.planes["features"].width))
+    cache.close(remove=False)
+    cfg = drafter_config(spec)
+    planes = fc.planes_for(spec, len(cfg.target_layer_ids), cfg.hidden_size)
+    other = fc.FeatureCache(planes, DS(samples).sample_ids, DS(samples).lengths,
+                            folder=tmp_path / "fc", ident={"test": 2})
+    assert not any(other.filled(s) for s in row.sample_ids)
+    other.close(remove=True)
+
+
+def test_budget_is_tokens_times_layers_times_hidden_times_bytes(tmp_path):
+    spec = _spec("host", "bfloat16")
+    cfg = drafter_config(spec)
+    ds = DS(_dataset())
+    L, H = len(cfg.target_layer_ids), cfg.hidden_size
+    b = fc.run_budget(spec, ds, tmp_path, cfg, available=10**12)
+    assert b.tokens == sum(ds.lengths) and b.bytes == sum(ds.lengths) * L * H * 2 and b.fits
+    f8 = fc.run_budget(_spec("host", "float8_e4m3"), ds, tmp_path, cfg, available=10**12)
+    assert f8.bytes == sum(ds.lengths) * (L * H + 4 * L)  # one float32 scale per layer
+    # refused up front, naming the field and the figures
+    small = fc.run_budget(spec, ds, tmp_path, cfg, available=b.bytes)  # 10 % headroom
+    assert not small.fits
+    with pytest.raises(SpecError, match=r"field 'features.cache'.*does not fit"):
+        fc.check_budget(small, spec.path)
+    fc.check_budget(fc.run_budget(spec, ds, tmp_path, cfg, available=2 * b.bytes), spec.path)
+    # disk: measured on the cache folder's file system
+    assert fc.run_budget(_spec("disk"), ds, tmp_path, cfg).available > 0
+    assert fc.run_budget(_spec("off"), ds, tmp_path, cfg) is None
+
+
+def test_cache_needs_one_node():
+    with pytest.raises(SpecError, match=r"features.cache.*topology.nodes 1"):
+        _spec("host", nodes=2)
+
+
+def _pipeline(spec, samples, cache, start_step=0, total_epochs=3, state=None, on_step=None):
+    cfg = drafter_config(spec)
+    b, bks = spec.batching, buckets(spec)
+    lengths = [len(s[1]) for s in samples]
+    step_map = StepMap(lambda e: plan_epoch(lengths, b.token_budget, b.max_batch_size,
+                                            spec.seed, e), len(spec.topology.drafters))
+    total = step_map.total_for_epochs(total_epochs)
+    replicas = make_replicas(spec, cfg, initial_state(cfg, 0), total)
+    if state is not None:
+        ckpt.load_into(*state, replicas)
+    if cache is not None:
+        cache.expect(fc.epoch0_samples(step_map, start_step, total))
+
+    def make_row(batch):
+        return pack_row([samples[i] for i in batch],
+                        bucket_for(sum(lengths[i] for i in batch), bks), 0)
+
+    pipe = Pipeline(target_workers=make_target_workers(spec), replicas=replicas,
+                    step_map=step_map, make_row=make_row, start_step=start_step,
+                    total_steps=total, seed=0, queue_depth=2, on_step=on_step,
+                    feature_cache=cache)
+    return pipe, replicas
+
+
+def test_cached_run_is_exactly_once_and_resumes_bit_identically(tmp_path):
+    """Two target workers, three replicas, three epochs, disk cache. Epochs >= 1 run on the
+    cache alone (no target forward); every epoch sees each sample once. Then a run killed after
+    its checkpoint at step 1 of epoch 0, whose target had run ahead (step 1's rows stored, one
+    sample torn: bytes without their commit), resumes from that checkpoint on the cache it left
+    and ends with the very weights and per-step samples and losses of the uninterrupted run."""
+    spec = _spec("disk")
+    samples = _dataset()
+    seen: dict[int, tuple] = {}
+    cache = _cache(spec, samples, tmp_path / "ref")
+    calls = []
+    pipe, reps = _pipeline(spec, samples, cache, on_step=lambda r: seen.setdefault(
+        r.step, (r.epoch, sorted(r.sample_ids), r.loss)))
+    for i, (dev, fn) in enumerate(pipe.targets):
+        pipe.targets[i] = (dev, lambda row, fn=fn: calls.append(row.sample_ids) or fn(row))
+    pipe.run()
+    ids = sorted(s[0] for s in samples)
+    by_epoch: dict[int, list] = {}
+    for e, sids, _ in seen.values():
+        by_epoch.setdefault(e, []).extend(sids)
+    assert sorted(by_epoch) == [0, 1, 2]
+    assert all(sorted(v) == ids for v in by_epoch.values())
+    assert sorted(s for c in calls for s in c) == ids  # the target ran on epoch 0 only
+    sm = pipe.step_map
+    assert cache.stats["rows_read"] == len(sm.batches(1)) + len(sm.batches(2))
+    ref_weights = {k: v.clone() for k, v in reps[0].model.state_dict().items()}
+    cache.close(remove=False)
+
+    # the killed run: its own cache folder, a checkpoint after step 0 (epoch 0 has 2 steps)
+    assert sm.starts[1] == 2
+    folder = tmp_path / "run"
+    cache = _cache(spec, samples, folder)
+    part, reps = _pipeline(spec, samples, cache)
+    part.total_steps = 1
+    part.run()
+    ckpt.save(tmp_path / "ckpt", 1, reps[0], {}, 2, {"run": 1})
+    cache.flush()
+    # the target ran ahead: step 1's rows stored, one of their samples torn
+    (dev, fn), = make_target_workers(spec.replace(topology={"targets": ["cpu"]}))
+    bks = buckets(spec)
+    lengths = [len(x[1]) for x in samples]
+    ahead = [sm.batches(0)[sm.batch_index(1, r)] for r in range(3)
+             if sm.batch_index(1, r) < len(sm.batches(0))]
+    for batch in ahead:
+        row = pack_row([samples[i] for i in batch], bucket_for(sum(lengths[i] for i in batch),
+                                                               bks), 0)
+        cache.write(row, fn(row))
+    cache.flush()
+    victim = ahead[0][0]
+    cache.a.t["filled"][victim] = 0
+    cache.a.flush()
+    cache.close(remove=False)
+
+    cache = _cache(spec, samples, folder)  # the resumed process reopens what was left
+    assert int(cache.a.t["filled"].sum()) == len(samples) - 1
+    resumed: dict[int, tuple] = {}
+    pipe2, reps2 = _pipeline(spec, samples, cache, start_step=1,
+                             state=ckpt.latest_good(tmp_path / "ckpt"),
+                             on_step=lambda r: resumed.setdefault(
+                                 r.step, (r.epoch, sorted(r.sample_ids), r.loss)))
+    pipe2.run()
+    assert sorted(resumed) == list(range(1, pipe.total_steps))
+    for st, rec in resumed.items():
+        assert rec == seen[st], st
+    for k, v in reps2[0].model.state_dict().items():
+        assert torch.equal(v, ref_weights[k]), k
+    assert cache.filled(samples[victim][0])
+    cache.close(remove=True)
+
+
+def test_cuda_graph_capture_only_for_a_compiled_cuda_extractor():
+    from types import SimpleNamespace
+
+    from dflash.train.workers import captured
+
+    compiled, eager = SimpleNamespace(compile="inductor"), SimpleNamespace(compile=None)
+    auto, off = _spec(), parse_spec(dict(SPEC, target={**SPEC["target"], "cuda_graph": "off"}),
+                                    "x.yaml")
+    assert captured(auto, "cuda:0", compiled)
+    assert not captured(auto, "cpu", compiled) and not captured(auto, "cuda:0", eager)
+    assert not captured(off, "cuda:0", compiled)
+
+
+def test_lost_host_cache_after_a_kill_recomputes_and_stays_exactly_once(tmp_path):
+    """A host cache dies with its process: a run resumed in epoch 1 finds nothing stored and
+    nothing pending, so the target computes every row again; each sample still once an epoch."""
+    spec = _spec("host")
+    samples = _dataset()
+    pipe, reps = _pipeline(spec, samples, None, total_epochs=1)
+    pipe.run()  # epoch 0 without a cache: what the killed run had done
+    start = pipe.total_steps
+    ckpt.save(tmp_path / "ckpt", start, reps[0], {}, 2, {"run": 1})
+    cache = _cache(spec, samples)  # the resumed process: an empty host cache
+    seen, calls = {}, []
+    pipe2, _ = _pipeline(spec, samples, cache, start_step=start,
+                         state=ckpt.latest_good(tmp_path / "ckpt"),
+                         on_step=lambda r: seen.setdefault(r.epoch, []).extend(r.sample_ids))
+    for i, (dev, fn) in enumerate(pipe2.targets):
+        pipe2.targets[i] = (dev, lambda row, fn=fn: calls.append(row.sample_ids) or fn(row))
+    pipe2.run()
+    ids = sorted(s[0] for s in samples)
+    assert sorted(seen) == [1, 2] and all(sorted(v) == ids for v in seen.values())
+    assert sorted(s for c in calls for s in c) == sorted(ids + ids)  # ran on both epochs
+    assert cache.stats["rows_read"] == 0 and not any(cache.filled(s[0]) for s in samples)
+    cache.close(remove=True)
+
+
+def test_validate_prints_the_budget(tmp_path, capsys):
+    import yaml
+
+    from dflash.cli import main
+
+    path = tmp_path / "cachespec.yaml"
+    path.write_text(yaml.safe_dump(dict(SPEC, name="cachespec",
+                                        features={"cache": "disk", "dtype": "float8_e4m3"})))
+    assert main(["validate", str(path), "--no-devices", "--results", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "features.cache disk (float8_e4m3): <= " in out and ": fits" in out, out
