@@ -33,7 +33,9 @@ from typing import Callable, Sequence
 
 from ..data.dataset import DATASET
 from ..errors import DFlashError
+from ..code_fingerprint import stage_code_fingerprint
 from ..data.generate import eos_ids_of, generate_batch, sample_seed
+from ..data import shards
 from ..manifest import atomic_path, atomic_write_json, fingerprint, sha256_file, write_manifest
 from ..data.sources import (
     SYNTHETIC,
@@ -105,7 +107,9 @@ def _prepare_shards(shard_dir: Path, meta: dict, chunks: list[list[Sample]]) -> 
             old = None
     if existing and old != meta:
         why = "no shard record" if old is None else ", ".join(
-            f"{k} {old.get(k)!r} -> {v!r}" for k, v in meta.items() if old.get(k) != v)
+            (f"made by other code: the data stage's code changed ({old.get(k)} -> {v}); "
+             f"generating them again" if k == "code" else f"{k} {old.get(k)!r} -> {v!r}")
+            for k, v in meta.items() if old.get(k) != v)
         log(f"discarding {len(existing)} shard(s) made from other inputs ({why})")
         shutil.rmtree(shard_dir)
         existing = []
@@ -117,13 +121,14 @@ def _prepare_shards(shard_dir: Path, meta: dict, chunks: list[list[Sample]]) -> 
     for path in existing:
         try:
             chunk = int(path.stem.split("-")[1])
+            shards.verify_shard(path)  # every column, by content
             ids = pq.read_table(path, columns=["sample_id"])["sample_id"].to_pylist()
             want = sorted(s.sample_id for s in chunks[chunk])
             if sorted(ids) != want:  # a chunk is regenerated whole, as one batch
                 raise ValueError(f"does not hold exactly the samples of chunk {chunk}")
         except Exception as e:  # unreadable / foreign shard: regenerate it
-            log(f"discarding shard {path.name} ({e})")
-            path.unlink()
+            log(f"discarding shard {path.name} ({e}); regenerating it")
+            shards.remove_shard(path)
             continue
         done.update(ids)
     return done
@@ -151,12 +156,13 @@ def run(ctx: StageContext, on_shard: Callable[[int, Path], None] | None = None) 
     data_dir = ctx.results / "data"
     shard_dir = data_dir / SHARDS
     fingerprints = {"data": spec.fingerprint("data"), "target": target_fingerprint(spec.target)}
+    code = stage_code_fingerprint("data")  # shards of other generating code are made again
 
     tokenizer = None if d.source == SYNTHETIC else tokenizer_for(spec.target.model)
     samples, report, prompts, per_source = build_samples(spec, tokenizer, data_dir)
     chunks = make_chunks(samples, d.gen_batch_size)
     plan_fp = fingerprint([[s.sample_id, list(s.prompt_ids)] for c in chunks for s in c])
-    meta = {"fingerprints": fingerprints, "plan": plan_fp}
+    meta = {"fingerprints": fingerprints, "plan": plan_fp, "code": code}
     log(f"{len(prompts)} prompts from {d.source or ', '.join(per_source)} "
          f"({report.total} records, {report.bad} bad "
          f"{dict(report.counts)}, {report.duplicates} duplicates) -> {len(samples)} samples in "
@@ -184,13 +190,10 @@ def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int, on_shard
     if not todo:
         return info
     if spec.data.source == SYNTHETIC:
-        import pyarrow.parquet as pq
-
         for chunk, samples in todo:
             responses, eos = synthetic_responses(spec, samples)
-            table = _rows_table(samples, responses, {eos})
-            with atomic_path(shard_path(shard_dir, chunk)) as tmp:
-                pq.write_table(table, tmp)
+            shards.write_shard(shard_path(shard_dir, chunk),
+                               _rows_table(samples, responses, {eos}))
         log(f"synthetic responses for {sum(len(c) for _, c in todo)} samples")
         info["engine"] = SYNTHETIC
         return info
@@ -221,12 +224,8 @@ def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int, on_shard
     t0 = time.time()
 
     def write_shard(dev: str, chunk: int, samples, responses, tc: float) -> None:
-        import pyarrow.parquet as pq
-
-        table = _rows_table(samples, responses, set(eos))
         path = shard_path(shard_dir, chunk)
-        with atomic_path(path) as tmp:
-            pq.write_table(table, tmp)
+        shards.write_shard(path, _rows_table(samples, responses, set(eos)))
         new = sum(len(r) for r in responses)
         with lock:
             progress["chunks"] += 1
@@ -324,8 +323,16 @@ def _merge(shard_dir: Path, chunks, samples):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    tables = [pq.read_table(shard_path(shard_dir, i), schema=_schema())
-              for i in range(len(chunks)) if shard_path(shard_dir, i).is_file()]
+    paths = [shard_path(shard_dir, i) for i in range(len(chunks))
+             if shard_path(shard_dir, i).is_file()]
+    for p in paths:  # by content again: a shard damaged since the resume check is not merged
+        try:
+            shards.verify_shard(p)
+        except ValueError as e:
+            shards.remove_shard(p)
+            raise DFlashError(f"{p}: {e}; removed it: rerun the same snakemake command and the "
+                              f"data stage generates it again") from None
+    tables = [pq.read_table(p, schema=_schema()) for p in paths]
     table = pa.concat_tables(tables).sort_by("sample_id").combine_chunks()
     got = table["sample_id"].to_pylist()
     want = sorted(s.sample_id for s in samples)

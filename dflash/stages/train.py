@@ -28,6 +28,7 @@ import torch
 from ..train import checkpoint as ckpt
 from ..manifest import atomic_write_text, expect, read_manifest, write_manifest
 from ..cache import compile_cache_dir
+from ..code_fingerprint import stage_code_fingerprint
 from . import StageContext
 
 
@@ -275,42 +276,23 @@ def prepare(ctx: StageContext, out: Path, persist: bool, max_steps: int | None,
     total_steps = max_steps if max_steps is not None else total_steps_for(spec, step_map)
     cfg = drafter_config(spec)
     replicas = make_replicas(spec, cfg, initial_state(cfg, spec.seed), total_steps)
+    # the train code too: a checkpoint of other code is not resumed (its run is not this one)
     run_fp = {"train": spec.fingerprint("train"), "shape": spec.fingerprint("warmup"),
-              "dataset_sha256": ds.manifest["dataset"]["sha256"]}
+              "dataset_sha256": ds.manifest["dataset"]["sha256"],
+              "code": stage_code_fingerprint("train")}
     return Job(ctx=ctx, out=out, persist=persist, warmup=warm, compile_cache=cache, ds=ds,
                bucket_lens=buckets(spec), step_map=step_map, total_steps=total_steps, cfg=cfg,
                replicas=replicas, run_fingerprint=run_fp, comm=comm)
 
 
 def resume(job: Job) -> Progress:
-    """Load the newest good checkpoint of this run into every replica (weights, optimizer,
-    schedule) and return its counters; checkpoints of another run are discarded."""
-    ckpt_dir = job.out / "checkpoints"
-    found, refused = None, None
-    if job.main:  # rank 0 decides; every rank loads what it chose
-        found = ckpt.latest_good(ckpt_dir) if job.persist else None
-        nodes = job.ctx.spec.topology.nodes
-        if found is not None and found[1].get("nodes", 1) != nodes:
-            # the data sharding (which batches each node took) depends on the world size
-            refused = (f"{job.ctx.spec.path}: field 'topology.nodes': checkpoint {found[0]} was "
-                       f"written by a run on topology.nodes = {found[1].get('nodes', 1)}; this "
-                       f"spec has topology.nodes = {nodes}. A run resumes only on the world "
-                       f"size that wrote it: set topology.nodes back to "
-                       f"{found[1].get('nodes', 1)}, or delete {ckpt_dir} to start over")
-        elif found is not None and found[1].get("run_fingerprint") != job.run_fingerprint:
-            print(f"[train] ignoring checkpoints in {ckpt_dir}: they belong to another "
-                  f"run (spec fields, data or shapes changed); starting from step 0", flush=True)
-            shutil.rmtree(ckpt_dir, ignore_errors=True)
-            found = None
-    if job.comm is not None:
-        chosen = job.comm.broadcast((str(found[0]) if found else None, refused))
-        found = (Path(chosen[0]), json.loads((Path(chosen[0]) / "state.json").read_text())) \
-            if chosen[0] else None
-        refused = chosen[1]
-    if refused:
-        from ..errors import SpecError
-
-        raise SpecError(refused)
+    """Load the checkpoint :func:`dflash.train.checkpoint.resume_point` picks into every
+    replica (weights, optimizer, schedule) and return its counters."""
+    found = None
+    if job.persist:
+        found = ckpt.resume_point(job.out / "checkpoints", job.run_fingerprint, job.total_steps,
+                                  job.ctx.spec.topology.nodes, job.ctx.spec.path, job.comm,
+                                  log=lambda m: print(m, flush=True))
     if found is None:
         return Progress()
     path, state = found
