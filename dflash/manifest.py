@@ -43,9 +43,11 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp_path = Path(tmp)
-    os.chmod(tmp_path, 0o666 & ~current_umask())  # mkstemp makes 0600 whatever the umask
     try:
         yield tmp_path
+        # mkstemp makes 0600 whatever the umask (and a writer may replace the file): set the
+        # mode a plain open() gives
+        os.chmod(tmp_path, 0o666 & ~current_umask())
         with open(tmp_path, "rb+") as f:
             f.flush()
             os.fsync(f.fileno())

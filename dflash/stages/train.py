@@ -464,6 +464,7 @@ def _distributed_facts(job: Job, across: dict | None) -> dict:
 def write_train_manifest(job: Job, progress: Progress, trained: Trained, warm_start_s: float,
                          warm_records: list[dict], replicas_identical: bool,
                          wall_s: float, across: dict | None = None) -> dict:
+    from ..models.drafter import export_checksums
     from ..runtime.gate import get_gate
 
     ctx, spec, pipe = job.ctx, job.ctx.spec, trained.pipe
@@ -502,6 +503,8 @@ def write_train_manifest(job: Job, progress: Progress, trained: Trained, warm_st
         replicas=len(job.replicas), replicas_identical=replicas_identical,
         exactly_once=trained.ledger.report(),
         drafter_dir=str(job.out / "drafter"), env_drift_overridden=ctx.drift,
+        # the export by content: bench and `dflash export-check` verify it
+        drafter_sha256=export_checksums(job.out / "drafter") if job.persist else None,
         topology=asdict(spec.topology), distributed=_distributed_facts(job, across))
     trained.status.done(manifest)
     print(f"[train] done: {steps_run} steps in {trained.seconds:.1f}s, final loss "
