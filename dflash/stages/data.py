@@ -164,8 +164,8 @@ def run(ctx: StageContext, on_shard: Callable[[int, Path], None] | None = None) 
     plan_fp = fingerprint([[s.sample_id, list(s.prompt_ids)] for c in chunks for s in c])
     meta = {"fingerprints": fingerprints, "plan": plan_fp, "code": code}
     log(f"{len(prompts)} prompts from {d.source or ', '.join(per_source)} "
-         f"({report.total} records, {report.bad} bad "
-         f"{dict(report.counts)}, {report.duplicates} duplicates) -> {len(samples)} samples in "
+         f"({report.total} records, {report.summary()}, {report.duplicates} duplicates) -> "
+         f"{len(samples)} samples in "
          f"{len(chunks)} chunks of <= {d.gen_batch_size}")
 
     done = _prepare_shards(shard_dir, meta, chunks)
