@@ -272,3 +272,39 @@ def test_real_smollm2_generation(tmp_path):
                                  do_sample=False)[0, P:].tolist()
         assert r["input_ids"][P:] == ref[:r["num_response_tokens"]]
         assert tgt.tokenizer.decode(r["input_ids"][P:]).strip()
+
+
+def test_damaged_dataset_or_manifest_is_set_aside_for_snakemake(reference, tmp_path):
+    """A truncated dataset.parquet or an edited data manifest: refused in one line naming the
+    file, and the manifest (the data rule's declared output) set aside, so the same Snakemake
+    command reruns the data stage; a stale one names the exact command."""
+    import shutil
+
+    spec, out, _, _ = reference
+    res = tmp_path / "results" / "test"
+    shutil.copytree(out / "data", res / "data")
+    mpath = res / "data" / "manifest.json"
+    ds = res / "data" / "dataset.parquet"
+    ds.write_bytes(ds.read_bytes()[:100])
+    with pytest.raises(StaleArtifact) as e:
+        load_dataset(spec, res)
+    msg = str(e.value)
+    assert msg.startswith(f"{ds}: damaged (sha256 ") and "\n" not in msg
+    assert "so Snakemake reruns the data stage: `snakemake --cores all bench_test`" in msg
+    assert not mpath.exists() and mpath.with_name("manifest.json.damaged").is_file()
+    with pytest.raises(StaleArtifact, match="missing data manifest .* `snakemake --cores all "
+                                            "bench_test`"):
+        load_dataset(spec, res)
+
+    shutil.copy(out / "data" / "manifest.json", mpath)
+    mpath.write_text(mpath.read_text().replace('"seed": 0', '"seed": 1'))
+    with pytest.raises(StaleArtifact, match="modified after it was written .* set manifest.json "
+                                            "aside"):
+        load_dataset(spec, res)
+    assert not mpath.exists()
+
+    shutil.copy(out / "data" / "manifest.json", mpath)
+    with pytest.raises(StaleArtifact, match=r"fingerprints.data.*rerun the data stage: "
+                                            r"`snakemake --cores all --forcerun data bench_test`"):
+        load_dataset(make_spec(max_new_tokens=5), res)
+    assert mpath.exists()  # stale is not damaged: Snakemake's params decide that rerun
