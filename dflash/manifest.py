@@ -186,6 +186,27 @@ def set_aside(manifest_path: str | os.PathLike, stage: str) -> str:
             f"stage: `snakemake --cores all bench_{spec}`")
 
 
+def check_output(path: str | os.PathLike, stage: str) -> str | None:
+    """The producer's side of :func:`verify_files`, for Snakemake before it decides what to run
+    (rules/common.smk): a present manifest that is tampered with, or whose files no longer
+    match, is set aside, so its rule's output is missing and Snakemake reruns it. Returns the
+    line saying so (None: missing or intact)."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    try:
+        body = json.loads(path.read_text())
+    except (OSError, ValueError):
+        body = None
+    if not is_sealed(body):
+        return f"{path}: damaged (checksum mismatch); {set_aside(path, stage)}"
+    try:
+        verify_files(body, path, stage)
+    except StaleArtifact as e:
+        return str(e)
+    return None
+
+
 def verify_files(manifest: dict, path: str | os.PathLike, stage: str) -> None:
     """Check every file the manifest lists (``files``: path relative to the manifest's folder ->
     sha256); a missing or changed one is refused in one line and the manifest set aside."""

@@ -381,5 +381,6 @@ def _write(spec, data_dir: Path, table, fingerprints, plan_fp, report, prompts, 
                     if gen["seconds"] else None},
         seed=spec.seed,
         dataset={"path": DATASET, "rows": table.num_rows, "sha256": sha256_file(out)},
+        files={DATASET: sha256_file(out)},  # by content (dflash.manifest.verify_files)
         seconds=round(seconds, 2),
     )

@@ -503,8 +503,9 @@ def write_train_manifest(job: Job, progress: Progress, trained: Trained, warm_st
         replicas=len(job.replicas), replicas_identical=replicas_identical,
         exactly_once=trained.ledger.report(),
         drafter_dir=str(job.out / "drafter"), env_drift_overridden=ctx.drift,
-        # the export by content: bench and `dflash export-check` verify it
-        drafter_sha256=export_checksums(job.out / "drafter") if job.persist else None,
+        # the export by content: bench (dflash.manifest.verify_files) and Snakemake check it
+        files={f"drafter/{f}": sha for f, sha in export_checksums(job.out / "drafter").items()}
+        if job.persist else {},
         topology=asdict(spec.topology), distributed=_distributed_facts(job, across))
     trained.status.done(manifest)
     print(f"[train] done: {steps_run} steps in {trained.seconds:.1f}s, final loss "
