@@ -189,10 +189,10 @@ def _damaged(path, fn, manifest):
     try:
         yield
     finally:
-        path.write_bytes(original)
         aside = manifest.with_name(manifest.name + ".damaged")
         if aside.exists():
             aside.replace(manifest)
+        path.write_bytes(original)
 
 
 def _flip(data: bytes) -> bytes:

@@ -36,7 +36,14 @@ from ..errors import DFlashError
 from ..code_fingerprint import stage_code_fingerprint
 from ..data.generate import eos_ids_of, generate_batch, sample_seed
 from ..data import shards
-from ..manifest import atomic_path, atomic_write_json, fingerprint, sha256_file, write_manifest
+from ..manifest import (
+    atomic_path,
+    atomic_write_json,
+    fingerprint,
+    rerun_command,
+    sha256_file,
+    write_manifest,
+)
 from ..data.sources import (
     SYNTHETIC,
     Sample,
@@ -330,7 +337,8 @@ def _merge(shard_dir: Path, chunks, samples):
             shards.verify_shard(p)
         except ValueError as e:
             shards.remove_shard(p)
-            raise DFlashError(f"{p}: {e}; removed it: rerun the same snakemake command and the "
+            raise DFlashError(f"{p}: {e}; removed it: rerun the same snakemake command "
+                              f"(`snakemake --cores all bench_{p.parents[2].name}`) and the "
                               f"data stage generates it again") from None
     tables = [pq.read_table(p, schema=_schema()) for p in paths]
     table = pa.concat_tables(tables).sort_by("sample_id").combine_chunks()
@@ -340,7 +348,8 @@ def _merge(shard_dir: Path, chunks, samples):
         missing = sorted(set(want) - set(got))[:10]
         dup = sorted({x for x in got if got.count(x) > 1})[:10]
         raise DFlashError(f"{shard_dir}: shards do not hold every sample exactly once "
-                          f"(missing {missing}, duplicated {dup}); delete the folder and rerun")
+                          f"(missing {missing}, duplicated {dup}); delete the folder and "
+                          f"rerun the data stage: `{rerun_command('data', shard_dir)}`")
     return table
 
 
