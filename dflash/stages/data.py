@@ -361,6 +361,7 @@ def _write(spec, data_dir: Path, table, fingerprints, plan_fp, report, prompts, 
     out = data_dir / DATASET
     with atomic_path(out) as tmp:
         pq.write_table(table, tmp)
+    sha = sha256_file(out)
     p_tok = table["num_prompt_tokens"].to_pylist()
     r_tok = table["num_response_tokens"].to_pylist()
     eos_stops = sum(table["stopped_at_eos"].to_pylist())
@@ -389,7 +390,7 @@ def _write(spec, data_dir: Path, table, fingerprints, plan_fp, report, prompts, 
                     "new_tokens_per_second": round(gen["new_tokens"] / gen["seconds"], 2)
                     if gen["seconds"] else None},
         seed=spec.seed,
-        dataset={"path": DATASET, "rows": table.num_rows, "sha256": sha256_file(out)},
-        files={DATASET: sha256_file(out)},  # by content (dflash.manifest.verify_files)
+        dataset={"path": DATASET, "rows": table.num_rows, "sha256": sha},
+        files={DATASET: sha},  # by content (dflash.manifest.verify_files)
         seconds=round(seconds, 2),
     )
