@@ -45,9 +45,8 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     tmp_path = Path(tmp)
     try:
         yield tmp_path
-        # mkstemp makes 0600 whatever the umask (and a writer may replace the file): set the
-        # mode a plain open() gives
-        os.chmod(tmp_path, 0o666 & ~current_umask())
+        # mkstemp makes 0600 whatever the umask (and a writer may replace the file)
+        plain_mode(tmp_path)
         with open(tmp_path, "rb+") as f:
             f.flush()
             os.fsync(f.fileno())
@@ -72,6 +71,12 @@ def current_umask() -> int:
         mask = os.umask(0o022)
         os.umask(mask)
     return mask
+
+
+def plain_mode(path: str | os.PathLike) -> None:
+    """Give ``path`` the mode a plain ``open()`` would (0666 minus the umask): mkstemp and
+    safetensors' writer make 0600 whatever the umask."""
+    os.chmod(path, 0o666 & ~current_umask())
 
 
 @contextlib.contextmanager

@@ -76,3 +76,16 @@ def test_other_world_size_is_refused_naming_the_field(ckpts):
 def test_state_json_is_sealed(ckpts):
     state = json.loads((ckpts / "step-00000002" / "state.json").read_text())
     assert state["version"] == ckpt.CKPT_VERSION and len(state["checksum"]) == 64
+
+
+def test_checkpoint_files_respect_the_umask(tmp_path):
+    import os
+
+    old = os.umask(0o027)
+    try:
+        path = ckpt.save(tmp_path / "c", 2, replica(), {}, keep=1, run_fingerprint=RUN)
+    finally:
+        os.umask(old)
+    modes = {f.name: f.stat().st_mode & 0o777 for f in path.iterdir()}
+    assert modes == {"model.safetensors": 0o640, "optim.safetensors": 0o640,
+                     "state.json": 0o640}, modes

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SpecError
-from ..manifest import _fsync_dir, atomic_write_json, is_sealed, seal, sha256_file
+from ..manifest import _fsync_dir, atomic_write_json, is_sealed, plain_mode, seal, sha256_file
 
 CKPT_VERSION = 2  # 2: state.json sealed
 
@@ -56,6 +56,7 @@ def save(ckpt_dir: Path, step: int, replica, counters: dict, keep: int,
     otensors, oscalars = _optim_tensors(replica.opt, replica.params)
     save_file(otensors, str(tmp / "optim.safetensors"))
     for f in ("model.safetensors", "optim.safetensors"):
+        plain_mode(tmp / f)  # safetensors writes 0600: teammates read checkpoints too
         with open(tmp / f, "rb") as fh:
             os.fsync(fh.fileno())
     state = {"version": CKPT_VERSION, "step": step, "counters": counters, "nodes": nodes,
