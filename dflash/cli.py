@@ -22,6 +22,7 @@ TOOLS = {
     "audit": ("env.audit", "pinned vs live environment; non-zero on drift"),
     "check-env": ("env.drift", "this interpreter against results/<spec>/env; exit 1 on drift"),
     "lock-from-freeze": ("env.freeze", "an adopt-mode lock from `pip list --format=freeze`"),
+    "export-check": ("models.export_check", "is an exported drafter folder intact (checksums)"),
     "status": ("runtime.status", "live status of a training run"),
     "stress": ("runtime.stress", "race stress harness (gate on/off)"),
 }

@@ -12,13 +12,15 @@ missed the report template, and left warmup unaware of the scheduler's dynamo se
 * Package data (any non-Python file under ``dflash/``) belongs to a module that names the file or
   one of its folders in a string literal: ``Path(__file__).with_name("templates")`` reads every
   template, ``"spec.schema.yaml"`` the schema. Naming a folder over-approximates, never misses.
+* A module's content is its syntax tree without docstrings (:func:`code_digest`), so an edit of
+  comments, docstrings or layout reruns nothing; package data is hashed byte for byte.
 """
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-from .manifest import fingerprint, sha256_file
+from .manifest import fingerprint, sha256_bytes, sha256_file
 
 PACKAGE = "dflash"
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -104,6 +106,25 @@ def data_read_by(modules: set[str], root: Path = PACKAGE_DIR) -> set[Path]:
             if names & ({p.name} | set(p.relative_to(root).parent.parts))}
 
 
+def _without_docstrings(tree: ast.Module) -> ast.Module:
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                and body and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return tree
+
+
+def code_digest(path: Path) -> str:
+    """sha256 of what a file runs: a module's normalised syntax tree (comments, docstrings and
+    formatting do not count), any other file's bytes."""
+    if path.suffix != ".py":
+        return sha256_file(path)
+    return sha256_bytes(ast.dump(_without_docstrings(_parse(path))).encode())
+
+
 def stage_files(stage: str, root: Path = PACKAGE_DIR) -> tuple[Path, ...]:
     """Every file under ``root`` that the ``dflash <stage>`` command runs or reads."""
     mods = import_closure((f"{PACKAGE}.stages.{stage}",) + ENTRY_MODULES, root)
@@ -112,8 +133,9 @@ def stage_files(stage: str, root: Path = PACKAGE_DIR) -> tuple[Path, ...]:
 
 
 def stage_code_fingerprint(stage: str, root: str | Path = PACKAGE_DIR) -> str:
-    """Content hash of :func:`stage_files` (paths relative to the package, so a copy of the
+    """Content hash (:func:`code_digest`) of :func:`stage_files` (paths relative to the
+    package, so a copy of the
     workflow elsewhere gets the same value)."""
     root = Path(root).resolve()
-    return fingerprint({str(p.relative_to(root)): sha256_file(p)
+    return fingerprint({str(p.relative_to(root)): code_digest(p)
                         for p in stage_files(stage, root)})

@@ -1,8 +1,15 @@
 """The one mechanism for artifacts: atomic writes, content fingerprints, versioned manifests.
 
 Every stage writes ``results/<spec>/<stage>/manifest.json`` through :func:`write_manifest` and
-reads its inputs through :func:`read_manifest` + :func:`expect`, so a missing, tampered or stale
-artifact is refused with one message naming the file, the field, the expected and the found value.
+reads its inputs through :func:`read_manifest` + :func:`expect` (+ :func:`verify_files` for the
+files a manifest lists with their sha256), so a missing, tampered or stale artifact is refused with
+one message naming the file, the field, the expected and the found value, and the exact command
+that recovers (:func:`rerun_command`). A damaged manifest, or one whose files no longer match, is
+set aside (``manifest.json`` -> ``manifest.json.damaged``): the producer's declared output is then
+missing, so the same Snakemake command reruns the producer.
+
+Files are written with the mode a plain ``open()`` would give (0666 minus the umask): results on a
+shared filesystem stay readable by the team, as the umask says.
 """
 from __future__ import annotations
 
@@ -11,6 +18,7 @@ import hashlib
 import json
 import os
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -37,6 +45,8 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     tmp_path = Path(tmp)
     try:
         yield tmp_path
+        # mkstemp makes 0600 whatever the umask (and a writer may replace the file)
+        plain_mode(tmp_path)
         with open(tmp_path, "rb+") as f:
             f.flush()
             os.fsync(f.fileno())
@@ -46,6 +56,27 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         with contextlib.suppress(FileNotFoundError):
             tmp_path.unlink()
         raise
+
+
+_UMASK_LOCK = threading.Lock()
+
+
+def current_umask() -> int:
+    """The process umask (Linux exposes it read-only; elsewhere set and restore it)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    with _UMASK_LOCK:
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return mask
+
+
+def plain_mode(path: str | os.PathLike) -> None:
+    """Give ``path`` the mode a plain ``open()`` would (0666 minus the umask): mkstemp and
+    safetensors' writer make 0600 whatever the umask."""
+    os.chmod(path, 0o666 & ~current_umask())
 
 
 @contextlib.contextmanager
@@ -121,28 +152,97 @@ def write_manifest(path: str | os.PathLike, stage: str, fingerprints: dict[str, 
         "fingerprints": dict(fingerprints),
         **fields,
     }
-    body["checksum"] = sha256_bytes(canonical_json(body).encode())
-    atomic_write_json(path, body)
+    atomic_write_json(path, seal(body))
     return body
 
 
-def read_manifest(path: str | os.PathLike, stage: str) -> dict:
-    """Read and integrity-check a manifest; refuse a missing, unreadable, tampered or wrong one."""
+def seal(body: dict) -> dict:
+    """``body`` with a ``checksum`` over the rest (:func:`is_sealed` checks it): a hand edit or a
+    flipped byte of a JSON record is then detected."""
+    body.pop("checksum", None)
+    body["checksum"] = sha256_bytes(canonical_json(body).encode())
+    return body
+
+
+def is_sealed(body: Any) -> bool:
+    if not isinstance(body, dict):
+        return False
+    rest = {k: v for k, v in body.items() if k != "checksum"}
+    return body.get("checksum") == sha256_bytes(canonical_json(rest).encode())
+
+
+def rerun_command(stage: str, path: str | os.PathLike) -> str:
+    """The one command that reruns ``stage`` (and what follows it) for the spec whose results
+    hold ``path`` (``<results>/<spec>/<stage>/...``)."""
+    parts = Path(path).parts
+    at = len(parts) - 1 - parts[::-1].index(stage) if stage in parts else 0
+    spec = parts[at - 1] if at > 0 else "<spec>"
+    return f"snakemake --cores all --forcerun {stage} bench_{spec}"
+
+
+def set_aside(manifest_path: str | os.PathLike, stage: str) -> str:
+    """Move a damaged manifest out of the way (kept as ``*.damaged``) so that Snakemake sees the
+    producer's output missing and reruns it; returns what to tell the user."""
+    path = Path(manifest_path)
+    with contextlib.suppress(OSError):
+        os.replace(path, path.with_name(path.name + ".damaged"))
+    spec = path.parent.parent.name
+    return (f"set {path.name} aside as {path.name}.damaged, so Snakemake reruns the {stage} "
+            f"stage: `snakemake --cores all bench_{spec}`")
+
+
+def check_output(path: str | os.PathLike, stage: str) -> str | None:
+    """The producer's side of :func:`verify_files`, for Snakemake before it decides what to run
+    (rules/common.smk): a present manifest that is tampered with, or whose files no longer
+    match, is set aside, so its rule's output is missing and Snakemake reruns it. Returns the
+    line saying so (None: missing or intact)."""
     path = Path(path)
     if not path.is_file():
-        raise StaleArtifact(f"{path}: missing {stage} manifest — run the {stage} stage first "
-                            f"(e.g. `snakemake --cores all {stage}_<spec>`).")
+        return None
+    try:
+        body = json.loads(path.read_text())
+    except (OSError, ValueError):
+        body = None
+    if not is_sealed(body):
+        return f"{path}: damaged (checksum mismatch); {set_aside(path, stage)}"
+    try:
+        verify_files(body, path, stage)
+    except StaleArtifact as e:
+        return str(e)
+    return None
+
+
+def verify_files(manifest: dict, path: str | os.PathLike, stage: str) -> None:
+    """Check every file the manifest lists (``files``: path relative to the manifest's folder ->
+    sha256); a missing or changed one is refused in one line and the manifest set aside."""
+    path = Path(path)
+    for rel, want in manifest.get("files", {}).items():
+        f = path.parent / rel
+        found = sha256_file(f) if f.is_file() else None
+        if found != want:
+            what = "missing" if found is None else f"damaged (sha256 {found[:12]}…, its " \
+                                                   f"manifest says {want[:12]}…)"
+            raise StaleArtifact(f"{f}: {what}; {set_aside(path, stage)}")
+
+
+def read_manifest(path: str | os.PathLike, stage: str) -> dict:
+    """Read and integrity-check a manifest; refuse a missing, unreadable, tampered or wrong one
+    (a damaged one is set aside, so Snakemake reruns its stage)."""
+    path = Path(path)
+    if not path.is_file():
+        raise StaleArtifact(f"{path}: missing {stage} manifest — run the {stage} stage first: "
+                            f"`snakemake --cores all bench_{path.parent.parent.name}`.")
     try:
         body = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise StaleArtifact(f"{path}: unreadable {stage} manifest ({e}); rerun the {stage} stage.")
+        raise StaleArtifact(f"{path}: unreadable {stage} manifest ({e}); "
+                            f"{set_aside(path, stage)}") from None
     if not isinstance(body, dict):
-        raise StaleArtifact(f"{path}: {stage} manifest is not a JSON object; rerun the {stage} stage.")
-    found_sum = body.pop("checksum", None)
-    if found_sum != sha256_bytes(canonical_json(body).encode()):
+        raise StaleArtifact(f"{path}: {stage} manifest is not a JSON object; "
+                            f"{set_aside(path, stage)}")
+    if not is_sealed(body):
         raise StaleArtifact(f"{path}: {stage} manifest was modified after it was written "
-                            f"(checksum mismatch); rerun the {stage} stage.")
-    body["checksum"] = found_sum
+                            f"(checksum mismatch); {set_aside(path, stage)}")
     _expect_value(path, "manifest_version", MANIFEST_VERSION, body.get("manifest_version"))
     _expect_value(path, "stage", stage, body.get("stage"))
     return body
@@ -157,6 +257,7 @@ def expect(manifest: dict, path: str | os.PathLike, fingerprints: dict[str, str]
 
 def _expect_value(path, field: str, expected: Any, found: Any) -> None:
     if expected != found:
+        stage = Path(path).parent.name
         raise StaleArtifact(f"{path}: stale artifact — field '{field}' expected {expected!r}, "
-                            f"found {found!r}. Its inputs changed; rerun that stage "
-                            f"(Snakemake does this for you: rerun the same target).")
+                            f"found {found!r}. Its inputs changed; rerun the {stage} stage: "
+                            f"`{rerun_command(stage, path)}`")

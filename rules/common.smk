@@ -12,7 +12,7 @@ sys.path.insert(0, workflow.basedir)
 from dflash.code_fingerprint import stage_code_fingerprint
 from dflash.errors import DFlashError
 from dflash.eval.report import PLOTS
-from dflash.manifest import sha256_file
+from dflash.manifest import check_output, sha256_file
 from dflash.runtime import resources
 from dflash.spec import load_spec
 
@@ -81,6 +81,21 @@ onstart:
     _mismatch = resources.executor_mismatch(getattr(workflow.executor_plugin, "name", None), SLURM)
     if _mismatch:
         raise WorkflowError(_mismatch)
+
+
+def intact(stage):
+    """An input function that adds no input: it checks the stage's own output by content first
+    (dflash.manifest.check_output). A damaged one (an edited manifest, a changed dataset or
+    drafter file) is set aside, so the output is missing and Snakemake reruns the stage, even
+    in a dry run (`snakemake -n` shows it), with no --forcerun."""
+
+    def f(wc):
+        said = check_output(Path(RESULTS, wc.spec, stage, "manifest.json"), stage)
+        if said:
+            print(said, file=sys.stderr)
+        return []
+
+    return f
 
 
 def spec_file(wc):

@@ -1,6 +1,7 @@
 # Stage 3: real prompts -> target-regenerated responses -> token ids (resumable).
 rule data:
     input:
+        intact=intact("data"),  # damaged output -> set aside -> rerun
         env=f"{RESULTS}/{{spec}}/env/manifest.json",
     output:
         f"{RESULTS}/{{spec}}/data/manifest.json",

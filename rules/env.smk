@@ -1,5 +1,7 @@
 # Stage 1: build (or adopt) the pinned environment and record it.
 rule env:
+    input:
+        intact=intact("env"),  # damaged output -> set aside -> rerun
     output:
         f"{RESULTS}/{{spec}}/env/manifest.json",
     params:

@@ -1,6 +1,7 @@
 # Stage 4: train the drafter with the race-free scheduler; resumes from its last checkpoint.
 rule train:
     input:
+        intact=intact("train"),  # damaged output -> set aside -> rerun
         env=f"{RESULTS}/{{spec}}/env/manifest.json",
         warmup=f"{RESULTS}/{{spec}}/warmup/manifest.json",
         data=f"{RESULTS}/{{spec}}/data/manifest.json",

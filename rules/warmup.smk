@@ -1,6 +1,7 @@
 # Stage 2: compile every shape bucket on every drafter device once, and record it.
 rule warmup:
     input:
+        intact=intact("warmup"),  # damaged output -> set aside -> rerun
         env=f"{RESULTS}/{{spec}}/env/manifest.json",
     output:
         f"{RESULTS}/{{spec}}/warmup/manifest.json",

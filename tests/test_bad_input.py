@@ -440,3 +440,18 @@ def test_missing_target_model_names_target_model(tmp_path):
             assert msg.startswith(f"target.model: {model!r} is neither a built-in name"), msg
             assert "smollm2-135m-instruct" in msg and "config.json" in msg and "\n" not in msg
     assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.parametrize("text", ['{"spec": "tiny", "step": 3', "[1, 2]", '{"updated_unix": "x"}',
+                                  b"\xff\xfe garbage"])
+def test_status_on_a_garbled_status_file_is_one_line(tmp_path, capsys, text):
+    from dflash.cli import main
+
+    f = tmp_path / "train" / "status.json"
+    f.parent.mkdir()
+    f.write_bytes(text if isinstance(text, bytes) else text.encode())
+    assert main(["status", str(tmp_path)]) == 2
+    out = capsys.readouterr()
+    err = out.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {f}: not a readable status file"), err
+    assert "Traceback" not in out.err + out.out

@@ -53,10 +53,23 @@ def test_an_edit_changes_exactly_the_fingerprints_of_the_stages_that_run_it(pack
     before = {s: stage_code_fingerprint(s, package_copy) for s in STAGES}
     assert before == {s: stage_code_fingerprint(s) for s in STAGES}  # relative paths: same value
     packing = package_copy / "train" / "packing.py"
-    packing.write_text(packing.read_text() + "\n# edited\n")
+    packing.write_text(packing.read_text() + "\n_EDITED = 1\n")
     after = {s: stage_code_fingerprint(s, package_copy) for s in STAGES}
     assert {s for s in STAGES if after[s] != before[s]} == {"warmup", "train", "bench"}
     tpl = package_copy / "templates" / "report.md.j2"
     tpl.write_text(tpl.read_text() + "{# edited #}\n")
     again = {s: stage_code_fingerprint(s, package_copy) for s in STAGES}
     assert {s for s in STAGES if again[s] != after[s]} == {"bench"}
+
+
+def test_comments_docstrings_and_layout_change_no_fingerprint(package_copy):
+    """Only what runs counts: a comment, a docstring or a blank line reruns nothing."""
+    before = {s: stage_code_fingerprint(s, package_copy) for s in STAGES}
+    sched = package_copy / "train" / "scheduler.py"
+    text = sched.read_text()
+    sched.write_text(text.replace('"""', '"""Reworded. ', 1).replace("\ndef ", "\n\n\ndef ", 1)
+                     + "\n\n# a comment\n")
+    assert {s: stage_code_fingerprint(s, package_copy) for s in STAGES} == before
+    sched.write_text(text + "\nX = 2\n")
+    after = {s: stage_code_fingerprint(s, package_copy) for s in STAGES}
+    assert {s for s in STAGES if after[s] != before[s]} == {"train", "bench"}

@@ -167,8 +167,78 @@ def test_report_template_edit_reruns_bench_only(wf):
     ("train/packing.py", {"warmup": 1, "train": 1, "bench": 1}),  # warmup builds its buckets
 ])
 def test_module_edit_reruns_every_stage_that_imports_it(wf, module, reruns):
-    with _rewritten(wf / "dflash" / module, lambda t: t + "\n# edited\n"):
+    with _rewritten(wf / "dflash" / module, lambda t: t + "\n_EDITED = 1\n"):
         assert _would_run(wf) == reruns
+
+
+def test_comment_or_docstring_edit_reruns_nothing(wf):
+    """Code fingerprints hash what runs: a comment in manifest.py (every stage imports it) or a
+    reworded docstring reruns no stage."""
+    with _rewritten(wf / "dflash" / "manifest.py", lambda t: t + "\n# a note\n"), \
+            _rewritten(wf / "dflash" / "train" / "scheduler.py",
+                       lambda t: t.replace('"""', '"""Reworded. ', 1)):
+        assert _would_run(wf) == {}
+
+
+@contextlib.contextmanager
+def _damaged(path, fn, manifest):
+    """``path`` damaged by ``fn(bytes)``; afterwards restored, and ``manifest`` put back if a
+    check set it aside."""
+    original = path.read_bytes()
+    path.write_bytes(fn(original))
+    try:
+        yield
+    finally:
+        aside = manifest.with_name(manifest.name + ".damaged")
+        if aside.exists():
+            aside.replace(manifest)
+        path.write_bytes(original)
+
+
+def _flip(data: bytes) -> bytes:
+    mid = len(data) // 2
+    return data[:mid] + bytes([data[mid] ^ 1]) + data[mid + 1:]
+
+
+@pytest.mark.parametrize("damage, manifest, reruns", [
+    ("train/drafter/model.safetensors", "train", {"train": 1, "bench": 1}),
+    ("train/drafter/config.json", "train", {"train": 1, "bench": 1}),
+    ("data/dataset.parquet", "data", {"data": 1, "train": 1, "bench": 1}),
+    ("data/manifest.json", "data", {"data": 1, "train": 1, "bench": 1}),
+])
+def test_damaged_artifact_is_seen_by_snakemake(wf, damage, manifest, reruns):
+    """A flipped byte in a produced file: `snakemake -n` itself shows its producer (and what
+    follows) rerunning, and says which file, with no --forcerun."""
+    res = wf / "results" / "micro"
+    with _damaged(res / damage, _flip, res / manifest / "manifest.json"):
+        r = snakemake(wf, "-n", "bench_micro")
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        assert job_counts(r.stdout + r.stderr) == reruns
+        assert f"results/micro/{damage}" in r.stderr, r.stderr[-2000:]
+        assert f"so Snakemake reruns the {manifest} stage" in r.stderr, r.stderr[-2000:]
+    assert _would_run(wf) == {}  # restored
+
+
+def test_bench_refuses_a_damaged_drafter_in_one_line(wf):
+    """The consumer's own check (a run outside Snakemake): one line naming the file, and the
+    train manifest set aside, so the next `snakemake` reruns train."""
+    import subprocess
+    import sys
+
+    res = wf / "results" / "micro"
+    weights = res / "train" / "drafter" / "model.safetensors"
+    with _damaged(weights, _flip, res / "train" / "manifest.json"):
+        r = subprocess.run([sys.executable, "-m", "dflash", "bench", "specs/micro.yaml"],
+                           cwd=wf, capture_output=True, text=True, timeout=300,
+                           env={**__import__("os").environ, "PYTHONPATH": str(wf)})
+        assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+        err = [ln for ln in r.stderr.splitlines() if ln.startswith("error: ")]
+        assert len(err) == 1 and err[0].startswith(
+            "error: results/micro/train/drafter/model.safetensors: damaged (sha256 "), err
+        assert "so Snakemake reruns the train stage: `snakemake --cores all bench_micro`" \
+            in err[0]
+        assert not (res / "train" / "manifest.json").exists()
+    assert _would_run(wf) == {}
 
 
 def test_lock_content_change_reruns_everything(wf):
@@ -211,3 +281,34 @@ def test_stale_warmup_manifest_is_refused(wf):
                            env={**__import__("os").environ, "PYTHONPATH": str(wf)})
         assert r.returncode != 0
         assert "fingerprints.shape" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_code_edits_redo_the_work(wf):
+    """Edit the generation code and the training code (real statements, not comments): the
+    data stage generates the answers again (its shards were made by other code), train starts
+    over and says why, runs all its steps, and the bench report has figures. Last in the
+    module: it leaves results made by the edited code."""
+    res = wf / "results" / "micro"
+    edit = lambda t: t + "\n_EDITED = 1\n"  # noqa: E731
+    with _rewritten(wf / "dflash" / "data" / "generate.py", edit), \
+            _rewritten(wf / "dflash" / "train" / "scheduler.py", edit):
+        r = snakemake(wf, "bench_micro")
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        assert job_counts(r.stdout + r.stderr) == {"data": 1, "train": 1, "bench": 1}
+        data_log = (wf / "logs" / "micro" / "data.log").read_text()
+        assert "made by other code: the data stage's code changed" in data_log, data_log
+        data = json.loads((res / "data" / "manifest.json").read_text())
+        assert data["generation"]["chunks_resumed"] == 0
+        assert data["generation"]["new_tokens_generated"] > 0
+        train_log = (wf / "logs" / "micro" / "train.log").read_text()
+        assert "[train] starting over from step 0" in train_log, train_log[-3000:]
+        assert "the train stage's code changed (code " in train_log, train_log[-3000:]
+        train = json.loads((res / "train" / "manifest.json").read_text())
+        assert train["steps"]["resumed_from"] == 0 and train["steps"]["run_now"] == 6
+        assert train["final_loss"] is not None
+        report = json.loads((res / "bench" / "report.json").read_text())
+        assert report["tokens_per_s"] > 0 and report["final_loss"] is not None
+        status = json.loads((res / "train" / "status.json").read_text())
+        assert status["step"] == 6
+    # reverting the edit is a code change too: the same stages would run (and redo the work)
+    assert _would_run(wf) == {"data": 1, "train": 1, "bench": 1}

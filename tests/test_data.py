@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
@@ -145,6 +146,51 @@ def test_resume_after_interruption(reference, tmp_path):
     assert m4["dataset"]["sha256"] == ref_m["dataset"]["sha256"]
 
 
+def test_damaged_shard_is_regenerated_and_never_merged(reference, tmp_path, capsys):
+    """A shard whose token column changed (sample ids intact, a valid parquet file) is found by
+    its checksum at resume (regenerated, said so) and at merge (removed, refused in one line)."""
+    spec, _, ref_m, _ = reference
+    run_data(spec, tmp_path)
+    shard = data_stage.shard_path(tmp_path / "data" / "shards", 1)
+
+    def tamper():
+        t = pq.read_table(shard).to_pylist()
+        t[0]["input_ids"][-1] ^= 1  # a one-bit flip in one token
+        pq.write_table(pa.Table.from_pylist(t, schema=data_stage._schema()), shard)
+
+    tamper()
+    capsys.readouterr()
+    rec = Recorder()
+    m = run_data(spec, tmp_path, on_shard=rec)
+    out = capsys.readouterr().out
+    assert rec.chunks == [1] and m["dataset"]["sha256"] == ref_m["dataset"]["sha256"]
+    assert f"discarding shard {shard.name} (damaged: sha256 differs" in out, out
+    assert "regenerating it" in out
+    # damaged after the resume check: the merge refuses it (naming it) and removes it
+    tamper()
+    with pytest.raises(DFlashError, match=rf"{shard}: damaged.*generates it again"):
+        data_stage._merge(shard.parent, [None] * 3, [])
+    assert not shard.exists()
+    rec = Recorder()
+    assert run_data(spec, tmp_path, on_shard=rec)["dataset"]["sha256"] == ref_m["dataset"]["sha256"]
+    assert rec.chunks == [1]
+
+
+def test_shards_of_other_generating_code_are_generated_again(reference, tmp_path, capsys,
+                                                              monkeypatch):
+    spec, _, ref_m, _ = reference
+    run_data(spec, tmp_path)
+    capsys.readouterr()
+    monkeypatch.setattr(data_stage, "stage_code_fingerprint", lambda stage: "other-code")
+    rec = Recorder()
+    m = run_data(spec, tmp_path, on_shard=rec)
+    assert sorted(rec.chunks) == [0, 1, 2]  # every answer generated again
+    out = capsys.readouterr().out
+    assert "discarding 3 shard(s) made from other inputs (made by other code: the data " \
+           "stage's code changed" in out, out
+    assert m["dataset"]["sha256"] == ref_m["dataset"]["sha256"]
+
+
 def test_stale_shards_are_discarded(reference, tmp_path, capsys):
     spec, _, _, _ = reference
     run_data(spec, tmp_path)
@@ -232,3 +278,39 @@ def test_real_smollm2_generation(tmp_path):
                                  do_sample=False)[0, P:].tolist()
         assert r["input_ids"][P:] == ref[:r["num_response_tokens"]]
         assert tgt.tokenizer.decode(r["input_ids"][P:]).strip()
+
+
+def test_damaged_dataset_or_manifest_is_set_aside_for_snakemake(reference, tmp_path):
+    """A truncated dataset.parquet or an edited data manifest: refused in one line naming the
+    file, and the manifest (the data rule's declared output) set aside, so the same Snakemake
+    command reruns the data stage; a stale one names the exact command."""
+    import shutil
+
+    spec, out, _, _ = reference
+    res = tmp_path / "results" / "test"
+    shutil.copytree(out / "data", res / "data")
+    mpath = res / "data" / "manifest.json"
+    ds = res / "data" / "dataset.parquet"
+    ds.write_bytes(ds.read_bytes()[:100])
+    with pytest.raises(StaleArtifact) as e:
+        load_dataset(spec, res)
+    msg = str(e.value)
+    assert msg.startswith(f"{ds}: damaged (sha256 ") and "\n" not in msg
+    assert "so Snakemake reruns the data stage: `snakemake --cores all bench_test`" in msg
+    assert not mpath.exists() and mpath.with_name("manifest.json.damaged").is_file()
+    with pytest.raises(StaleArtifact, match="missing data manifest .* `snakemake --cores all "
+                                            "bench_test`"):
+        load_dataset(spec, res)
+
+    shutil.copy(out / "data" / "manifest.json", mpath)
+    mpath.write_text(mpath.read_text().replace('"seed": 0', '"seed": 1'))
+    with pytest.raises(StaleArtifact, match="modified after it was written .* set manifest.json "
+                                            "aside"):
+        load_dataset(spec, res)
+    assert not mpath.exists()
+
+    shutil.copy(out / "data" / "manifest.json", mpath)
+    with pytest.raises(StaleArtifact, match=r"fingerprints.data.*rerun the data stage: "
+                                            r"`snakemake --cores all --forcerun data bench_test`"):
+        load_dataset(make_spec(max_new_tokens=5), res)
+    assert mpath.exists()  # stale is not damaged: Snakemake's params decide that rerun

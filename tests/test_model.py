@@ -289,3 +289,57 @@ def test_initial_loss_on_smollm2_is_the_mask_token_path_and_falls_fast():
         opt.step()
     with torch.no_grad():
         assert float(loss_of(model)) < first / 3, first
+
+
+def test_export_check_verifies_the_drafter_by_content(tmp_path, capsys):
+    """`dflash export-check DIR`: ok on a fresh export; one line naming the file for a flipped
+    byte in the weights or an edited config (a changed block_size), against the folder's own
+    checksums or the train manifest's record."""
+    from dflash.cli import main
+    from dflash.errors import DFlashError
+    from dflash.models.drafter import export_checksums, verify_export
+
+    cfg = tiny_cfg(block_size=8, n_layers=1)
+    out = export_drafter(DFlashDrafter(cfg), cfg, tmp_path / "drafter")
+    recorded = export_checksums(out)
+    assert main(["export-check", str(out)]) == 0 and "ok: " in capsys.readouterr().out
+    assert verify_export(out, recorded) == cfg
+    weights = out / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    weights.write_bytes(bytes(data))
+    assert main(["export-check", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [err[0]] and err[0].startswith(f"error: {weights}: damaged (sha256 "), err
+    export_drafter(DFlashDrafter(cfg), cfg, out)  # a fresh export; then edit the config only
+    conf = out / "config.json"
+    conf.write_text(conf.read_text().replace('"block_size": 8', '"block_size": 16'))
+    with pytest.raises(DFlashError, match=rf"{conf}: damaged"):
+        verify_export(out, export_checksums(out) | {"config.json": recorded["config.json"]})
+    assert main(["export-check", str(out)]) == 2
+    assert f"{conf}: damaged" in capsys.readouterr().err
+
+
+def test_artifacts_respect_the_umask(tmp_path):
+    """Atomic writes give the mode a plain open() would (0666 minus the umask), not mkstemp's
+    0600: teammates on a shared filesystem can read reports, datasets and drafters."""
+    import os
+
+    from dflash.manifest import atomic_write_json
+
+    cfg = tiny_cfg(block_size=8, n_layers=1)
+    for umask in (0o022, 0o002, 0o077):
+        old = os.umask(umask)
+        try:
+            d = tmp_path / f"u{umask:o}"
+            export_drafter(DFlashDrafter(cfg), cfg, d / "drafter")
+            atomic_write_json(d / "report.json", {"a": 1})
+            with open(d / "plain", "w"):
+                pass
+        finally:
+            os.umask(old)
+        want = (d / "plain").stat().st_mode & 0o777
+        assert want == 0o666 & ~umask
+        for f in ("report.json", "drafter/config.json", "drafter/model.safetensors",
+                  "drafter/checksums.json"):
+            assert (d / f).stat().st_mode & 0o777 == want, (f, oct(umask))

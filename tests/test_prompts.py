@@ -173,3 +173,30 @@ def test_user_file_mtbench_question_dropped_and_counted(tmp_path):
     raw["data"]["max_bad_fraction"] = 0.0
     with pytest.raises(DFlashError, match=rf"{src}:8: mtbench_overlap"):
         build_samples(parse_spec(raw, "specs/tiny.yaml"), tok, overlap=eval_overlap)
+
+
+def test_non_utf8_and_truncated_last_line_are_named_bad_records(tmp_path):
+    """Latin-1 bytes are bad records (never U+FFFD in a prompt), a file cut short mid-line is
+    'truncated_last_line'; each kind counted with its first file:line (docs/data.md)."""
+    lines = [json.dumps({"messages": [{"role": "user", "content": f"question {i}"}]}).encode()
+             for i in range(10)]
+    for i in (2, 5):  # "café" in Latin-1: byte 0xe9
+        lines[i] = json.dumps({"messages": [{"role": "user", "content": "caf\u00e9 %d" % i}]},
+                              ensure_ascii=False).encode("latin-1")
+    src = tmp_path / "mixed.jsonl"
+    src.write_bytes(b"\n".join(lines) + b"\n" + lines[0][:25])  # a cut-off 11th line
+    prompts, report = load_prompts(str(src), 100, seed=0, max_bad_fraction=0.5)
+    assert report.total == 11 and report.bad == 3 and len(prompts) == 8
+    assert report.counts == {"not_utf8": 2, "truncated_last_line": 1}
+    assert report.examples["not_utf8"][0].startswith(f"{src}:3 (byte 0xe9 at column ")
+    assert report.examples["truncated_last_line"][0].startswith(f"{src}:11 ")
+    assert not any("\ufffd" in m["content"] for p in prompts for m in p.messages)
+    line = report.summary()
+    assert line.startswith("3 bad: ") and f"not_utf8 ×2 (first at {src}:3" in line
+    assert f"truncated_last_line ×1 (first at {src}:11" in line
+    # an unterminated line that is not the last one is still invalid JSON, not truncation
+    src.write_bytes(lines[0][:25] + b"\n" + lines[1] + b"\n")
+    _, report = load_prompts(str(src), 100, seed=0, max_bad_fraction=0.6)
+    assert report.counts == {"invalid_json": 1}
+    with pytest.raises(DFlashError, match=rf"first bad record at {src}:1: invalid_json"):
+        load_prompts(str(src), 100, seed=0, max_bad_fraction=0.05)

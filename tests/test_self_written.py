@@ -100,6 +100,17 @@ def test_source_quotas():
         q(d([{"source": "a", "count": 12}]))
     with pytest.raises(SpecError, match="leaving none for the weighted"):
         q(d([{"source": "a", "count": 10}, {"source": "b"}]))
+    # weights near the float limit: shares as for equal weights, not a NaN traceback
+    assert q(d([{"source": "a", "weight": 1e308}, {"source": "b", "weight": 1e308}], 5)) == \
+        [("a", 3), ("b", 2)]
+    with pytest.raises(SpecError, match=r"data.sources\[1\]: field 'weight' 1e-09 gives b 0 "
+                                        r"of the 10 weighted prompts"):
+        q(d([{"source": "a", "weight": 1}, {"source": "b", "weight": 1e-9}]))
+    with pytest.raises(SpecError, match="must be a finite number"):
+        q(d([{"source": "a", "weight": float("inf")}, {"source": "b"}]))
+    with pytest.raises(SpecError, match=r"data.sources\[2\]: field 'source' 'a' is listed "
+                                        r"twice \(also data.sources\[0\]\)"):
+        q(d([{"source": "a", "count": 2}, {"source": "b"}, {"source": "a"}]))
     with pytest.raises(SpecError, match="give exactly one of 'data.source' or 'data.sources'"):
         parse_spec(tiny_raw(sources=[{"source": "a"}]), "t.yaml")
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import DFlashError
-from ..manifest import expect, read_manifest, sha256_file
+from ..manifest import expect, read_manifest, verify_files
 
 DATASET = "dataset.parquet"
 
@@ -38,12 +37,9 @@ def load_dataset(spec, results_dir: Path) -> TokenDataset:
     manifest = read_manifest(mpath, "data")
     expect(manifest, mpath, {"data": spec.fingerprint("data"),
                              "target": target_fingerprint(spec.target)})
+    # the dataset by content (a damaged one sets the manifest aside: Snakemake reruns data,
+    # which rebuilds it from its verified shards)
     path = data_dir / manifest["dataset"]["path"]
-    if not path.is_file():
-        raise DFlashError(f"{path}: missing dataset; rerun the data stage")
-    found = sha256_file(path)
-    if found != manifest["dataset"]["sha256"]:
-        raise DFlashError(f"{path}: stale artifact — field 'dataset.sha256' expected "
-                          f"{manifest['dataset']['sha256']!r}, found {found!r}; rerun the data "
-                          f"stage")
+    verify_files({"files": {manifest["dataset"]["path"]: manifest["dataset"]["sha256"]}},
+                 mpath, "data")
     return TokenDataset(pq.read_table(path), manifest)

@@ -84,6 +84,13 @@ class BadReport:
                 f"first bad record at {where}: {kind}" + (f" ({detail})" if detail else "")
                 + f"; by kind: {kinds}")
 
+    def summary(self) -> str:
+        """One line for the console: every bad kind with its count and first location."""
+        if not self.counts:
+            return "0 bad"
+        return f"{self.bad} bad: " + ", ".join(
+            f"{k} ×{n} (first at {self.examples[k][0]})" for k, n in sorted(self.counts.items()))
+
     def to_dict(self) -> dict:
         return {"records": self.total, "bad": self.bad, "bad_by_kind": dict(self.counts),
                 "bad_examples": {k: list(v) for k, v in self.examples.items()},
@@ -148,20 +155,33 @@ def _chatterbot_records(report: BadReport) -> Iterator[tuple[str, list[dict] | N
             yield where, [{"role": "user", "content": " ".join(str(first.value).split())}]
 
 
+def _jsonl_records(path: Path, report: BadReport) -> Iterator[tuple[str, object]]:
+    """Lines as bytes, decoded strictly: a line that is not UTF-8 is a bad record (``not_utf8``,
+    never replaced by U+FFFD), and a last line without its newline that does not parse is
+    ``truncated_last_line`` (a file cut short), each with its ``file:line``."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            report.total += 1
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                report.add("not_utf8", where, f"byte 0x{raw[e.start]:02x} at column {e.start + 1}")
+                continue
+            try:
+                yield where, json.loads(line)
+            except ValueError as e:
+                kind = "invalid_json" if raw.endswith(b"\n") else "truncated_last_line"
+                report.add(kind, where, str(e))
+
+
 def _iter_file_records(path: Path, report: BadReport) -> Iterator[tuple[str, object]]:
     """(where, parsed record) per non-blank line / row; invalid JSON is counted here."""
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                report.total += 1
-                where = f"{path}:{lineno}"
-                try:
-                    yield where, json.loads(line)
-                except ValueError as e:
-                    report.add("invalid_json", where, str(e))
+        yield from _jsonl_records(path, report)
     elif suffix == ".parquet":
         import pyarrow.parquet as pq
 

@@ -8,6 +8,7 @@ decides *what* is answered. docs/data.md has the details.
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass
 from functools import lru_cache
@@ -107,6 +108,13 @@ def source_quotas(d) -> list[tuple[str, int]]:
         fixed += e.count or 0
     if sum(e.source == SELF_WRITTEN for e in entries) > 1:
         raise SpecError("data.sources: list 'self-written' once (give it the whole count)")
+    first: dict[str, int] = {}
+    for i, e in enumerate(entries):
+        j = first.setdefault(str(Path(e.source).expanduser()), i)
+        if j != i:  # the second entry would take only duplicates of the first's prompts
+            raise SpecError(f"data.sources[{i}]: field 'source' {e.source!r} is listed twice "
+                            f"(also data.sources[{j}]); give it once, with the sum of the "
+                            f"counts or weights")
     rest = d.max_prompts - fixed
     weighted = [(i, float(e.weight or 1.0)) for i, e in enumerate(entries)
                 if e.count is None]
@@ -117,12 +125,23 @@ def source_quotas(d) -> list[tuple[str, int]]:
                                                  if rest == 0 else ""))
     share = {i: 0 for i, _ in weighted}
     if weighted:
-        total = sum(w for _, w in weighted)
-        exact = {i: rest * w / total for i, w in weighted}
+        for i, w in weighted:
+            if not math.isfinite(w):
+                raise SpecError(f"data.sources[{i}]: field 'weight' must be a finite number, "
+                                f"got {w}")
+        # relative to the largest: weights near the float limit (1e308) cannot overflow the sum
+        top = max(w for _, w in weighted)
+        total = sum(w / top for _, w in weighted)
+        exact = {i: rest * (w / top) / total for i, w in weighted}
         share = {i: int(x) for i, x in exact.items()}
         left = rest - sum(share.values())
         for i in sorted(exact, key=lambda i: (-(exact[i] - share[i]), i))[:left]:
             share[i] += 1
+    for i, n in share.items():
+        if n == 0:
+            raise SpecError(f"data.sources[{i}]: field 'weight' {entries[i].weight} gives "
+                            f"{entries[i].source} 0 of the {rest} weighted prompts; raise its "
+                            f"weight, give it a count, or drop the entry")
     return [(e.source, e.count if e.count is not None else share[i])
             for i, e in enumerate(entries)]
 

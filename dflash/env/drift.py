@@ -10,7 +10,7 @@ from typing import Any
 
 from .. import settings
 from ..errors import DFlashError, EnvDrift
-from ..manifest import read_manifest, sha256_file
+from ..manifest import read_manifest, rerun_command, sha256_file
 from .facts import PROBE_ONLY, STACK_KEYS, key_stack, live_env
 from .lock import version_matches
 
@@ -105,7 +105,8 @@ def check_env(results_dir: str | os.PathLike, probe_torch: bool | None = None) -
         msg = (f"{path}: environment drift — {sys.executable} differs from the environment the "
                f"env stage pinned ({n_pkg} package(s), {len(drift) - n_pkg} other item(s)):\n"
                f"{format_drift(drift)}\n"
-               f"Rebuild/reverify it: rerun the env stage (the same snakemake target does it), "
+               f"Rebuild/reverify it: rerun the env stage "
+               f"(`{rerun_command('env', path)}`), "
                f"or audit with `dflash audit {path}`; {ALLOW_DRIFT_VAR}=1 overrides.")
         if not allow_drift():
             raise EnvDrift(msg)

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..manifest import atomic_path, atomic_write_json
+from ..errors import DFlashError
+from ..manifest import atomic_path, atomic_write_json, sha256_file
 
 # ---------------------------------------------------------------------------------------------
 # feature layers
@@ -377,7 +378,42 @@ def export_drafter(model: DFlashDrafter, cfg: DFlashConfig, out_dir, dtype=None)
     with atomic_path(out / "model.safetensors") as tmp:
         save_file(sd, str(tmp), metadata={"format": "pt"})
     atomic_write_json(out / "config.json", hf)
+    atomic_write_json(out / EXPORT_CHECKSUMS, export_checksums(out))
     return out
+
+
+EXPORT_FILES = ("config.json", "model.safetensors")
+EXPORT_CHECKSUMS = "checksums.json"  # beside the weights, so a copied folder can be checked too
+
+
+def export_checksums(out_dir) -> dict[str, str]:
+    """sha256 of each file of an exported drafter (what the train manifest records)."""
+    return {f: sha256_file(Path(out_dir) / f) for f in EXPORT_FILES}
+
+
+def verify_export(out_dir, expected: dict[str, str] | None = None) -> DFlashConfig:
+    """Check an exported drafter by content: every file's sha256 against ``expected`` (the train
+    manifest's record) or, without it, the folder's own ``checksums.json``; then that its config
+    parses. Raises :class:`DFlashError` naming the file; returns the config."""
+    out = Path(out_dir)
+    if expected is None:
+        try:
+            expected = json.loads((out / EXPORT_CHECKSUMS).read_text())
+        except (OSError, ValueError) as e:
+            raise DFlashError(f"{out / EXPORT_CHECKSUMS}: no readable checksums ({e}); "
+                              f"not a drafter exported by dflash") from None
+    for f in EXPORT_FILES:
+        path = out / f
+        if not path.is_file():
+            raise DFlashError(f"{path}: missing from the exported drafter")
+        found = sha256_file(path)
+        if found != expected.get(f):
+            raise DFlashError(f"{path}: damaged (sha256 {found[:12]}…, recorded "
+                              f"{str(expected.get(f))[:12]}…)")
+    try:
+        return DFlashConfig.from_hf_dict(json.loads((out / "config.json").read_text()))
+    except (ValueError, KeyError, TypeError) as e:
+        raise DFlashError(f"{out / 'config.json'}: not a DFlash drafter config ({e})") from None
 
 
 def load_drafter(path, device="cpu", dtype=None, attention: str = "sdpa"
@@ -395,4 +431,5 @@ def load_drafter(path, device="cpu", dtype=None, attention: str = "sdpa"
 
 __all__ = ["hidden_state_indices", "extract_features", "head_dim_of",
            "DFlashConfig",
-           "DFlashDrafter", "attend", "export_drafter", "load_drafter"]
+           "DFlashDrafter", "attend", "export_drafter", "load_drafter", "export_checksums",
+           "verify_export"]

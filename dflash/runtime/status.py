@@ -147,11 +147,19 @@ def main(argv: list[str]) -> int:
     else:
         print(f"error: no status.json under {p} (has the train stage started?)", file=sys.stderr)
         return 2
-    st = json.loads(cand.read_text())
+    try:
+        st = json.loads(cand.read_text())
+        if not isinstance(st, dict):
+            raise ValueError(f"a JSON {type(st).__name__}, not an object")
+        age = time.time() - float(st.get("updated_unix", 0))
+    except (OSError, ValueError, TypeError) as e:
+        # written atomically by the train stage, so this is damage, not a half-written file
+        print(f"error: {cand}: not a readable status file ({e}); the train stage rewrites it "
+              f"at its next status tick", file=sys.stderr)
+        return 2
     if a.json:
         print(json.dumps(st, indent=2))
         return 0
-    age = time.time() - st.get("updated_unix", 0)
     print(f"spec {st.get('spec')} · {st.get('phase')} · step {st.get('step')}/"
           f"{st.get('total_steps')} · updated {age:.0f}s ago")
     for k in ("tokens_per_s", "loss", "lr", "queues", "busy", "gate", "memory",

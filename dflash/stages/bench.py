@@ -20,8 +20,8 @@ from ..errors import DFlashError
 from ..eval.evalsets import load_eval_sets
 from ..eval.report import training_curves, write_report
 from ..eval.tau import evaluate_sets
-from ..manifest import atomic_write_text, expect, read_manifest
-from ..models.drafter import load_drafter
+from ..manifest import atomic_write_text, expect, read_manifest, verify_files
+from ..models.drafter import load_drafter, verify_export
 from ..models.target import hf_config, load_target, target_embeddings
 from ..runtime.status import by_role
 from ..models.dtypes import dtype_of
@@ -119,6 +119,10 @@ def verify_train(ctx: StageContext) -> dict:
     train = read_manifest(tpath, "train")
     expect(train, tpath, {"env": ctx.env_fingerprint, "train": ctx.spec.fingerprint("train"),
                           "shape": ctx.spec.fingerprint("warmup")})
+    # the drafter bench evaluates, by content: a damaged one sets the train manifest aside
+    # (Snakemake reruns train, which makes it again); then the folder's own check
+    verify_files(train, tpath, "train")
+    verify_export(ctx.results / "train" / "drafter")
     return train
 
 

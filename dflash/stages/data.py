@@ -32,10 +32,13 @@ from typing import Sequence
 
 from ..data.dataset import DATASET
 from ..errors import DFlashError
+from ..code_fingerprint import stage_code_fingerprint
+from ..data import shards
 from ..data.generate import (ChunkProgress, eos_ids_of, generate_chunks, open_generator,
                              resolve_engine, sample_seed)
 from ..models.target import load_target, target_fingerprint
-from ..manifest import atomic_path, atomic_write_json, fingerprint, sha256_file, write_manifest
+from ..manifest import (atomic_path, atomic_write_json, fingerprint, rerun_command, sha256_file,
+                        write_manifest)
 from ..data.sources import (
     SYNTHETIC,
     Sample,
@@ -108,7 +111,9 @@ def _prepare_shards(shard_dir: Path, meta: dict, chunks: list[list[Sample]]) -> 
             old = None
     if existing and old != meta:
         why = "no shard record" if old is None else ", ".join(
-            f"{k} {old.get(k)!r} -> {v!r}" for k, v in meta.items() if old.get(k) != v)
+            (f"made by other code: the data stage's code changed ({old.get(k)} -> {v}); "
+             f"generating them again" if k == "code" else f"{k} {old.get(k)!r} -> {v!r}")
+            for k, v in meta.items() if old.get(k) != v)
         log(f"discarding {len(existing)} shard(s) made from other inputs ({why})")
         shutil.rmtree(shard_dir)
         existing = []
@@ -120,13 +125,14 @@ def _prepare_shards(shard_dir: Path, meta: dict, chunks: list[list[Sample]]) -> 
     for path in existing:
         try:
             chunk = int(path.stem.split("-")[1])
+            shards.verify_shard(path)  # every column, by content
             ids = pq.read_table(path, columns=["sample_id"])["sample_id"].to_pylist()
             want = sorted(s.sample_id for s in chunks[chunk])
             if sorted(ids) != want:  # a chunk is regenerated whole, as one batch
                 raise ValueError(f"does not hold exactly the samples of chunk {chunk}")
         except Exception as e:  # unreadable / foreign shard: regenerate it
-            log(f"discarding shard {path.name} ({e})")
-            path.unlink()
+            log(f"discarding shard {path.name} ({e}); regenerating it")
+            shards.remove_shard(path)
             continue
         done.update(ids)
     return done
@@ -150,16 +156,17 @@ def run(ctx: StageContext) -> dict:
     data_dir = ctx.results / "data"
     shard_dir = data_dir / SHARDS
     fingerprints = {"data": spec.fingerprint("data"), "target": target_fingerprint(spec.target)}
+    code = stage_code_fingerprint("data")  # shards of other generating code are made again
 
     tokenizer = None if d.source == SYNTHETIC else tokenizer_for(spec.target.model)
     samples, report, prompts, per_source = build_samples(spec, tokenizer, data_dir,
                                                          overlap=eval_overlap)
     chunks = make_chunks(samples, d.gen_batch_size)
     plan_fp = fingerprint([[s.sample_id, list(s.prompt_ids)] for c in chunks for s in c])
-    meta = {"fingerprints": fingerprints, "plan": plan_fp}
+    meta = {"fingerprints": fingerprints, "plan": plan_fp, "code": code}
     log(f"{len(prompts)} prompts from {d.source or ', '.join(per_source)} "
-         f"({report.total} records, {report.bad} bad "
-         f"{dict(report.counts)}, {report.duplicates} duplicates) -> {len(samples)} samples in "
+         f"({report.total} records, {report.summary()}, {report.duplicates} duplicates) -> "
+         f"{len(samples)} samples in "
          f"{len(chunks)} chunks of <= {d.gen_batch_size}")
 
     done = _prepare_shards(shard_dir, meta, chunks)
@@ -231,11 +238,8 @@ def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int) -> dict:
 
 
 def _write_shard(shard_dir: Path, chunk: int, samples, responses, eos: set) -> Path:
-    import pyarrow.parquet as pq
-
     path = shard_path(shard_dir, chunk)
-    with atomic_path(path) as tmp:
-        pq.write_table(_rows_table(samples, responses, eos), tmp)
+    shards.write_shard(path, _rows_table(samples, responses, eos))  # checksummed, every column
     return path
 
 
@@ -243,8 +247,17 @@ def _merge(shard_dir: Path, chunks, samples):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    tables = [pq.read_table(shard_path(shard_dir, i), schema=_schema())
-              for i in range(len(chunks)) if shard_path(shard_dir, i).is_file()]
+    paths = [shard_path(shard_dir, i) for i in range(len(chunks))
+             if shard_path(shard_dir, i).is_file()]
+    for p in paths:  # by content again: a shard damaged since the resume check is not merged
+        try:
+            shards.verify_shard(p)
+        except ValueError as e:
+            shards.remove_shard(p)
+            raise DFlashError(f"{p}: {e}; removed it: rerun the same snakemake command "
+                              f"(`snakemake --cores all bench_{p.parents[2].name}`) and the "
+                              f"data stage generates it again") from None
+    tables = [pq.read_table(p, schema=_schema()) for p in paths]
     table = pa.concat_tables(tables).sort_by("sample_id").combine_chunks()
     got = table["sample_id"].to_pylist()
     want = sorted(s.sample_id for s in samples)
@@ -252,7 +265,8 @@ def _merge(shard_dir: Path, chunks, samples):
         missing = sorted(set(want) - set(got))[:10]
         dup = sorted({x for x in got if got.count(x) > 1})[:10]
         raise DFlashError(f"{shard_dir}: shards do not hold every sample exactly once "
-                          f"(missing {missing}, duplicated {dup}); delete the folder and rerun")
+                          f"(missing {missing}, duplicated {dup}); delete the folder and "
+                          f"rerun the data stage: `{rerun_command('data', shard_dir)}`")
     return table
 
 
@@ -264,6 +278,7 @@ def _write(spec, data_dir: Path, table, fingerprints, plan_fp, report, prompts, 
     out = data_dir / DATASET
     with atomic_path(out) as tmp:
         pq.write_table(table, tmp)
+    sha = sha256_file(out)
     p_tok = table["num_prompt_tokens"].to_pylist()
     r_tok = table["num_response_tokens"].to_pylist()
     eos_stops = sum(table["stopped_at_eos"].to_pylist())
@@ -292,6 +307,7 @@ def _write(spec, data_dir: Path, table, fingerprints, plan_fp, report, prompts, 
                     "new_tokens_per_second": round(gen["new_tokens"] / gen["seconds"], 2)
                     if gen["seconds"] else None},
         seed=spec.seed,
-        dataset={"path": DATASET, "rows": table.num_rows, "sha256": sha256_file(out)},
+        dataset={"path": DATASET, "rows": table.num_rows, "sha256": sha},
+        files={DATASET: sha},  # by content (dflash.manifest.verify_files)
         seconds=round(seconds, 2),
     )

@@ -5,7 +5,11 @@
 counters, the sample ids each epoch trained on, the sha256 of both tensor files). The folder is
 written under a temporary name and renamed, so it exists complete or not at all. Nothing is
 unpickled: tensors via safetensors, the rest JSON. The sampler position and the anchor RNG are
-functions of (seed, step), so the step number is the whole data-order state.
+functions of (seed, step), so the step number is the whole data-order state. ``state.json`` is
+sealed (:func:`dflash.manifest.seal`): it is part of the checksummed set, so a checkpoint whose
+step or schedule was edited is refused like one with damaged tensors.
+
+:func:`resume_point` is the resume policy: which checkpoint (if any) a run continues from.
 """
 from __future__ import annotations
 
@@ -16,9 +20,10 @@ from pathlib import Path
 
 import torch
 
-from ..manifest import _fsync_dir, atomic_write_json, sha256_file
+from ..errors import SpecError
+from ..manifest import _fsync_dir, atomic_write_json, is_sealed, plain_mode, seal, sha256_file
 
-CKPT_VERSION = 1
+CKPT_VERSION = 2  # 2: state.json sealed
 
 
 def _optim_tensors(opt: torch.optim.Optimizer, params: list) -> tuple[dict, dict]:
@@ -51,6 +56,7 @@ def save(ckpt_dir: Path, step: int, replica, counters: dict, keep: int,
     otensors, oscalars = _optim_tensors(replica.opt, replica.params)
     save_file(otensors, str(tmp / "optim.safetensors"))
     for f in ("model.safetensors", "optim.safetensors"):
+        plain_mode(tmp / f)  # safetensors writes 0600: teammates read checkpoints too
         with open(tmp / f, "rb") as fh:
             os.fsync(fh.fileno())
     state = {"version": CKPT_VERSION, "step": step, "counters": counters, "nodes": nodes,
@@ -60,7 +66,7 @@ def save(ckpt_dir: Path, step: int, replica, counters: dict, keep: int,
                               for g in replica.opt.param_groups],
              "sha256": {f: sha256_file(tmp / f) for f in ("model.safetensors",
                                                           "optim.safetensors")}}
-    atomic_write_json(tmp / "state.json", state)
+    atomic_write_json(tmp / "state.json", seal(state))
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -72,8 +78,11 @@ def save(ckpt_dir: Path, step: int, replica, counters: dict, keep: int,
 
 def _verify(path: Path) -> dict:
     state = json.loads((path / "state.json").read_text())
-    if state.get("version") != CKPT_VERSION:
-        raise ValueError(f"version {state.get('version')} != {CKPT_VERSION}")
+    if not isinstance(state, dict) or state.get("version") != CKPT_VERSION:
+        raise ValueError(f"version {state.get('version') if isinstance(state, dict) else None}"
+                         f" != {CKPT_VERSION}")
+    if not is_sealed(state):
+        raise ValueError("state.json checksum mismatch")
     for f, want in state["sha256"].items():
         if sha256_file(path / f) != want:
             raise ValueError(f"{f} checksum mismatch")
@@ -116,3 +125,64 @@ def load_into(path: Path, state: dict, replicas: list) -> None:
         for g, saved in zip(rep.opt.param_groups, state["param_groups"]):
             g.update(saved)
         rep.sched.load_state_dict(state["sched"])
+
+
+# what a run fingerprint's fields mean, for the line that says why checkpoints were discarded
+_WHY = {"code": "the train stage's code changed", "train": "train spec fields changed",
+        "shape": "shape fields changed", "dataset_sha256": "the dataset changed"}
+
+
+def _foreign(found: dict, run_fingerprint: dict) -> str:
+    """Why a checkpoint's run fingerprint is not this run's ('' when it is)."""
+    theirs = found.get("run_fingerprint") or {}
+    diff = [k for k in sorted(set(theirs) | set(run_fingerprint))
+            if theirs.get(k) != run_fingerprint.get(k)]
+    return "; ".join(f"{_WHY.get(k, k)} ({k} {theirs.get(k)} -> {run_fingerprint.get(k)})"
+                     for k in diff)
+
+
+def _decide(ckpt_dir: Path, run_fingerprint: dict, total_steps: int, nodes: int,
+            spec_path, log) -> tuple[Path | None, str | None]:
+    """Rank 0's decision: (checkpoint to resume or None, refusal or None)."""
+    found = latest_good(ckpt_dir, log=log)
+    if found is None:
+        return None, None
+    path, state = found
+    if state.get("nodes", 1) != nodes:
+        # the data sharding (which batches each node took) depends on the world size
+        return None, (f"{spec_path}: field 'topology.nodes': checkpoint {path} was written by a "
+                      f"run on topology.nodes = {state.get('nodes', 1)}; this spec has "
+                      f"topology.nodes = {nodes}. A run resumes only on the world size that "
+                      f"wrote it: set topology.nodes back to {state.get('nodes', 1)}, or delete "
+                      f"{ckpt_dir} to start over")
+    why = _foreign(state, run_fingerprint)
+    if not why and state["step"] >= total_steps:
+        # a finished run asked for again (an input manifest or an output was redone): train
+        # again, so the manifest and the bench report hold this run's figures, not "0 steps"
+        why = f"they hold a finished run (step {state['step']}/{total_steps})"
+    if why:
+        log(f"[train] starting over from step 0, checkpoints in {ckpt_dir} discarded: {why}")
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+        return None, None
+    return path, None
+
+
+def resume_point(ckpt_dir: Path, run_fingerprint: dict, total_steps: int, nodes: int,
+                 spec_path, comm=None, log=print) -> tuple[Path, dict] | None:
+    """The checkpoint this run continues from, or None (start at step 0).
+
+    Only an unfinished run with the same run fingerprint (train code, train and shape spec
+    fields, dataset) and the same world size resumes; any other checkpoints are discarded, with
+    one line saying why. Rank 0 decides and every rank loads what it chose (``comm``: the
+    cross-node group, or None)."""
+    path, refused = (None, None)
+    if comm is None or comm.is_main:
+        path, refused = _decide(ckpt_dir, run_fingerprint, total_steps, nodes, spec_path, log)
+    if comm is not None:
+        chosen, refused = comm.broadcast((str(path) if path else None, refused))
+        path = Path(chosen) if chosen else None
+    if refused:
+        raise SpecError(refused)
+    if path is None:
+        return None
+    return path, json.loads((path / "state.json").read_text())

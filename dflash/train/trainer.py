@@ -17,7 +17,6 @@ runtime/ and train/; the τ monitor (eval/, above this room) is handed in by the
 """
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -27,10 +26,11 @@ from typing import Any, Callable
 import torch
 
 from ..cache import compile_cache_dir
+from ..code_fingerprint import stage_code_fingerprint
 from ..data.dataset import load_dataset
 from ..errors import SpecError
 from ..manifest import expect, read_manifest, write_manifest
-from ..models.drafter import export_drafter
+from ..models.drafter import export_checksums, export_drafter
 from ..runtime import distributed
 from ..runtime.distributed import PeerFailed
 from ..runtime.faults import injected_failures
@@ -152,40 +152,23 @@ def prepare(ctx, out: Path, persist: bool, max_steps: int | None, comm=None) -> 
     cfg = drafter_config(spec)
     check_run(spec, ds, out, cfg)  # refuses a feature cache that does not fit, before heavy work
     replicas = make_replicas(spec, cfg, initial_state(cfg, spec.seed), total_steps)
+    # the train code too: a checkpoint of other code is not resumed (its run is not this one)
     run_fp = {"train": spec.fingerprint("train"), "shape": spec.fingerprint("warmup"),
-              "dataset_sha256": ds.manifest["dataset"]["sha256"]}
+              "dataset_sha256": ds.manifest["dataset"]["sha256"],
+              "code": stage_code_fingerprint("train")}
     return Job(ctx=ctx, out=out, persist=persist, warmup=warm, compile_cache=cache, ds=ds,
                bucket_lens=buckets(spec), step_map=step_map, total_steps=total_steps, cfg=cfg,
                replicas=replicas, run_fingerprint=run_fp, comm=comm)
 
 
 def resume(job: Job) -> Progress:
-    """Load the newest good checkpoint of this run into every replica (weights, optimizer,
-    schedule) and return its counters; checkpoints of another run are discarded."""
-    ckpt_dir = job.out / "checkpoints"
-    found, refused = None, None
-    if job.main:  # rank 0 decides; every rank loads what it chose
-        found = ckpt.latest_good(ckpt_dir) if job.persist else None
-        nodes = job.ctx.spec.topology.nodes
-        if found is not None and found[1].get("nodes", 1) != nodes:
-            # the data sharding (which batches each node took) depends on the world size
-            refused = (f"{job.ctx.spec.path}: field 'topology.nodes': checkpoint {found[0]} was "
-                       f"written by a run on topology.nodes = {found[1].get('nodes', 1)}; this "
-                       f"spec has topology.nodes = {nodes}. A run resumes only on the world "
-                       f"size that wrote it: set topology.nodes back to "
-                       f"{found[1].get('nodes', 1)}, or delete {ckpt_dir} to start over")
-        elif found is not None and found[1].get("run_fingerprint") != job.run_fingerprint:
-            print(f"[train] ignoring checkpoints in {ckpt_dir}: they belong to another "
-                  f"run (spec fields, data or shapes changed); starting from step 0", flush=True)
-            shutil.rmtree(ckpt_dir, ignore_errors=True)
-            found = None
-    if job.comm is not None:
-        chosen = job.comm.broadcast((str(found[0]) if found else None, refused))
-        found = (Path(chosen[0]), json.loads((Path(chosen[0]) / "state.json").read_text())) \
-            if chosen[0] else None
-        refused = chosen[1]
-    if refused:
-        raise SpecError(refused)
+    """Load the checkpoint :func:`dflash.train.checkpoint.resume_point` picks into every
+    replica (weights, optimizer, schedule) and return its counters."""
+    found = None
+    if job.persist:
+        found = ckpt.resume_point(job.out / "checkpoints", job.run_fingerprint, job.total_steps,
+                                  job.ctx.spec.topology.nodes, job.ctx.spec.path, job.comm,
+                                  log=lambda m: print(m, flush=True))
     if found is None:
         return Progress()
     path, state = found
@@ -326,6 +309,9 @@ def write_train_manifest(job: Job, progress: Progress, trained: Trained, warm_st
         replicas=len(job.replicas), replicas_identical=replicas_identical,
         exactly_once=trained.ledger.report(),
         drafter_dir=str(job.out / "drafter"), env_drift_overridden=ctx.drift,
+        # the export by content: bench (dflash.manifest.verify_files) and Snakemake check it
+        files={f"drafter/{f}": sha for f, sha in export_checksums(job.out / "drafter").items()}
+        if job.persist else {},
         topology=asdict(spec.topology), distributed=across or {"nodes": 1},
         feature_cache=trained.feature_cache)
     trained.status.done(manifest)
