@@ -235,6 +235,9 @@ class Attention(nn.Module):
         super().__init__()
         H, D = cfg.hidden_size, cfg.head_dim
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, D
+        # the names HF attention modules carry, so the shared layer pieces
+        # (dflash.models.decoder: qkv, attend_cache, out_mlp) run this layer too
+        self.head_dim, self.scaling = D, D ** -0.5
         self.q_proj = nn.Linear(H, self.nh * D, bias=False)
         self.k_proj = nn.Linear(H, self.nkv * D, bias=False)
         self.v_proj = nn.Linear(H, self.nkv * D, bias=False)
