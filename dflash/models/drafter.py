@@ -152,6 +152,10 @@ class DFlashConfig:
             "num_target_layers": self.num_target_layers,
             "dflash_config": {"mask_token_id": self.mask_token_id,
                               "target_layer_ids": list(self.target_layer_ids)},
+            # vLLM's convention for the same layers: indices into HF output_hidden_states
+            # (layer i's output is hidden_states[i + 1]); older vLLM reads only this field
+            # (dflash.models.export_contract)
+            "eagle_aux_hidden_state_layer_ids": hidden_state_indices(self.target_layer_ids),
         }
 
     @classmethod
