@@ -89,10 +89,20 @@ def _drafter_rope(q, k, cos, sin):
 
 def _head(norm, lm_w, x):
     """final norm + lm_head -> greedy token and top-2 margin per position (logits never leave
-    the device)."""
+    the device). ``topk``, not a second masked max: torch 2.11's inductor fails to fuse
+    argmax + amax + masked amax (an assertion in its scheduler; bench/results/h200/
+    COMMANDS.md, decode step probe run 2)."""
     logits = F.linear(norm(x), lm_w)
     top = logits.topk(2, dim=-1).values.float()
     return logits.argmax(-1), top[..., 0] - top[..., 1]
+
+
+def _context_kv(drafter, feats, cos, sin):
+    """The drafter's context K/V of verified positions, every layer: fc + hidden_norm + each
+    layer's k/v projection, k_norm and RoPE. Eager inside the captured step (as measured on
+    the H200); compiling it is untested there."""
+    ctx = drafter.hidden_norm(drafter.fc(feats))
+    return [layer.self_attn.context_kv(ctx, (cos, sin)) for layer in drafter.layers]
 
 
 DraftHook = Callable[[int, int, int], Sequence[int]]  # (prompt index, anchor, anchor_pos)
@@ -139,7 +149,7 @@ class Decoder:
         self.sync_every = int(sync_every or (4 if self.cuda_graph else 1))
         self.gate = gate or get_gate()
         self.rope = rope_of(self.layers[0])
-        self._pre, self._attn, self._head = qkv, attend_cache, _head
+        self._pre, self._attn, self._head, self._ctx = qkv, attend_cache, _head, _context_kv
         self._graph, self._wave = None, 0
         self._ready = False
         self.stats: dict[str, Any] = {"compile_seconds": 0.0, "capture_seconds": 0.0,
@@ -229,13 +239,12 @@ class Decoder:
                 feats.append(x)
         return x, feats
 
-    def _context(self, feats, qpos) -> None:
+    def _context(self, feats, qpos, fn=None) -> None:
         """The drafter's context K/V of these verified positions into its cache."""
-        d, rows = self.drafter, self.slot_ar[:, None]
-        ctx = d.hidden_norm(d.fc(torch.cat(feats, dim=-1).to(self.d_dtype)))
+        rows = self.slot_ar[:, None]
         cos, sin = self.d_cos[qpos][:, None], self.d_sin[qpos][:, None]
-        for layer, kc, vc in zip(self.d_layers, self.dk_cache, self.dv_cache):
-            k, v = layer.self_attn.context_kv(ctx, (cos, sin))
+        kv = (fn or self._ctx)(self.drafter, torch.cat(feats, dim=-1).to(self.d_dtype), cos, sin)
+        for (k, v), kc, vc in zip(kv, self.dk_cache, self.dv_cache):
             kc[rows, :, qpos] = k.transpose(1, 2)
             vc[rows, :, qpos] = v.transpose(1, 2)
 
@@ -326,7 +335,7 @@ class Decoder:
         last = x[self.slot_ar, lens - 1]
         tok, margin = _head(self.target.model.norm, self.lm_w, last)
         if self.drafter is not None and self.hook is None:
-            self._context(feats, qpos)
+            self._context(feats, qpos, _context_kv)
         for t in self._buffers:
             t.zero_()
         live = self.slot_ar < n
