@@ -96,3 +96,14 @@ def test_prompt_that_does_not_fit_is_one_clear_error(world):
     target, drafter, *_ = world
     with pytest.raises(DFlashError, match="prompt 1 has"):
         make(target, drafter, 1).decode([[1, 2], list(range(60))])
+
+
+def test_compiled_regions_give_the_same_tokens(world):
+    """The compile path (every region through dynamo + AOTAutograd, as on CUDA) on CPU."""
+    target, drafter, cfg, ps, greedy = world
+    dec = make(target, drafter, 2, compile="aot_eager")
+    assert [r.tokens for r in dec.decode(ps[:2])] == greedy[:2]
+    from dflash.eval.decoder import _context_kv
+
+    assert dec._ctx is not _context_kv and "context_compile_error" not in dec.stats
+    assert dec.stats["mismatches"] == 0
