@@ -107,3 +107,37 @@ def test_compiled_regions_give_the_same_tokens(world):
 
     assert dec._ctx is not _context_kv and "context_compile_error" not in dec.stats
     assert dec.stats["mismatches"] == 0
+
+
+def test_sweep_rows_and_their_report_section(world, tmp_path):
+    """The bench stage's batch sweep on CPU (the same code as on CUDA, eager): per batch size
+    both engines and HF's static-cache generate, the lossless evidence, the report section and
+    the plot."""
+    from jinja2 import Environment, FileSystemLoader, StrictUndefined
+
+    from dflash.eval.report import fmt, write_plots
+    from dflash.eval.serving import goal, sweep
+    from tests.test_bench_tau import REPO
+
+    target, drafter, cfg, ps, greedy = world
+    r = sweep(target, drafter, ps[:3], 8, [V + 1], batches=(1, 2), min_prompts=3, pad_id=EOS,
+              log=lambda _: None)
+    rows = r.pop("batches")
+    assert [x["batch"] for x in rows] == [1, 2] and all(x["prompts"] == 3 for x in rows)
+    for x in rows:
+        assert x["hf_static"]["tokens"] == 3 * 8                 # no eos: every answer is full
+        assert x["target_only_tokens_per_s"] > 0 and x["speculative_tokens_per_s"] > 0
+        ev = x["lossless_evidence"]
+        assert ev["lossless"] and ev["identical_to_greedy"] == 3 and ev["emitted_not_argmax"] == 0
+    g = goal(rows[0])
+    assert g["speculative_over_tau_x_target_only"] == pytest.approx(
+        rows[0]["speculative_tokens_per_s"] / (rows[0]["tau"] * rows[0]["target_only_tokens_per_s"]))
+    tau = {"decode_speed": {"batches": rows, "set": "mtbench", "max_new_tokens": 8,
+                            "goal_batch1": g}, "sets": {}}
+    assert "decode_speed.png" in write_plots(tmp_path, [], tau)
+    env = Environment(loader=FileSystemLoader(REPO / "dflash" / "templates"),
+                      undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    src = env.loader.get_source(env, "report.md.j2")[0]
+    part = src[src.index("## Decoding speed"):src.index("## Step time")]
+    md = env.from_string(part).render(r={"acceptance": tau}, fmt=fmt)
+    assert md.count("| 3 | ") == 2 and "(goal ≥ 0.75)" in md and "| True |" in md
