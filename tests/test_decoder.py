@@ -60,6 +60,17 @@ def test_fp32_bit_identical_to_target_greedy(world):
     assert all(len(r.margins) == len(r.tokens) and min(r.margins) >= 0 for r in spec)
 
 
+def test_narrower_verify_stays_lossless(world):
+    """The drafter drafts its whole block, the target verifies the first 3 tokens of it."""
+    target, drafter, cfg, ps, greedy = world
+    dec = make(target, drafter, 2, verify_tokens=3)
+    res = dec.decode(ps)
+    assert [r.tokens for r in res] == greedy and dec.K == 3 and dec.Kd == B
+    lengths = [n for r in res for n in r.block_lengths]
+    assert max(lengths) == 3 and all(len(r.accept_counts) == 2 for r in res)
+    assert dec.stats["mismatches"] == 0
+
+
 def test_batch_sequences_finish_independently(world):
     """Per-sequence acceptance (perfect / corrupted / useless drafts side by side) and lengths
     (an early eos for one prompt): batch 3 gives each prompt exactly its batch-1 decode."""

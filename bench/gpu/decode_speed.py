@@ -91,6 +91,8 @@ def main(argv=None) -> int:
     ap.add_argument("--drafter-layers", type=int, default=1, help="--random: drafter layers")
     ap.add_argument("--block", type=int, default=16, help="--random: block size")
     ap.add_argument("--sync-every", type=int, default=None)
+    ap.add_argument("--verify-tokens", type=int, default=None,
+                    help="tokens per verify (anchor + drafts; default the drafter's block)")
     ap.add_argument("--no-simulated", action="store_true", help="skip simulated τ")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
@@ -114,10 +116,12 @@ def main(argv=None) -> int:
            "models": "random SmolLM2-135M shape" if a.random else {"spec": a.spec,
                                                                    "drafter": a.drafter},
            "block_size": drafter.cfg.block_size, "drafter_layers": drafter.cfg.num_hidden_layers,
+           "verify_tokens": a.verify_tokens or drafter.cfg.block_size,
            "max_new_tokens": a.max_new, "batches": [], "started": time.time()}
     path = Path(a.out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    kw = {"sync_every": a.sync_every} if a.sync_every else {}
+    kw = {k: v for k, v in (("sync_every", a.sync_every), ("verify_tokens", a.verify_tokens))
+          if v}
     for b in batches:
         ps = prompts[:max(b, a.min_prompts)]
         r = pair(target, drafter, ps, b, a.max_new, eos, **kw)

@@ -116,13 +116,15 @@ class Decoder:
     target's own), cast to the drafter's dtype. ``compile`` / ``cuda_graph``: default on for
     CUDA, off for CPU. ``draft_hook(prompt_index, anchor, anchor_pos) -> K-1 tokens`` replaces the drafter
     (eager only: tests inject perfect or corrupted drafts through it); ``block_size`` is then
-    required. ``gate``: the compile gate (default: the process's)."""
+    required. ``verify_tokens``: tokens per verify (anchor + drafts; default the whole block).
+    ``gate``: the compile gate (default: the process's)."""
 
     def __init__(self, target, drafter=None, *, batch: int, max_len: int, max_new_tokens: int,
                  eos_ids: Sequence[int], embed: torch.Tensor | None = None,
                  lm_head: torch.Tensor | None = None, compile: bool | str | None = None,
                  cuda_graph: bool | None = None, sync_every: int | None = None,
-                 draft_hook: DraftHook | None = None, block_size: int | None = None, gate=None):
+                 draft_hook: DraftHook | None = None, block_size: int | None = None,
+                 verify_tokens: int | None = None, gate=None):
         why = _layers_unsupported(target) or (None if hasattr(target, "lm_head") else "no lm_head")
         if why:
             raise DFlashError(f"decoder: unsupported target: {why}")
@@ -142,8 +144,14 @@ class Decoder:
             cuda_graph, compile = False, False
         else:
             self.K = drafter.cfg.block_size if drafter is not None else 1
+        # the drafter drafts its whole trained block; the target verifies the first K of it
+        # (anchor + K-1 drafts): with τ ≈ 2 drafts past the 8th are rarely accepted, and a
+        # narrower verify costs less (vLLM's num_speculative_tokens); still lossless
+        self.Kd = self.K
+        if verify_tokens is not None and self.K > 1:
+            self.K = max(2, min(int(verify_tokens), self.Kd))
         self.N, self.max_new = int(batch), int(max_new_tokens)
-        self.S = _round_up(max(int(max_len), self.max_new + 1) + self.K, 16)
+        self.S = _round_up(max(int(max_len), self.max_new + 1) + self.Kd, 16)
         self.eos = torch.tensor(sorted({int(e) for e in eos_ids}), device=self.device)
         self.compile = cuda if compile is None else compile
         self.cuda_graph = bool(cuda if cuda_graph is None else cuda_graph) and cuda
@@ -205,6 +213,7 @@ class Decoder:
         long = dict(device=dev, dtype=torch.long)
         self.slot_ar = torch.arange(N, device=dev)
         self.k_ar = torch.arange(K, device=dev)
+        self.d_ar = torch.arange(self.Kd, device=dev)
         self.tok = torch.zeros(N, **long)       # anchor: last emitted, not yet through the target
         self.pos = torch.zeros(N, **long)       # verified positions (the caches' valid length)
         self.gen = torch.zeros(N, **long)       # tokens emitted
@@ -250,7 +259,8 @@ class Decoder:
             vc[rows, :, qpos] = v.transpose(1, 2)
 
     def _draft(self, qpos):
-        """The drafter's K-1 greedy drafts after each anchor [N, K-1]."""
+        """The drafter's greedy drafts after each anchor [N, Kd-1] (qpos: the block's
+        positions [N, Kd])."""
         rows = self.slot_ar[:, None]
         block = torch.full_like(qpos, self.mask_id)
         block[:, 0] = self.tok
@@ -258,7 +268,7 @@ class Decoder:
         cos, sin = self.d_cos[qpos], self.d_sin[qpos]
         last = qpos[:, -1]
         mask = (self.pos_ar[None, :] <= last[:, None])[:, None, None].expand(
-            self.N, 1, self.K, self.S)
+            self.N, 1, self.Kd, self.S)
         for layer, kc, vc in zip(self.d_layers, self.dk_cache, self.dv_cache):
             q, k, v = self._pre(layer, x, cos, sin, _drafter_rope)
             kc[rows, :, qpos] = k.transpose(1, 2)
@@ -279,7 +289,8 @@ class Decoder:
         K = self.K
         qpos = self.pos[:, None] + self.k_ar                                  # [N, K]
         if K > 1:
-            drafts = self._hook_drafts() if self.hook else self._draft(qpos)
+            drafts = self._hook_drafts() if self.hook else \
+                self._draft(self.pos[:, None] + self.d_ar)[:, :K - 1]
             ids = torch.cat([self.tok[:, None], drafts], dim=1)
         else:
             ids = self.tok[:, None]
@@ -427,7 +438,7 @@ class Decoder:
     def decode(self, prompts: Sequence[Sequence[int]]) -> list[Decoded]:
         """Greedy answers for ``prompts`` (token id lists), in order, ``batch`` at a time; an
         answer ends at its first eos (included) or after ``max_new_tokens``."""
-        limit = self.S - self.max_new - self.K
+        limit = self.S - self.max_new - self.Kd
         for i, p in enumerate(prompts):
             if not 0 < len(p) <= limit:
                 raise DFlashError(f"decoder: prompt {i} has {len(p)} tokens; 1..{limit} fit "

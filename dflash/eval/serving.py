@@ -41,7 +41,7 @@ def pair(target, drafter, prompts: Sequence[Sequence[int]], batch: int, max_new:
     per-prompt results and the lossless evidence."""
     max_len = max(len(p) for p in prompts) + max_new
     common = dict(batch=batch, max_len=max_len, max_new_tokens=max_new, eos_ids=eos, **kw)
-    base = Decoder(target, None, **common)
+    base = Decoder(target, None, **{k: v for k, v in common.items() if k != "verify_tokens"})
     rb, tb = timed_decode(base, prompts)
     stats_base = dict(base.stats)
     del base
