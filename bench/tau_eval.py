@@ -29,7 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def legacy(tgt, drafter, cfg, embed, head, sets, max_new, eos, device) -> dict:
-    """The old bench path: target_greedy + speculative_generate (no drafter cache) per prompt."""
+    """The old bench path: target_greedy + speculative_generate per prompt (now on the
+    decoder, eager on CPU)."""
     import torch
 
     from dflash.eval.speculative import speculative_generate, target_greedy
@@ -41,8 +42,7 @@ def legacy(tgt, drafter, cfg, embed, head, sets, max_new, eos, device) -> dict:
         for p in es.prompts:
             ids = torch.tensor(p, device=device)
             target_greedy(tgt.model, ids, max_new, eos)
-            r = speculative_generate(tgt.model, drafter, cfg, embed, head, ids, max_new, eos,
-                                     use_drafter_cache=False)
+            r = speculative_generate(tgt.model, drafter, cfg, embed, head, ids, max_new, eos)
             prod += sum(r.block_lengths)
             fwd += r.target_forwards
         out[es.name] = {"tau": prod / max(1, fwd), "prompts": len(es.prompts),

@@ -24,6 +24,9 @@ rule bench:
         tau_by_category=report(f"{RESULTS}/{{spec}}/bench/tau_by_category.png",
                                caption="../report/tau_by_category.rst", category="Benchmark",
                                subcategory="{spec}"),
+        decode_speed=report(f"{RESULTS}/{{spec}}/bench/decode_speed.png",
+                            caption="../report/decode_speed.rst", category="Benchmark",
+                            subcategory="{spec}"),
     params:
         spec=spec_file,  # a param, not an input: only the fields below decide reruns
         python=python_for,

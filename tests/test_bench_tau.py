@@ -90,7 +90,8 @@ def test_evaluate_tau_report_and_markdown(tmp_path, exported):
     # steps, loss and throughput say so instead of plotting
     assert write_plots(tmp_path, [], tau) == ["loss.png", "throughput.png",
                                               "draft_accuracy.png", "tau_training.png",
-                                              "acceptance.png", "tau_by_category.png"]
+                                              "acceptance.png", "tau_by_category.png",
+                                              "decode_speed.png"]
     assert all((tmp_path / p).stat().st_size > 1000 for p in write_plots(tmp_path, [], tau))
     env = Environment(loader=FileSystemLoader(REPO / "dflash" / "templates"),
                       undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
@@ -98,6 +99,9 @@ def test_evaluate_tau_report_and_markdown(tmp_path, exported):
     part = src[src.index("## Acceptance length"):src.index("## Step time")]
     md = env.from_string(part).render(r=report, fmt=fmt)
     assert "| mtbench | 2 |" in md and "| humaneval | 2 |" in md and "writing" in md
+    # the batch sweep is CUDA-only; the lossless evidence of the real decode is reported
+    assert tau["decode_speed"]["skipped"].startswith("on cpu")
+    assert "Skipped: on cpu" in md and "emitted tokens checked, 0 not the verify argmax" in md
 
 
 def test_bench_failure_is_one_message_naming_the_file(tmp_path, exported):

@@ -104,7 +104,7 @@ def oracle_drafts(conts, corrupt_at=None):
 def oracle_fn(prompt_len, cont, corrupt_at=None):
     padded = cont + [0] * B
 
-    def draft(anchor, anchor_pos, features):
+    def draft(anchor, anchor_pos):
         i = anchor_pos - prompt_len
         d = padded[i + 1:i + B]
         if corrupt_at is not None:
@@ -153,13 +153,10 @@ def test_trained_drafter_simulated_equals_real_and_lossless(world):
     assert sim["continuations"] == conts
     produced = []
     for p, c, ch in zip(ps, conts, sim["chains"]):
-        for cache in (True, False):               # drafter KV cache == recomputed context
-            res = speculative_generate(target, drafter, cfg, emb, head, torch.tensor(p), 24,
-                                       EOS, use_drafter_cache=cache)
-            assert res.tokens == c == target_greedy(target, torch.tensor(p), 24, EOS)
-            rc = real_chain(res, len(res.tokens))
-            assert (rc.starts, rc.accepted, rc.produced) == (ch.starts, ch.accepted,
-                                                              ch.produced)
+        res = speculative_generate(target, drafter, cfg, emb, head, torch.tensor(p), 24, EOS)
+        assert res.tokens == c == target_greedy(target, torch.tensor(p), 24, EOS)
+        rc = real_chain(res, len(res.tokens))
+        assert (rc.starts, rc.accepted, rc.produced) == (ch.starts, ch.accepted, ch.produced)
         produced += ch.produced
     # acceptance is non-trivial: some blocks accept several drafts, some none
     assert max(produced) >= 3 and min(produced) == 1
@@ -222,12 +219,20 @@ def test_summary_of_an_untrained_drafter(world):
     assert isinstance(sim["chains"][0], Chain)
 
 
-def test_divergence_report_finds_the_first_difference(world):
-    from dflash.eval.tau import _divergence
+def test_divergence_report_finds_the_first_difference():
+    from dflash.eval.decoder import Decoded, divergence, lossless_evidence
 
-    target, _, ps, conts, _ = world
-    c = conts[0]
-    wrong = c[:5] + [(c[5] + 1) % MASK] + c[6:]
-    d = _divergence(target, ps[0], wrong, c, "cpu")
-    assert d["index"] == 5 and d["greedy_token"] == c[5] and d["speculative_token"] == wrong[5]
-    assert d["margin"] > 0
+    c = list(range(10))
+    m = [1.0] * 10
+    m[5] = 0.01                                           # a near-tie at the first difference
+    plain = Decoded(c, 9, 1.0, [], margins=m)
+    wrong = Decoded(c[:5] + [99] + c[6:], 3, 3.0, [], margins=m)
+    d = divergence(wrong, plain)
+    assert d["index"] == 5 and d["greedy_token"] == 5 and d["speculative_token"] == 99
+    assert d["margin"] == 0.01 and d["near_tie"]
+    assert divergence(plain, plain) is None
+    ev = lossless_evidence([wrong, plain], [plain, plain], checked=20, mismatches=0)
+    assert ev["lossless"] and ev["identical_to_greedy"] == 1
+    m[5] = 3.0                                            # a real difference: not lossless
+    assert not lossless_evidence([wrong], [plain], 20, 0)["lossless"]
+    assert not lossless_evidence([plain], [plain], 20, 1)["lossless"]   # a non-argmax token

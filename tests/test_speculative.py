@@ -52,8 +52,7 @@ def oracle(greedy, corrupt_at=None):
     """A drafter that knows the target's greedy output (optionally wrong at one block slot)."""
     padded = greedy + [0] * 16
 
-    def draft(anchor, anchor_pos, features):
-        assert features.shape[1] == anchor_pos   # context = every verified position < anchor
+    def draft(anchor, anchor_pos):
         i = anchor_pos - P                       # index of the anchor among generated tokens
         assert padded[i] == anchor
         d = padded[i + 1:i + 5]

@@ -18,7 +18,7 @@ from ..manifest import atomic_path, atomic_write_json, atomic_write_text
 # them to this list) and the default target asks for them (rules/common.smk), so every run
 # writes all of them: a plot without data says why instead.
 PLOTS = ("loss.png", "throughput.png", "draft_accuracy.png", "tau_training.png", "acceptance.png",
-         "tau_by_category.png")
+         "tau_by_category.png", "decode_speed.png")
 
 
 def write_plots(out: Path, metrics: list[dict], tau: dict) -> list[str]:
@@ -83,6 +83,24 @@ def write_plots(out: Path, metrics: list[dict], tau: dict) -> list[str]:
     plot("tau_by_category.png", lambda ax: ax.bar(list(cats), list(cats.values())),
          None if cats else (no_tau or "no MT-Bench set evaluated (bench.eval_sets)"),
          xlabel="MT-Bench category", ylabel="τ", title="τ per MT-Bench category")
+    speed = (tau.get("decode_speed") or {}).get("batches") or []
+
+    def by_batch(ax):
+        xs = [r["batch"] for r in speed]
+        for key, label in (("target_only_tokens_per_s", "target-only (our decoder)"),
+                           ("speculative_tokens_per_s", "speculative (our decoder)")):
+            ax.plot(xs, [r[key] for r in speed], marker="o", label=label)
+        hf = [(r["batch"], r["hf_static"]["tokens_per_s"]) for r in speed if r.get("hf_static")]
+        if hf:
+            ax.plot(*zip(*hf), marker="s", linestyle="--", label="HF generate, static cache")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.legend()
+
+    plot("decode_speed.png", by_batch, None if speed else
+         f"decoding speed not measured: {(tau.get('decode_speed') or {}).get('skipped', no_tau)}",
+         xlabel="batch size", ylabel="new tokens / s",
+         title="Decoding speed by batch size (MT-Bench first turns)")
     return list(PLOTS)
 
 

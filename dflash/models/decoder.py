@@ -76,3 +76,24 @@ def compile_region(fn: Callable, backend: str) -> Callable:
     import torch
 
     return torch.compile(fn, backend=backend, dynamic=False)
+
+
+def attend_cache(layer, x, q, k_cache, v_cache, mask):
+    """``L`` queries attending over a static KV cache row per sequence, then :func:`out_mlp`.
+
+    q [B, nh, L, D]; k_cache/v_cache [B, kvh, S, D] (the queries' own K/V already written);
+    mask [B, 1, L, S] bool (True = attend). GQA without copying K/V: the G query heads of one KV
+    head and the L queries form one query-length dim of G*L rows (head h = j*G + g, the order
+    of HF's repeat_kv), so SDPA reads every cached K/V once per KV head.
+    """
+    import torch.nn.functional as F
+
+    B, nh, L, D = q.shape
+    kvh, S = k_cache.shape[1], k_cache.shape[2]
+    G = nh // kvh
+    qg = q.reshape(B, kvh, G * L, D)
+    m = mask[:, :, None].expand(B, 1, G, L, S).reshape(B, 1, G * L, S)
+    o = F.scaled_dot_product_attention(qg, k_cache, v_cache, attn_mask=m,
+                                       scale=layer.self_attn.scaling)
+    o = o.reshape(B, kvh, G, L, D).permute(0, 3, 1, 2, 4).reshape(B, L, nh * D)
+    return out_mlp(layer, x, o)

@@ -142,6 +142,10 @@ class DFlashConfig:
             "num_target_layers": self.num_target_layers,
             "dflash_config": {"mask_token_id": self.mask_token_id,
                               "target_layer_ids": list(self.target_layer_ids)},
+            # vLLM's convention for the same layers: indices into HF output_hidden_states
+            # (layer i's output is hidden_states[i + 1]); older vLLM reads only this field
+            # (dflash.models.export_contract)
+            "eagle_aux_hidden_state_layer_ids": hidden_state_indices(self.target_layer_ids),
         }
 
     @classmethod
@@ -225,6 +229,9 @@ class Attention(nn.Module):
         super().__init__()
         H, D = cfg.hidden_size, cfg.head_dim
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, D
+        # the names HF attention modules carry, so the shared layer pieces
+        # (dflash.models.decoder: qkv, attend_cache, out_mlp) run this layer too
+        self.head_dim, self.scaling = D, D ** -0.5
         self.q_proj = nn.Linear(H, self.nh * D, bias=False)
         self.k_proj = nn.Linear(H, self.nkv * D, bias=False)
         self.v_proj = nn.Linear(H, self.nkv * D, bias=False)

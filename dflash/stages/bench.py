@@ -62,6 +62,9 @@ def evaluate_tau(spec, drafter_dir: Path, device: str, results_dir: Path | None 
                 f"{b.eval_max_new_tokens}, bench.real_prompts {b.real_prompts})")
         per_set = evaluate_sets(tgt.model, drafter, embed, head, sets, b.eval_max_new_tokens,
                                 eos_ids_of(tgt), b.real_prompts, device, b.eval_batch_size)
+        step = (f"timing decoding by batch size on {device} (dflash.eval.serving.sweep, "
+                f"bench.eval_max_new_tokens {b.eval_max_new_tokens})")
+        speed = decode_speed(tgt, drafter, embed, head, sets[0], b, device)
     except DFlashError:
         raise
     except Exception as e:  # noqa: BLE001 - one message for the user, the traceback to a file
@@ -86,7 +89,29 @@ def evaluate_tau(spec, drafter_dir: Path, device: str, results_dir: Path | None 
             "lossless": real.get("lossless"), "real_prompts": real.get("prompts"),
             "target_only_tokens_per_s": real.get("target_only_tokens_per_s"),
             "speculative_tokens_per_s": real.get("speculative_tokens_per_s"),
-            "speedup": real.get("speedup")}
+            "speedup": real.get("speedup"), "decode_speed": speed}
+
+
+def decode_speed(tgt, drafter, embed, head, es, b, device) -> dict:
+    """Tokens/s target-only vs speculative at batch 1, 4, 16, 64 on the primary set's prompts
+    through the one decoder, HF static-cache ``generate`` in the same run, and the issue's
+    batch-1 goal ratios. CUDA only: on CPU the decoder runs eagerly and times Python."""
+    from ..data.generate import eos_ids_of
+    from ..eval.serving import SWEEP_BATCHES, goal, sweep
+
+    if not str(device).startswith("cuda"):
+        return {"skipped": f"on {device}: the sweep times captured CUDA-graph steps"}
+    if not es.prompts:
+        return {"skipped": f"no {es.name} prompts"}
+    eos = eos_ids_of(tgt)
+    pad = tgt.tokenizer.pad_token_id
+    r = sweep(tgt.model, drafter, es.prompts, b.eval_max_new_tokens, eos, SWEEP_BATCHES,
+              min_prompts=max(1, b.real_prompts), pad_id=eos[0] if pad is None else pad,
+              embed=embed, lm_head=head, log=lambda m: print(m.replace("[decode]", "[bench]"),
+                                                              flush=True))
+    r.pop("first")
+    one = next((x for x in r["batches"] if x["batch"] == 1), None)
+    return {**r, "set": es.name, "goal_batch1": goal(one) if one else None}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,515 @@
+"""The serving-grade decoder: greedy speculative decoding with a DFlash drafter, and the
+target-only baseline, through ONE engine (static KV caches, captured steps, batch > 1).
+
+    dec = Decoder(target_model, drafter, batch=4, max_len=1024, max_new_tokens=256, eos_ids=[2])
+    results = dec.decode(prompt_token_lists)          # list[Decoded], prompt order
+    base = Decoder(target_model, None, ...)           # target-only: one token per step
+
+One step for every sequence of the batch at once, device tensors only:
+
+1. **draft** (drafter given): the block ``[anchor, mask × (K-1)]`` at positions
+   ``pos .. pos+K-1`` runs through the drafter's layers; each layer writes the block's K/V into
+   the drafter's static cache at those positions and attends over the cache up to ``pos+K-1``
+   (every verified position's context K/V, then the block: no mask inside the block);
+   ``lm_head`` + argmax give K-1 drafts.
+2. **verify**: ``[anchor, drafts]`` through the target's layers in one forward, K/V written
+   into the target's static cache at ``pos .. pos+K-1``, causal over the cache; the target's
+   greedy token at every position and, from the feature layers, the drafter's next context.
+3. **accept, on the device**: the longest prefix of drafts equal to the target's greedy tokens
+   (``n``) plus the bonus token; truncated at eos / ``max_new_tokens`` per sequence; each
+   sequence advances by its own ``n + 1`` and finishes on its own. Every emitted token is
+   checked against the argmax of the verify logits that produced it (counted in
+   ``checked`` / ``mismatches``), and the top-2 logit margin of each emitted token is kept.
+4. **drafter context**: the context K/V of all K verified positions are written at
+   ``pos .. pos+K-1`` (overwriting the block's K/V); those past the accepted prefix lie beyond
+   the next step's ``pos`` and are overwritten before anything reads them (the target's rejected
+   K/V likewise), so nothing is ever cropped.
+
+The target-only baseline is the same step with K = 1 and no drafter. The prompt's prefill is the
+same target forward with L = prompt length at position 0 (eager, right-padded).
+
+On CUDA the per-layer pieces are the ones the data engine compiles
+(:mod:`dflash.models.decoder`: ``qkv``, ``attend_cache``, ``out_mlp``; one graph per shape
+serves every layer of a model) and the whole step is captured once as a CUDA graph, compile
+and capture under the compile gate's exclusive side, replays under its shared side, as in
+:class:`dflash.data.generate.Engine`. The host syncs once every ``sync_every`` steps (to see
+whether any sequence is still running). On CPU the same code runs eagerly.
+
+Lossless: every emitted token is the target's greedy token in the verify forward that produced
+it. That equals plain one-token greedy decoding up to floating-point summation order (a verify
+of K tokens rounds differently from K one-token forwards), which can only flip a near-tie; the
+margins say how near (:func:`divergence`). In float32 the outputs are identical
+(tests/test_decoder.py).
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import DFlashError
+from ..models.decoder import attend_cache, compile_region, qkv, rope_of
+from ..models.decoder import unsupported_reason as _layers_unsupported
+from ..models.drafter import apply_rope, rope_cos_sin
+
+# An emitted token differing from plain greedy decoding is a floating-point near-tie when the
+# target's top-2 logit margin there is below this (bf16 logits of magnitude < 32 are spaced
+# 0.125 apart; a verify of 16 tokens and 16 one-token steps round a few such steps apart).
+NEAR_TIE_EPS = 0.5
+
+
+@dataclass
+class Decoded:
+    """One prompt's decode: the tokens (prompt excluded; the first comes from the prefill), the
+    verify steps that produced the rest, per step the drafts accepted (before truncation) and
+    the tokens emitted, and per token the target's top-2 logit margin where it was picked."""
+    tokens: list[int]
+    target_forwards: int
+    tau: float
+    accept_counts: list[int]
+    block_lengths: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    margins: list[float] = field(default_factory=list)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _drafter_rope(q, k, cos, sin):
+    """The drafter's RoPE (:func:`dflash.models.drafter.apply_rope`) in the shared pieces'
+    calling convention: cos/sin [B, L, D]."""
+    cos, sin = cos[:, None], sin[:, None]
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+def _head(norm, lm_w, x):
+    """final norm + lm_head -> greedy token and top-2 margin per position (logits never leave
+    the device). ``topk``, not a second masked max: torch 2.11's inductor fails to fuse
+    argmax + amax + masked amax (an assertion in its scheduler; bench/results/h200/
+    COMMANDS.md, decode step probe run 2)."""
+    logits = F.linear(norm(x), lm_w)
+    top = logits.topk(2, dim=-1).values.float()
+    return logits.argmax(-1), top[..., 0] - top[..., 1]
+
+
+def _context_kv(drafter, feats, cos, sin):
+    """The drafter's context K/V of verified positions, every layer: fc + hidden_norm + each
+    layer's k/v projection, k_norm and RoPE, compiled as one region (eager it is ~100 small
+    kernels per step: by estimate a quarter to a third of what the speculative step costs
+    over a one-token step on the H200)."""
+    ctx = drafter.hidden_norm(drafter.fc(feats))
+    return [layer.self_attn.context_kv(ctx, (cos, sin)) for layer in drafter.layers]
+
+
+DraftHook = Callable[[int, int, int], Sequence[int]]  # (prompt index, anchor, anchor_pos)
+
+
+class Decoder:
+    """Greedy decoding of ``batch`` sequences at once; speculative with ``drafter``, target-only
+    without. ``max_len``: longest prompt + ``max_new_tokens`` (the caches add one block).
+    ``embed`` / ``lm_head``: the weights the drafter shares with the target (default: the
+    target's own), cast to the drafter's dtype. ``compile`` / ``cuda_graph``: default on for
+    CUDA, off for CPU. ``draft_hook(prompt_index, anchor, anchor_pos) -> K-1 tokens`` replaces the drafter
+    (eager only: tests inject perfect or corrupted drafts through it); ``block_size`` is then
+    required. ``verify_tokens``: tokens per verify (anchor + drafts; default the whole block).
+    ``gate``: the compile gate (default: the process's)."""
+
+    def __init__(self, target, drafter=None, *, batch: int, max_len: int, max_new_tokens: int,
+                 eos_ids: Sequence[int], embed: torch.Tensor | None = None,
+                 lm_head: torch.Tensor | None = None, compile: bool | str | None = None,
+                 cuda_graph: bool | None = None, sync_every: int | None = None,
+                 draft_hook: DraftHook | None = None, block_size: int | None = None,
+                 verify_tokens: int | None = None, gate=None):
+        why = _layers_unsupported(target) or (None if hasattr(target, "lm_head") else "no lm_head")
+        if why:
+            raise DFlashError(f"decoder: unsupported target: {why}")
+        if batch < 1 or max_new_tokens < 1:
+            raise DFlashError("decoder: batch and max_new_tokens must be >= 1")
+        from ..runtime.gate import get_gate
+
+        self.target, self.drafter, self.hook = target, drafter, draft_hook
+        self.layers = list(target.model.layers)
+        p = next(target.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        cuda = self.device.type == "cuda"
+        if draft_hook is not None:
+            self.K = int(block_size or 0)
+            if self.K < 2:
+                raise DFlashError("decoder: a draft_hook needs block_size >= 2")
+            cuda_graph, compile = False, False
+        else:
+            self.K = drafter.cfg.block_size if drafter is not None else 1
+        # the drafter drafts its whole trained block; the target verifies the first K of it
+        # (anchor + K-1 drafts): with τ ≈ 2 drafts past the 8th are rarely accepted, and a
+        # narrower verify costs less (vLLM's num_speculative_tokens); still lossless
+        self.Kd = self.K
+        if verify_tokens is not None and self.K > 1:
+            self.K = max(2, min(int(verify_tokens), self.Kd))
+        self.N, self.max_new = int(batch), int(max_new_tokens)
+        self.S = _round_up(max(int(max_len), self.max_new + 1) + self.Kd, 16)
+        self.eos = torch.tensor(sorted({int(e) for e in eos_ids}), device=self.device)
+        self.compile = cuda if compile is None else compile
+        self.cuda_graph = bool(cuda if cuda_graph is None else cuda_graph) and cuda
+        self.sync_every = int(sync_every or (4 if self.cuda_graph else 1))
+        self.gate = gate or get_gate()
+        self.rope = rope_of(self.layers[0])
+        self._pre, self._attn, self._head, self._ctx = qkv, attend_cache, _head, _context_kv
+        self._graph, self._wave = None, 0
+        self._ready = False
+        self.stats: dict[str, Any] = {"compile_seconds": 0.0, "capture_seconds": 0.0,
+                                      "steps": 0, "syncs": 0, "graph": False}
+        with torch.inference_mode():
+            self._alloc_target()
+            if drafter is not None:
+                self._alloc_drafter(embed, lm_head)
+            self._alloc_state()
+
+    # -------------------------------------------------------------------------------------
+    # static buffers (the captured step reads and writes these addresses)
+    # -------------------------------------------------------------------------------------
+    def _alloc_target(self) -> None:
+        cfg, dev, N, S = self.target.config, self.device, self.N, self.S
+        kvh = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        D = int(self.layers[0].self_attn.head_dim)
+        # one tensor per layer (views of one tensor would differ only in storage offset, which
+        # compiled code may specialise on)
+        self.k_cache = [torch.zeros(N, kvh, S, D, device=dev, dtype=self.dtype)
+                        for _ in self.layers]
+        self.v_cache = [torch.zeros(N, kvh, S, D, device=dev, dtype=self.dtype)
+                        for _ in self.layers]
+        pos = torch.arange(S, device=dev)
+        probe = torch.zeros(1, 1, dtype=self.dtype, device=dev)
+        cos, sin = self.target.model.rotary_emb(probe, pos[None])  # the model's own rope
+        self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
+        self.pos_ar = pos
+        self.lm_w = self.target.lm_head.weight
+        self.feature_ids = set()
+
+    def _alloc_drafter(self, embed, lm_head) -> None:
+        d, dev, N, S = self.drafter, self.device, self.N, self.S
+        c = d.cfg
+        dt = d.dtype
+        self.d_dtype = dt
+        self.feature_ids = set(c.target_layer_ids)
+        self.d_layers = list(d.layers)
+        self.dk_cache = [torch.zeros(N, c.num_key_value_heads, S, c.head_dim, device=dev,
+                                     dtype=dt) for _ in self.d_layers]
+        self.dv_cache = [torch.zeros_like(t) for t in self.dk_cache]
+        cos, sin = rope_cos_sin(self.pos_ar[None], c.head_dim, c.rope_theta, dt)
+        self.d_cos, self.d_sin = cos[0, 0].contiguous(), sin[0, 0].contiguous()  # [S, D]
+        emb = embed if embed is not None else self.target.get_input_embeddings().weight
+        head = lm_head if lm_head is not None else self.lm_w
+        self.d_embed = emb.to(device=dev, dtype=dt)
+        self.d_lm_w = head.to(device=dev, dtype=dt)
+        self.mask_id = int(c.mask_token_id)
+
+    def _alloc_state(self) -> None:
+        dev, N, K = self.device, self.N, self.K
+        long = dict(device=dev, dtype=torch.long)
+        self.slot_ar = torch.arange(N, device=dev)
+        self.k_ar = torch.arange(K, device=dev)
+        self.d_ar = torch.arange(self.Kd, device=dev)
+        self.tok = torch.zeros(N, **long)       # anchor: last emitted, not yet through the target
+        self.pos = torch.zeros(N, **long)       # verified positions (the caches' valid length)
+        self.gen = torch.zeros(N, **long)       # tokens emitted
+        self.steps = torch.zeros(N, **long)     # verify steps run while active
+        self.active = torch.zeros(N, dtype=torch.bool, device=dev)
+        W = self.max_new + K                     # room for a whole block past max_new
+        self.out = torch.zeros(N, W, **long)
+        self.margin = torch.zeros(N, W, dtype=torch.float32, device=dev)
+        self.acc_log = torch.zeros(N, self.max_new + 1, **long)
+        self.len_log = torch.zeros(N, self.max_new + 1, **long)
+        self.checked = torch.zeros((), **long)  # emitted tokens checked against the argmax
+        self.mismatches = torch.zeros((), **long)
+        self._buffers = [self.tok, self.pos, self.gen, self.steps, self.active, self.out,
+                         self.margin, self.acc_log, self.len_log, self.checked, self.mismatches]
+
+    # -------------------------------------------------------------------------------------
+    # the math
+    # -------------------------------------------------------------------------------------
+    def _target_forward(self, ids, qpos, pre, attn):
+        """The target over ``ids`` [N, L] at positions ``qpos`` [N, L]: K/V written into the
+        cache, causal over it. -> final hidden states [N, L, H], feature-layer states."""
+        rows = self.slot_ar[:, None]
+        x = self.target.model.embed_tokens(ids)
+        cos, sin = self.cos[qpos], self.sin[qpos]
+        mask = (self.pos_ar[None, None, :] <= qpos[:, :, None])[:, None]      # [N, 1, L, S]
+        feats = []
+        for i, (layer, kc, vc) in enumerate(zip(self.layers, self.k_cache, self.v_cache)):
+            q, k, v = pre(layer, x, cos, sin, self.rope)
+            kc[rows, :, qpos] = k.transpose(1, 2)
+            vc[rows, :, qpos] = v.transpose(1, 2)
+            x = attn(layer, x, q, kc, vc, mask)
+            if i in self.feature_ids:
+                feats.append(x)
+        return x, feats
+
+    def _context(self, feats, qpos, fn=None) -> None:
+        """The drafter's context K/V of these verified positions into its cache."""
+        rows = self.slot_ar[:, None]
+        cos, sin = self.d_cos[qpos][:, None], self.d_sin[qpos][:, None]
+        kv = (fn or self._ctx)(self.drafter, torch.cat(feats, dim=-1).to(self.d_dtype), cos, sin)
+        for (k, v), kc, vc in zip(kv, self.dk_cache, self.dv_cache):
+            kc[rows, :, qpos] = k.transpose(1, 2)
+            vc[rows, :, qpos] = v.transpose(1, 2)
+
+    def _draft(self, qpos):
+        """The drafter's greedy drafts after each anchor [N, Kd-1] (qpos: the block's
+        positions [N, Kd])."""
+        rows = self.slot_ar[:, None]
+        block = torch.full_like(qpos, self.mask_id)
+        block[:, 0] = self.tok
+        x = F.embedding(block, self.d_embed)
+        cos, sin = self.d_cos[qpos], self.d_sin[qpos]
+        last = qpos[:, -1]
+        mask = (self.pos_ar[None, :] <= last[:, None])[:, None, None].expand(
+            self.N, 1, self.Kd, self.S)
+        for layer, kc, vc in zip(self.d_layers, self.dk_cache, self.dv_cache):
+            q, k, v = self._pre(layer, x, cos, sin, _drafter_rope)
+            kc[rows, :, qpos] = k.transpose(1, 2)
+            vc[rows, :, qpos] = v.transpose(1, 2)
+            x = self._attn(layer, x, q, kc, vc, mask)
+        drafts, _ = self._head(self.drafter.norm, self.d_lm_w, x[:, 1:])
+        return drafts
+
+    def _hook_drafts(self):
+        """Drafts from the test hook, one sequence at a time (eager only)."""
+        rows = [list(self.hook(self._wave + i, int(t), int(p)))[:self.K - 1] if a else
+                [0] * (self.K - 1) for i, (t, p, a) in
+                enumerate(zip(self.tok.tolist(), self.pos.tolist(), self.active.tolist()))]
+        return torch.tensor(rows, dtype=torch.long, device=self.device).reshape(self.N, -1)
+
+    def _step(self) -> None:
+        """One verify step for every sequence; finished ones compute but change nothing."""
+        K = self.K
+        qpos = self.pos[:, None] + self.k_ar                                  # [N, K]
+        if K > 1:
+            drafts = self._hook_drafts() if self.hook else \
+                self._draft(self.pos[:, None] + self.d_ar)[:, :K - 1]
+            ids = torch.cat([self.tok[:, None], drafts], dim=1)
+        else:
+            ids = self.tok[:, None]
+        x, feats = self._target_forward(ids, qpos, self._pre, self._attn)
+        greedy, margin = self._head(self.target.model.norm, self.lm_w, x)     # [N, K]
+        if K > 1:
+            n_acc = (drafts == greedy[:, :-1]).long().cumprod(1).sum(1)       # [N]
+            proposed = torch.cat([drafts, greedy[:, -1:]], dim=1)
+            emitted = torch.where(self.k_ar < n_acc[:, None], proposed, greedy)
+        else:
+            n_acc, emitted = torch.zeros_like(self.pos), greedy
+        self._accept(emitted, greedy, margin, n_acc)
+        if self.drafter is not None and self.hook is None:
+            self._context(feats, qpos)
+
+    def _accept(self, emitted, greedy, margin, n_acc) -> None:
+        """Per sequence: emit the accepted drafts + bonus (up to eos / max_new), log, advance."""
+        K, act, ar = self.K, self.active, self.k_ar[None]
+        valid = (ar <= n_acc[:, None]) & act[:, None]
+        self.checked += valid.sum()
+        self.mismatches += (valid & (emitted != greedy)).sum()
+        eos = (emitted[:, :, None] == self.eos).any(-1) & valid
+        first_eos = torch.where(eos, ar, K).amin(1)
+        count = torch.minimum(torch.minimum(n_acc + 1, first_eos + 1), self.max_new - self.gen)
+        count = torch.where(act, count, torch.zeros_like(count))
+        write = ar < count[:, None]
+        at = self.gen[:, None] + ar
+        rows = self.slot_ar[:, None]
+        self.out[rows, at] = torch.where(write, emitted, self.out[rows, at])
+        self.margin[rows, at] = torch.where(write, margin, self.margin[rows, at])
+        s = self.steps.clamp(max=self.max_new)
+        self.acc_log[self.slot_ar, s] = torch.where(act, n_acc, self.acc_log[self.slot_ar, s])
+        self.len_log[self.slot_ar, s] = torch.where(act, count, self.len_log[self.slot_ar, s])
+        finished = act & ((first_eos < count) | (self.gen + count >= self.max_new))
+        bonus = greedy.gather(1, n_acc[:, None])[:, 0]
+        self.steps += act.long()
+        self.gen += count
+        self.pos += torch.where(act, n_acc + 1, torch.zeros_like(n_acc))
+        self.tok.copy_(torch.where(act, bonus, self.tok))
+        self.active &= ~finished
+
+    def _prefill(self, prompts: Sequence[Sequence[int]]) -> None:
+        """Right-padded prompts into the caches (eager), first tokens from their last positions;
+        rows past ``len(prompts)`` stay inactive."""
+        n, P = len(prompts), max(len(p) for p in prompts)
+        ids = torch.zeros(self.N, P, dtype=torch.long)
+        lens = torch.ones(self.N, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, :len(p)] = torch.as_tensor(list(p), dtype=torch.long)
+            lens[i] = len(p)
+        ids, lens = ids.to(self.device), lens.to(self.device)
+        qpos = torch.arange(P, device=self.device)[None].expand(self.N, P)
+        x, feats = self._target_forward(ids, qpos, qkv, attend_cache)
+        last = x[self.slot_ar, lens - 1]
+        tok, margin = _head(self.target.model.norm, self.lm_w, last)
+        if self.drafter is not None and self.hook is None:
+            self._context(feats, qpos, _context_kv)
+        for t in self._buffers:
+            t.zero_()
+        live = self.slot_ar < n
+        self.tok.copy_(tok)
+        self.pos.copy_(lens)
+        self.gen.copy_(live.long())
+        self.out[:, 0] = tok
+        self.margin[:, 0] = margin
+        self.active.copy_(live & ~(tok[:, None] == self.eos).any(-1) & (self.max_new > 1))
+
+    # -------------------------------------------------------------------------------------
+    # compile + capture once, replay
+    # -------------------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Compile the per-layer pieces and capture the step (once, exclusive gate). The warm-up
+        and capture steps run on inactive sequences: they write only cache positions that the
+        next prefill overwrites or masks, and the prefill resets every state buffer."""
+        if self._ready:
+            return
+        if not (self.compile or self.cuda_graph):
+            self._ready = True
+            return
+        from ..runtime.gate import worker_thread_setup
+
+        with self.gate.exclusive("decoder: compile + capture the verify / draft step"):
+            worker_thread_setup()  # recompile limit: one graph per (model, batch, block) shape
+            t0 = time.time()
+            if self.compile:
+                backend = self.compile if isinstance(self.compile, str) else "inductor"
+                self._pre = compile_region(qkv, backend)
+                self._attn = compile_region(attend_cache, backend)
+                self._head = compile_region(_head, backend)
+                if self.drafter is not None:
+                    self._ctx = compile_region(_context_kv, backend)
+            with torch.inference_mode():
+                for t in self._buffers:
+                    t.zero_()
+                self._warm_up()
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                self.stats["compile_seconds"] = round(time.time() - t0, 3)
+                if self.cuda_graph:
+                    self._capture()
+        self._ready = True
+
+    def _warm_up(self) -> None:
+        """Two steps: compile, then one warm run (autotune, lazy inits). The drafter-context
+        region is the one piece not yet run compiled on the H200 (decode step probe): if it
+        fails to compile, it runs eagerly inside the captured step, loudly and recorded."""
+        try:
+            self._step()
+        except Exception as e:  # noqa: BLE001 - only the context region may fall back
+            if self._ctx is _context_kv:
+                raise
+            self.stats["context_compile_error"] = f"{type(e).__name__}: {e}"[:500]
+            print(f"[decoder] WARNING: the drafter-context region failed to compile, running it "
+                  f"eagerly in the step: {self.stats['context_compile_error']}",
+                  file=sys.stderr, flush=True)
+            self._ctx = _context_kv
+            self._step()
+        self._step()
+
+    def _capture(self) -> None:
+        t1 = time.time()
+        try:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, capture_error_mode="thread_local"):
+                self._step()
+            torch.cuda.synchronize(self.device)
+            self._graph = g
+            self.stats["graph"] = True
+        except Exception as e:  # loud, recorded: the step then runs uncaptured
+            self.stats["graph_error"] = f"{type(e).__name__}: {e}"[:500]
+            print(f"[decoder] WARNING: CUDA-graph capture failed, running uncaptured (slower): "
+                  f"{self.stats['graph_error']}", file=sys.stderr, flush=True)
+        self.stats["capture_seconds"] = round(time.time() - t1, 3)
+
+    def _run_steps(self, n: int) -> None:
+        with self.gate.shared():
+            for _ in range(n):
+                if self._graph is not None:
+                    self._graph.replay()
+                else:
+                    self._step()
+        self.stats["steps"] += n
+
+    # -------------------------------------------------------------------------------------
+    def decode(self, prompts: Sequence[Sequence[int]]) -> list[Decoded]:
+        """Greedy answers for ``prompts`` (token id lists), in order, ``batch`` at a time; an
+        answer ends at its first eos (included) or after ``max_new_tokens``."""
+        limit = self.S - self.max_new - self.Kd
+        for i, p in enumerate(prompts):
+            if not 0 < len(p) <= limit:
+                raise DFlashError(f"decoder: prompt {i} has {len(p)} tokens; 1..{limit} fit "
+                                  f"(max_len {self.S} - max_new_tokens - block)")
+        self.prepare()
+        out: list[Decoded] = []
+        with torch.inference_mode():
+            for s in range(0, len(prompts), self.N):
+                wave, self._wave = prompts[s:s + self.N], s
+                with self.gate.shared():
+                    self._prefill(wave)
+                # every active sequence emits >= 1 token per step: at most max_new steps
+                for _ in range(0, self.max_new, self.sync_every):
+                    self._run_steps(self.sync_every)
+                    self.stats["syncs"] += 1
+                    if not bool(self.active.any()):  # the one host sync per sync_every steps
+                        break
+                out += self._harvest(len(wave))
+        return out
+
+    def _harvest(self, n: int) -> list[Decoded]:
+        gen, steps = self.gen[:n].tolist(), self.steps[:n].tolist()
+        toks, margins = self.out[:n].tolist(), self.margin[:n].tolist()
+        acc, lens = self.acc_log[:n].tolist(), self.len_log[:n].tolist()
+        self.stats["checked"] = self.stats.get("checked", 0) + int(self.checked)
+        self.stats["mismatches"] = self.stats.get("mismatches", 0) + int(self.mismatches)
+        res = []
+        for i in range(n):
+            st = steps[i]
+            a = acc[i][:st]
+            res.append(Decoded(
+                tokens=toks[i][:gen[i]], target_forwards=st,
+                tau=sum(lens[i][:st]) / st if st else float("nan"),
+                accept_counts=[sum(x > k for x in a) for k in range(self.K - 1)],
+                block_lengths=lens[i][:st], accepted=a, margins=margins[i][:gen[i]]))
+        return res
+
+
+def divergence(spec: Decoded, plain: Decoded) -> dict | None:
+    """Where a speculative answer first differs from plain greedy decoding (None if nowhere),
+    and the target's top-2 logit margin there in both runs (a near-tie: below
+    :data:`NEAR_TIE_EPS`)."""
+    a, b = spec.tokens, plain.tokens
+    i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if i is None:
+        if len(a) == len(b):
+            return None
+        i = min(len(a), len(b))
+    m = [r.margins[i] if i < len(r.margins) else None for r in (plain, spec)]
+    near = [x for x in m if x is not None]
+    return {"index": i, "greedy_token": b[i] if i < len(b) else None,
+            "speculative_token": a[i] if i < len(a) else None,
+            "margin": m[0], "speculative_margin": m[1],
+            "near_tie": bool(near) and min(near) < NEAR_TIE_EPS}
+
+
+def lossless_evidence(spec: Sequence[Decoded], plain: Sequence[Decoded], checked: int,
+                      mismatches: int) -> dict:
+    """The lossless claim and its evidence: every emitted token checked against the argmax of
+    the verify logits that produced it, and every difference from plain greedy a near-tie."""
+    divs = [d for d in (divergence(s, p) for s, p in zip(spec, plain)) if d is not None]
+    identical = len(spec) - len(divs)
+    return {"prompts": len(spec), "identical_to_greedy": identical,
+            "emitted_checked": checked, "emitted_not_argmax": mismatches,
+            "divergences": divs, "epsilon": NEAR_TIE_EPS,
+            "max_divergence_margin": max((d["margin"] for d in divs
+                                          if d["margin"] is not None), default=None),
+            "all_divergences_near_ties": all(d["near_tie"] for d in divs),
+            # lossless: nothing emitted that the target did not pick, and every difference from
+            # one-token greedy decoding is a floating-point near-tie
+            "lossless": mismatches == 0 and all(d["near_tie"] for d in divs)}
+
+
+__all__ = ["Decoder", "Decoded", "divergence", "lossless_evidence", "NEAR_TIE_EPS"]

@@ -1,0 +1,173 @@
+"""Speed-up as serving sees it: target-only vs speculative tokens/s through the ONE decoder
+(:class:`dflash.eval.decoder.Decoder`) at several batch sizes, HF ``generate`` with its static
+cache timed in the same run as the outside reference, τ real vs simulated per prompt, and the
+lossless evidence.
+
+Timing: each engine compiles and captures its steps first (untimed); a timed run is prefill +
+decode of all prompts, ``batch`` at a time (a finished sequence idles until its wave ends),
+between two device syncs. tokens/s = emitted tokens / seconds. HF's static path gets one untimed
+warm-up wave (its compile), its prompts left-padded to one length so no wave recompiles.
+"""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+
+from .decoder import Decoder, lossless_evidence
+
+SWEEP_BATCHES = (1, 4, 16, 64)
+SERVING_GAP = 0.05  # warn when real and simulated τ of a prompt differ by more than this share
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_decode(dec: Decoder, prompts: Sequence[Sequence[int]]):
+    dec.prepare()
+    _sync(dec.device)
+    t = time.perf_counter()
+    res = dec.decode(prompts)
+    _sync(dec.device)
+    return res, time.perf_counter() - t
+
+
+def pair(target, drafter, prompts: Sequence[Sequence[int]], batch: int, max_new: int,
+         eos: Sequence[int], embed=None, lm_head=None, **kw) -> dict:
+    """Target-only and speculative decoding of ``prompts`` at one batch size, timed; the
+    per-prompt results and the lossless evidence."""
+    max_len = max(len(p) for p in prompts) + max_new
+    common = dict(batch=batch, max_len=max_len, max_new_tokens=max_new, eos_ids=eos, **kw)
+    base = Decoder(target, None, **{k: v for k, v in common.items() if k != "verify_tokens"})
+    rb, tb = timed_decode(base, prompts)
+    stats_base = dict(base.stats)
+    del base
+    spec = Decoder(target, drafter, embed=embed, lm_head=lm_head, **common)
+    rs, ts = timed_decode(spec, prompts)
+    st = dict(spec.stats)
+    del spec
+    nb, ns = sum(len(r.tokens) for r in rb), sum(len(r.tokens) for r in rs)
+    fwd = sum(r.target_forwards for r in rs)
+    produced = sum(sum(r.block_lengths) for r in rs)
+    return {"batch": batch, "prompts": len(prompts), "results": rs, "greedy": rb,
+            "target_only_s": tb, "speculative_s": ts,
+            "target_only_tokens_per_s": nb / tb if tb else None,
+            "speculative_tokens_per_s": ns / ts if ts else None,
+            "speedup": (ns / ts) / (nb / tb) if ts and tb and nb else None,
+            "tau": produced / fwd if fwd else None,
+            "lossless_evidence": lossless_evidence(rs, rb, st.get("checked", 0),
+                                                   st.get("mismatches", 0)),
+            "engine": {"target_only": _engine(stats_base), "speculative": _engine(st)}}
+
+
+def _engine(stats: dict) -> dict:
+    keep = ("compile_seconds", "capture_seconds", "steps", "syncs", "graph", "graph_error")
+    return {k: stats[k] for k in keep if k in stats}
+
+
+def hf_static_generate(model, prompts: Sequence[Sequence[int]], batch: int, max_new: int,
+                       eos: Sequence[int], pad_id: int, gate=None) -> dict:
+    """HF ``generate(cache_implementation="static")`` (transformers compiles its step on CUDA),
+    greedy, ``batch`` prompts at a time, after one untimed warm-up wave. Tokens counted up to
+    each answer's first eos (inclusive)."""
+    from transformers import GenerationConfig
+
+    from ..runtime.gate import get_gate
+
+    gate = gate or get_gate()
+    dev = next(model.parameters()).device
+    P = max(len(p) for p in prompts)
+    gc = GenerationConfig(max_new_tokens=max_new, min_new_tokens=0, do_sample=False,
+                          cache_implementation="static", eos_token_id=list(eos),
+                          pad_token_id=pad_id)
+    stops = set(int(e) for e in eos)
+
+    def wave(ps):
+        ids = torch.full((batch, P), pad_id, dtype=torch.long)
+        att = torch.zeros((batch, P), dtype=torch.long)
+        for i, p in enumerate(ps):
+            ids[i, P - len(p):] = torch.tensor(list(p))
+            att[i, P - len(p):] = 1
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids.to(dev), attention_mask=att.to(dev),
+                                 generation_config=gc)
+        n = 0
+        for row in out[:len(ps), P:].tolist():
+            cut = next((j + 1 for j, t in enumerate(row) if t in stops), len(row))
+            n += cut
+        return n
+
+    with gate.exclusive("decoder: HF static-cache generate warm-up (its compile)"):
+        wave(prompts[:batch])
+    _sync(dev)
+    t = time.perf_counter()
+    with gate.shared():
+        n = sum(wave(prompts[s:s + batch]) for s in range(0, len(prompts), batch))
+    _sync(dev)
+    dt = time.perf_counter() - t
+    return {"batch": batch, "prompts": len(prompts), "tokens": n, "seconds": dt,
+            "tokens_per_s": n / dt if dt else None}
+
+
+def tau_gap(real: Sequence, simulated: Sequence[float | None]) -> dict:
+    """Per prompt τ real vs simulated, and a warning where they differ by more than
+    :data:`SERVING_GAP` (the serving gap: acceptance that holds offline but not when served)."""
+    rows, warn = [], []
+    for i, (r, s) in enumerate(zip(real, simulated)):
+        gap = abs(r.tau - s) / s if s and r.target_forwards else None
+        rows.append({"prompt": i, "tau_real": r.tau if r.target_forwards else None,
+                     "tau_simulated": s, "relative_gap": gap})
+        if gap is not None and gap > SERVING_GAP:
+            warn.append(i)
+    return {"per_prompt": rows, "threshold": SERVING_GAP, "prompts_over_threshold": warn,
+            "warning": (f"τ real and simulated differ by more than {SERVING_GAP:.0%} on "
+                        f"{len(warn)} of {len(rows)} prompts") if warn else None}
+
+
+def sweep(target, drafter, prompts: Sequence[Sequence[int]], max_new: int, eos: Sequence[int],
+          batches: Sequence[int] = SWEEP_BATCHES, min_prompts: int = 8, hf: bool = True,
+          pad_id: int = 0, embed=None, lm_head=None, log=print, **kw) -> dict:
+    """The batch sweep: at each batch size ``max(batch, min_prompts)`` prompts (at most all),
+    target-only and speculative tokens/s, HF's static path, τ, lossless evidence."""
+    rows, first = [], None
+    for b in batches:
+        ps = list(prompts[:max(b, min_prompts)])
+        r = pair(target, drafter, ps, b, max_new, eos, embed, lm_head, **kw)
+        if hf:
+            r["hf_static"] = hf_static_generate(target, ps, b, max_new, eos, pad_id)
+        if first is None:
+            first = r
+        row = {k: v for k, v in r.items() if k not in ("results", "greedy")}
+        ev = row["lossless_evidence"]
+        ev["divergences"] = ev["divergences"][:16]
+        rows.append(row)
+        log(f"[decode] batch {b}: target-only {_f(r['target_only_tokens_per_s'])} tok/s, "
+            f"speculative {_f(r['speculative_tokens_per_s'])} tok/s (τ {_f(r['tau'])}, "
+            f"speed-up {_f(r['speedup'])})"
+            + (f", HF static {_f(r['hf_static']['tokens_per_s'])} tok/s" if hf else "")
+            + f", lossless {ev['lossless']}")
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return {"batches": rows, "first": first, "max_new_tokens": max_new}
+
+
+def goal(row: dict) -> dict:
+    """The issue's batch-1 goal figures of one sweep row."""
+    spec, base, tau = row["speculative_tokens_per_s"], row["target_only_tokens_per_s"], row["tau"]
+    hf = (row.get("hf_static") or {}).get("tokens_per_s")
+    return {"speculative_over_tau_x_target_only": spec / (tau * base) if spec and base and tau
+            else None,
+            "speculative_over_hf_static": spec / hf if spec and hf else None,
+            "target_only_over_hf_static": base / hf if base and hf else None,
+            "targets": {"speculative_over_tau_x_target_only": 0.75,
+                        "speculative_over_hf_static": 1.5, "target_only_over_hf_static": 1.0}}
+
+
+def _f(x) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
+
+
+__all__ = ["SWEEP_BATCHES", "SERVING_GAP", "timed_decode", "pair", "hf_static_generate",
+           "tau_gap", "sweep", "goal"]

@@ -1,0 +1,154 @@
+"""The one decoder (dflash.eval.decoder): float32 output bit-identical to target greedy, for the
+speculative path with a real (briefly trained) drafter and for the target-only path; batch > 1
+with per-sequence acceptance, lengths and eos; the on-device lossless counters."""
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from dflash.eval.decoder import Decoder
+from dflash.eval.speculative import target_greedy
+from dflash.eval.tau import greedy_continuations
+from dflash.models.drafter import DFlashConfig, DFlashDrafter
+
+V, MASK, B, EOS = 96, 95, 5, 93
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_torch_thread):
+    """Tiny tensors: one intra-op thread is faster and robust to a busy machine."""
+
+
+@pytest.fixture(scope="module")
+def world():
+    from tests.test_evaluate import train_briefly
+
+    torch.manual_seed(0)
+    tc = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                     num_hidden_layers=4, intermediate_size=128, vocab_size=V,
+                     eos_token_id=EOS, pad_token_id=EOS)
+    target = LlamaForCausalLM(tc).eval().float()
+    cfg = DFlashConfig.from_target_config(tc, 1, B, MASK, layer_ids=[0, 2])
+    ps = [torch.randint(0, MASK - 3, (5 + 3 * s,), generator=torch.Generator().manual_seed(s))
+          .tolist() for s in range(4)]
+    conts = greedy_continuations(target, ps, 24, [EOS])
+    drafter = train_briefly(DFlashDrafter(cfg), target, cfg, ps, conts, steps=80)
+    greedy = [target_greedy(target, torch.tensor(p), 24) for p in ps]
+    return target, drafter, cfg, ps, greedy
+
+
+def make(target, drafter, batch, **kw):
+    return Decoder(target, drafter, batch=batch, max_len=40, max_new_tokens=24,
+                   eos_ids=kw.pop("eos", [V + 1]), **kw)
+
+
+def test_fp32_bit_identical_to_target_greedy(world):
+    target, drafter, cfg, ps, greedy = world
+    base = make(target, None, 2).decode(ps)
+    dec = make(target, drafter, 2)
+    spec = dec.decode(ps)
+    assert [r.tokens for r in base] == greedy            # the engine's one-token path
+    assert [r.tokens for r in spec] == greedy            # speculative, batch 2 (3 waves)
+    taus = [r.tau for r in spec]
+    assert max(taus) > 1.5 and all(t >= 1.0 for t in taus)      # the drafter is accepted
+    assert all(r.target_forwards == len(r.block_lengths) == len(r.accepted) for r in spec)
+    assert all(sum(r.block_lengths) == 23 for r in spec)        # first token from the prefill
+    assert [r.accept_counts for r in spec] == [
+        [sum(a > k for a in r.accepted) for k in range(B - 1)] for r in spec]
+    # every emitted token was checked against the verify argmax on the device; none differed
+    assert dec.stats["mismatches"] == 0
+    assert dec.stats["checked"] >= sum(sum(r.block_lengths) for r in spec)
+    assert all(len(r.margins) == len(r.tokens) and min(r.margins) >= 0 for r in spec)
+
+
+def test_narrower_verify_stays_lossless(world):
+    """The drafter drafts its whole block, the target verifies the first 3 tokens of it."""
+    target, drafter, cfg, ps, greedy = world
+    dec = make(target, drafter, 2, verify_tokens=3)
+    res = dec.decode(ps)
+    assert [r.tokens for r in res] == greedy and dec.K == 3 and dec.Kd == B
+    lengths = [n for r in res for n in r.block_lengths]
+    assert max(lengths) == 3 and all(len(r.accept_counts) == 2 for r in res)
+    assert dec.stats["mismatches"] == 0
+
+
+def test_batch_sequences_finish_independently(world):
+    """Per-sequence acceptance (perfect / corrupted / useless drafts side by side) and lengths
+    (an early eos for one prompt): batch 3 gives each prompt exactly its batch-1 decode."""
+    target, _, cfg, ps, greedy = world
+    eos = greedy[1][6]
+    want = [g[:g.index(eos) + 1] if eos in g else g for g in greedy]
+    plan = {0: None, 1: 2, 2: 0, 3: 1}                   # prompt -> corrupted draft slot
+
+    def hook(i, anchor, pos, offset=0):
+        i += offset
+        cont = want[i] + [0] * B
+        j = pos - len(ps[i])
+        assert cont[j] == anchor                        # the anchor is the last emitted token
+        d = cont[j + 1:j + B]
+        if plan[i] is not None:
+            d[plan[i]] = (d[plan[i]] + 1) % MASK
+        return d
+
+    kw = dict(block_size=B, eos=[eos])
+    batched = make(target, None, 3, draft_hook=hook, **kw).decode(ps)
+    alone = [make(target, None, 1, draft_hook=lambda i, a, p, o=o: hook(i, a, p, o), **kw)
+             .decode([ps[o]])[0] for o in range(len(ps))]
+    assert [r.tokens for r in batched] == want == [r.tokens for r in alone]
+    assert [r.block_lengths for r in batched] == [r.block_lengths for r in alone]
+    assert len(batched[1].tokens) < len(batched[0].tokens)      # eos ended prompt 1 early
+    assert batched[0].block_lengths[:-1] == [B] * (len(batched[0].block_lengths) - 1)
+    assert set(batched[2].block_lengths) == {1}                  # slot 1 always wrong
+    assert set(batched[1].accepted[:-1]) <= {2}
+
+
+def test_prompt_that_does_not_fit_is_one_clear_error(world):
+    from dflash.errors import DFlashError
+
+    target, drafter, *_ = world
+    with pytest.raises(DFlashError, match="prompt 1 has"):
+        make(target, drafter, 1).decode([[1, 2], list(range(60))])
+
+
+def test_compiled_regions_give_the_same_tokens(world):
+    """The compile path (every region through dynamo + AOTAutograd, as on CUDA) on CPU."""
+    target, drafter, cfg, ps, greedy = world
+    dec = make(target, drafter, 2, compile="aot_eager")
+    assert [r.tokens for r in dec.decode(ps[:2])] == greedy[:2]
+    from dflash.eval.decoder import _context_kv
+
+    assert dec._ctx is not _context_kv and "context_compile_error" not in dec.stats
+    assert dec.stats["mismatches"] == 0
+
+
+def test_sweep_rows_and_their_report_section(world, tmp_path):
+    """The bench stage's batch sweep on CPU (the same code as on CUDA, eager): per batch size
+    both engines and HF's static-cache generate, the lossless evidence, the report section and
+    the plot."""
+    from jinja2 import Environment, FileSystemLoader, StrictUndefined
+
+    from dflash.eval.report import fmt, write_plots
+    from dflash.eval.serving import goal, sweep
+    from tests.test_bench_tau import REPO
+
+    target, drafter, cfg, ps, greedy = world
+    r = sweep(target, drafter, ps[:3], 8, [V + 1], batches=(1, 2), min_prompts=3, pad_id=EOS,
+              log=lambda _: None)
+    rows = r.pop("batches")
+    assert [x["batch"] for x in rows] == [1, 2] and all(x["prompts"] == 3 for x in rows)
+    for x in rows:
+        assert x["hf_static"]["tokens"] == 3 * 8                 # no eos: every answer is full
+        assert x["target_only_tokens_per_s"] > 0 and x["speculative_tokens_per_s"] > 0
+        ev = x["lossless_evidence"]
+        assert ev["lossless"] and ev["identical_to_greedy"] == 3 and ev["emitted_not_argmax"] == 0
+    g = goal(rows[0])
+    assert g["speculative_over_tau_x_target_only"] == pytest.approx(
+        rows[0]["speculative_tokens_per_s"] / (rows[0]["tau"] * rows[0]["target_only_tokens_per_s"]))
+    tau = {"decode_speed": {"batches": rows, "set": "mtbench", "max_new_tokens": 8,
+                            "goal_batch1": g}, "sets": {}}
+    assert "decode_speed.png" in write_plots(tmp_path, [], tau)
+    env = Environment(loader=FileSystemLoader(REPO / "dflash" / "templates"),
+                      undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    src = env.loader.get_source(env, "report.md.j2")[0]
+    part = src[src.index("## Decoding speed"):src.index("## Step time")]
+    md = env.from_string(part).render(r={"acceptance": tau}, fmt=fmt)
+    assert md.count("| 3 | ") == 2 and "(goal ≥ 0.75)" in md and "| True |" in md
