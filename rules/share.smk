@@ -1,0 +1,27 @@
+# Upstream stages shared by content (dflash/sharing.py; functions in rules/common_share.smk):
+# the env, warmup and data rules run once per store key, results/.shared/<stage>-<key>/<stage>/;
+# `link_stage` makes each spec's results/<spec>/<stage>/ a folder of hard links to it (a local
+# job, well under a second), so train and bench read their inputs where they always did.
+wildcard_constraints:
+    key="[0-9a-f]{16}",
+
+
+localrules:
+    link_stage,
+
+
+rule link_stage:
+    input:
+        lambda wc: shared_manifest(wc.stage, link_key(wc)),
+    output:
+        f"{RESULTS}/{{spec}}/{{stage}}/manifest.json",
+    wildcard_constraints:
+        stage="|".join(SHARED_STAGES),
+    params:
+        # the store entry's manifest: remade there, it is relinked here (and what follows reruns)
+        checksum=lambda wc: _checksum(shared_manifest(wc.stage, link_key(wc))),
+        key=link_key,
+    log:
+        f"{LOGS}/{{spec}}/{{stage}}.log",  # the stage's own log, linked from the store's
+    run:
+        link_job(wildcards, params)
