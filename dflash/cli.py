@@ -19,6 +19,7 @@ STAGES = ("env", "warmup", "data", "train", "bench")
 TOOLS = {
     "audit": ("env.audit", "pinned vs live environment; non-zero on drift"),
     "check-env": ("env.drift", "this interpreter against results/<spec>/env; exit 1 on drift"),
+    "link": ("sharing", "results/<spec>/<stage> as hard links to a shared store entry"),
     "lock-from-freeze": ("env.freeze", "an adopt-mode lock from `pip list --format=freeze`"),
     "status": ("runtime.status", "live status of a training run"),
     "stress": ("runtime.stress", "race stress harness (gate on/off)"),
@@ -53,16 +54,16 @@ def validate(paths: list[str], devices: bool = True, show: bool = False) -> int:
     for path in paths:
         if Path(path).parent.name == "sweeps":
             sw = load_sweep(path)
-            specs = [a.spec for a in sw.arms]
+            specs = [(str(a.spec.path), a.spec) for a in sw.arms]
             print(f"ok: {path} (sweep '{sw.name}' on {sw.base}: {len(specs)} arms, "
                   f"{', '.join(sw.arm_names())})")
         else:
-            specs = [load_spec(path)]
-        for s in specs:
+            specs = [(path, load_spec(path))]
+        for where, s in specs:
             if devices:
                 check_devices(s)
             nodes = f" on each of {s.topology.nodes} nodes" if s.topology.nodes > 1 else ""
-            print(f"ok: {s.path} (spec '{s.name}', devices {', '.join(s.devices())}{nodes})")
+            print(f"ok: {where} (spec '{s.name}', devices {', '.join(s.devices())}{nodes})")
             if show:  # JSON first: tuples become lists, as YAML can dump them
                 print(yaml.safe_dump(json.loads(json.dumps(s.to_dict())), sort_keys=False))
     return 0

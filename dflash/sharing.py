@@ -17,6 +17,7 @@ Hard links need one filesystem for ``results/``; where the OS refuses one, the f
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import shutil
@@ -95,3 +96,24 @@ def link_stage(store: Path, stage: str, spec_results: Path,
         if Path(s).is_file():
             link_file(Path(s), Path(d))
     return n
+
+
+def main(argv: list[str]) -> int:
+    """``dflash link <store entry> <stage> <results/<spec>> [--also SRC DST]...``: the
+    link_stage job of rules/share.smk (SRC DST: the entry's log and benchmark, under the spec's
+    names; a missing SRC is skipped, a missing log is replaced by a line saying where it went)."""
+    ap = argparse.ArgumentParser(prog="dflash link", description=main.__doc__.split("\n")[0])
+    ap.add_argument("store")
+    ap.add_argument("stage", choices=SHARED_STAGES)
+    ap.add_argument("spec_results")
+    ap.add_argument("--log", help="the spec's log of the stage: a link to the entry's")
+    ap.add_argument("--also", nargs=2, action="append", default=[], metavar=("SRC", "DST"))
+    a = ap.parse_args(argv)
+    store = Path(a.store)
+    extras = tuple((Path(s), Path(d)) for s, d in a.also)
+    n = link_stage(store, a.stage, Path(a.spec_results), extras)
+    if a.log and not Path(a.log).is_file():
+        Path(a.log).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.log).write_text(f"linked from {store} (its log is gone)\n")
+    print(f"[link] {a.spec_results}/{a.stage}: {n} files linked from {store}", flush=True)
+    return 0

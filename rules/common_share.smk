@@ -7,7 +7,7 @@
 # fields (a γ sweep) run the data stage once.
 from types import SimpleNamespace
 
-from dflash.sharing import SHARED_STAGES, link_stage, share_key, store_root
+from dflash.sharing import SHARED_STAGES, share_key, store_root
 from dflash.sweeps import sweep_dir
 
 CODE = {st: code_hash(st) for st in SHARED_STAGES}
@@ -81,18 +81,30 @@ def shared_params(stage):
 
 
 
-def link_job(wc, params):
+def link_cmd():
     """The link_stage job: results/<spec>/<stage>/ = hard links to the store entry, and the
-    stage's log and Snakemake benchmark under the spec's names."""
-    k, st = params.key, wc.stage
-    link_stage(store_root(RESULTS, st, k), st, Path(RESULTS, wc.spec),
-               extras=((Path(LOGS, ".shared", f"{st}-{k}.log"), Path(LOGS, wc.spec, f"{st}.log")),
-                       (Path(BENCHMARKS, ".shared", f"{st}-{k}.tsv"),
-                        Path(BENCHMARKS, wc.spec, f"{st}.tsv"))))
-    log = Path(LOGS, wc.spec, f"{st}.log")
-    if not log.is_file():  # the store's log was removed: say where the stage's output is
-        log.parent.mkdir(parents=True, exist_ok=True)
-        log.write_text(f"linked from {store_root(RESULTS, st, k)} (its log is gone)\n")
+    entry's log and Snakemake benchmark under the spec's names (dflash/sharing.py main)."""
+    return ("{params.python:q} -m dflash link {params.store:q} {wildcards.stage:q} "
+            "{params.dest:q} --log {log:q} --also {params.src_log:q} {log:q} "
+            "--also {params.src_bench:q} {params.dst_bench:q}")
+
+
+def link_params():
+    """Strings, stable per (spec, stage): only the checksum changes, when the entry is remade."""
+    def entry(wc):
+        return store_root(RESULTS, wc.stage, link_key(wc))
+
+    return {
+        "python": python_for,
+        "key": link_key,
+        # the store entry's manifest: remade there, it is relinked here (and what follows reruns)
+        "checksum": lambda wc: _checksum(shared_manifest(wc.stage, link_key(wc))),
+        "store": lambda wc: str(entry(wc)),
+        "dest": lambda wc: str(Path(RESULTS, wc.spec)),
+        "src_log": lambda wc: str(Path(LOGS, ".shared", f"{wc.stage}-{link_key(wc)}.log")),
+        "src_bench": lambda wc: str(Path(BENCHMARKS, ".shared", f"{wc.stage}-{link_key(wc)}.tsv")),
+        "dst_bench": lambda wc: str(Path(BENCHMARKS, wc.spec, f"{wc.stage}.tsv")),
+    }
 
 
 def link_key(wc):

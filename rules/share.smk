@@ -18,10 +18,8 @@ rule link_stage:
     wildcard_constraints:
         stage="|".join(SHARED_STAGES),
     params:
-        # the store entry's manifest: remade there, it is relinked here (and what follows reruns)
-        checksum=lambda wc: _checksum(shared_manifest(wc.stage, link_key(wc))),
-        key=link_key,
+        **link_params(),
     log:
         f"{LOGS}/{{spec}}/{{stage}}.log",  # the stage's own log, linked from the store's
-    run:
-        link_job(wildcards, params)
+    shell:
+        link_cmd()  # a shell job: its params are read when it runs, after the store entry's

@@ -6,6 +6,10 @@ wildcard_constraints:
     sweep="|".join(SWEEPS) or "no-sweeps",
 
 
+localrules:
+    sweep_report,  # reads JSON, draws one plot: no cluster job
+
+
 rule sweep_report:
     input:
         reports=arm_files("bench/report.json"),

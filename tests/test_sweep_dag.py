@@ -34,7 +34,7 @@ def _all_jobs(out: str) -> dict[str, int]:
 def wf(tmp_path_factory, micro_spec):
     wf = copy_workflow(tmp_path_factory.mktemp("sweep"), [micro_spec])
     (wf / "sweeps").mkdir()
-    (wf / "sweeps" / "micro-lr.yaml").write_text(yaml.safe_dump(SWEEP))
+    (wf / "sweeps" / "micro-lr.yaml").write_text(yaml.safe_dump(SWEEP, sort_keys=False))
     r = snakemake(wf, "bench_micro-lr")
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
