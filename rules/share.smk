@@ -12,7 +12,9 @@ localrules:
 
 rule link_stage:
     input:
-        lambda wc: shared_manifest(wc.stage, link_key(wc)),
+        entry=lambda wc: shared_manifest(wc.stage, link_key(wc)),
+        # warmup/data: the spec's env too, so data_<spec> leaves results/<spec>/ as it always did
+        env=lambda wc: [] if wc.stage == "env" else f"{RESULTS}/{wc.spec}/env/manifest.json",
     output:
         f"{RESULTS}/{{spec}}/{{stage}}/manifest.json",
     wildcard_constraints:
