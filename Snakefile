@@ -20,6 +20,8 @@ validate(config, "config/config.schema.yaml")  # and fills its defaults
 
 
 include: "rules/common.smk"
+include: "rules/common_share.smk"
+include: "rules/share.smk"
 include: "rules/env.smk"
 include: "rules/warmup.smk"
 include: "rules/data.smk"
@@ -34,3 +36,4 @@ rule all:
 
 
 include: "rules/targets.smk"
+include: "rules/sweeps.smk"

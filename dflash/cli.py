@@ -21,14 +21,17 @@ STAGES = ("env", "warmup", "data", "train", "bench")
 TOOLS = {
     "audit": ("env.audit", "pinned vs live environment; non-zero on drift"),
     "check-env": ("env.drift", "this interpreter against results/<spec>/env; exit 1 on drift"),
+    "link": ("sharing", "results/<spec>/<stage> as hard links to a shared store entry"),
     "lock-from-freeze": ("env.freeze", "an adopt-mode lock from `pip list --format=freeze`"),
     "export-check": ("models.export_check", "is an exported drafter folder intact (checksums)"),
     "status": ("runtime.status", "live status of a training run"),
     "stress": ("runtime.stress", "race stress harness (gate on/off)"),
+    "sweep-report": ("stages.sweep", "one table and plot over a sweep's arms (sweeps/<name>.yaml)"),
 }
 
 
-def run_stage(name: str, spec_path: str, root: str = "results") -> dict:
+def run_stage(name: str, spec_path: str, root: str = "results", at: str | None = None,
+              env_at: str | None = None) -> dict:
     from .stages import begin
 
     if name == "train":  # topology.nodes > 1: this process becomes torchrun (dflash.runtime.launch)
@@ -37,7 +40,7 @@ def run_stage(name: str, spec_path: str, root: str = "results") -> dict:
 
         maybe_launch(spec_path, root)
         select_local_gpus()  # a simulated node's own GPUs, before anything touches CUDA
-    ctx = begin(spec_path, name, root)
+    ctx = begin(spec_path, name, root, at=at, env_at=env_at)
     return importlib.import_module(f"dflash.stages.{name}").run(ctx)
 
 
@@ -64,6 +67,36 @@ def _print_cache_budget(spec, root: str) -> None:
         check_budget(b, spec.path)
 
 
+def validate(paths: list[str], devices: bool = True, show: bool = False,
+             results: str = "results") -> int:
+    """`dflash validate`: each spec file, or each arm of a sweep file (under sweeps/)."""
+    import json
+    from pathlib import Path
+
+    import yaml
+
+    from .spec import check_devices, load_spec
+    from .sweeps import load_sweep
+
+    for path in paths:
+        if Path(path).parent.name == "sweeps":
+            sw = load_sweep(path)
+            specs = [(str(a.spec.path), a.spec) for a in sw.arms]
+            print(f"ok: {path} (sweep '{sw.name}' on {sw.base}: {len(specs)} arms, "
+                  f"{', '.join(sw.arm_names())})")
+        else:
+            specs = [(path, load_spec(path))]
+        for where, s in specs:
+            if devices:
+                check_devices(s)
+            nodes = f" on each of {s.topology.nodes} nodes" if s.topology.nodes > 1 else ""
+            print(f"ok: {where} (spec '{s.name}', devices {', '.join(s.devices())}{nodes})")
+            _print_cache_budget(s, results)
+            if show:  # JSON first: tuples become lists, as YAML can dump them
+                print(yaml.safe_dump(json.loads(json.dumps(s.to_dict())), sort_keys=False))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog="dflash", description=__doc__.split("\n")[0])
@@ -72,11 +105,17 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(s, help=f"run the {s} stage for a spec")
         p.add_argument("spec", help="specs/<name>.yaml")
         p.add_argument("--results", default="results", help="results root (default: results)")
-    p = sub.add_parser("validate", help="check a spec (schema, cross-field rules, devices)")
-    p.add_argument("specs", nargs="+")
+        p.add_argument("--at", help="the folder the stage writes its <stage>/ into "
+                       "(default: <results>/<spec>; Snakemake's shared store, dflash.sharing)")
+        p.add_argument("--env-at", help="the folder whose env/ the stage checks (default: --at)")
+    p = sub.add_parser("validate", help="check a spec or sweep (schema, cross-field rules, "
+                       "devices)")
+    p.add_argument("specs", nargs="+", help="specs/<name>.yaml or sweeps/<name>.yaml (every arm)")
     p.add_argument("--no-devices", action="store_true",
                    help="skip the check that the spec's devices exist here")
     p.add_argument("--results", default="results", help="results root (default: results)")
+    p.add_argument("--show", action="store_true",
+                   help="print each spec as validated: bases merged in, every default filled")
     for name, (_, hlp) in TOOLS.items():
         p = sub.add_parser(name, help=hlp, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
@@ -85,15 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         if a.cmd in TOOLS:
             return importlib.import_module(f"dflash.{TOOLS[a.cmd][0]}").main(argv[1:])
         if a.cmd == "validate":
-            from .spec import load_spec
-
-            for path in a.specs:
-                s = load_spec(path, check_devices_present=not a.no_devices)
-                nodes = f" on each of {s.topology.nodes} nodes" if s.topology.nodes > 1 else ""
-                print(f"ok: {path} (spec '{s.name}', devices {', '.join(s.devices())}{nodes})")
-                _print_cache_budget(s, a.results)
-            return 0
-        run_stage(a.cmd, a.spec, a.results)
+            return validate(a.specs, devices=not a.no_devices, show=a.show, results=a.results)
+        run_stage(a.cmd, a.spec, a.results, a.at, a.env_at)
         return 0
     except DFlashError as e:
         if getattr(e, "__cause__", None) is not None and a.cmd in STAGES:

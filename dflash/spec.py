@@ -123,6 +123,7 @@ class OptimSpec:
     max_steps: int | None
     grad_clip: float
     weight_decay: float
+    beta2: float
 
 
 @dataclass(frozen=True)
@@ -424,23 +425,23 @@ def parse_spec(data: Any, file: str = "<spec>") -> Spec:
 
 
 def load_spec(path: str | Path, check_devices_present: bool = False) -> Spec:
-    """Read, validate and (optionally) check that the spec's devices exist on this machine."""
+    """Read (with its ``base`` specs merged in, :mod:`dflash.inherit`), validate and
+    (optionally) check that the spec's devices exist on this machine."""
+    from .inherit import attribute, resolve
+
     path = Path(path)
     file = str(path)
-    if not path.is_file():
-        raise SpecError(f"{file}: spec file not found")
+    data, prov, bases = resolve(path)
+    if bases:  # a null over a base's value with a null default: absent (data.source/sources)
+        data = _absent_nulls(data, schema())
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise SpecError(f"{file}: not valid YAML{at}: {getattr(e, 'problem', e)}") from None
-    except UnicodeDecodeError as e:
-        raise SpecError(f"{file}: not a UTF-8 text file ({e.reason})") from None
-    spec = parse_spec(data, file)
+        spec = parse_spec(data, file)
+    except SpecError as e:
+        raise attribute(e, file, prov, bases) from None
     if spec.name != path.stem:
         raise SpecError(f"{file}: field 'name': {spec.name!r} must equal the file stem "
-                        f"{path.stem!r} (it names results/<name>/)")
+                        f"{path.stem!r} (it names results/<name>/"
+                        + ("; a spec with a base sets its own name)" if bases else ")"))
     if check_devices_present:
         check_devices(spec)
     return spec

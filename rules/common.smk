@@ -34,6 +34,22 @@ RESULTS = config["results"]
 LOGS = config["logs"]
 BENCHMARKS = config["benchmarks"]
 SLURM = config["slurm"]  # profiles/slurm: jobs go to a SLURM cluster (see device_resources)
+
+
+def _load_sweep_arms():
+    """sweeps/<name>.yaml: each arm becomes a spec (dflash/sweeps.py), its merged file written
+    under results/<sweep>.sweep/specs/ for the stages to read; rules/sweeps.smk adds bench_<sweep>."""
+    from dflash.sweeps import load_sweeps
+
+    try:
+        sweeps, files = load_sweeps(Path(workflow.basedir, "sweeps"), RESULTS, SPECS)
+    except DFlashError as e:
+        raise WorkflowError(str(e)) from None
+    SPECS.update({a.name: a.spec for sw in sweeps.values() for a in sw.arms})
+    return sweeps, {name: str(path) for name, path in files.items()}
+
+
+SWEEPS, SPEC_FILES = _load_sweep_arms()
 wildcard_constraints:
     spec="|".join(SPECS) or "no-specs",
 
@@ -90,7 +106,11 @@ def intact(stage):
     in a dry run (`snakemake -n` shows it), with no --forcerun."""
 
     def f(wc):
-        said = check_output(Path(RESULTS, wc.spec, stage, "manifest.json"), stage)
+        if hasattr(wc, "key"):  # a store entry shared by content (rules/share.smk)
+            path = Path(shared_manifest(stage, wc.key))
+        else:
+            path = Path(RESULTS, wc.spec, stage, "manifest.json")
+        said = check_output(path, stage)
         if said:
             print(said, file=sys.stderr)
         return []
@@ -99,7 +119,7 @@ def intact(stage):
 
 
 def spec_file(wc):
-    return f"specs/{wc.spec}.yaml"
+    return SPEC_FILES.get(wc.spec, f"specs/{wc.spec}.yaml")  # a sweep arm: its merged file
 
 
 def stage_cmd(stage, launch=False):

@@ -1,21 +1,18 @@
-# Stage 3: real prompts -> target-regenerated responses -> token ids (resumable).
+# Stage 3: real prompts -> target-regenerated responses -> token ids (resumable). One job per
+# store key (rules/share.smk): a γ or lr sweep generates its data once.
 rule data:
     input:
         intact=intact("data"),  # damaged output -> set aside -> rerun
-        env=f"{RESULTS}/{{spec}}/env/manifest.json",
+        env=shared_env("data"),
     output:
-        f"{RESULTS}/{{spec}}/data/manifest.json",
+        shared_manifest("data"),
     params:
-        spec=spec_file,  # a param, not an input: only the fields below decide reruns
-        python=python_for,
-        upstream=upstream("env"),
-        fields=spec_params("data"),
-        code=code_hash("data"),
+        **shared_params("data"),  # the spec's data fields, code, the env manifest's checksum
     resources:
-        **device_resources(),
+        **shared_resources("data"),
     log:
-        f"{LOGS}/{{spec}}/data.log",
+        f"{LOGS}/.shared/data-{{key}}.log",
     benchmark:
-        f"{BENCHMARKS}/{{spec}}/data.tsv",
+        f"{BENCHMARKS}/.shared/data-{{key}}.tsv",
     shell:
-        stage_cmd("data")
+        shared_stage_cmd("data")

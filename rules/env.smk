@@ -1,20 +1,17 @@
-# Stage 1: build (or adopt) the pinned environment and record it.
+# Stage 1: build (or adopt) the pinned environment and record it. One job per store key
+# (rules/share.smk): every spec with the same env fields and lock shares it.
 rule env:
     input:
         intact=intact("env"),  # damaged output -> set aside -> rerun
     output:
-        f"{RESULTS}/{{spec}}/env/manifest.json",
+        shared_manifest("env"),
     params:
-        spec=spec_file,  # a param, not an input: only the fields below decide reruns
-        python=python_for,
-        lock_sha=lock_sha,  # content of the lock: an edit reruns everything, a touch nothing
-        fields=spec_params("env"),
-        code=code_hash("env"),
+        **shared_params("env"),  # spec fields, code, lock content (a touch reruns nothing)
     resources:
-        **device_resources(),
+        **shared_resources("env"),
     log:
-        f"{LOGS}/{{spec}}/env.log",
+        f"{LOGS}/.shared/env-{{key}}.log",
     benchmark:
-        f"{BENCHMARKS}/{{spec}}/env.tsv",
+        f"{BENCHMARKS}/.shared/env-{{key}}.tsv",
     shell:
-        stage_cmd("env")
+        shared_stage_cmd("env")

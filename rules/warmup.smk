@@ -1,21 +1,18 @@
-# Stage 2: compile every shape bucket on every drafter device once, and record it.
+# Stage 2: compile every shape bucket on every drafter device once, and record it. One job per
+# store key (rules/share.smk): specs that differ in training fields only share it.
 rule warmup:
     input:
         intact=intact("warmup"),  # damaged output -> set aside -> rerun
-        env=f"{RESULTS}/{{spec}}/env/manifest.json",
+        env=shared_env("warmup"),
     output:
-        f"{RESULTS}/{{spec}}/warmup/manifest.json",
+        shared_manifest("warmup"),
     params:
-        spec=spec_file,  # a param, not an input: only the fields below decide reruns
-        python=python_for,
-        upstream=upstream("env"),
-        fields=spec_params("warmup"),
-        code=code_hash("warmup"),
+        **shared_params("warmup"),  # the spec's shape fields, code, the env manifest's checksum
     resources:
-        **device_resources(),
+        **shared_resources("warmup"),
     log:
-        f"{LOGS}/{{spec}}/warmup.log",
+        f"{LOGS}/.shared/warmup-{{key}}.log",
     benchmark:
-        f"{BENCHMARKS}/{{spec}}/warmup.tsv",
+        f"{BENCHMARKS}/.shared/warmup-{{key}}.tsv",
     shell:
-        stage_cmd("warmup")
+        shared_stage_cmd("warmup")

@@ -25,21 +25,26 @@ def results_dir(spec: Spec, root: str | Path = "results") -> Path:
     return Path(root) / spec.name
 
 
-def begin(spec_path: str | Path, stage: str, root: str | Path = "results") -> StageContext:
-    """Validate the spec (devices included) and refuse to run on a drifted environment."""
+def begin(spec_path: str | Path, stage: str, root: str | Path = "results",
+          at: str | Path | None = None, env_at: str | Path | None = None) -> StageContext:
+    """Validate the spec (devices included) and refuse to run on a drifted environment.
+
+    ``at``: the results folder the stage writes its ``<stage>/`` into (default
+    ``root/<spec>``); ``env_at``: the one whose ``env/`` it checks (default ``at``). Snakemake
+    points both into the shared store for env, warm-up and data (:mod:`dflash.sharing`)."""
     from ..env.drift import check_env
     from ..manifest import read_manifest
 
     if stage == "env":  # it checks the devices itself, without torch (build mode has none)
         spec = load_spec(spec_path)
-        return StageContext(spec=spec, results=results_dir(spec, root))
+        return StageContext(spec=spec, results=Path(at) if at else results_dir(spec, root))
     spec = load_spec(spec_path, check_devices_present=True)
-    rdir = results_dir(spec, root)
-    checked = check_env(rdir)
+    rdir = Path(at) if at else results_dir(spec, root)
+    env_root = Path(env_at) if env_at else rdir
+    checked = check_env(env_root)
     drift = checked["drift"] if checked["drift_allowed"] else []
-    env = read_manifest(rdir / "env" / "manifest.json", "env")
+    env = read_manifest(env_root / "env" / "manifest.json", "env")
     print(f"[{stage}] spec {spec.path} · env {checked['env_fingerprint']} verified"
           + (f" · DRIFT OVERRIDDEN: {len(drift)} items" if drift else ""), flush=True)
     return StageContext(spec=spec, results=rdir, env_manifest=env,
                         env_fingerprint=checked["env_fingerprint"], drift=drift)
-

@@ -68,7 +68,7 @@ class DrafterReplica:
                         else lm_head_weight.to(device=device, dtype=self.compute_dtype))
         self.params = [p for p in self.model.parameters()]
         o = optim
-        self.opt = torch.optim.AdamW(self.params, lr=o.lr, betas=(0.9, 0.95),
+        self.opt = torch.optim.AdamW(self.params, lr=o.lr, betas=(0.9, o.beta2),
                                      weight_decay=o.weight_decay, foreach=True)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lr_lambda(total_steps, o.warmup_ratio))

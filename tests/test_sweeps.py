@@ -1,0 +1,203 @@
+"""Spec inheritance (dflash.inherit), sweep files (dflash.sweeps) and the shared-stage store's
+hard links (dflash.sharing), without running a stage: seconds in all."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dflash.errors import SpecError, StaleArtifact
+from dflash.runtime.harness import REPO
+from dflash.sharing import link_stage, share_key
+from dflash.spec import load_spec
+from dflash.sweeps import load_sweep, load_sweeps, materialise
+
+MICRO = REPO / "tests" / "specs" / "micro.yaml"
+
+
+@pytest.fixture
+def specs(tmp_path) -> Path:
+    d = tmp_path / "specs"
+    d.mkdir()
+    (d / "micro.yaml").write_text(MICRO.read_text())
+    return d
+
+
+def _write(path: Path, doc: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def test_child_spec_is_the_base_deep_merged(specs):
+    child = _write(specs / "child.yaml", {"base": "micro", "name": "child",
+                                         "loss": {"gamma": 2.5}, "optim": {"lr": 3e-4}})
+    base, spec = load_spec(specs / "micro.yaml"), load_spec(child)
+    assert spec.name == "child" and spec.loss.gamma == 2.5 and spec.optim.lr == 3e-4
+    # everything else is the base's, siblings of an overridden key included (deep merge)
+    assert spec.optim.max_steps == base.optim.max_steps == 6
+    assert spec.to_dict() | {"name": "micro", "loss": base.to_dict()["loss"],
+                             "optim": base.to_dict()["optim"]} == base.to_dict()
+    # same data and shape fields: the child shares the base's data and warm-up stages
+    for st in ("env", "warmup", "data"):
+        assert spec.fingerprint(st) == base.fingerprint(st), st
+    assert spec.fingerprint("train") != base.fingerprint("train")
+
+
+def test_chained_bases_and_a_null_that_swaps_a_pair(specs):
+    _write(specs / "mid.yaml", {"base": "micro.yaml", "name": "mid", "drafter": {"block_size": 8}})
+    leaf = _write(specs / "leaf.yaml", {
+        "base": "mid", "name": "leaf",
+        "optim": {"max_steps": None, "epochs": 1},           # switch the budget
+        "data": {"source": None, "sources": [{"source": "chatterbot-corpus", "count": 12}]}})
+    s = load_spec(leaf)
+    assert s.drafter.block_size == 8 and s.optim.epochs == 1 and s.optim.max_steps is None
+    assert s.data.source is None and s.data.sources[0].count == 12
+
+
+@pytest.mark.parametrize("doc, where, what", [
+    # the child's own field: the child is named
+    ({"loss": {"gamma": -1}}, "child.yaml: field 'loss.gamma'", "minimum of 0"),
+    ({"optim": {"lrr": 1}}, "child.yaml: unknown field 'optim.lrr'", "did you mean 'lr'"),
+    # a cross-field rule whose field the base set: the base is named, as the child's base
+    ({"drafter": {"block_size": 256}}, "micro.yaml (base of ",
+     "field 'batching.num_buckets'"),
+    ({"base": "nope"}, "child.yaml: field 'base'", "not found"),
+    ({"base": "child"}, "child.yaml: field 'base'", "cycle"),
+    ({"base": 3}, "child.yaml: field 'base'", "must be a spec name"),
+    ({"name": "micro"}, "child.yaml: field 'name'", "a spec with a base sets its own name"),
+])
+def test_child_errors_name_the_file_and_field(specs, doc, where, what):
+    child = _write(specs / "child.yaml", {"base": "micro", "name": "child", **doc})
+    with pytest.raises(SpecError) as e:
+        load_spec(child)
+    assert where in str(e.value) and what in str(e.value), str(e.value)
+
+
+def test_broken_base_is_named_with_its_child(specs):
+    (specs / "bad.yaml").write_text("name: bad\nloss: [\n")
+    child = _write(specs / "child.yaml", {"base": "bad", "name": "child"})
+    with pytest.raises(SpecError) as e:
+        load_spec(child)
+    msg = str(e.value)
+    assert msg.startswith(f"{specs / 'bad.yaml'}: not valid YAML") and "the base of" in msg
+
+
+def test_validate_show_prints_the_merged_spec(specs):
+    child = _write(specs / "child.yaml", {"base": "micro", "name": "child", "loss": {"gamma": 3}})
+    r = subprocess.run([sys.executable, "-m", "dflash", "validate", "--show", str(child)],
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stderr
+    shown = yaml.safe_load(r.stdout.split("\n", 1)[1])
+    assert shown["name"] == "child" and shown["loss"] == {"gamma": 3}
+    assert shown["target"]["model"] == "llama-micro"       # from the base
+    assert shown["optim"]["beta2"] == 0.95                  # a schema default, filled in
+    assert "base" not in shown
+
+
+def _sweep(tmp_path: Path, doc: dict, name: str = "sw") -> Path:
+    return _write(tmp_path / "sweeps" / f"{name}.yaml", doc)
+
+
+def test_sweep_arms_grid_seeds_and_repeats(specs, tmp_path):
+    sw = load_sweep(_sweep(tmp_path, {
+        "base": "micro", "seed": 5, "overrides": {"optim": {"max_steps": 4}},
+        "arms": {"a": {"optim": {"lr": 3e-4}}, "b": {"optim": {"beta2": 0.999}, "seed": 9}},
+        "grid": {"loss.gamma": {"g2": 2, "g6": 6}, "optim.lr": {"hi": 2e-3}}}))
+    got = {a.arm: (a.name, a.seed) for a in sw.arms}
+    assert got == {"a": ("sw-a", 5), "b": ("sw-b", 9), "g2-hi": ("sw-g2-hi", 5),
+                   "g6-hi": ("sw-g6-hi", 5)}
+    by = {a.arm: a.spec for a in sw.arms}
+    assert by["a"].optim.lr == 3e-4 and by["a"].optim.max_steps == 4
+    assert by["b"].optim.beta2 == 0.999 and by["g6-hi"].loss.gamma == 6
+    assert by["g6-hi"].optim.lr == 2e-3
+    rep = load_sweep(_sweep(tmp_path, {"base": "micro", "repeats": 3, "arms": {"x": {}}}, "rp"))
+    assert [(a.name, a.seed) for a in rep.arms] == [("rp-x-r0", 0), ("rp-x-r1", 1),
+                                                    ("rp-x-r2", 2)]
+    # a different seed is a different data and warm-up key; a training field is not
+    assert rep.arms[0].spec.fingerprint("data") != rep.arms[1].spec.fingerprint("data")
+    assert by["a"].fingerprint("data") == by["g2-hi"].fingerprint("data")
+
+
+@pytest.mark.parametrize("doc, what", [
+    ({"base": "micro"}, "give 'arms' or 'grid'"),
+    ({"base": "nope", "arms": {"a": {}}}, "field 'base': base spec 'nope' not found"),
+    ({"base": "micro", "arms": {"A.b": {}}}, "field 'arms'"),
+    ({"base": "micro", "arms": {"a": {"optim": {"lr": -1}}}},
+     "sw.yaml arm 'a': field 'optim.lr'"),
+    ({"base": "micro", "arms": {"a": {"drafter": {"block_size": 256}}}},
+     "micro.yaml (base of "),
+    ({"base": "micro", "arms": {"a": {"name": "x"}}}, "arm 'a': field 'name'"),
+    ({"base": "micro", "arms": {"a" * 40: {}}}, "field 'arms'"),
+])
+def test_bad_sweeps_are_one_message_naming_file_arm_and_field(specs, tmp_path, doc, what):
+    with pytest.raises(SpecError) as e:
+        load_sweep(_sweep(tmp_path, doc))
+    assert what in str(e.value), str(e.value)
+
+
+def test_materialised_arms_load_as_specs_and_are_rewritten_only_on_change(specs, tmp_path):
+    sw = load_sweep(_sweep(tmp_path, {"base": "micro", "arms": {"a": {"loss": {"gamma": 3}}}}))
+    files = materialise(sw, tmp_path / "results")
+    path = files["sw-a"]
+    assert path == tmp_path / "results" / "sw.sweep" / "specs" / "sw-a.yaml"
+    assert load_spec(path) == sw.arms[0].spec
+    mtime = path.stat().st_mtime_ns
+    materialise(sw, tmp_path / "results")
+    assert path.stat().st_mtime_ns == mtime
+    # an arm that would shadow a spec is refused
+    _sweep(tmp_path, {"base": "micro", "arms": {"a": {}}}, "micro")
+    with pytest.raises(SpecError, match="also a spec's name"):
+        load_sweeps(tmp_path / "sweeps", tmp_path / "results", {"micro": None})
+
+
+def test_repo_sweeps_validate():
+    for p in sorted((REPO / "sweeps").glob("*.yaml")):
+        sw = load_sweep(p)
+        assert len(sw.arms) >= 2, p
+    recipe = {a.arm: a.spec for a in load_sweep(REPO / "sweeps" / "smollm2-recipe.yaml").arms}
+    assert recipe["gamma4"].loss.gamma == 4 and recipe["beta2-0999"].optim.beta2 == 0.999
+    assert {recipe[a].optim.lr for a in ("ref", "lr12e-4", "lr24e-4")} == {6e-4, 1.2e-3, 2.4e-3}
+    # every arm but the depth ones shares the base's one data and warm-up stage
+    assert len({s.fingerprint("data") for s in recipe.values()}) == 1
+    assert len({s.fingerprint("warmup") for k, s in recipe.items() if "depth" not in k}) == 1
+
+
+def test_store_links_survive_deleting_one_spec(tmp_path):
+    store = tmp_path / "results" / ".shared" / "data-k"
+    (store / "data" / "shards").mkdir(parents=True)
+    (store / "data" / "manifest.json").write_text('{"checksum": "c1"}')
+    (store / "data" / "dataset.parquet").write_bytes(b"x" * 100)
+    (store / "data" / "shards" / "part-0.parquet").write_bytes(b"y")
+    a, b = tmp_path / "results" / "a", tmp_path / "results" / "b"
+    assert link_stage(store, "data", a) == 3 and link_stage(store, "data", b) == 3
+    ds = store / "data" / "dataset.parquet"
+    assert os.path.samefile(a / "data" / "dataset.parquet", ds)
+    assert ds.stat().st_nlink == 3
+    import shutil
+
+    shutil.rmtree(a)                                   # one spec's results, deleted by hand
+    assert ds.read_bytes() == b"x" * 100 and (b / "data" / "dataset.parquet").is_file()
+    # the store rewritten (atomically: a new file): b keeps what it linked until relinked
+    tmp = ds.with_suffix(".tmp")
+    tmp.write_bytes(b"z")
+    os.replace(tmp, ds)
+    assert (b / "data" / "dataset.parquet").read_bytes() == b"x" * 100
+    link_stage(store, "data", b)
+    assert (b / "data" / "dataset.parquet").read_bytes() == b"z"
+    assert sorted(p.name for p in (b).iterdir()) == ["data"]     # no temp folders left
+    with pytest.raises(StaleArtifact, match="no manifest"):
+        link_stage(tmp_path / "nowhere", "data", b)
+
+
+def test_share_key_is_the_content():
+    k = share_key("data", {"data": {"max_prompts": 12}}, "code1", {"env": "e"})
+    assert k == share_key("data", {"data": {"max_prompts": 12}}, "code1", {"env": "e"})
+    assert len({k, share_key("data", {"data": {"max_prompts": 13}}, "code1", {"env": "e"}),
+                share_key("data", {"data": {"max_prompts": 12}}, "code2", {"env": "e"}),
+                share_key("data", {"data": {"max_prompts": 12}}, "code1", {"env": "f"}),
+                share_key("warmup", {"data": {"max_prompts": 12}}, "code1", {"env": "e"})}) == 5
