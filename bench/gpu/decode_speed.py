@@ -37,7 +37,10 @@ def random_models(device: str, drafter_layers: int, block: int):
                      max_position_embeddings=8192, bos_token_id=1, eos_token_id=2,
                      pad_token_id=2)
     target = LlamaForCausalLM(tc).to(device=device, dtype=torch.bfloat16).eval()
-    cfg = DFlashConfig.from_target_config(tc, drafter_layers, block, 49151)
+    from dflash.models.target import default_layer_ids
+
+    cfg = DFlashConfig.from_target_config(tc, drafter_layers, block, 49151,
+                                          default_layer_ids(30, drafter_layers))
     drafter = DFlashDrafter(cfg).to(device=device, dtype=torch.bfloat16).eval()
     return target, drafter, [2], 2
 
@@ -56,7 +59,8 @@ def real_models(spec_path: str, drafter_dir: str, device: str, n: int):
     from dflash.eval.evalsets import load_eval_sets
     from dflash.models.drafter import load_drafter
     from dflash.models.target import load_target
-    from dflash.spec import dtype_of, load_spec
+    from dflash.models.dtypes import dtype_of
+    from dflash.spec import load_spec
 
     spec = load_spec(spec_path, check_devices_present=False)
     tgt = load_target(spec.target, device, seed=spec.seed)
