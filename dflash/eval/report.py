@@ -97,8 +97,9 @@ def write_plots(out: Path, metrics: list[dict], tau: dict) -> list[str]:
         ax.set_yscale("log")
         ax.legend()
 
+    ds = tau.get("decode_speed") or {}
     plot("decode_speed.png", by_batch, None if speed else
-         f"decoding speed not measured: {(tau.get('decode_speed') or {}).get('skipped', no_tau)}",
+         f"decoding speed not measured: {ds.get('skipped') or ds.get('failed') or no_tau}",
          xlabel="batch size", ylabel="new tokens / s",
          title="Decoding speed by batch size (MT-Bench first turns)")
     return list(PLOTS)
