@@ -180,18 +180,20 @@ def rerun_command(stage: str, path: str | os.PathLike) -> str:
     return f"snakemake --cores all --forcerun {stage} bench_{spec}"
 
 
-def set_aside(manifest_path: str | os.PathLike, stage: str) -> str:
+def set_aside(manifest_path: str | os.PathLike, stage: str, spec: str | None = None) -> str:
     """Move a damaged manifest out of the way (kept as ``*.damaged``) so that Snakemake sees the
-    producer's output missing and reruns it; returns what to tell the user."""
+    producer's output missing and reruns it; returns what to tell the user. ``spec``: whose
+    target reruns it (default: the spec folder the manifest is in; a copy shared by content,
+    ``results/.shared/...``, has none of its own)."""
     path = Path(manifest_path)
     with contextlib.suppress(OSError):
         os.replace(path, path.with_name(path.name + ".damaged"))
-    spec = path.parent.parent.name
+    spec = spec or path.parent.parent.name
     return (f"set {path.name} aside as {path.name}.damaged, so Snakemake reruns the {stage} "
             f"stage: `snakemake --cores all bench_{spec}`")
 
 
-def check_output(path: str | os.PathLike, stage: str) -> str | None:
+def check_output(path: str | os.PathLike, stage: str, spec: str | None = None) -> str | None:
     """The producer's side of :func:`verify_files`, for Snakemake before it decides what to run
     (rules/common.smk): a present manifest that is tampered with, or whose files no longer
     match, is set aside, so its rule's output is missing and Snakemake reruns it. Returns the
@@ -204,15 +206,16 @@ def check_output(path: str | os.PathLike, stage: str) -> str | None:
     except (OSError, ValueError):
         body = None
     if not is_sealed(body):
-        return f"{path}: damaged (checksum mismatch); {set_aside(path, stage)}"
+        return f"{path}: damaged (checksum mismatch); {set_aside(path, stage, spec)}"
     try:
-        verify_files(body, path, stage)
+        verify_files(body, path, stage, spec)
     except StaleArtifact as e:
         return str(e)
     return None
 
 
-def verify_files(manifest: dict, path: str | os.PathLike, stage: str) -> None:
+def verify_files(manifest: dict, path: str | os.PathLike, stage: str,
+                 spec: str | None = None) -> None:
     """Check every file the manifest lists (``files``: path relative to the manifest's folder ->
     sha256); a missing or changed one is refused in one line and the manifest set aside."""
     path = Path(path)
@@ -222,7 +225,7 @@ def verify_files(manifest: dict, path: str | os.PathLike, stage: str) -> None:
         if found != want:
             what = "missing" if found is None else f"damaged (sha256 {found[:12]}…, its " \
                                                    f"manifest says {want[:12]}…)"
-            raise StaleArtifact(f"{f}: {what}; {set_aside(path, stage)}")
+            raise StaleArtifact(f"{f}: {what}; {set_aside(path, stage, spec)}")
 
 
 def read_manifest(path: str | os.PathLike, stage: str) -> dict:

@@ -107,10 +107,12 @@ def intact(stage):
 
     def f(wc):
         if hasattr(wc, "key"):  # a store entry shared by content (rules/share.smk)
-            path = Path(shared_manifest(stage, wc.key))
+            spec = SHARE_REP[stage][wc.key]
+            said = check_output(Path(shared_manifest(stage, wc.key)), stage, spec)
+            if said:  # what the user knows: their spec's folder, hard links to this copy
+                said += f" (results/{spec}/{stage}/ holds hard links to this shared copy)"
         else:
-            path = Path(RESULTS, wc.spec, stage, "manifest.json")
-        said = check_output(path, stage)
+            said = check_output(Path(RESULTS, wc.spec, stage, "manifest.json"), stage)
         if said:
             print(said, file=sys.stderr)
         return []
