@@ -26,7 +26,7 @@ def _sync(device: str) -> None:
 
 
 def measure(spec, anchors: int, device: str, steps: int, peak: float | None) -> dict:
-    from dflash.train.flops import drafter_flops_per_step
+    from dflash.train.flops import drafter_useful_flops
     from dflash.runtime.gate import get_gate, worker_thread_setup
     from dflash.models.masks import sample_anchors
     from dflash.spec import dtype_of
@@ -64,7 +64,8 @@ def measure(spec, anchors: int, device: str, steps: int, peak: float | None) -> 
             step()
         _sync(device)
         s = (time.perf_counter() - t) / steps
-        flops = drafter_flops_per_step(cfg, L, rep.num_slots(L) * rep.block_size, labelled)
+        # the bench stage's rule: context tokens + labelled positions (padded slots not useful)
+        flops = drafter_useful_flops(cfg, L, labelled)
         return {"anchors": anchors, "num_slots": rep.num_slots(L), "bucket": L,
                 "compile_s": round(compile_s, 1), "steps": steps, "s_per_step": round(s, 4),
                 "tokens_per_s_capacity": round(L / s, 1), "flops_per_step": flops,

@@ -172,7 +172,7 @@ def run(ctx: StageContext, on_shard: Callable[[int, Path], None] | None = None) 
 
     table = _merge(shard_dir, chunks, samples)
     manifest = _write(spec, data_dir, table, fingerprints, plan_fp, report, prompts, chunks,
-                      resumed, gen, time.time() - t0, per_source)
+                      resumed, gen, time.time() - t0, per_source, ctx.drift)
     log(f"wrote {data_dir / DATASET}: {table.num_rows} samples, "
          f"{manifest['tokens']['total_tokens']} tokens in {time.time() - t0:.1f}s")
     return manifest
@@ -338,7 +338,7 @@ def _merge(shard_dir: Path, chunks, samples):
 
 
 def _write(spec, data_dir: Path, table, fingerprints, plan_fp, report, prompts, chunks,
-           resumed, gen: dict, seconds, per_source: dict) -> dict:
+           resumed, gen: dict, seconds, per_source: dict, drift: list) -> dict:
     import pyarrow.parquet as pq
 
     d = spec.data
@@ -375,4 +375,5 @@ def _write(spec, data_dir: Path, table, fingerprints, plan_fp, report, prompts, 
         seed=spec.seed,
         dataset={"path": DATASET, "rows": table.num_rows, "sha256": sha256_file(out)},
         seconds=round(seconds, 2),
+        env_drift_overridden=drift,
     )
