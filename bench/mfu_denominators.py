@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parents[1]
 H200 = REPO / "bench" / "results" / "h200"
@@ -71,8 +70,7 @@ def main() -> None:
     for name, (rep, warm, train, metrics) in RUNS.items():
         report = json.loads((H200 / rep).read_text())
         cfg = json.loads((H200 / warm).read_text())["drafter_config"]
-        dcfg = DFlashConfig(**cfg) if hasattr(DFlashConfig, "__dataclass_fields__") \
-            else SimpleNamespace(**cfg)
+        dcfg = DFlashConfig(**cfg)
         steps = json.loads((H200 / train).read_text())["steady_state"]["steps"]
         rows = [json.loads(x) for x in (H200 / metrics).read_text().splitlines() if x.strip()]
         gpu = (report.get("hardware") or {}).get("gpus") or [{"name": "NVIDIA H200"}]

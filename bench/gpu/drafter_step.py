@@ -50,25 +50,27 @@ def measure(spec, anchors: int, device: str, steps: int, peak: float | None) -> 
         feats = torch.randn(1, L, feat_width, dtype=dtype_of(spec.target.dtype), device=device)
         blocks = sample_anchors(row, rep.num_slots(L), rep.block_size,
                                 torch.Generator().manual_seed(5), cfg.mask_token_id)
-        labelled = int((blocks.labels != -100).sum())
 
         def step():
-            gate.run(rep.signature(L), lambda: rep.forward_backward(row, feats, blocks))
+            res = gate.run(rep.signature(L), lambda: rep.forward_backward(row, feats, blocks))
             with gate.shared():
                 rep.clip_and_step()
+            return res
 
-        step()
+        first = step()
         _sync(device)
         t = time.perf_counter()
         for _ in range(steps):
             step()
         _sync(device)
         s = (time.perf_counter() - t) / steps
-        # the bench stage's rule: context tokens + labelled positions (padded slots not useful)
-        flops = drafter_useful_flops(cfg, L, labelled)
+        # the bench stage's rule, on the counts the training step itself reports (what the
+        # train stage logs as metrics "tokens" / "labelled"): padded slots are not useful
+        flops = drafter_useful_flops(cfg, first.tokens, first.labelled)
         return {"anchors": anchors, "num_slots": rep.num_slots(L), "bucket": L,
                 "compile_s": round(compile_s, 1), "steps": steps, "s_per_step": round(s, 4),
-                "tokens_per_s_capacity": round(L / s, 1), "flops_per_step": flops,
+                "tokens": first.tokens, "labelled": first.labelled,
+                "tokens_per_s_capacity": round(first.tokens / s, 1), "flops_per_step": flops,
                 "mfu_while_busy": round(flops / s / peak, 4) if peak else None}
 
     with ThreadPoolExecutor(1, initializer=worker_thread_setup) as pool:
