@@ -211,3 +211,53 @@ def test_stale_warmup_manifest_is_refused(wf):
                            env={**__import__("os").environ, "PYTHONPATH": str(wf)})
         assert r.returncode != 0
         assert "fingerprints.shape" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_drifted_env_is_refused_by_every_stage_and_the_override_recorded(wf, tmp_path):
+    """Pin another version of one package in the env manifest (as if the interpreter had been
+    upgraded under the run): warmup, data, train and bench each refuse to start, naming the
+    package with both versions and writing nothing; with DFLASH_ALLOW_DRIFT=1 each runs and
+    records what drifted in its manifest (the bench: its report.json and report.md)."""
+    import shutil
+    import subprocess
+    import sys
+
+    from dflash.manifest import read_manifest, write_manifest
+    from dflash.runtime.harness import stage_env
+
+    copy = tmp_path / "wf"
+    shutil.copytree(wf, copy, ignore=shutil.ignore_patterns(".snakemake", "__pycache__"))
+    res = copy / "results" / "micro"
+    env_path = res / "env" / "manifest.json"
+    env = read_manifest(env_path, "env")
+    pkg = "pyyaml" if "pyyaml" in env["pinned"] else sorted(env["pinned"])[0]
+    live = env["pinned"][pkg]
+    env["pinned"][pkg] = "0.0.1"
+    keep = {k: v for k, v in env.items() if k not in ("manifest_version", "stage",
+                                                      "created_unix", "fingerprints", "checksum")}
+    write_manifest(env_path, "env", fingerprints=env["fingerprints"], **keep)
+    outputs = {"warmup": res / "warmup" / "manifest.json", "data": res / "data" / "manifest.json",
+               "train": res / "train" / "manifest.json", "bench": res / "bench" / "report.json"}
+    before = {s: p.read_bytes() for s, p in outputs.items()}
+
+    def stage(name, **extra):
+        return subprocess.run([sys.executable, "-m", "dflash", name, "specs/micro.yaml"],
+                              cwd=copy, capture_output=True, text=True, timeout=600,
+                              env={**stage_env(copy), **extra})
+
+    for name in outputs:
+        r = stage(name)
+        assert r.returncode == 2, (name, r.stderr[-2000:])       # DFlashError, not a crash
+        assert f"{pkg}: pinned 0.0.1, found {live}" in r.stderr, (name, r.stderr[-2000:])
+        assert "environment drift" in r.stderr and "DFLASH_ALLOW_DRIFT=1 overrides" in r.stderr
+        assert "Traceback" not in r.stderr, name
+    assert {s: p.read_bytes() for s, p in outputs.items()} == before   # nothing written
+    want = [{"kind": "package", "name": pkg, "pinned": "0.0.1", "found": live}]
+    for name, path in outputs.items():
+        r = stage(name, DFLASH_ALLOW_DRIFT="1")
+        assert r.returncode == 0, (name, r.stderr[-3000:])
+        assert "proceeding DESPITE environment drift" in r.stderr, name
+        assert json.loads(path.read_text())["env_drift_overridden"] == want, name
+    md = (res / "bench" / "report.md").read_text()
+    assert f"environment drift overridden (`DFLASH_ALLOW_DRIFT=1`)**: {pkg} pinned 0.0.1, " \
+           f"found {live}" in md
