@@ -81,11 +81,19 @@ def test_full_dag_artifacts(wf):
     cfg = json.loads((res / "train" / "drafter" / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 4
     report = json.loads((res / "bench" / "report.json").read_text())
-    for key in ("tokens_per_s", "samples_per_s", "target_mfu", "drafter_mfu",
-                "target_busy_fraction", "step_time", "time_to_first_step_s",
-                "recompiles_after_warmup", "race_errors", "gate_wait_s", "tau", "peak"):
-        assert key in report, key
-    assert report["tokens_per_s"] > 0 and report["race_errors"] == 0
+    # values, not key presence: the throughput is the train stage's steady state, the MFUs
+    # are fractions of the measured CPU peak, the gate figures are the train manifest's
+    assert report["tokens_per_s"] == train["steady_state"]["tokens_per_s"] > 0
+    assert report["samples_per_s"] > 0 and report["race_errors"] == 0
+    assert 0.0 < report["target_mfu"] < 2.0 and 0.0 < report["drafter_mfu"] < 2.0
+    assert report["peak"]["device"] == "cpu" and report["peak"]["flops_per_s"] > 1e8
+    assert report["peak"]["datasheet"] is None and report["mfu_datasheet"] is None  # CPU
+    assert 0.0 < report["target_busy_fraction"] <= 1.0
+    assert report["step_time"]["steps"] == train["steps"]["run_now"]
+    assert report["time_to_first_step_s"] == train["time_to_first_step_s"] > 0
+    assert report["recompiles_after_warmup"] == 0 and report["gate_wait_s"] >= 0.0
+    assert report["tau"] is None and report["acceptance"]["skipped"]  # micro: eval_prompts 0
+    assert report["env_drift_overridden"] == []
     # sizing figures: per-worker rates, the anchor recommendation; the hardware says CPU
     bal = report["balance"]
     assert bal["target_tokens_per_s_per_gpu"] > 0 and bal["drafter_tokens_per_s_per_gpu"] > 0
