@@ -76,12 +76,17 @@ def test_evaluate_tau_report_and_markdown(tmp_path, exported):
                      eval_max_new_tokens=6, real_prompts=1)
     tau = evaluate_tau(spec, exported, "cpu", tmp_path)
     assert set(tau["sets"]) == {"mtbench", "humaneval", "heldout"}
-    assert tau["primary_set"] == "mtbench" and tau["tau"] >= 1.0
+    assert tau["primary_set"] == "mtbench" and tau["tau"] == tau["sets"]["mtbench"]["tau"]
+    for name, s in tau["sets"].items():             # τ is tokens over verification forwards
+        assert s["tau"] == s["tokens"] / s["forwards"] and 1.0 <= s["tau"] <= 16.0, name
     for name, s in tau["sets"].items():
         assert s["prompts"] == 2 and len(s["accept_rate_by_position"]) == 15, name
         assert ("real" in s) == (name == "mtbench"), name      # real decoding: first set only
     real = tau["sets"]["mtbench"]["real"]
     assert real["prompts"] == 1 and real["lossless"] is True and real["tokens_equal_simulated"] == 1
+    # real decoding (independent of the chain walk) ran the blocks the simulation predicted
+    assert real["blocks_equal_simulated"] == 1
+    assert real["tau"] == real["tau_simulated_same_prompts"]
     assert set(tau["sets"]["mtbench"]["tau_by_category"]) == {"writing"}
     assert tau["lossless"] is True
     report = {"acceptance": tau}
