@@ -185,6 +185,9 @@ def test_every_position_drafts_equal_single_block_drafts(world):
             assert torch.equal(draft_block(drafter, cfg, emb, head, s[a], a, cache=cache), ref)
 
 
+DTYPE_TAU_BAND = (1.7, 2.7)
+
+
 @pytest.mark.parametrize("tdt,ddt", list(itertools.product(DTYPES, DTYPES)),
                          ids=lambda d: str(d).removeprefix("torch."))
 def test_dtype_matrix(world, tdt, ddt):
@@ -199,8 +202,11 @@ def test_dtype_matrix(world, tdt, ddt):
     sets = [EvalSet("s", ps[:2], ["a", "b"])]
     out = evaluate_sets(target, drafter, emb, head, sets, 12, EOS, 1, "cpu", log=lambda _: None)
     r = out["s"]
-    assert r["tau"] >= 1.0 and math.isfinite(r["tau"]) and set(r["tau_by_category"]) == {"a", "b"}
-    assert r["real"]["tau"] >= 1.0 and r["real"]["prompts"] == 1
+    # the trained drafter is accepted in every dtype pair, not just "τ >= 1" (any drafter): τ
+    # measured 2.2 in all nine pairs (simulated and real) when this band was committed
+    assert DTYPE_TAU_BAND[0] <= r["tau"] <= DTYPE_TAU_BAND[1], r["tau"]
+    assert math.isfinite(r["tau"]) and set(r["tau_by_category"]) == {"a", "b"}
+    assert DTYPE_TAU_BAND[0] <= r["real"]["tau"] <= DTYPE_TAU_BAND[1] and r["real"]["prompts"] == 1
     if tdt == ddt == torch.float32:
         assert r["real"]["lossless"] and r["real"]["blocks_equal_simulated"] == 1
         assert r["tau"] > 1.5
