@@ -10,7 +10,8 @@ import torch
 
 from dflash.runtime import faults as fi
 from dflash.spec import load_spec
-from dflash.stages.train import EpochLedger, check_replicas
+from dflash.train.books import EpochLedger
+from dflash.train.trainer import check_replicas
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, Qwen3Config
 
+from dflash import settings
 from dflash.models.masks import (
     IGNORE_INDEX,
     PackedRow,
@@ -97,7 +98,7 @@ def test_config_from_llama_and_qwen3():
 @pytest.mark.parametrize("compiled", [
     False,
     pytest.param(True, marks=pytest.mark.skipif(
-        not os.environ.get("DFLASH_SLOW_TESTS"),
+        not settings.slow_tests(),
         reason="compiling flex_attention on CPU takes ~45 s cold; DFLASH_SLOW_TESTS=1")),
 ])
 def test_flex_equals_sdpa_forward(compiled):
@@ -271,7 +272,8 @@ def test_initial_loss_on_smollm2_is_the_mask_token_path_and_falls_fast():
     import math
 
     from dflash.data.generate import eos_ids_of
-    from dflash.eval.tau import greedy_continuations, heldout_prompts, target_features
+    from dflash.eval.evalsets import heldout_prompts
+    from dflash.eval.tau import greedy_continuations, target_features
     from dflash.models.drafter import RMSNorm
     from dflash.spec import load_spec
     from dflash.models.target import load_target, target_embeddings
