@@ -37,6 +37,7 @@ def main() -> None:
     import dflash.stages.data as data_stage
     from dflash.spec import load_spec
     from dflash.stages import StageContext
+    from dflash.train.flops import datasheet_peak
 
     spec = load_spec(a.spec)
     name = spec.name
@@ -44,6 +45,8 @@ def main() -> None:
     peak = dict(json.loads(a.peak.read_text())["peak"])
     peak["source"] = f"{a.peak} (measured on the same GPU kind in the same session)"
     gpus = (env.get("nvidia") or {}).get("gpus") or []
+    # the second MFU denominator: the datasheet dense peak of the run's GPU (its env record)
+    peak["datasheet"] = datasheet_peak(gpus[0] if gpus else None, peak["dtype"])
     work = Path(tempfile.mkdtemp(prefix="replay-")) / name
     (work / "train").mkdir(parents=True)
     shutil.copy(a.run / f"{name}__train__manifest.json", work / "train" / "manifest.json")

@@ -76,3 +76,17 @@ for rep in sorted(D.glob("*/*bench__report.json")):
         print(f"  {p['targets']} targets + {p['drafters']} drafters: {p['tokens_per_s']:>9,.0f} "
               f"tok/s ({p['tokens_per_s'] / p['targets']:,.0f} per target GPU); at the "
               f"recommended anchors {p['tokens_per_s_at_recommended_anchors']:,.0f}")
+
+# ---- every pipeline MFU over both denominators, the drafter recounted (bench/mfu_denominators.py)
+m = json.loads((D / "mfu_denominators.json").read_text())["runs"]
+print("\nMFU over the measured matmul peak / over the 989 TFLOP/s datasheet peak "
+      "(drafter: lm_head 2x; as reported: 3x)")
+for name, r in m.items():
+    cells = []
+    for k in ("target_mfu", "drafter_mfu", "drafter_mfu_while_busy"):
+        if k in r:
+            v = r[k]
+            cells.append(f"{k} {v['over_measured_peak']:.3f} / {v['over_datasheet_peak']:.3f} "
+                         f"(reported {v['committed_over_measured_peak']:.3f})")
+    print(f"  {name} (measured peak {r['measured_peak_flops_per_s'] / 1e12:.1f} TFLOP/s): "
+          + "; ".join(cells))

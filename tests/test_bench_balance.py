@@ -106,3 +106,32 @@ def test_report_md_shows_balance_and_hardware(h200_run):
     report["balance"] = {"skipped": "no steady-state steps or no busy times recorded"}
     md = render_report_md(report)
     assert "CPU run: no GPU in the topology" in md and "Skipped: no steady-state" in md
+
+
+def test_report_md_shows_both_mfu_denominators_and_overridden_drift():
+    """The committed H200 report rendered with today's fields: each MFU over the measured peak
+    and over the datasheet peak, and the drift a DFLASH_ALLOW_DRIFT=1 run went on with."""
+    from dflash.train.flops import datasheet_peak, mfu_against_datasheet
+
+    report = json.loads((H200 / "qwen3-8b-2gpu__bench__report.json").read_text())
+    report["peak"]["datasheet"] = datasheet_peak("NVIDIA H200", "bfloat16")
+    report.update(drafter_mfu_while_busy=0.44, final_draft_acc=None,
+                  balance={"skipped": "x"}, hardware=hardware_facts(["cpu"], {}),
+                  mfu_datasheet=mfu_against_datasheet(report["peak"], target_mfu=0.5,
+                                                      drafter_mfu=0.25,
+                                                      drafter_mfu_while_busy=0.44),
+                  env_drift_overridden=[{"kind": "package", "name": "pyyaml",
+                                         "pinned": "0.0.1", "found": "6.0.2"}])
+    md = render_report_md(report)
+    scale = report["peak"]["flops_per_s"] / 989e12
+    assert "| target MFU (over the measured peak) | 0.502 |" in md
+    assert "8192³ bfloat16 matmul on cuda:1) | 788,720,354,946,260 |" in md
+    assert ("over the datasheet peak (989,000,000,000,000 FLOP/s: NVIDIA H200 SXM datasheet"
+            in md)
+    assert f"| {0.5 * scale:.3g} / {0.25 * scale:.3g} ({0.44 * scale:.3g}) |" in md
+    assert "environment drift overridden (`DFLASH_ALLOW_DRIFT=1`)**: pyyaml pinned 0.0.1, " \
+           "found 6.0.2" in md
+    report.update(mfu_datasheet=None, env_drift_overridden=[])
+    md = render_report_md(report)
+    assert "| MFU over a datasheet peak | n/a (no datasheet entry" in md
+    assert "environment drift: none" in md

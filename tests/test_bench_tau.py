@@ -77,12 +77,17 @@ def test_evaluate_tau_report_and_markdown(tmp_path, exported):
                      eval_max_new_tokens=6, real_prompts=1)
     tau = evaluate_tau(spec, exported, "cpu", tmp_path)
     assert set(tau["sets"]) == {"mtbench", "humaneval", "heldout"}
-    assert tau["primary_set"] == "mtbench" and tau["tau"] >= 1.0
+    assert tau["primary_set"] == "mtbench" and tau["tau"] == tau["sets"]["mtbench"]["tau"]
+    for name, s in tau["sets"].items():             # τ is tokens over verification forwards
+        assert s["tau"] == s["tokens"] / s["forwards"] and 1.0 <= s["tau"] <= 16.0, name
     for name, s in tau["sets"].items():
         assert s["prompts"] == 2 and len(s["accept_rate_by_position"]) == 15, name
         assert ("real" in s) == (name == "mtbench"), name      # real decoding: first set only
     real = tau["sets"]["mtbench"]["real"]
     assert real["prompts"] == 1 and real["lossless"] is True and real["tokens_equal_simulated"] == 1
+    # real decoding (independent of the chain walk) ran the blocks the simulation predicted
+    assert real["blocks_equal_simulated"] == 1
+    assert real["tau"] == real["tau_simulated_same_prompts"]
     assert set(tau["sets"]["mtbench"]["tau_by_category"]) == {"writing"}
     assert tau["lossless"] is True
     report = {"acceptance": tau}
@@ -144,3 +149,48 @@ def test_tau_monitor_equals_simulated_tau_of_the_replica(tmp_path):
                    cfg.target_layer_ids, "cpu")
     assert mon.conts == sim["continuations"] and len(prompts) == 3
     assert got["tau"] == summarize(sim["chains"], cfg.block_size)["tau"] >= 1.0
+
+
+def test_tau_monitor_equals_real_decoding_of_a_trained_replica(tmp_path):
+    """The monitor against an independent computation: real speculative decoding (SmolLM2 run
+    step by step, its own features, the drafter's KV cache; τ = tokens after the prefill one
+    over verification forwards, no chain walk) of the same prompts, with a replica trained
+    through its own training step until some of its drafts are accepted."""
+    from dflash.data.generate import eos_ids_of
+    from dflash.eval.speculative import speculative_generate
+    from dflash.eval.tau import TauMonitor
+    from dflash.models.masks import PackedRow, sample_anchors
+    from dflash.models.target import load_target
+    from dflash.train.workers import drafter_config, initial_state, make_replicas
+
+    spec = spec_with(tmp_path).replace(
+        compile={"backend": "eager"}, drafter={"block_size": 4},
+        optim={"lr": 1e-2, "warmup_ratio": 0.0},
+        monitor={"tau_every_steps": 1, "tau_prompts": 3, "tau_max_new_tokens": 24})
+    cfg = drafter_config(spec)
+    rep = make_replicas(spec, cfg, initial_state(cfg, 0), 400)[0]
+    mon = TauMonitor(spec, tmp_path, "cpu", log=lambda _: None)
+    assert mon(rep)["tau"] == 1.0                       # untrained: no draft accepted
+    for step in range(12):
+        i = step % len(mon.seqs)
+        L = len(mon.seqs[i])
+        row = PackedRow(torch.tensor(mon.seqs[i]), torch.zeros(L, dtype=torch.long),
+                        torch.arange(L), torch.arange(L) >= mon.starts[i], [0])
+        rep.zero_grad()
+        rep.forward_backward(row, mon.feats[i][None],
+                             sample_anchors(row, L, cfg.block_size, None, cfg.mask_token_id))
+        rep.clip_and_step()
+    rep.model.eval()
+    got = mon(rep)["tau"]
+    tgt = load_target(spec.target, "cpu", seed=spec.seed)
+    tokens = forwards = 0
+    blocks = []
+    for seq, start, cont in zip(mon.seqs, mon.starts, mon.conts):
+        res = speculative_generate(tgt.model, rep.model, cfg, rep.embed, rep.lm_head,
+                                   torch.tensor(seq[:start]), spec.monitor.tau_max_new_tokens,
+                                   eos_ids_of(tgt))
+        assert res.tokens == list(cont)                 # lossless (fp32 CPU)
+        tokens, forwards = tokens + len(res.tokens) - 1, forwards + res.target_forwards
+        blocks += res.block_lengths
+    assert got == tokens / forwards
+    assert max(blocks) >= 2 and min(blocks) == 1, blocks  # accepted drafts, and rejected ones

@@ -64,12 +64,18 @@ def test_bench_report_has_every_field_and_tau(tiny):
     assert set(rep["step_time"]["busy_s_per_step"]) == {"target-0", "drafter-0", "drafter-1"}
     acc = rep["acceptance"]
     assert acc["lossless"] is True          # speculative greedy == target greedy, token for token
-    assert acc["tau"] >= 1.0 and len(acc["accept_rate_by_position"]) == 15
+    assert acc["tau"] == acc["sets"]["mtbench"]["tau"] and len(acc["accept_rate_by_position"]) == 15
     assert set(acc["sets"]) == {"mtbench", "humaneval", "heldout"}
-    for name, s in acc["sets"].items():
-        assert s["prompts"] == 6 and s["tau"] >= 1.0, name
+    for name, s in acc["sets"].items():      # τ is tokens over verification forwards, in [1, B]
+        assert s["prompts"] == 6 and s["tau"] == s["tokens"] / s["forwards"], name
+        assert 1.0 <= s["tau"] <= 16.0 and sum(s["tokens_per_forward_histogram"]) == \
+            s["forwards"], name
     real = acc["sets"]["mtbench"]["real"]
     assert real["lossless"] is True and real["tokens_equal_simulated"] == 2
+    # CPU float32: real decoding (no chain walk) ran exactly the simulated blocks
+    assert real["blocks_equal_simulated"] == 2
+    assert real["tau"] == real["tau_simulated_same_prompts"]
+    assert rep["env_drift_overridden"] == [] and rep["mfu_datasheet"] is None  # CPU: no datasheet
     for png in ("loss.png", "throughput.png", "acceptance.png", "tau_by_category.png"):
         assert (tiny / "results" / "tiny" / "bench" / png).stat().st_size > 1000
     cfg = _json(tiny / "results" / "tiny" / "train" / "drafter" / "config.json")

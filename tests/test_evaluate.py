@@ -184,6 +184,9 @@ def test_every_position_drafts_equal_single_block_drafts(world):
             assert torch.equal(draft_block(drafter, cfg, emb, head, s[a], a, cache=cache), ref)
 
 
+DTYPE_TAU_BAND = (1.7, 2.7)
+
+
 @pytest.mark.parametrize("tdt,ddt", list(itertools.product(DTYPES, DTYPES)),
                          ids=lambda d: str(d).removeprefix("torch."))
 def test_dtype_matrix(world, tdt, ddt):
@@ -198,8 +201,11 @@ def test_dtype_matrix(world, tdt, ddt):
     sets = [EvalSet("s", ps[:2], ["a", "b"])]
     out = evaluate_sets(target, drafter, emb, head, sets, 12, EOS, 1, "cpu", log=lambda _: None)
     r = out["s"]
-    assert r["tau"] >= 1.0 and math.isfinite(r["tau"]) and set(r["tau_by_category"]) == {"a", "b"}
-    assert r["real"]["tau"] >= 1.0 and r["real"]["prompts"] == 1
+    # the trained drafter is accepted in every dtype pair, not just "τ >= 1" (any drafter): τ
+    # measured 2.2 in all nine pairs (simulated and real) when this band was committed
+    assert DTYPE_TAU_BAND[0] <= r["tau"] <= DTYPE_TAU_BAND[1], r["tau"]
+    assert math.isfinite(r["tau"]) and set(r["tau_by_category"]) == {"a", "b"}
+    assert DTYPE_TAU_BAND[0] <= r["real"]["tau"] <= DTYPE_TAU_BAND[1] and r["real"]["prompts"] == 1
     if tdt == ddt == torch.float32:
         assert r["real"]["lossless"] and r["real"]["blocks_equal_simulated"] == 1
         assert r["tau"] > 1.5
@@ -236,3 +242,61 @@ def test_divergence_report_finds_the_first_difference():
     m[5] = 3.0                                            # a real difference: not lossless
     assert not lossless_evidence([wrong], [plain], 20, 0)["lossless"]
     assert not lossless_evidence([plain], [plain], 20, 1)["lossless"]   # a non-argmax token
+
+
+# ---------------------------------------------------------------------------------------------
+# τ values a broken drafter, walk or summary cannot reach (not just τ >= 1, which any drafter
+# gives: the bonus token)
+def _whole_blocks(conts, n_blocks=3):
+    """Each continuation cut to 1 + n·B tokens: the prefill token, then n whole blocks."""
+    cut = [c[:1 + n_blocks * B] for c in conts]
+    assert all(len(c) == 1 + n_blocks * B for c in cut), [len(c) for c in conts]
+    return cut
+
+
+def test_perfect_drafts_give_tau_block_size_exactly(world):
+    """Drafts that know the continuation: every block accepts its B-1 drafts + the bonus token,
+    simulated (the walk) and real (speculative decoding through the same draft hook)."""
+    target, cfg, ps, conts, _ = world
+    cut = _whole_blocks(conts)
+    sim = [walk_chain(d, c) for d, c in zip(oracle_drafts(cut), cut)]
+    s = summarize(sim, B)
+    assert s["tau"] == B and s["forwards"] == 3 * len(cut)
+    assert all(ch.produced == [B] * 3 and ch.accepted == [B - 1] * 3 for ch in sim)
+    assert s["accept_rate_by_position"] == [1.0] * (B - 1)
+    assert s["tokens_per_forward_histogram"] == [0] * B + [3 * len(cut)]
+    real = []
+    for p, c in zip(ps, cut):
+        res = speculative_generate(target, None, cfg, None, None, torch.tensor(p), len(c), [],
+                                   draft_fn=oracle_fn(len(p), c))
+        assert res.tokens == c
+        real.append(real_chain(res, len(res.tokens)))
+    assert summarize(real, B)["tau"] == B
+
+
+def test_drafts_wrong_at_the_first_slot_give_tau_one_exactly(world):
+    """Every first draft wrong: no draft is ever accepted, each forward yields the bonus token
+    only, so τ is exactly 1 (simulated and real) and the acceptance rate is 0 everywhere."""
+    target, cfg, ps, conts, _ = world
+    sim = [walk_chain(d, c) for d, c in zip(oracle_drafts(conts, corrupt_at=0), conts)]
+    s = summarize(sim, B)
+    assert s["tau"] == 1.0 and s["tokens"] == s["forwards"] == sum(len(c) - 1 for c in conts)
+    assert all(a == 0.0 for a in s["accept_rate_by_position"] if a is not None)
+    p, c = ps[0], conts[0]
+    res = speculative_generate(target, None, cfg, None, None, torch.tensor(p), 24, EOS,
+                               draft_fn=oracle_fn(len(p), c, corrupt_at=0))
+    assert res.tokens == c and summarize([real_chain(res, len(c))], B)["tau"] == 1.0
+
+
+# The briefly trained drafter of ``world`` (fp32, seeded): τ measured 2.71 on these four
+# prompts when this band was committed; a drafter or walk that halves acceptance (τ - 1 halves)
+# falls below it, one that accepts everything rises above it.
+TRAINED_TAU_BAND = (2.3, 3.1)
+
+
+def test_trained_drafter_tau_within_the_committed_band(world):
+    target, cfg, ps, conts, drafter = world
+    emb, head = target.get_input_embeddings().weight, target.lm_head.weight
+    sim = simulate(target, drafter, emb, head, ps, 24, EOS, cfg.target_layer_ids, "cpu")
+    tau = summarize(sim["chains"], B)["tau"]
+    assert TRAINED_TAU_BAND[0] <= tau <= TRAINED_TAU_BAND[1], tau

@@ -44,3 +44,10 @@ def test_expanded_projection(tmp_path):
     assert abs(eight["tokens_per_s"] - tokens) / tokens < 1e-3
     # halving the bytes (bf16) halves the bandwidth term and never lowers efficiency
     assert r["projection"]["bf16"][1]["efficiency"] >= eight["efficiency"]
+    # the drafter MFU shares the FLOP count's rule (lm_head 2x): the committed recount of the
+    # report it comes from, not the report's own lm_head-3x figure; the assumptions ride along
+    rc = json.loads((REPO / "bench/results/h200/mfu_denominators.json").read_text())
+    busy = rc["runs"]["qwen3-8b-2gpu-balanced"]["drafter_mfu_while_busy"]
+    assert r["drafter_step"]["mfu"] == busy["over_measured_peak"] < busy[
+        "committed_over_measured_peak"]
+    assert "by construction" in r["assumptions"]["efficiency"]

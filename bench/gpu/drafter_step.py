@@ -29,8 +29,8 @@ def measure(spec, anchors: int, device: str, steps: int, peak: float | None,
             prepare=None) -> dict:
     """``prepare(rep)``, when given, adjusts the replica before its warm-up (an A/B's arm)."""
     from dflash.models.dtypes import dtype_of
+    from dflash.train.flops import drafter_useful_flops
     from dflash.runtime.gate import get_gate, worker_thread_setup
-    from dflash.train.flops import drafter_flops_per_step
     from dflash.train.warm import synthetic_output, synthetic_row, warm_replica
     from dflash.train.workers import buckets, drafter_config, initial_state, make_replicas
 
@@ -52,25 +52,27 @@ def measure(spec, anchors: int, device: str, steps: int, peak: float | None,
         row = synthetic_row(L, cfg.vocab_size, seed=3, docs=8)
         feats = synthetic_output(rep, row, feat_width, dtype_of(spec.target.dtype))
         blocks = rep.anchors(row, 5)
-        labelled = int(rep.objective.supervised(blocks).sum())
 
         def step():
-            gate.run(rep.signature(L), lambda: rep.forward_backward(row, feats, blocks))
+            res = gate.run(rep.signature(L), lambda: rep.forward_backward(row, feats, blocks))
             with gate.shared():
                 rep.clip_and_step()
+            return res
 
-        step()
+        first = step()
         _sync(device)
         t = time.perf_counter()
         for _ in range(steps):
             step()
         _sync(device)
         s = (time.perf_counter() - t) / steps
-        flops = drafter_flops_per_step(cfg, L, rep.num_slots(L) * cfg.block_size, labelled)
+        # the bench stage's rule, on the counts the training step itself reports (what the
+        # train stage logs as metrics "tokens" / "labelled"): padded slots are not useful
+        flops = drafter_useful_flops(cfg, first.tokens, first.labelled)
         return {"anchors": anchors, "num_slots": rep.num_slots(L), "bucket": L,
-                "labelled": labelled,
                 "compile_s": round(compile_s, 1), "steps": steps, "s_per_step": round(s, 4),
-                "tokens_per_s_capacity": round(L / s, 1), "flops_per_step": flops,
+                "tokens": first.tokens, "labelled": first.labelled,
+                "tokens_per_s_capacity": round(first.tokens / s, 1), "flops_per_step": flops,
                 "mfu_while_busy": round(flops / s / peak, 4) if peak else None}
 
     with ThreadPoolExecutor(1, initializer=worker_thread_setup) as pool:

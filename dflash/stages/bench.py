@@ -25,8 +25,8 @@ from ..models.drafter import load_drafter, verify_export
 from ..models.target import hf_config, load_target, target_embeddings
 from ..runtime.status import by_role
 from ..models.dtypes import dtype_of
-from ..train.flops import (drafter_flops_per_step, measure_peak_flops, target_flops,
-                           worker_balance)
+from ..train.flops import (drafter_useful_flops, measure_peak_flops, mfu_against_datasheet,
+                           target_flops, worker_balance)
 from ..train.trainer import timed_run
 from ..train.workers import drafter_config
 from . import StageContext
@@ -202,8 +202,7 @@ def throughput(ctx: StageContext, source: dict, metrics: list[dict]) -> dict:
         ds_lengths = _doc_lengths_per_step(ctx, window)
         t_fl = sum(target_flops(tcfg, layers_run, d) for d in ds_lengths)
         # useful = labelled block positions (padded anchor slots are computed but not useful)
-        d_fl = sum(drafter_flops_per_step(dcfg, m["tokens"], m["labelled"], m["labelled"])
-                   for m in window)
+        d_fl = sum(drafter_useful_flops(dcfg, m["tokens"], m["labelled"]) for m in window)
         # CPU workers share one socket: the peak is the machine's, not per worker
         t_peak = peak["flops_per_s"] * (1 if on_cpu else n_t)
         d_peak = peak["flops_per_s"] * (1 if on_cpu else n_d)
@@ -220,9 +219,15 @@ def throughput(ctx: StageContext, source: dict, metrics: list[dict]) -> dict:
         else None,
         "target_mfu": target_mfu, "drafter_mfu": drafter_mfu,
         "drafter_mfu_while_busy": drafter_mfu_busy,
+        # the same three over the GPU's datasheet dense peak (None on CPU / unlisted GPUs)
+        "mfu_datasheet": mfu_against_datasheet(peak, target_mfu=target_mfu,
+                                               drafter_mfu=drafter_mfu,
+                                               drafter_mfu_while_busy=drafter_mfu_busy),
         "mfu_note": ("CPU: all workers share the machine; MFU is against the whole CPU's "
                      "measured fp32 matmul peak" if on_cpu
-                     else "per-GPU peak measured on the first drafter device × GPUs in role"),
+                     else "denominator: the per-GPU dense matmul peak measured on the first "
+                          "drafter device (measured peak) × GPUs in role; the datasheet row "
+                          "divides by the vendor's dense peak instead"),
         "peak": peak,
         "target_busy_fraction": (sum(target_busy) / len(target_busy)) if target_busy else None,
         "step_time": {"mean_s": steady.get("step_time_s"),
@@ -254,6 +259,8 @@ def run_facts(ctx: StageContext, source: dict) -> dict:
         "env": {k: ctx.env_manifest.get(k) for k in ("python", "torch", "transformers",
                                                      "triton", "cuda", "driver", "gpus")
                 if k in ctx.env_manifest},
+        # what differed from the pinned env when DFLASH_ALLOW_DRIFT=1 overrode the refusal
+        "env_drift_overridden": ctx.drift,
         "fingerprints": {"env": ctx.env_fingerprint, "spec_train": spec.fingerprint("train"),
                          "spec_shape": spec.fingerprint("warmup"),
                          "spec_bench": spec.fingerprint("bench")},

@@ -179,7 +179,7 @@ def run(ctx: StageContext) -> dict:
 
     table = _merge(shard_dir, chunks, samples)
     manifest = _write(spec, data_dir, table, fingerprints, plan_fp, report, prompts, chunks,
-                      resumed, gen, time.time() - t0, per_source)
+                      resumed, gen, time.time() - t0, per_source, ctx.drift)
     log(f"wrote {data_dir / DATASET}: {table.num_rows} samples, "
          f"{manifest['tokens']['total_tokens']} tokens in {time.time() - t0:.1f}s")
     return manifest
@@ -271,7 +271,7 @@ def _merge(shard_dir: Path, chunks, samples):
 
 
 def _write(spec, data_dir: Path, table, fingerprints, plan_fp, report, prompts, chunks,
-           resumed, gen: dict, seconds, per_source: dict) -> dict:
+           resumed, gen: dict, seconds, per_source: dict, drift: list) -> dict:
     import pyarrow.parquet as pq
 
     d = spec.data
@@ -310,4 +310,5 @@ def _write(spec, data_dir: Path, table, fingerprints, plan_fp, report, prompts, 
         dataset={"path": DATASET, "rows": table.num_rows, "sha256": sha},
         files={DATASET: sha},  # by content (dflash.manifest.verify_files)
         seconds=round(seconds, 2),
+        env_drift_overridden=drift,
     )

@@ -1,6 +1,9 @@
-"""FLOPs and the peak they are measured against: dense-matmul FLOP/s measured on the device in the
-same run (the MFU denominator, never a quoted number), and the useful FLOPs of the target's
-forward over packed documents and of a drafter training step."""
+"""FLOPs and the peaks they are divided by: dense-matmul FLOP/s measured on the device in the
+same run (the MFU denominator), the vendor's datasheet dense peak beside it (the denominator
+figures quoted elsewhere use), and the useful FLOPs of the target's forward over packed
+documents and of a drafter training step (one counting rule for the bench stage and the bench
+scripts: :func:`drafter_useful_flops`); and the anchor cost model the bench report's worker
+balance recommends ``batching.max_anchors`` from."""
 from __future__ import annotations
 
 import time
@@ -31,15 +34,36 @@ def best_seconds_per_call(fn, device: str, reps: int, warmup: int = 1, windows: 
     return best / reps
 
 
+# Dense (no 2:4 sparsity) tensor-core peaks from vendor datasheets, by a substring of
+# torch.cuda.get_device_name and the dtype: the second MFU denominator. Only GPUs this
+# project has run on; anything else has none (the report says n/a).
+DATASHEET_PEAKS = {
+    ("H200", "bfloat16"): (989e12, "NVIDIA H200 SXM datasheet: 989 TFLOP/s dense BF16 "
+                                   "(1,979 with sparsity)"),
+}
+
+
+def datasheet_peak(device_name: str | None, dtype: str) -> dict | None:
+    """The datasheet dense peak for a GPU name and dtype name, or None when not listed."""
+    for (gpu, dt), (flops, source) in DATASHEET_PEAKS.items():
+        if device_name and gpu in device_name and dt == dtype:
+            return {"flops_per_s": flops, "source": source}
+    return None
+
+
 def measure_peak_flops(device: str, dtype: torch.dtype) -> dict:
-    """Dense matmul FLOP/s on ``device`` right now (the MFU denominator, measured not quoted)."""
+    """Dense matmul FLOP/s on ``device`` right now (the MFU denominator, measured not quoted),
+    with the datasheet peak of that GPU and dtype beside it (``datasheet``, None if unlisted)."""
     n = 8192 if device.startswith("cuda") else 2048
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     reps = 20 if device.startswith("cuda") else 3
     per_call = best_seconds_per_call(lambda: a @ b, device, reps)
-    return {"device": device, "dtype": str(dtype).removeprefix("torch."), "n": n,
-            "flops_per_s": 2 * n ** 3 / per_call, "threads": torch.get_num_threads()}
+    name = torch.cuda.get_device_name(device) if device.startswith("cuda") else None
+    dt = str(dtype).removeprefix("torch.")
+    return {"device": device, "dtype": dt, "n": n,
+            "flops_per_s": 2 * n ** 3 / per_call, "threads": torch.get_num_threads(),
+            "datasheet": datasheet_peak(name, dt)}
 
 
 def _linear_params(cfg, layers: int) -> int:
@@ -61,17 +85,36 @@ def target_flops(tcfg, layers_run: int, doc_lengths: list[int]) -> float:
 
 
 def drafter_flops_per_step(dcfg, ctx_tokens: int, block_tokens: int, labelled: int) -> float:
-    """Useful training FLOPs of one replica step: the drafter's own layers forward + backward
-    (3× forward); the frozen LM head at the supervised positions forward + input gradient (2×
-    its forward: no weight gradient, and a recomputation is not useful work)."""
+    """Training FLOPs of one replica step: the trained layers and fc forward + backward (3×
+    forward: input and weight gradients); the frozen lm_head forward + input gradient only (2×:
+    no weight gradient; the recomputation of the checkpointed logits in backward is not
+    counted, as MFU counts the model's FLOPs, not the recomputed ones)."""
     n_feat = len(dcfg.target_layer_ids)
-    fwd = (2 * _linear_params(dcfg, dcfg.num_hidden_layers) * block_tokens
-           # K/V projections of the injected context in every layer
-           + 2 * ctx_tokens * dcfg.hidden_size * dcfg.head_dim * dcfg.num_key_value_heads * 2
-           * dcfg.num_hidden_layers
-           + 2 * ctx_tokens * n_feat * dcfg.hidden_size * dcfg.hidden_size)     # fc
-    head = 2 * labelled * dcfg.hidden_size * dcfg.vocab_size                   # lm_head
-    return 3 * fwd + 2 * head
+    trained = (2 * _linear_params(dcfg, dcfg.num_hidden_layers) * block_tokens
+               # K/V projections of the injected context in every layer
+               + 2 * ctx_tokens * dcfg.hidden_size * dcfg.head_dim * dcfg.num_key_value_heads
+               * 2 * dcfg.num_hidden_layers
+               + 2 * ctx_tokens * n_feat * dcfg.hidden_size * dcfg.hidden_size)   # fc
+    lm_head = 2 * labelled * dcfg.hidden_size * dcfg.vocab_size
+    return 3 * trained + 2 * lm_head
+
+
+def drafter_useful_flops(dcfg, ctx_tokens: int, labelled: int) -> float:
+    """The MFU numerator of a drafter step, the one rule the bench stage and the bench scripts
+    share: the context's tokens and the labelled block positions only (padded anchor slots and
+    each block's anchor position are computed but not useful)."""
+    return drafter_flops_per_step(dcfg, ctx_tokens, labelled, labelled)
+
+
+def mfu_against_datasheet(peak: dict, **mfu: float | None) -> dict | None:
+    """The MFUs ``mfu`` (each over the measured ``peak``) over the datasheet dense peak instead;
+    None when the GPU and dtype have no datasheet entry (CPU, unlisted GPUs)."""
+    ds = peak.get("datasheet")
+    if not ds:
+        return None
+    scale = peak["flops_per_s"] / ds["flops_per_s"]
+    return {"peak_flops_per_s": ds["flops_per_s"], "source": ds["source"],
+            **{k: (v * scale if v is not None else None) for k, v in mfu.items()}}
 
 
 # ---------------------------------------------------------------------------------------------
