@@ -38,6 +38,39 @@ def run_stage(name: str, spec_path: str, root: str = "results") -> dict:
     return importlib.import_module(f"dflash.stages.{name}").run(ctx)
 
 
+def validate(paths: list[str], check_devices: bool, results: str = "results") -> int:
+    """Check every spec given and report each (exit 2 if any fails): schema and cross-field
+    rules, the data checks that need no model, the devices (unless --no-devices), then the
+    budgets (memory per device, disk, rough time per stage) and the disk refusal."""
+    from pathlib import Path
+
+    from .spec import load_spec
+
+    # by name, like the stages: the CLI is in every stage's code closure (code_fingerprint)
+    check_data = importlib.import_module("dflash.data.check").check_data
+    bud = importlib.import_module("dflash.train.budget")
+    budget, check_disk, render = bud.budget, bud.check_disk, bud.render
+
+    failed = 0
+    for path in paths:
+        try:
+            s = load_spec(path, check_devices_present=check_devices)
+            check_data(s)
+            # the disk check is this machine's: skipped with the devices (a spec for elsewhere)
+            b = check_disk(s, Path(results)) if check_devices else budget(s, Path(results))
+        except DFlashError as e:
+            failed += 1
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            continue
+        nodes = f" on each of {s.topology.nodes} nodes" if s.topology.nodes > 1 else ""
+        print(f"ok: {path} (spec '{s.name}', devices {', '.join(s.devices())}{nodes})")
+        print("\n".join(render(b)), flush=True)
+    if len(paths) > 1:
+        print(f"{len(paths) - failed} of {len(paths)} specs ok", file=sys.stderr if failed
+              else sys.stdout)
+    return 2 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog="dflash", description=__doc__.split("\n")[0])
@@ -46,10 +79,13 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(s, help=f"run the {s} stage for a spec")
         p.add_argument("spec", help="specs/<name>.yaml")
         p.add_argument("--results", default="results", help="results root (default: results)")
-    p = sub.add_parser("validate", help="check a spec (schema, cross-field rules, devices)")
+    p = sub.add_parser("validate", help="check specs (schema, cross-field rules, data, devices) "
+                                        "and print their budgets")
     p.add_argument("specs", nargs="+")
     p.add_argument("--no-devices", action="store_true",
-                   help="skip the check that the spec's devices exist here")
+                   help="skip the check that the spec's devices exist here (e.g. a GPU spec "
+                        "on a CPU box)")
+    p.add_argument("--results", default="results", help="results root (default: results)")
     for name, (_, hlp) in TOOLS.items():
         p = sub.add_parser(name, help=hlp, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
@@ -58,13 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.cmd in TOOLS:
             return importlib.import_module(f"dflash.{TOOLS[a.cmd][0]}").main(argv[1:])
         if a.cmd == "validate":
-            from .spec import load_spec
-
-            for path in a.specs:
-                s = load_spec(path, check_devices_present=not a.no_devices)
-                nodes = f" on each of {s.topology.nodes} nodes" if s.topology.nodes > 1 else ""
-                print(f"ok: {path} (spec '{s.name}', devices {', '.join(s.devices())}{nodes})")
-            return 0
+            return validate(a.specs, not a.no_devices, a.results)
         run_stage(a.cmd, a.spec, a.results)
         return 0
     except DFlashError as e:

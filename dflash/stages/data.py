@@ -22,6 +22,7 @@ MT-Bench and HumanEval) is :mod:`dflash.data.sources`; docs/data.md has the deta
 """
 from __future__ import annotations
 
+import importlib
 import json
 import queue
 import shutil
@@ -145,8 +146,15 @@ def run(ctx: StageContext, on_shard: Callable[[int, Path], None] | None = None) 
     """
     from ..models.target import target_fingerprint
 
+    from ..data.check import check_data
+
+    # by name: the budget (model shapes, FLOPs) does not change the dataset, so it stays out of
+    # this stage's code closure (dflash.code_fingerprint): an edit to it reruns no data stage
+    check_disk = importlib.import_module("dflash.train.budget").check_disk
     spec = ctx.spec
     t0 = time.time()
+    check_data(spec)                      # the model-free checks again, with field path and file
+    check_disk(spec, ctx.results.parent)  # the run's disk budget fits, before any generation
     d = spec.data
     data_dir = ctx.results / "data"
     shard_dir = data_dir / SHARDS

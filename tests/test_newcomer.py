@@ -1,0 +1,164 @@
+"""A newcomer's first hour (issue #27): validate checks every spec and the data mistakes that need
+no model, a bad spec in specs/ refuses only its own targets, a stage's one-line error is printed
+once, budgets come before heavy work. Real CLI and real Snakemake (dry runs, one failing job)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dflash.data.check import check_data
+from dflash.errors import SpecError
+from dflash.runtime.harness import REPO, copy_workflow, snakemake
+from dflash.spec import parse_spec
+
+
+def dflash(*args, cwd: Path, **env) -> subprocess.CompletedProcess:
+    e = {**os.environ, "PYTHONPATH": str(REPO), **env}
+    return subprocess.run([sys.executable, "-m", "dflash", *map(str, args)], cwd=cwd, env=e,
+                          capture_output=True, text=True, timeout=300)
+
+
+def micro(tmp: Path, name: str = "micro", **data) -> Path:
+    d = yaml.safe_load((REPO / "tests" / "specs" / "micro.yaml").read_text())
+    d["name"] = name
+    if data:
+        d["data"] = {k: v for k, v in {**d["data"], **data}.items() if v is not None}
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(d))
+    return path
+
+
+def spec_of(path: Path):
+    return parse_spec(yaml.safe_load(path.read_text()), str(path))
+
+
+# ---------------------------------------------------------------------------------------------
+# data checks that need no model (dflash.data.check)
+# ---------------------------------------------------------------------------------------------
+def test_data_mistakes_name_the_spec_file_and_the_field_path(tmp_path):
+    def refused(path, *parts, read_files=True):
+        with pytest.raises(SpecError) as e:
+            check_data(spec_of(path), read_files=read_files)
+        for p in (str(path), *parts):
+            assert p in str(e.value), str(e.value)
+
+    missing = str(tmp_path / "nope.jsonl")
+    p = micro(tmp_path, source=None, sources=[{"source": "chatterbot-corpus", "count": 4},
+                                              {"source": missing}])
+    refused(p, "field 'data.sources[1].source'", "nope.jsonl not found", read_files=False)
+    p = micro(tmp_path, source=None, sources=[{"source": "chatterbot"}])
+    refused(p, "field 'data.sources[0].source'", "did you mean 'chatterbot-corpus'?",
+            read_files=False)
+    p = micro(tmp_path, source="chatterbot")
+    refused(p, "field 'data.source'", "did you mean 'chatterbot-corpus'?", read_files=False)
+    p = micro(tmp_path, source=None, max_prompts=12,
+              sources=[{"source": "chatterbot-corpus", "count": 10},
+                       {"source": "self-written", "count": 5}])
+    refused(p, "field 'data.sources'", "add up to 15, more than data.max_prompts 12",
+            read_files=False)
+    # a file that exists but does not parse: found only when files are read
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n" * 5)
+    p = micro(tmp_path, source=str(bad))
+    check_data(spec_of(p), read_files=False)
+    refused(p, "field 'data.source'", "invalid_json")
+    # a good mix passes both ways
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q {i}?"}]})
+                            + "\n" for i in range(8)))
+    p = micro(tmp_path, source=None, sources=[{"source": str(good), "count": 4},
+                                              {"source": "chatterbot-corpus"}])
+    check_data(spec_of(p))
+
+
+# ---------------------------------------------------------------------------------------------
+# dflash validate: every spec, each reported; budgets
+# ---------------------------------------------------------------------------------------------
+def test_validate_checks_every_spec_and_reports_each(tmp_path):
+    good = micro(tmp_path)
+    gpu = yaml.safe_load(good.read_text())
+    gpu.update(name="gpu", topology={"targets": ["cuda:0"], "drafters": ["cuda:1"]})
+    (tmp_path / "gpu.yaml").write_text(yaml.safe_dump(gpu))
+    bad = micro(tmp_path, "bad", source="chatterbot")
+    r = dflash("validate", tmp_path / "gpu.yaml", bad, good, cwd=tmp_path,
+               CUDA_VISIBLE_DEVICES="")
+    assert r.returncode == 2, r.stdout + r.stderr
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 2 and "missing here: cuda:0, cuda:1" in errors[0], r.stderr
+    assert "bad.yaml: field 'data.source'" in errors[1] and "Traceback" not in r.stderr
+    assert f"ok: {good}" in r.stdout and "1 of 3 specs ok" in r.stderr
+    # the budget of the good spec, per device, before any heavy work
+    assert "  memory cpu:" in r.stdout and "  disk:" in r.stdout, r.stdout
+    assert "checkpoints" in r.stdout and "train ~" in r.stdout, r.stdout
+    # --no-devices: the GPU spec passes (its budget names both GPUs); the bad one still fails
+    r = dflash("validate", "--no-devices", tmp_path / "gpu.yaml", good, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "memory cuda:0:" in r.stdout and "memory cuda:1:" in r.stdout
+
+
+def test_budget_items_and_the_disk_refusal(tmp_path):
+    from dflash.train import budget as bud
+
+    spec = spec_of(micro(tmp_path))
+    b = bud.budget(spec, tmp_path / "results")
+    assert set(b["disk"]) == {"dataset", "checkpoints", "exported drafter"}
+    s = bud.sizes(spec)
+    # checkpoints: (keep + 1) states of 12 bytes per drafter parameter (fp32 weights, Adam m, v)
+    assert b["disk"]["checkpoints"] == (spec.checkpoint.keep + 1) * s.drafter_params * 12
+    assert b["disk_total"] == sum(b["disk"].values()) and set(b["memory"]) == {"cpu"}
+    assert b["seconds"]["train"] > 0 and b["steps"] == 6
+    # the extension point: a new named item joins the total and the refusal
+    item = bud.Item("feature cache", lambda s: 10 ** 18)
+    bud.DISK.append(item)
+    try:
+        with pytest.raises(bud.BudgetError, match="feature cache 1000000000.00 GB.*free"):
+            bud.check_disk(spec, tmp_path / "results")
+    finally:
+        bud.DISK.remove(item)
+    bud.check_disk(spec, tmp_path / "results")
+
+
+# ---------------------------------------------------------------------------------------------
+# Snakemake: a bad spec refuses only its own targets; a stage's error is printed once
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def wf_bad(tmp_path_factory, micro_spec):
+    wf = copy_workflow(tmp_path_factory.mktemp("wf"), [micro_spec])
+    bad = yaml.safe_load(micro_spec.read_text())  # `cp specs/micro.yaml specs/my-first.yaml`
+    (wf / "specs" / "my-first.yaml").write_text(yaml.safe_dump(bad))
+    typo = dict(bad, name="typo", data=dict(bad["data"], source="chatterbot"))
+    (wf / "specs" / "typo.yaml").write_text(yaml.safe_dump(typo))
+    return wf
+
+
+def test_a_bad_spec_refuses_only_its_own_targets(wf_bad):
+    r = snakemake(wf_bad, "-n", "bench_micro", "--config", "default_spec=micro")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "resources: tmpdir=/tmp\n" in r.stdout + r.stderr  # CPU jobs: no gpu=0, cuda_N=0
+    for target, parts in (("bench_my-first", ["my-first.yaml", "field 'name'",
+                                              "must equal the file stem 'my-first'"]),
+                          ("data_typo", ["typo.yaml", "field 'data.source'",
+                                         "did you mean 'chatterbot-corpus'?"])):
+        r = snakemake(wf_bad, "-n", target)
+        out = r.stdout + r.stderr
+        assert r.returncode == 2, out[-2000:]
+        errors = [ln for ln in out.splitlines() if ln.startswith("error:")]
+        assert len(errors) == 1 and all(p in errors[0] for p in parts), out[-2000:]
+        assert "Traceback" not in out and "common.smk" not in out, out[-2000:]
+
+
+def test_a_stage_error_is_printed_once_without_rule_exception(wf_bad):
+    gpu = yaml.safe_load((wf_bad / "specs" / "micro.yaml").read_text())
+    gpu.update(name="gpu", topology={"targets": ["cuda:0"], "drafters": ["cuda:1"]})
+    (wf_bad / "specs" / "gpu.yaml").write_text(yaml.safe_dump(gpu))
+    r = snakemake(wf_bad, "env_gpu", env={"CUDA_VISIBLE_DEVICES": ""}, timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0
+    assert out.count("missing here: cuda:0, cuda:1") == 1, out[-3000:]
+    assert "RuleException" not in out and "CalledProcessError" not in out, out[-3000:]
