@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import traceback
 
@@ -71,7 +72,14 @@ def validate(paths: list[str], check_devices: bool, results: str = "results") ->
     return 2 if failed else 0
 
 
+# Third-party progress bars (GGUF conversion, weight loading, hub downloads) would fill every
+# stage's log; the stages print their own progress. TQDM_DISABLE=0 brings them back.
+QUIET_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+
 def main(argv: list[str] | None = None) -> int:
+    for k, v in QUIET_ENV.items():
+        os.environ.setdefault(k, v)
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog="dflash", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)

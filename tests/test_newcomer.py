@@ -162,3 +162,53 @@ def test_a_stage_error_is_printed_once_without_rule_exception(wf_bad):
     assert r.returncode != 0
     assert out.count("missing here: cuda:0, cuda:1") == 1, out[-3000:]
     assert "RuleException" not in out and "CalledProcessError" not in out, out[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# quiet, useful output: `dflash status` in every stage, the train line's elapsed time and ETA
+# ---------------------------------------------------------------------------------------------
+def test_status_works_during_every_stage(tmp_path, capsys):
+    from dflash.runtime.status import main
+
+    res, logs = tmp_path / "results" / "x", tmp_path / "logs" / "x"
+    (res / "env").mkdir(parents=True)
+    (res / "env" / "manifest.json").write_text(json.dumps({"seconds": 75.2}))
+    logs.mkdir(parents=True)
+    (logs / "data.log").write_text("[data] 40/96 samples · 1m02s elapsed, ETA 1m30s\n")
+    out = subprocess.run([sys.executable, "-m", "dflash", "status", str(res)], cwd=tmp_path,
+                         capture_output=True, text=True, env={**os.environ,
+                                                              "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[1].split() == ["env", "done", "in", "1m15s"]
+    assert lines[3].startswith("  data    running (log") and "40/96 samples" in lines[3]
+    assert lines[4].split() == ["train", "not", "started"]
+    (res / "train").mkdir()
+    (res / "train" / "status.json").write_text(json.dumps({
+        "phase": "training", "step": 10, "total_steps": 40, "elapsed_s": 30.0, "eta_s": 90.0,
+        "updated_unix": 0, "loss": 6.123456789, "busy": {"drafter-0": 0.912345}}))
+    assert main([str(res / "train")]) == 0  # the train folder works as well
+    out = capsys.readouterr().out
+    assert "step 10/40 · 30s elapsed, ETA 1m30s" in out, out
+    assert "loss             6.123\n" in out and "drafter-0=0.9123" in out, out  # rounded
+
+
+def test_train_status_line_has_elapsed_and_eta(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from dflash.runtime.status import StatusReporter
+
+    spec = SimpleNamespace(name="x")
+    rep = StatusReporter(tmp_path / "status.json", spec, total_steps=10)
+    for i in range(4):
+        rep.records.append((100.0 + 2.0 * i, i, 50, 1.0))  # 2 s per step
+    rep.state["step"] = 4
+    assert rep.eta_s() == pytest.approx(6 * 2.0)
+    gate = {"shared_wait_s": 0.0, "exclusive_wait_s": 0.0, "compiles": {"count": 0},
+            "recompiles_after_warmup": {"count": 0}, "race_errors": {"count": 0}}
+    pipe = SimpleNamespace(first_step_s={}, gate=SimpleNamespace(stats=lambda: gate),
+                           queue_depths=lambda: {}, busy_s={}, wait_s={})
+    rep.tick(pipe)
+    line = capsys.readouterr().out
+    assert line.startswith("[train] step 4/10 · ") and "elapsed, ETA 12s · " in line, line
+    assert json.loads((tmp_path / "status.json").read_text())["eta_s"] == 12.0
