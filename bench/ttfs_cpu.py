@@ -35,6 +35,7 @@ from pathlib import Path
 import yaml
 
 from dflash.runtime.harness import copy_workflow
+from dflash.runtime.status import by_role
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -113,7 +114,7 @@ def versions() -> dict:
 def train_figures(m: dict, wall: float) -> dict:
     """The manifest's time_to_first_step_s is warm start + the earliest first step of ANY worker,
     target workers included; the first drafter (training) step is added next to it."""
-    drafter_first = min(v for k, v in m["first_step_s"].items() if k.startswith("drafter"))
+    drafter_first = min(by_role(m["first_step_s"], "drafter").values())
     return {"time_to_first_step_s": m["time_to_first_step_s"],
             "time_to_first_drafter_step_s": round(m["warm_start"]["seconds"] + drafter_first, 3),
             "warm_start_s": m["warm_start"]["seconds"],

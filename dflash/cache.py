@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from . import settings
+
 
 def cache_root() -> Path:
-    return Path(os.environ.get("DFLASH_CACHE", ".cache/dflash")).resolve()
+    return Path(settings.cache_root()).resolve()
 
 
 def compile_cache_dir(env_fingerprint: str) -> Path:

@@ -11,6 +11,7 @@ sys.path.insert(0, workflow.basedir)  # the dflash package lives beside this Sna
 from dflash.code_fingerprint import stage_code_fingerprint
 from dflash.data.check import check_data
 from dflash.errors import DFlashError
+from dflash.eval.report import PLOTS
 from dflash.manifest import sha256_file
 from dflash.spec import load_spec
 
@@ -235,13 +236,10 @@ def stage_cmd(stage, launch=False):
             f" 2>&1 | tee {{log:q}}")
 
 
-# dflash.stages.bench.PLOTS
-PLOTS = ("loss", "throughput", "draft_accuracy", "tau_training", "acceptance", "tau_by_category")
-
-
 def bench_outputs(spec):
+    """The bench stage's outputs: the report and the ONE plot list (dflash.eval.report.PLOTS)."""
     return [f"{RESULTS}/{spec}/bench/report.json", f"{RESULTS}/{spec}/bench/report.md"] + [
-        f"{RESULTS}/{spec}/bench/{p}.png" for p in PLOTS]
+        f"{RESULTS}/{spec}/bench/{p}" for p in PLOTS]
 
 
 def default_outputs(wc):

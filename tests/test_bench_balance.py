@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from dflash.env.facts import hardware_facts
+from dflash.eval.report import render_report_md
 from dflash.spec import load_spec
-from dflash.stages.bench import (drafter_cost, hardware_facts, project_tokens_per_s,
-                                 render_report_md, worker_balance)
+from dflash.train.flops import drafter_cost, project_tokens_per_s, worker_balance
 from dflash.train.workers import drafter_config
 
 REPO = Path(__file__).resolve().parents[1]

@@ -70,7 +70,8 @@ def test_eval_sets_mtbench_categories_humaneval_heldout(tmp_path):
 def test_evaluate_tau_report_and_markdown(tmp_path, exported):
     from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
-    from dflash.stages.bench import _fmt, _plots, evaluate_tau
+    from dflash.eval.report import fmt, write_plots
+    from dflash.stages.bench import evaluate_tau
 
     spec = spec_with(tmp_path, eval_sets=["mtbench", "humaneval", "heldout"], eval_prompts=2,
                      eval_max_new_tokens=6, real_prompts=1)
@@ -87,15 +88,15 @@ def test_evaluate_tau_report_and_markdown(tmp_path, exported):
     report = {"acceptance": tau}
     # every declared plot is written (a report output of the bench rule); without training
     # steps, loss and throughput say so instead of plotting
-    assert _plots(tmp_path, [], tau) == ["loss.png", "throughput.png", "draft_accuracy.png",
-                                         "tau_training.png", "acceptance.png",
-                                         "tau_by_category.png"]
-    assert all((tmp_path / p).stat().st_size > 1000 for p in _plots(tmp_path, [], tau))
+    assert write_plots(tmp_path, [], tau) == ["loss.png", "throughput.png",
+                                              "draft_accuracy.png", "tau_training.png",
+                                              "acceptance.png", "tau_by_category.png"]
+    assert all((tmp_path / p).stat().st_size > 1000 for p in write_plots(tmp_path, [], tau))
     env = Environment(loader=FileSystemLoader(REPO / "dflash" / "templates"),
                       undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     src = env.loader.get_source(env, "report.md.j2")[0]
     part = src[src.index("## Acceptance length"):src.index("## Step time")]
-    md = env.from_string(part).render(r=report, fmt=_fmt)
+    md = env.from_string(part).render(r=report, fmt=fmt)
     assert "| mtbench | 2 |" in md and "| humaneval | 2 |" in md and "writing" in md
 
 

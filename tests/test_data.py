@@ -13,6 +13,7 @@ from dflash.data.dataset import load_dataset
 from dflash.errors import DFlashError, StaleArtifact
 from dflash.data.prompts import load_mtbench, render_prompt
 from dflash.spec import parse_spec
+from dflash.runtime import faults
 from dflash.stages import StageContext
 from dflash.stages import data as data_stage
 
@@ -29,7 +30,11 @@ def make_spec(**data_overrides):
 
 
 def run_data(spec, results, on_shard=None) -> dict:
-    return data_stage.run(StageContext(spec=spec, results=Path(results)), on_shard=on_shard)
+    ctx = StageContext(spec=spec, results=Path(results))
+    if on_shard is None:
+        return data_stage.run(ctx)
+    with faults.on_shard(on_shard):  # the stage is exactly run(ctx); the hook goes through faults
+        return data_stage.run(ctx)
 
 
 class Recorder:

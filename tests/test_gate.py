@@ -154,8 +154,8 @@ def test_pending_writer_bounded_wait_under_continuous_readers():
     assert max(waits) < 0.25, waits  # bounded by one reader hold (10 ms) + scheduling, not starved
     assert during >= 20, during
     st_ = g.stats()
-    assert st_["exclusive_entries"] == 70
-    assert st_["exclusive_wait_s"] > 0 and st_["exclusive_hold_s"] > 0
+    assert st_.exclusive_entries == 70
+    assert st_.exclusive_wait_s > 0 and st_.exclusive_hold_s > 0
 
 
 def test_poisoned_fx_flag_raises_on_shared():
@@ -216,7 +216,7 @@ def test_classify_real_fx_nested_error():
     assert classify_error(ValueError("x")).startswith("ValueError")
     g = Gate()
     g.note_race_error(ei.value)
-    assert g.stats()["race_errors"] == {"count": 1, "by_class": {FX_NESTED: 1}}
+    assert g.stats().race_by_class == {FX_NESTED: 1} and g.stats().race_errors == 1
 
 
 def test_dynamo_config_is_per_thread_and_stance_is_global():
@@ -258,10 +258,10 @@ def test_run_compiles_once_then_refuses_recompile_and_retries_exclusive():
         x = torch.randn(4, 8)
         r1 = g.run(sig, lambda: cf(x))
         s1 = g.stats()
-        assert s1["compiles"]["count"] == 1 and s1["exclusive_entries"] == 1 and s1["shared_entries"] == 0
-        assert s1["compiles"]["list"][0]["sig"] == sig and s1["compiles"]["list"][0]["seconds"] > 0
+        assert len(s1.compiles) == 1 and s1.exclusive_entries == 1 and s1.shared_entries == 0
+        assert s1.compiles[0]["sig"] == sig and s1.compiles[0]["seconds"] > 0
         r2 = g.run(sig, lambda: cf(x))
-        assert g.stats()["shared_entries"] == 1 and g.stats()["compiles"]["count"] == 1
+        assert g.stats().shared_entries == 1 and len(g.stats().compiles) == 1
         g.mark_warm()
         assert _stance() == "fail_on_recompile"
         # proof the stance really refuses, before any work, in shared:
@@ -283,17 +283,17 @@ def test_run_compiles_once_then_refuses_recompile_and_retries_exclusive():
         assert torch.allclose(out, y.sin() * 2)
         assert _stance() == "fail_on_recompile"  # restored after the exclusive retry
         s = g.stats()
-        rc = s["recompiles_after_warmup"]
-        assert rc["count"] == 1 and rc["sigs"] == [sig]
-        assert "triggered by" in rc["reasons"][0]  # dynamo's guard failure: the why, kept
-        assert s["compiles"]["count"] == 1
+        assert s.recompiles_after_warmup == 1 and s.recompile_sigs == (sig,)
+        assert "triggered by" in s.recompile_reasons[0]  # dynamo's guard failure: the why, kept
+        assert s.summary()["recompile_sigs"] == [repr(sig)]  # the manifests' record of it
+        assert len(s.compiles) == 1
         out2, c2 = g.run(sig, lambda: cf(y))  # now warm: shared, no refusal
-        assert c2 and g.stats()["recompiles_after_warmup"]["count"] == 1
+        assert c2 and g.stats().recompiles_after_warmup == 1
         assert r1[1] and r2[1]
         # a brand-new sig after warmup goes straight to exclusive and counts as a compile
         z = torch.randn(6, 8)
         _, c3 = g.run(("f", "cpu", (6, 8)), lambda: cf(z))
-        assert c3 and g.stats()["compiles"]["count"] == 2 and g.stats()["compiles"]["list"][1]["warm"]
+        assert c3 and len(g.stats().compiles) == 2 and g.stats().compiles[1]["warm"]
 
     try:
         _in_thread(body)
@@ -364,13 +364,13 @@ def test_nogate_is_a_recording_pass_through():
                 pass
     g.mark_warm()
     st = g.stats()
-    assert st["enabled"] is False and st["warm"] is True
-    assert st["compiles"]["count"] == 1 and st["exclusive_entries"] == 0
+    assert st.enabled is False and st.warm is True
+    assert len(st.compiles) == 1 and st.exclusive_entries == 0
     with pytest.raises(RuntimeError):
         g.run(("bad",), lambda: (_ for _ in ()).throw(
             RuntimeError("Detected that you are using FX to symbolically trace a "
                          "dynamo-optimized function")))
-    assert g.stats()["race_errors"]["count"] == 1
+    assert g.stats().race_errors == 1
     out = subprocess.run([sys.executable, "-c", "from dflash.runtime.gate import get_gate; "
                           "print(type(get_gate()).__name__)"], capture_output=True, text=True,
                          env={**__import__("os").environ, "DFLASH_GATE": "off"}, check=True)

@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, Qwen3Config
 
+from dflash import settings
 from dflash.models.masks import (
     IGNORE_INDEX,
     PackedRow,
@@ -97,7 +98,7 @@ def test_config_from_llama_and_qwen3():
 @pytest.mark.parametrize("compiled", [
     False,
     pytest.param(True, marks=pytest.mark.skipif(
-        not os.environ.get("DFLASH_SLOW_TESTS"),
+        not settings.slow_tests(),
         reason="compiling flex_attention on CPU takes ~45 s cold; DFLASH_SLOW_TESTS=1")),
 ])
 def test_flex_equals_sdpa_forward(compiled):

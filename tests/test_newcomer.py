@@ -204,10 +204,10 @@ def test_train_status_line_has_elapsed_and_eta(tmp_path, capsys):
         rep.records.append((100.0 + 2.0 * i, i, 50, 1.0))  # 2 s per step
     rep.state["step"] = 4
     assert rep.eta_s() == pytest.approx(6 * 2.0)
-    gate = {"shared_wait_s": 0.0, "exclusive_wait_s": 0.0, "compiles": {"count": 0},
-            "recompiles_after_warmup": {"count": 0}, "race_errors": {"count": 0}}
-    pipe = SimpleNamespace(first_step_s={}, gate=SimpleNamespace(stats=lambda: gate),
-                           queue_depths=lambda: {}, busy_s={}, wait_s={})
+    from dflash.runtime.gate import Gate
+
+    pipe = SimpleNamespace(first_step_s={}, gate=Gate(), queue_depths=lambda: {}, busy_s={},
+                           wait_s={})
     rep.tick(pipe)
     line = capsys.readouterr().out
     assert line.startswith("[train] step 4/10 · ") and "elapsed, ETA 12s · " in line, line

@@ -8,12 +8,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .. import settings
 from ..errors import DFlashError, EnvDrift
 from ..manifest import read_manifest, sha256_file
 from .facts import PROBE_ONLY, STACK_KEYS, key_stack, live_env
 from .lock import version_matches
 
-ALLOW_DRIFT_VAR = "DFLASH_ALLOW_DRIFT"
+ALLOW_DRIFT_VAR = settings.ALLOW_DRIFT
 
 
 def diff_pins(pins: dict[str, dict], facts: dict) -> list[dict]:
@@ -67,7 +68,7 @@ def format_drift(drift: list[dict]) -> str:
 
 
 def allow_drift() -> bool:
-    return os.environ.get(ALLOW_DRIFT_VAR, "").strip().lower() in ("1", "true", "yes")
+    return settings.allow_drift()
 
 
 def warn_drift(msg: str) -> None:

@@ -20,14 +20,44 @@ STACK_KEYS = ("python", "torch", "cuda", "cudnn", "nccl", "triton", "transformer
 PROBE_ONLY = ("cudnn", "nccl")            # known only after `import torch`
 
 
-def _collect_facts(probe_torch: bool = True, allow_subprocess: bool = True) -> dict:
+def nvidia_probe(allow_subprocess: bool = True) -> tuple[str | None, list[str]]:
+    """The NVIDIA driver version and GPU model names: the driver's /proc files, else nvidia-smi.
+    Stdlib only and self-contained (its source runs in other interpreters, :func:`live_env`)."""
     import glob
+    import re
+    import shutil
+    import subprocess
+
+    driver, gpus = None, []
+    try:
+        txt = open("/proc/driver/nvidia/version").read()
+        m = re.search(r"Kernel Module.*?\s(\d+\.\d+(?:\.\d+)?)\s", txt)
+        driver = m.group(1) if m else None
+        for info in sorted(glob.glob("/proc/driver/nvidia/gpus/*/information")):
+            m = re.search(r"^Model:\s*(.+)$", open(info).read(), re.M)
+            if m:
+                gpus.append(m.group(1).strip())
+    except OSError:
+        pass
+    if (driver is None or not gpus) and allow_subprocess and shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,name",
+                                  "--format=csv,noheader"], capture_output=True, text=True,
+                                 timeout=30).stdout
+            rows = [r.split(",", 1) for r in out.strip().splitlines() if "," in r]
+            if rows:
+                driver = driver or rows[0][0].strip()
+                gpus = gpus or [r[1].strip() for r in rows]
+        except Exception:
+            pass
+    return driver, gpus
+
+
+def _collect_facts(probe_torch: bool = True, allow_subprocess: bool = True) -> dict:
     import importlib.metadata as md
     import os
     import platform
     import re
-    import shutil
-    import subprocess
     import sys
 
     pkgs: dict = {}
@@ -71,28 +101,7 @@ def _collect_facts(probe_torch: bool = True, allow_subprocess: bool = True) -> d
                         pass
             except Exception as e:              # a broken torch is a fact worth recording
                 torch["error"] = f"{type(e).__name__}: {e}"
-    driver, gpus = None, []
-    try:
-        txt = open("/proc/driver/nvidia/version").read()
-        m = re.search(r"Kernel Module.*?\s(\d+\.\d+(?:\.\d+)?)\s", txt)
-        driver = m.group(1) if m else None
-        for info in sorted(glob.glob("/proc/driver/nvidia/gpus/*/information")):
-            m = re.search(r"^Model:\s*(.+)$", open(info).read(), re.M)
-            if m:
-                gpus.append(m.group(1).strip())
-    except OSError:
-        pass
-    if (driver is None or not gpus) and allow_subprocess and shutil.which("nvidia-smi"):
-        try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,name",
-                                  "--format=csv,noheader"], capture_output=True, text=True,
-                                 timeout=30).stdout
-            rows = [r.split(",", 1) for r in out.strip().splitlines() if "," in r]
-            if rows:
-                driver = driver or rows[0][0].strip()
-                gpus = gpus or [r[1].strip() for r in rows]
-        except Exception:
-            pass
+    driver, gpus = nvidia_probe(allow_subprocess)
     return {
         "interpreter": sys.executable, "prefix": sys.prefix, "base_prefix": sys.base_prefix,
         "python": platform.python_version(), "implementation": platform.python_implementation(),
@@ -114,7 +123,8 @@ def live_env(python: str | None = None, probe_torch: bool = True) -> dict:
         return _collect_facts(probe_torch=probe_torch)
     if not (os.path.isfile(python) and os.access(python, os.X_OK)):
         raise LockError(f"{python}: not an executable python interpreter")
-    src = (inspect.getsource(_collect_facts) + "\nimport json\n"
+    src = (inspect.getsource(nvidia_probe) + inspect.getsource(_collect_facts)
+           + "\nimport json\n"
            f"print('@@FACTS@@' + json.dumps(_collect_facts(probe_torch={bool(probe_torch)})))\n")
     try:
         p = subprocess.run([python, "-c", src], capture_output=True, text=True, timeout=300)
@@ -155,3 +165,28 @@ def found_devices() -> list[str]:
         if vis is not None:
             n = min(n, len([x for x in vis.split(",") if x.strip()]))
         return ["cpu"] + [f"cuda:{i}" for i in range(n)]
+
+
+def hardware_facts(devices: list[str], env_manifest: dict) -> dict:
+    """The GPUs the run used: model name per topology device, their count, the NVIDIA driver
+    (the env stage's record of this machine, else :func:`nvidia_probe`). CPU runs say so."""
+    gpus = sorted({d for d in devices if d.startswith("cuda")},
+                  key=lambda d: int(d.partition(":")[2] or 0))
+    if not gpus:
+        return {"accelerator": "cpu", "gpu_count": 0, "gpus": [], "driver": None,
+                "note": "CPU run: no GPU in the topology"}
+    import torch
+
+    names = []
+    for d in gpus:
+        try:
+            names.append({"device": d, "name": torch.cuda.get_device_name(torch.device(d))})
+        except Exception as e:  # noqa: BLE001 - a report field, not a reason to fail the bench
+            names.append({"device": d, "name": None, "error": f"{type(e).__name__}: {e}"})
+    driver, source = (env_manifest.get("nvidia") or {}).get("driver"), "env manifest"
+    if not driver:
+        driver, source = nvidia_probe()[0], "driver probe (/proc, nvidia-smi)"
+    return {"accelerator": "cuda", "gpu_count": len(gpus), "gpus": names,
+            "models": sorted({n["name"] for n in names if n["name"]}),
+            "driver": driver, "driver_source": source if driver else None,
+            "visible_gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0}

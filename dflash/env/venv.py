@@ -12,17 +12,18 @@ import sys
 import time
 from pathlib import Path
 
+from .. import settings
 from ..manifest import atomic_write_json, file_lock, fingerprint
 from .drift import diff_pins, format_drift
 from .facts import live_env
 from .lock import LockError, check_python_tag, lock_digest, lock_files, locked_pins
 
-VENV_DIR_VAR = "DFLASH_VENV_DIR"          # where build-mode venvs live (default: ./.venvs)
+VENV_DIR_VAR = settings.VENV_DIR          # where build-mode venvs live (default: ./.venvs)
 MARKER = ".dflash-env.json"               # written last into a complete, verified venv
 
 
 def _venvs_root() -> Path:
-    return Path(os.environ.get(VENV_DIR_VAR) or Path.cwd() / ".venvs")
+    return Path(settings.venv_dir() or Path.cwd() / ".venvs")
 
 
 def venv_path(lock: str | os.PathLike) -> Path:

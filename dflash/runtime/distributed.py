@@ -18,23 +18,22 @@ collectives time out as a backstop. No rank hangs.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import socket
 import sys
 import threading
 import time
+import traceback
 from datetime import timedelta
+from typing import Callable
 
 import torch
 
+from .. import settings
 from ..errors import DFlashError
 
-WORKER_ENV = "DFLASH_DIST_WORKER"   # set by dflash.runtime.launch for the processes torchrun starts
-HEARTBEAT_S = float(os.environ.get("DFLASH_HEARTBEAT_S", "1"))
-STALE_S = float(os.environ.get("DFLASH_HEARTBEAT_TIMEOUT_S", "15"))
-# a backstop only (the watchdog acts first): long enough for rank 0's checkpoint or τ monitor
-COLLECTIVE_TIMEOUT_S = float(os.environ.get("DFLASH_COLLECTIVE_TIMEOUT_S", "600"))
 
 
 class PeerFailed(DFlashError):
@@ -43,19 +42,18 @@ class PeerFailed(DFlashError):
 
 
 def is_worker() -> bool:
-    return os.environ.get(WORKER_ENV) == "1" and "RANK" in os.environ
+    return settings.dist_worker() and "RANK" in os.environ
 
 
 def select_local_gpus() -> None:
     """Simulated nodes on one machine: local process i sees GPUs [i·k, (i+1)·k) of the ones
     the launcher saw, renumbered from 0, so the spec's per-node 'cuda:0' is its own GPU. Must run
     before anything initialises CUDA."""
-    k = int(os.environ.get("DFLASH_GPUS_PER_NODE", "0") or 0)
+    k = settings.gpus_per_node()
     if k <= 0 or not is_worker():
         return
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    seen = os.environ.get("DFLASH_LAUNCH_VISIBLE_DEVICES", "").split(",")
-    seen = [d for d in seen if d]
+    seen = settings.launch_visible_devices()
     mine = seen[local * k:(local + 1) * k]
     if len(mine) < k:
         raise DFlashError(f"topology.nodes: local process {local} needs GPUs "
@@ -78,7 +76,8 @@ class Dist:
         self.backend = "nccl" if cuda else "gloo"
         if cuda:
             torch.cuda.set_device(torch.device(lead_device))
-        timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        # a backstop only (the watchdog acts first): long enough for rank 0's checkpoint or τ
+        timeout = timedelta(seconds=settings.collective_timeout_s())
         dist.init_process_group(self.backend, timeout=timeout)
         # small host-side records (sample ids, losses) go over gloo whatever the grads use
         self.meta = dist.new_group(backend="gloo", timeout=timeout) if cuda else None
@@ -134,8 +133,8 @@ class Dist:
 class Watchdog:
     """Heartbeats and failure records in the rendezvous store (torch.distributed.TCPStore).
 
-    Every HEARTBEAT_S each rank bumps ``hb/<rank>`` and reads the others'; a peer whose counter
-    has not moved for STALE_S, a failure record ``failed``, or a store that cannot be reached (it
+    Every ``DFLASH_HEARTBEAT_S`` each rank bumps ``hb/<rank>`` and reads the others'; a peer whose counter
+    has not moved for ``DFLASH_HEARTBEAT_TIMEOUT_S``, a failure record ``failed``, or a store that cannot be reached (it
     lives with node 0's torchrun) is a dead job: :meth:`on_failure` callbacks run (the pipeline
     stops) and, if this process has not left by itself within a few seconds, it exits here.
     """
@@ -202,7 +201,7 @@ class Watchdog:
 
     def _loop(self) -> None:
         last: dict[int, tuple[int, float]] = {}
-        while not self._stop.wait(HEARTBEAT_S):
+        while not self._stop.wait(settings.heartbeat_s()):
             try:
                 self.store.add(f"hb/{self.d.rank}", 1)
                 if not self._reported and self.store.check(["failed"]):
@@ -218,7 +217,7 @@ class Watchdog:
                     n = self.store.add(f"hb/{r}", 0)
                     if r not in last or last[r][0] != n:
                         last[r] = (n, now)
-                    elif now - last[r][1] > STALE_S:
+                    elif now - last[r][1] > settings.heartbeat_timeout_s():
                         self._fire(f"{self.d.name(r)} stopped responding (no heartbeat for "
                                    f"{now - last[r][1]:.0f} s: killed, crashed or its node is "
                                    f"gone); stopping {self.d.name()}")
@@ -260,3 +259,86 @@ def init(lead_device: str) -> Dist | None:
     if _CURRENT is None and is_worker():
         _CURRENT = Dist(lead_device)
     return _CURRENT
+
+
+# ---------------------------------------------------------------------------------------------
+# supervising one rank of a multi-node run
+# ---------------------------------------------------------------------------------------------
+def supervise(comm: Dist, fn: Callable[[], dict]) -> dict:
+    """Run one node's share of a multi-node job (``fn``). Whatever fails, every rank exits
+    promptly with one message naming the rank (and host) at fault; a finished run leaves the
+    group together."""
+    try:
+        result = fn()
+        comm.close()
+        return result
+    except BaseException as e:  # noqa: BLE001 - reported below, then this process exits
+        verdict = comm.watchdog.verdict
+        if verdict is None and lost_peer(e):
+            # a collective failed because a peer vanished: the watchdog names which one
+            deadline = time.monotonic() + settings.heartbeat_timeout_s() + 3
+            while comm.watchdog.verdict is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            verdict = comm.watchdog.verdict
+        if verdict is not None:
+            msg, code = verdict, PeerFailed.exit_code
+        else:
+            msg = f"{comm.name()} failed: {e}" if isinstance(e, DFlashError) else \
+                f"{comm.name()} failed: {type(e).__name__}: {e}"
+            code = getattr(e, "exit_code", 1)
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            comm.watchdog.report_failure(first)
+            if not isinstance(e, DFlashError) or e.__cause__ is not None:
+                traceback.print_exception(e, file=sys.stderr)
+            # let the other ranks read the record and stop with this rank's error named
+            # before torchrun notices this exit and terminates them
+            time.sleep(3 * settings.heartbeat_s())
+        comm.watchdog.stop()
+        print(f"error: {msg}", file=sys.stderr)
+        print("what to do: fix the cause above if any, then rerun the same command; training "
+              "resumes from the last checkpoint", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # no interpreter shutdown: a thread may still wait in a collective for the dead peer
+        os._exit(code)
+
+
+def lost_peer(e: BaseException) -> bool:
+    """Whether an exception (or one in its chain) is a collective failing because a peer
+    vanished: torch.distributed reports it only as text (gloo/NCCL errors, closed sockets)."""
+    text = ""
+    while e is not None:
+        text += f" {type(e).__name__}: {e}"
+        e = e.__cause__ or e.__context__
+    return any(k in text for k in ("Connection closed", "Connection reset", "Broken pipe",
+                                   "gloo", "NCCL", "DistBackendError", "timed out",
+                                   "Socket", "ECONNRESET"))
+
+
+def weights_sha256(state_dict: dict) -> str:
+    h = hashlib.sha256()
+    for k, v in sorted(state_dict.items()):
+        h.update(k.encode())
+        h.update(v.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def rank_report(comm: Dist | None, state_dict: dict, allreduce_s: float, steps: int,
+                n_params: int) -> dict:
+    """Across nodes: every rank's weights (hashed; equal: the replicas stayed identical across
+    nodes), host and seconds in the cross-node all-reduce (from the local sum being ready to
+    the global sum being there: transfer plus waiting for the slowest rank), gathered in rank
+    order, and the gradient bytes each all-reduce moves. ``{"nodes": 1}`` for a one-node run."""
+    if comm is None:
+        return {"nodes": 1}
+    local = {"rank": comm.rank, "host": comm.host, "weights_sha256": weights_sha256(state_dict),
+             "allreduce_s": {"total": round(allreduce_s, 4),
+                             "per_step_mean": allreduce_s / max(1, steps)}}
+    ranks = comm.all_gather(local)
+    per_step = [r["allreduce_s"]["per_step_mean"] for r in ranks]
+    return {"nodes": len(ranks), "backend": comm.backend,
+            "hosts": [r["host"] for r in ranks],
+            "allreduce_bytes_per_step": (n_params + 1) * 4,
+            "allreduce_s_per_step_mean": sum(per_step) / len(per_step),
+            "allreduce_s_per_step_by_rank": per_step,
+            "weights_sha256_by_rank": [r["weights_sha256"] for r in ranks],
+            "replicas_identical_across_ranks": len({r["weights_sha256"] for r in ranks}) == 1}

@@ -1,10 +1,13 @@
-"""kill -9 and resume, the machinery: stage processes started (and killed) in a workflow copy
-exactly as Snakemake starts them, and readers of what a killed run left behind (metrics,
-checkpoints, tensors, the sample ids consumed per step). ``tests/test_resume.py`` (a few kills)
-and ``bench/fault_injection.py`` (N >= 20 seeded random kills) share it.
+"""Fault injection. The in-process test hooks the stages call (:func:`injected_failures`, from
+``DFLASH_FAIL_AT``; :func:`on_shard` / :func:`shard_written`), so every stage is exactly
+``run(ctx)``; and kill -9 and resume, the machinery: stage processes started (and killed) in a
+workflow copy exactly as Snakemake starts them, and readers of what a killed run left behind
+(metrics, checkpoints, tensors, the sample ids consumed per step). ``tests/test_resume.py`` (a
+few kills) and ``bench/fault_injection.py`` (N >= 20 seeded random kills) share it.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -16,8 +19,47 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterator
 
+from .. import settings
 from .harness import REPO, copy_workflow, snakemake, stage_env
+
+# ---------------------------------------------------------------------------------------------
+# in-process hooks (the stages call these; tests set them)
+# ---------------------------------------------------------------------------------------------
+def injected_failures(rank: int | None = None) -> dict[str, int]:
+    """Test hook: DFLASH_FAIL_AT="drafter-0:3,target-0:5" makes that worker raise at that step
+    (failure-propagation and rerun-after-failure tests use it on the real stage);
+    "drafter-0:3@1": on rank 1 only (topology.nodes > 1)."""
+    out = {}
+    for part in filter(None, settings.fail_at().split(",")):
+        part, _, on_rank = part.partition("@")
+        if on_rank and int(on_rank) != (rank or 0):
+            continue
+        name, _, step = part.partition(":")
+        out[name.strip()] = int(step)
+    return out
+
+
+_SHARD_HOOKS: list[Callable[[int, Path], None]] = []
+
+
+@contextlib.contextmanager
+def on_shard(fn: Callable[[int, Path], None]) -> Iterator[None]:
+    """Test hook: ``fn(chunk_index, path)`` runs after each data shard is written, inside the
+    block (tests record the chunks generated, or raise to simulate a kill mid-stage)."""
+    _SHARD_HOOKS.append(fn)
+    try:
+        yield
+    finally:
+        _SHARD_HOOKS.remove(fn)
+
+
+def shard_written(chunk: int, path: Path) -> None:
+    """The data stage wrote shard ``chunk`` at ``path``: run the hooks of :func:`on_shard`."""
+    for fn in list(_SHARD_HOOKS):
+        fn(chunk, path)
+
 
 RESUME_RE = re.compile(r"\[train\] resuming from (\S+) \(step (\d+)/(\d+)\)")
 CORRUPT_RE = re.compile(r"\[train\] checkpoint (\S+) is corrupted")

@@ -45,14 +45,15 @@ DEADLOCK RULES
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterator
 
 import torch
 
+from dflash import settings
 from dflash.errors import PoisonedProcess
 
 __all__ = [
@@ -145,6 +146,44 @@ def worker_thread_setup(**dynamo_cfg: Any) -> dict[str, Any]:
 
 def _set_stance(name: str) -> None:
     torch.compiler.set_stance(name)
+
+
+@dataclass(frozen=True)
+class GateStats:
+    """What the gate saw so far (:meth:`Gate.stats`): compiles (first sight of a signature),
+    recompiles after warm-up (refused, with dynamo's reasons), waits and holds, race symptoms by
+    class. :meth:`summary` is the one record of it that manifests and status.json keep."""
+    enabled: bool
+    warm: bool
+    compiles: tuple[dict, ...]
+    recompile_sigs: tuple
+    recompile_reasons: tuple
+    shared_wait_s: float
+    exclusive_wait_s: float
+    exclusive_hold_s: float
+    max_shared_wait_s: float
+    max_exclusive_wait_s: float
+    shared_entries: int
+    exclusive_entries: int
+    race_by_class: dict
+
+    @property
+    def recompiles_after_warmup(self) -> int:
+        return len(self.recompile_sigs)
+
+    @property
+    def race_errors(self) -> int:
+        return sum(self.race_by_class.values())
+
+    def summary(self) -> dict:
+        """JSON-ready: counts, waits, the refused signatures (repr) and dynamo's reasons."""
+        return {"enabled": self.enabled, "compiles": len(self.compiles),
+                "recompiles_after_warmup": self.recompiles_after_warmup,
+                "recompile_sigs": [repr(s) for s in self.recompile_sigs],
+                "recompile_reasons": list(self.recompile_reasons),
+                "race_errors": self.race_errors, "race_by_class": dict(self.race_by_class),
+                "shared_wait_s": self.shared_wait_s, "exclusive_wait_s": self.exclusive_wait_s,
+                "exclusive_hold_s": self.exclusive_hold_s}
 
 
 class Gate:
@@ -368,24 +407,20 @@ class Gate:
         return classify_error(e)
 
     # ---- stats ------------------------------------------------------------------------------
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> GateStats:
         with self._stats_lock:
-            return {
-                "enabled": self.enabled,
-                "warm": self._warm,
-                "compiles": {"count": len(self._compiles), "list": [dict(c) for c in self._compiles]},
-                "recompiles_after_warmup": {"count": len(self._recompiles),
-                                            "sigs": list(self._recompiles),
-                                            "reasons": list(self._recompile_reasons)},
-                "shared_wait_s": round(self._shared_wait, 4),
-                "exclusive_wait_s": round(self._excl_wait, 4),
-                "exclusive_hold_s": round(self._excl_hold, 4),
-                "max_shared_wait_s": round(self._max_shared_wait, 4),
-                "max_exclusive_wait_s": round(self._max_excl_wait, 4),
-                "shared_entries": self._n_shared,
-                "exclusive_entries": self._n_excl,
-                "race_errors": {"count": sum(self._race.values()), "by_class": dict(self._race)},
-            }
+            return GateStats(
+                enabled=self.enabled, warm=self._warm,
+                compiles=tuple(dict(c) for c in self._compiles),
+                recompile_sigs=tuple(self._recompiles),
+                recompile_reasons=tuple(self._recompile_reasons),
+                shared_wait_s=round(self._shared_wait, 4),
+                exclusive_wait_s=round(self._excl_wait, 4),
+                exclusive_hold_s=round(self._excl_hold, 4),
+                max_shared_wait_s=round(self._max_shared_wait, 4),
+                max_exclusive_wait_s=round(self._max_excl_wait, 4),
+                shared_entries=self._n_shared, exclusive_entries=self._n_excl,
+                race_by_class=dict(self._race))
 
 
 class NoGate(Gate):
@@ -426,5 +461,5 @@ def get_gate() -> Gate:
     global _GATE
     with _GATE_LOCK:
         if _GATE is None:
-            _GATE = NoGate() if os.environ.get("DFLASH_GATE", "on") == "off" else Gate()
+            _GATE = NoGate() if settings.gate_off() else Gate()
         return _GATE

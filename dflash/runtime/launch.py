@@ -24,8 +24,9 @@ import shutil
 import subprocess
 import sys
 
-from .distributed import WORKER_ENV, is_worker
+from .. import settings
 from ..errors import SpecError
+from .distributed import is_worker
 
 DEFAULT_PORT = 29500
 
@@ -52,8 +53,8 @@ def first_host(nodelist: str) -> str:
 
 def _endpoint(spec, env: dict) -> str | None:
     """An explicit rendezvous: the environment overrides the spec; None for auto."""
-    if env.get("DFLASH_RDZV_ENDPOINT"):
-        return env["DFLASH_RDZV_ENDPOINT"]
+    if settings.rdzv_endpoint(env):
+        return settings.rdzv_endpoint(env)
     return None if spec.topology.rendezvous == "auto" else spec.topology.rendezvous
 
 
@@ -73,7 +74,7 @@ def _per_node(nodes: int, node_rank: str, endpoint: str, rdzv_id: str) -> list[s
 def torchrun_args(spec, env: dict) -> tuple[list[str], dict, str]:
     """torchrun's options, the extra environment for the ranks, and how it runs (for the log)."""
     nodes = spec.topology.nodes
-    extra = {WORKER_ENV: "1"}
+    extra = {settings.DIST_WORKER: "1"}
     common = ["--max-restarts", "0", "--monitor-interval", "1"]
     slurm_nodes = env.get("SLURM_NNODES") or env.get("SLURM_JOB_NUM_NODES")
     explicit = _endpoint(spec, env)
@@ -92,13 +93,13 @@ def torchrun_args(spec, env: dict) -> tuple[list[str], dict, str]:
         args = _per_node(nodes, env.get("SLURM_NODEID", "0"), endpoint,
                          f"dflash-{spec.name}-{job}")
         how = f"SLURM node {env.get('SLURM_NODEID', '0')} of {nodes}, rendezvous {endpoint}"
-    elif env.get("DFLASH_NODE_RANK"):
+    elif settings.node_rank(env):
         if not explicit:
             raise SpecError(f"{spec.path}: field 'topology.rendezvous': DFLASH_NODE_RANK is set "
                             f"(one process per machine) but no rendezvous host:port is given "
                             f"(set topology.rendezvous or DFLASH_RDZV_ENDPOINT)")
-        args = _per_node(nodes, env["DFLASH_NODE_RANK"], explicit, f"dflash-{spec.name}")
-        how = f"node {env['DFLASH_NODE_RANK']} of {nodes}, rendezvous {explicit}"
+        args = _per_node(nodes, settings.node_rank(env), explicit, f"dflash-{spec.name}")
+        how = f"node {settings.node_rank(env)} of {nodes}, rendezvous {explicit}"
     else:
         args = ["--standalone", "--nnodes", "1", "--nproc-per-node", str(nodes)]
         k = _gpus_per_node(spec)
@@ -113,8 +114,8 @@ def torchrun_args(spec, env: dict) -> tuple[list[str], dict, str]:
                                 f"of {k} GPU(s) each need {nodes * k} GPUs on this machine; "
                                 f"found {len(visible)} (no SLURM job here: the nodes run as "
                                 f"local processes)")
-            extra.update(DFLASH_GPUS_PER_NODE=str(k),
-                         DFLASH_LAUNCH_VISIBLE_DEVICES=",".join(visible))
+            extra.update({settings.GPUS_PER_NODE: str(k),
+                          settings.LAUNCH_VISIBLE_DEVICES: ",".join(visible)})
             # NVLink multicast (NVLS) off between processes sharing one host
             extra.setdefault("NCCL_NVLS_ENABLE", env.get("NCCL_NVLS_ENABLE", "0"))
         how = f"{nodes} simulated nodes on this machine (local processes" + \

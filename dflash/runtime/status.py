@@ -17,6 +17,17 @@ from ..manifest import atomic_write_json
 STEADY_SKIP = 0.2  # the first 20 % of steps are not steady state (allocator, caches)
 
 
+def worker_name(role: str, index: int) -> str:
+    """A worker's name (its thread's, and its key in busy_s/wait_s/first_step_s of the status,
+    the train manifest and the report): ``role`` is "target" or "drafter"."""
+    return f"{role}-{index}"
+
+
+def by_role(times: dict, role: str) -> dict:
+    """The entries of a per-worker dict (keyed by :func:`worker_name`) of one role."""
+    return {k: v for k, v in times.items() if k.rpartition("-")[0] == role}
+
+
 def _memory() -> dict:
     import torch
 
@@ -97,10 +108,7 @@ class StatusReporter:
             busy=busy_fractions(pipe.busy_s, pipe.wait_s),
             busy_s={k: round(v, 3) for k, v in pipe.busy_s.items()},
             wait_s={k: round(v, 3) for k, v in pipe.wait_s.items()},
-            gate={"shared_wait_s": g["shared_wait_s"], "exclusive_wait_s": g["exclusive_wait_s"],
-                  "compiles": g["compiles"]["count"],
-                  "recompiles_after_warmup": g["recompiles_after_warmup"]["count"],
-                  "race_errors": g["race_errors"]["count"]},
+            gate=g.summary(),
             healthy_workers=sorted(pipe.first_step_s), elapsed_s=round(time.perf_counter()
                                                                         - self.t0, 1),
             eta_s=None if (eta := self.eta_s()) is None else round(eta, 1))
@@ -117,8 +125,8 @@ class StatusReporter:
               f"{'%.0f' % tps if tps else '-'} tok/s · loss "
               f"{'%.4f' % loss if loss is not None else '-'} · queues {self.state['queues']} · "
               f"busy {self.state['busy']} · "
-              f"gate wait {g['shared_wait_s']:.2f}s/{g['exclusive_wait_s']:.2f}s · "
-              f"recompiles {g['recompiles_after_warmup']['count']} · mem {self.state['memory']}",
+              f"gate wait {g.shared_wait_s:.2f}s/{g.exclusive_wait_s:.2f}s · "
+              f"recompiles {g.recompiles_after_warmup} · mem {self.state['memory']}",
               flush=True)
 
     def steady_state(self) -> dict:

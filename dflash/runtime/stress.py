@@ -174,7 +174,7 @@ def run_stress(gate: bool, threads: int, iterations: int, device: str = "cpu", s
     def on_all_warm() -> None:  # runs in one thread, after all workers reached the barrier (none holds the gate)
         if g:
             g.mark_warm()
-            warm_snap.update(g.stats())
+            warm_snap.update(g.stats().summary())
         steady_t0[0] = time.perf_counter()
         warm_done.set()
 
@@ -276,16 +276,16 @@ def run_stress(gate: bool, threads: int, iterations: int, device: str = "cpu", s
         "steady_iterations": counts["iterations"],
         "warmup_iterations": counts["warmup_iterations"],
         "ok_iterations": ok,
-        "compiles": gs["compiles"]["count"] if gs else None,
-        "recompiles": gs["recompiles_after_warmup"]["count"] if gs else None,
-        "gate_wait_s": round(gs["shared_wait_s"] + gs["exclusive_wait_s"], 4) if gs else 0.0,
-        "gate_shared_wait_s": gs["shared_wait_s"] if gs else 0.0,
-        "gate_steady_wait_s": round(gs["shared_wait_s"] + gs["exclusive_wait_s"] - warm_snap.get("shared_wait_s", 0)
+        "compiles": len(gs.compiles) if gs else None,
+        "recompiles": gs.recompiles_after_warmup if gs else None,
+        "gate_wait_s": round(gs.shared_wait_s + gs.exclusive_wait_s, 4) if gs else 0.0,
+        "gate_shared_wait_s": gs.shared_wait_s if gs else 0.0,
+        "gate_steady_wait_s": round(gs.shared_wait_s + gs.exclusive_wait_s - warm_snap.get("shared_wait_s", 0)
                                     - warm_snap.get("exclusive_wait_s", 0), 4) if gs else 0.0,
-        "gate_exclusive_hold_s": gs["exclusive_hold_s"] if gs else 0.0,
-        "gate_max_shared_wait_s": gs["max_shared_wait_s"] if gs else 0.0,
-        "gate_max_exclusive_wait_s": gs["max_exclusive_wait_s"] if gs else 0.0,
-        "race_errors": gs["race_errors"] if gs else None,
+        "gate_exclusive_hold_s": gs.exclusive_hold_s if gs else 0.0,
+        "gate_max_shared_wait_s": gs.max_shared_wait_s if gs else 0.0,
+        "gate_max_exclusive_wait_s": gs.max_exclusive_wait_s if gs else 0.0,
+        "race_errors": {"count": gs.race_errors, "by_class": dict(gs.race_by_class)} if gs else None,
         "calls_per_s": round(counts["steady_ok"] / steady_wall, 2) if steady_wall > 0 else 0.0,
         "steady_ok_iterations": counts["steady_ok"],
         "ms_per_call": round(1000 * step_time[0] / counts["steady_ok"], 3) if counts["steady_ok"] else None,

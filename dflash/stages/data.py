@@ -30,7 +30,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 from ..data.dataset import DATASET
 from ..errors import DFlashError
@@ -45,6 +45,7 @@ from ..data.sources import (
     synthetic_responses,
     tokenizer_for,
 )
+from ..runtime import faults
 from . import StageContext
 
 SHARDS = "shards"
@@ -138,12 +139,10 @@ def _stats(values: list[int]) -> dict:
             "min": min(values, default=0), "max": max(values, default=0), "total": sum(values)}
 
 
-def run(ctx: StageContext, on_shard: Callable[[int, Path], None] | None = None) -> dict:
-    """Build (or resume) ``results/<spec>/data``; returns the manifest.
-
-    ``on_shard(chunk_index, path)`` is called after each shard is written (tests use it to
-    simulate an interruption).
-    """
+def run(ctx: StageContext) -> dict:
+    """Build (or resume) ``results/<spec>/data``; returns the manifest. After each shard is
+    written, :func:`dflash.runtime.faults.shard_written` runs the test hooks (tests use it to
+    simulate an interruption)."""
     from ..models.target import target_fingerprint
 
     from ..data.check import check_data
@@ -176,7 +175,7 @@ def run(ctx: StageContext, on_shard: Callable[[int, Path], None] | None = None) 
     if resumed:
         log(f"resuming: {len(done)} samples in {resumed} chunk(s) already done, "
              f"{sum(len(c) for _, c in todo)} samples in {len(todo)} chunk(s) to generate")
-    gen = _generate(spec, todo, shard_dir, len(chunks), resumed, on_shard)
+    gen = _generate(spec, todo, shard_dir, len(chunks), resumed)
 
     table = _merge(shard_dir, chunks, samples)
     manifest = _write(spec, data_dir, table, fingerprints, plan_fp, report, prompts, chunks,
@@ -186,7 +185,7 @@ def run(ctx: StageContext, on_shard: Callable[[int, Path], None] | None = None) 
     return manifest
 
 
-def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int, on_shard) -> dict:
+def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int) -> dict:
     """Generate the ``todo`` chunks into shards; returns what the manifest records about it."""
     info: dict = {"seconds": 0.0, "new_tokens": 0, "engine": None, "engines": {}}
     if not todo:
@@ -250,8 +249,7 @@ def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int, on_shard
                 log(f"chunk {progress['chunks']}/{n_chunks} on {dev}: {len(samples)} "
                      f"samples, {new} new tokens in {now - tc:.1f}s; overall "
                      f"{rate:.1f} tok/s, ETA {eta:.0f}s")
-        if on_shard is not None:
-            on_shard(chunk, path)
+        faults.shard_written(chunk, path)
 
     def next_chunk():
         if stop.is_set():

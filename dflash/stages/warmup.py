@@ -73,7 +73,6 @@ def run(ctx: StageContext) -> dict:
         records = warm_target_features(spec, buckets(spec), log=log)
         records += warm_all(replicas, buckets(spec), feat_width, dtype_of(spec.target.dtype),
                             optimizer_step=True, log=log)
-    st = get_gate().stats()
     total = time.perf_counter() - t0
     per_device: dict[str, float] = {}
     for r in records:
@@ -85,7 +84,7 @@ def run(ctx: StageContext) -> dict:
         compiled=records, buckets=buckets(spec), compile_cache=str(cache),
         seconds_total=round(total, 3), seconds_per_device=per_device,
         drafter_config=cfg.to_dict(), feature_width=feat_width,
-        gate={"compiles": st["compiles"]["count"], "race_errors": st["race_errors"]["count"]},
+        gate=get_gate().stats().summary(),
         env_drift_overridden=ctx.drift)
     print(f"[warmup] done: {len(records)} (device, bucket) compiles in {total:.1f}s; "
           f"cache {cache}", flush=True)

@@ -8,6 +8,7 @@ import time
 import torch
 
 from ..models.drafter import head_dim_of
+from ..runtime.status import by_role
 
 
 def best_seconds_per_call(fn, device: str, reps: int, warmup: int = 1, windows: int = 3) -> float:
@@ -69,3 +70,95 @@ def drafter_flops_per_step(dcfg, ctx_tokens: int, block_tokens: int, labelled: i
            + 2 * ctx_tokens * n_feat * dcfg.hidden_size * dcfg.hidden_size      # fc
            + 2 * labelled * dcfg.hidden_size * dcfg.vocab_size)                 # lm_head
     return 3 * fwd
+
+
+# ---------------------------------------------------------------------------------------------
+# the anchor cost model: the worker balance the bench report recommends anchors from
+# ---------------------------------------------------------------------------------------------
+BALANCE_MARGIN = 0.9  # recommended anchors fill this share of the target's step time
+
+
+def worker_balance(spec, dcfg, window: list[dict], busy: dict, wait: dict, n_run: int) -> dict:
+    """Per-GPU rates from busy time, the drafter's idle share, the ``batching.max_anchors``
+    that would balance the drafter to the target, and projections to other GPU splits.
+
+    Rates: a step trains one row per drafter and the targets share those rows, so a target GPU
+    does ``tokens/step / T`` per its busy seconds and a drafter GPU ``tokens/step / D`` per its
+    busy seconds (its capacity at the current anchors: it is busy only part of the step when
+    starved). Anchors: a drafter step costs ``c0 + A·c1`` FLOPs (:func:`drafter_cost`: the
+    context's K/V and fc are fixed, block tokens and the lm_head grow with the A anchor slots),
+    and its busy time scales with that cost, so the anchors that make it busy
+    ``BALANCE_MARGIN`` × the target's step are ``(margin·t/d·c(A) − c0) / c1``: more training
+    signal per target token at no wall time while the drafter would idle (fewer when it is the
+    bottleneck), capped at ``token_budget`` (spec validation) and rounded down to 64.
+    """
+    n_t, n_d = len(spec.topology.targets), len(spec.topology.drafters)
+    t_busy = [v / n_run for v in by_role(busy, "target").values()]
+    d_busy = [v / n_run for v in by_role(busy, "drafter").values()]
+    if not window or not t_busy or not d_busy or min(t_busy + d_busy) <= 0:
+        return {"skipped": "no steady-state steps or no busy times recorded"}
+    t_busy_s, d_busy_s = sum(t_busy) / len(t_busy), sum(d_busy) / len(d_busy)
+    tokens = sum(m["tokens"] for m in window) / len(window)
+    labelled = sum(m["labelled"] for m in window) / len(window)
+    b, B = spec.batching, spec.drafter.block_size
+    target_rate = tokens / n_t / t_busy_s
+    drafter_rate = tokens / n_d / d_busy_s
+    idle = idle_fractions(busy, wait, "drafter")
+    t_idle = idle_fractions(busy, wait, "target")
+    row_tokens = tokens / n_d
+    a_now = b.max_anchors
+    c0 = drafter_cost(dcfg, row_tokens, 0, B)
+    c_now = drafter_cost(dcfg, row_tokens, a_now, B)
+    c1 = (c_now - c0) / a_now
+    ideal = (BALANCE_MARGIN * t_busy_s / d_busy_s * c_now - c0) / c1
+    rec = int(max(1, min(b.token_budget, ideal)))
+    rec = max(1, rec - rec % 64) if rec >= 64 else rec
+    rate_rec = drafter_rate * c_now / drafter_cost(dcfg, row_tokens, rec, B)
+    splits = sorted({(n_t, n_d), *((t, 8 - t) for t in range(1, 8))})
+    return {
+        "target_tokens_per_s_per_gpu": target_rate,
+        "drafter_tokens_per_s_per_gpu": drafter_rate,
+        "target_busy_s_per_step": t_busy_s, "drafter_busy_s_per_step": d_busy_s,
+        "drafter_idle_fraction": sum(idle) / len(idle) if idle else None,
+        "target_idle_fraction": sum(t_idle) / len(t_idle) if t_idle else None,
+        "anchors": {
+            "max_anchors": a_now,
+            # labelled positions per row / (B−1): slots a row could not fill count as unused
+            "used_per_row": labelled / n_d / (B - 1),
+            "recommended_max_anchors": rec, "margin": BALANCE_MARGIN,
+            "unbounded_recommendation": round(ideal, 1),
+            "drafter_tokens_per_s_per_gpu_at_recommended": rate_rec,
+        },
+        "projection": {
+            "formula": "tokens/s = min(T × target tokens/s per GPU, D × drafter tokens/s per "
+                       "GPU) from this run's per-GPU busy rates",
+            "splits": [{"targets": t, "drafters": d,
+                        "tokens_per_s": project_tokens_per_s(target_rate, drafter_rate, t, d),
+                        "tokens_per_s_at_recommended_anchors":
+                            project_tokens_per_s(target_rate, rate_rec, t, d)}
+                       for t, d in splits],
+        },
+        "note": "busy totals over the run's steps (the first step included), tokens over the "
+                "steady-state window; on CPU all workers share the cores, so rates there only "
+                "describe this run",
+    }
+
+
+def idle_fractions(busy: dict, wait: dict, role: str) -> list[float]:
+    """wait / (busy + wait) of each worker of ``role`` that ran at all."""
+    return [wait.get(k, 0.0) / (v + wait.get(k, 0.0)) for k, v in by_role(busy, role).items()
+            if v + wait.get(k, 0.0) > 0]
+
+
+def drafter_cost(dcfg, row_tokens: float, anchors: int, block_size: int) -> float:
+    """FLOPs a drafter step computes for one row with ``anchors`` slots (all slots run, padded
+    or not): the cost model the anchor recommendation scales busy time with."""
+    return drafter_flops_per_step(dcfg, row_tokens, anchors * block_size,
+                                  anchors * (block_size - 1))
+
+
+def project_tokens_per_s(target_rate: float, drafter_rate: float, targets: int,
+                         drafters: int) -> float:
+    """Target tokens/s of ``targets`` target GPUs + ``drafters`` drafter GPUs with the measured
+    per-GPU rates: the slower side sets the pace (the pipeline overlaps the two)."""
+    return min(targets * target_rate, drafters * drafter_rate)

@@ -35,6 +35,7 @@ import torch
 
 from ..errors import DFlashError
 from ..runtime.gate import get_gate, worker_thread_setup
+from ..runtime.status import worker_name
 from ..models.masks import PackedRow, sample_anchors
 
 POLL_S = 0.1
@@ -191,7 +192,9 @@ class Pipeline:
         self.last_record: StepRecord | None = None
 
     # ---- helpers -----------------------------------------------------------------------------
-    def _fail(self, name: str, device: str, exc: BaseException) -> None:
+    def fail(self, name: str, device: str, exc: BaseException) -> None:
+        """Stop the pipeline with this error (the first one wins): every worker ends promptly
+        and :meth:`run` raises it, naming the worker and device (the watchdog uses it too)."""
         with self._err_lock:
             if self.error is None:
                 self.error = (name, device, exc, traceback.format_exc())
@@ -243,10 +246,10 @@ class Pipeline:
         except Stopped:
             pass
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
-            self._fail("feeder", "cpu", e)
+            self.fail("feeder", "cpu", e)
 
     def _target_worker(self, i: int, device: str, feature_fn: Callable) -> None:
-        name = f"target-{i}"
+        name = worker_name("target", i)
         try:
             worker_thread_setup()
             busy = wait = 0.0
@@ -275,7 +278,7 @@ class Pipeline:
         except Stopped:
             pass
         except BaseException as e:  # noqa: BLE001
-            self._fail(name, device, e)
+            self.fail(name, device, e)
 
     def _next_item(self, r: int, step: int, pending: dict):
         while step not in pending:
@@ -285,7 +288,7 @@ class Pipeline:
 
     def _drafter_worker(self, r: int) -> None:
         rep = self.replicas[r]
-        name = f"drafter-{r}"
+        name = worker_name("drafter", r)
         try:
             worker_thread_setup()
             pending: dict[int, tuple] = {}
@@ -340,7 +343,7 @@ class Pipeline:
         except Stopped:
             pass
         except BaseException as e:  # noqa: BLE001
-            self._fail(name, rep.device, e)
+            self.fail(name, rep.device, e)
 
     def _local_sum(self, results: list) -> tuple[torch.Tensor | None, int]:
         """The sum of this node's active replicas' flat gradients on the lead device (fixed
@@ -442,10 +445,10 @@ class Pipeline:
             tick_s: float = 5.0) -> None:
         threads = [threading.Thread(target=self._feeder, name="feeder", daemon=True)]
         threads += [threading.Thread(target=self._target_worker, args=(i, dev, fn),
-                                     name=f"target-{i}", daemon=True)
+                                     name=worker_name("target", i), daemon=True)
                     for i, (dev, fn) in enumerate(self.targets)]
         threads += [threading.Thread(target=self._drafter_worker, args=(r,),
-                                     name=f"drafter-{r}", daemon=True)
+                                     name=worker_name("drafter", r), daemon=True)
                     for r in range(self.M)]
         self.t0 = time.perf_counter()
         for t in threads:
@@ -463,7 +466,7 @@ class Pipeline:
                     on_tick(self)
                     next_tick = time.perf_counter() + tick_s
         except KeyboardInterrupt as e:
-            self._fail("main", "cpu", e)
+            self.fail("main", "cpu", e)
         # wake everyone, then wait a bounded time for the threads to leave
         if self.stop.is_set():
             deadline = time.perf_counter() + 10

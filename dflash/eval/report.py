@@ -1,0 +1,135 @@
+"""The bench report: the ONE plot list, the plots, report.json and report.md (rendered from
+``dflash/templates/report.md.j2``), and the training curves the report quotes.
+
+Owns: ``PLOTS`` (the bench rule's report outputs, rules/bench.smk, and the default target's
+outputs, rules/common.smk, are read from or held to it), :func:`write_plots`,
+:func:`write_report`, :func:`render_report_md`, :func:`training_curves`, :func:`fmt`.
+Imports only the top-level modules (matplotlib and jinja2 lazily: Snakemake imports ``PLOTS``
+at parse time, before any environment exists).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..manifest import atomic_path, atomic_write_json, atomic_write_text
+
+
+# The bench rule declares these as report outputs (rules/bench.smk; tests/test_report.py holds
+# them to this list) and the default target asks for them (rules/common.smk), so every run
+# writes all of them: a plot without data says why instead.
+PLOTS = ("loss.png", "throughput.png", "draft_accuracy.png", "tau_training.png", "acceptance.png",
+         "tau_by_category.png")
+
+
+def write_plots(out: Path, metrics: list[dict], tau: dict) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def plot(name: str, draw, missing: str | None, **labels) -> None:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        if missing is None:
+            draw(ax)
+            ax.set(**labels)
+        else:
+            ax.set(title=labels.get("title"), xticks=[], yticks=[])
+            ax.text(0.5, 0.5, missing, ha="center", va="center", wrap=True,
+                    transform=ax.transAxes)
+        fig.tight_layout()
+        with atomic_path(out / name) as tmp:
+            fig.savefig(tmp, format="png", dpi=100)
+        plt.close(fig)
+
+    no_steps = None if metrics else "no training steps recorded"
+    steps, t = [m["step"] for m in metrics], [m["t"] for m in metrics]
+    tps = [m["tokens"] / max(1e-9, t[i] - t[i - 1]) for i, m in enumerate(metrics) if i > 0]
+    plot("loss.png", lambda ax: ax.plot(steps, [m["loss"] for m in metrics]), no_steps,
+         xlabel="step", ylabel="loss", title="Training loss")
+    plot("throughput.png", lambda ax: ax.plot(t[1:], tps), no_steps,
+         xlabel="seconds", ylabel="target tokens / s", title="Throughput")
+    acc = [(m["step"], m["draft_acc"]) for m in metrics if m.get("draft_acc")]
+
+    def draw_acc(ax):
+        n = len(acc[0][1])
+        for k in sorted({1, 2, 4, 8, n} & set(range(1, n + 1))):
+            ax.plot([s for s, _ in acc],
+                    [a[k - 1] if a[k - 1] is not None else float("nan") for _, a in acc],
+                    label=f"k = {k}")
+        ax.set_ylim(0, 1)
+        ax.legend()
+
+    plot("draft_accuracy.png", draw_acc, None if acc else "no draft accuracy in the metrics",
+         xlabel="step", ylabel="top-1 accuracy",
+         title="Draft accuracy by block position (training batches)")
+    taus = [(m["step"], m["tau_heldout"]) for m in metrics if "tau_heldout" in m]
+    plot("tau_training.png", lambda ax: ax.plot(*zip(*taus), marker="o"),
+         None if taus else "τ not monitored while training (monitor.tau_every_steps)",
+         xlabel="step", ylabel="simulated τ (held-out)", title="τ while training")
+    sets = {k: v for k, v in (tau.get("sets") or {}).items() if v.get("tau") is not None}
+    no_tau = None if sets else f"τ not evaluated: {tau.get('skipped', 'no eval set gave a τ')}"
+
+    def by_position(ax):
+        for name, v in sets.items():
+            r = v["accept_rate_by_position"]
+            ax.plot(range(1, len(r) + 1), [x if x is not None else float("nan") for x in r],
+                    marker="o", label=f"{name} (τ = {v['tau']:.2f})")
+        ax.set_ylim(0, 1)
+        ax.legend()
+
+    plot("acceptance.png", by_position, no_tau, xlabel="block position k",
+         ylabel="P(drafts 1..k accepted)", title="Acceptance by position (simulated)")
+    cats = (sets.get("mtbench") or {}).get("tau_by_category")
+    plot("tau_by_category.png", lambda ax: ax.bar(list(cats), list(cats.values())),
+         None if cats else (no_tau or "no MT-Bench set evaluated (bench.eval_sets)"),
+         xlabel="MT-Bench category", ylabel="τ", title="τ per MT-Bench category")
+    return list(PLOTS)
+
+
+
+def write_report(out: Path, report: dict, metrics: list[dict], tau: dict) -> dict:
+    """report.json, the plots, report.md (rendered from the package's template)."""
+    report["plots"] = write_plots(out, metrics, tau)
+    atomic_write_json(out / "report.json", report)
+    md = render_report_md(report)
+    atomic_write_text(out / "report.md", md)
+    print(md, flush=True)
+    return report
+
+
+def render_report_md(report: dict) -> str:
+    from jinja2 import Environment, FileSystemLoader, StrictUndefined
+
+    env = Environment(loader=FileSystemLoader(Path(__file__).parents[1] / "templates"),
+                      undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    return env.get_template("report.md.j2").render(r=report, fmt=fmt)
+
+
+def training_curves(metrics: list[dict]) -> dict:
+    """What the drafter learnt while training: draft accuracy at the end, τ on held-out prompts
+    along the way (when monitored)."""
+    return {
+        # per block position k = 1..B-1, mean over the last 10 logged steps
+        "final_draft_acc": _last_draft_acc(metrics),
+        "tau_while_training": [{"step": m["step"], "tau": m["tau_heldout"]} for m in metrics
+                               if "tau_heldout" in m],
+    }
+
+
+def _last_draft_acc(metrics: list[dict], last: int = 10) -> list[float | None] | None:
+    rows = [m["draft_acc"] for m in metrics[-last:] if m.get("draft_acc")]
+    if not rows:
+        return None
+    out = []
+    for k in range(len(rows[0])):
+        vals = [r[k] for r in rows if r[k] is not None]
+        out.append(round(sum(vals) / len(vals), 4) if vals else None)
+    return out
+
+
+def fmt(x, digits: int = 3) -> str:
+    if x is None:
+        return "n/a"
+    if isinstance(x, float):
+        return f"{x:.{digits}g}" if abs(x) < 1e4 else f"{x:,.0f}"
+    return str(x)
