@@ -212,3 +212,33 @@ def test_train_status_line_has_elapsed_and_eta(tmp_path, capsys):
     line = capsys.readouterr().out
     assert line.startswith("[train] step 4/10 · ") and "elapsed, ETA 12s · " in line, line
     assert json.loads((tmp_path / "status.json").read_text())["eta_s"] == 12.0
+
+
+# ---------------------------------------------------------------------------------------------
+# an honest report
+# ---------------------------------------------------------------------------------------------
+def test_fewer_mtbench_prompts_are_sampled_across_categories():
+    from dflash.eval.tau import across_categories, mtbench_questions
+
+    qs = mtbench_questions()
+    cats = {q["category"] for q in qs}
+    assert len({q["category"] for q in qs[:20]}) <= 2  # the file is sorted by category
+    pick = across_categories(qs, 20, seed=0)
+    assert len(pick) == 20 and {q["category"] for q in pick} == cats
+    assert pick == across_categories(qs, 20, seed=0)          # seeded
+    assert pick != across_categories(qs, 20, seed=1)
+    assert across_categories(qs, 80, seed=3) == qs            # all: the file as it is
+    assert [qs.index(q) for q in pick] == sorted(qs.index(q) for q in pick)
+
+
+def test_report_figures_are_readable_and_without_partial_windows():
+    from dflash.eval.report import fmt, tau_from_accuracy, throughput_windows
+
+    assert fmt({"cuda": None, "version": "2.13.0", "probed": False}) == "version 2.13.0, probed false"
+    assert fmt([0.123456, None]) == "0.123, n/a" and fmt(12345.6) == "12,346"
+    # 41 steps of 100 tokens each 1 s apart, then a short partial flush at the end
+    metrics = [{"step": i, "t": float(i), "tokens": 100} for i in range(41)]
+    metrics.append({"step": 41, "t": 41.05, "tokens": 100})
+    w = throughput_windows(metrics)
+    assert len(w) == 20 and all(r == pytest.approx(100.0) for _, r in w), w
+    assert tau_from_accuracy([0.5, 0.5, None, 0.9]) == pytest.approx(1 + 0.5 + 0.25)
