@@ -57,6 +57,8 @@ def validate(paths: list[str], check_devices: bool, results: str = "results") ->
         try:
             s = load_spec(path, check_devices_present=check_devices)
             check_data(s)
+            if check_devices:  # like the devices: what is installed here
+                importlib.import_module("dflash.train.tracker").check_tracker(s)
             # the disk check is this machine's: skipped with the devices (a spec for elsewhere)
             b = check_disk(s, Path(results)) if check_devices else budget(s, Path(results))
         except DFlashError as e:

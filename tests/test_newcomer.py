@@ -242,3 +242,36 @@ def test_report_figures_are_readable_and_without_partial_windows():
     w = throughput_windows(metrics)
     assert len(w) == 20 and all(r == pytest.approx(100.0) for _, r in w), w
     assert tau_from_accuracy([0.5, 0.5, None, 0.9]) == pytest.approx(1 + 0.5 + 0.25)
+
+
+# ---------------------------------------------------------------------------------------------
+# the tracker: optional TensorBoard event files (monitor.tensorboard)
+# ---------------------------------------------------------------------------------------------
+def test_tensorboard_scalars_and_the_optional_dependency(tmp_path):
+    from dflash.train import tracker
+
+    row = {"step": 3, "loss": 6.5, "lr": 1e-3, "draft_acc": [0.5, None, 0.25],
+           "tau_heldout": 1.2}
+    assert tracker.scalars(row, 250.0) == {"train/loss": 6.5, "train/lr": 1e-3,
+                                           "train/tokens_per_s": 250.0, "draft_acc/k1": 0.5,
+                                           "draft_acc/k3": 0.25, "tau/heldout": 1.2}
+    off = spec_of(micro(tmp_path))
+    assert off.monitor.tensorboard is False and tracker.open_tracker(off, tmp_path) is None
+    d = yaml.safe_load(micro(tmp_path).read_text())
+    d["monitor"]["tensorboard"] = True
+    on = parse_spec(d, str(tmp_path / "micro.yaml"))
+    if not tracker.available():  # the locks leave it out: one clear refusal, naming the field
+        with pytest.raises(SpecError, match="micro.yaml: field 'monitor.tensorboard'.*pip "
+                                            "install tensorboard"):
+            tracker.open_tracker(on, tmp_path)
+        return
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    t = tracker.open_tracker(on, tmp_path)
+    t.log(row, 250.0)
+    t.log({**row, "step": 4, "loss": 6.0}, 260.0)
+    t.close()
+    acc = EventAccumulator(str(tmp_path / tracker.EVENTS_DIR))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(3, 6.5), (4, 6.0)]
+    assert acc.Scalars("draft_acc/k3")[0].value == 0.25

@@ -38,6 +38,7 @@ from ..runtime.gate import get_gate
 from ..runtime.status import StatusReporter, by_role
 from ..spec import dtype_of
 from . import checkpoint as ckpt
+from .tracker import open_tracker
 from .books import EpochLedger, StepBooks
 from .packing import bucket_for, pack_row, plan_epoch
 from .scheduler import Pipeline, StepMap
@@ -232,7 +233,9 @@ def train_steps(job: Job, progress: Progress, targets: list, fail_at: dict,
                       checkpoint=spec.checkpoint, nodes=spec.topology.nodes,
                       total_steps=job.total_steps, replica=job.replicas[0],
                       run_fingerprint=job.run_fingerprint, writer=job.main,
-                      persist=job.persist, monitor=tau, tau_every=every_tau)
+                      persist=job.persist, monitor=tau, tau_every=every_tau,
+                      tracker=open_tracker(spec, job.out, progress.start_step)
+                      if job.persist and job.main else None)
     pad_id = 0
 
     def make_row(batch: list[int]):
