@@ -275,3 +275,18 @@ def test_tensorboard_scalars_and_the_optional_dependency(tmp_path):
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(3, 6.5), (4, 6.0)]
     assert acc.Scalars("draft_acc/k3")[0].value == 0.25
+
+
+def test_audit_says_what_it_checks_and_lists_the_unpinned_extras(capsys):
+    from dflash.env.audit import audit, render
+    from dflash.env.lock import locked_pins
+
+    r = audit(lock=str(REPO / "envs" / "cpu-py311.lock"))
+    pinned = set(locked_pins(REPO / "envs" / "cpu-py311.lock"))
+    assert r["packages_checked"] == len(pinned)
+    assert "dflash-pipeline" in r["extras"] and not set(r["extras"]) & pinned
+    assert r["packages_installed"] >= r["packages_checked"] + len(r["extras"]) - r["packages_differ"]
+    render(r)
+    out = capsys.readouterr().out
+    assert f"each of its {len(pinned)} pinned packages must be installed at exactly its version" \
+        in out.replace("\n", " ") and "not pinned (not checked: " in out.replace("\n", " ")
