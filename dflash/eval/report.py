@@ -187,7 +187,7 @@ def fmt(x, digits: int = 3) -> str:
     if isinstance(x, bool):
         return str(x).lower()
     if isinstance(x, float):
-        return f"{x:.{digits}g}" if abs(x) < 1e4 else f"{x:,.0f}"
+        return f"{x:.{digits}g}" if abs(x) < 10 ** digits else f"{x:,.0f}"
     if isinstance(x, dict):
         items = [f"{k} {fmt(v, digits)}" for k, v in x.items() if v not in (None, {}, [], "")]
         return ", ".join(items) or "n/a"

@@ -145,13 +145,16 @@ class StatusReporter:
     def done(self, manifest: dict) -> None:
         # the whole run's busy fractions (a short run may end before its first tick)
         busy_s, wait_s = manifest.get("busy_s", {}), manifest.get("wait_s", {})
-        self.state.update(phase="done", final_loss=manifest.get("final_loss"),
+        self.state.update(phase="done", final_loss=manifest.get("final_loss"), eta_s=0.0,
+                          elapsed_s=round(time.perf_counter() - self.t0, 1),
                           steady_state=manifest.get("steady_state"),
                           busy=busy_fractions(busy_s, wait_s), busy_s=busy_s, wait_s=wait_s)
         self._write()
 
 
 STAGES = ("env", "warmup", "data", "train", "bench")
+# what each stage's record calls its duration (the bench stage's record is its report.json)
+SECONDS_KEYS = ("seconds", "seconds_total", "wall_s")
 
 
 def _fmt(v) -> str:
@@ -178,12 +181,15 @@ def stage_lines(spec_dir: Path, logs: Path) -> list[str]:
     with its age), or not started."""
     out = []
     for st in STAGES:
-        m, log = spec_dir / st / "manifest.json", logs / f"{st}.log"
+        m, log = (spec_dir / st / ("report.json" if st == "bench" else "manifest.json"),
+                  logs / f"{st}.log")
         if m.is_file():
             try:
-                secs = json.loads(m.read_text()).get("seconds")
+                rec = json.loads(m.read_text())
             except ValueError:
-                secs = None
+                rec = {}
+            secs = next((rec[k] for k in SECONDS_KEYS if isinstance(rec.get(k), (int, float))),
+                        None)
             out.append(f"  {st:7s} done" + (f" in {duration(secs)}" if secs else ""))
         elif log.is_file():
             age = time.time() - log.stat().st_mtime
