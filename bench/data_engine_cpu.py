@@ -12,9 +12,11 @@ import sys
 import time
 from pathlib import Path
 
-from dflash.data.generate import Engine, eos_ids_of, generate_batch, sample_seed
+from dflash.data.engine import Engine
+from dflash.data.generate import eos_ids_of, generate_batch, sample_seed
 from dflash.spec import load_spec
 from dflash.data.sources import build_samples, tokenizer_for
+from dflash.eval.evalsets import eval_overlap
 from dflash.stages.data import make_chunks
 from dflash.models.target import load_target
 
@@ -27,7 +29,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     spec = load_spec(a.spec)
     d = spec.data
-    samples, *_ = build_samples(spec, tokenizer_for(spec.target.model))
+    samples, *_ = build_samples(spec, tokenizer_for(spec.target.model), overlap=eval_overlap)
     chunks = make_chunks(samples, d.gen_batch_size)
     tgt = load_target(spec.target, a.device)
     eos, pad = eos_ids_of(tgt), tgt.tokenizer.pad_token_id

@@ -1,5 +1,5 @@
 """New tokens/s of the target's generation: plain HF ``generate``, the data stage's old HF loop
-(``dflash.data.generate.generate_batch``) and the fast engine (``dflash.data.generate.Engine``), on the same
+(``dflash.data.generate.generate_batch``) and the fast engine (``dflash.data.engine.Engine``), on the same
 prompts, in one process.
 
 Prompts are real: chatterbot-corpus first turns through the target's chat template, repeated
@@ -24,7 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-from dflash.data.generate import Engine, eos_ids_of, generate_batch, sample_seed
+from dflash.data.engine import Engine
+from dflash.data.generate import eos_ids_of, generate_batch, sample_seed
 from dflash.data.prompts import load_prompts, render_prompt
 from dflash.models.target import load_target
 
@@ -111,7 +112,7 @@ def run_engine(model, prompts, seeds, a, eos, slots: int, device, attention: str
                  compile=_onoff(a.compile), cuda_graph=_onoff(a.graph),
                  padded_prefill=_onoff(a.padded_prefill), attention=attention,
                  sync_every=a.sync_every, prefill_batch=a.prefill_batch)
-    eng._prepare()
+    eng.prepare()
     _sync(device)
     prep = time.time() - t0
     t0 = time.time()
@@ -138,7 +139,7 @@ def run_engine(model, prompts, seeds, a, eos, slots: int, device, attention: str
             "new_tokens_per_s": round(new / s, 1),
             "setup_seconds": round(prep, 3), "compile_seconds": st["compile_seconds"],
             "capture_seconds": st["capture_seconds"], "cache_len": eng.S,
-            "compiled": bool(eng.compile), "cuda_graph": eng._graph is not None,
+            "compiled": bool(eng.compile), "cuda_graph": eng.settings()["cuda_graph"],
             "sync_every": eng.sync_every, "decode_steps": st["decode_steps"],
             "prefill_calls": st["prefill_calls"],
             "prefill_seconds": round(st["prefill_seconds"], 3),

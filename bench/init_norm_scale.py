@@ -13,7 +13,8 @@ import time
 
 import torch
 
-from dflash.eval.tau import greedy_continuations, load_eval_sets, target_features
+from dflash.eval.evalsets import load_eval_sets
+from dflash.eval.tau import greedy_continuations, target_features
 from dflash.data.generate import eos_ids_of
 from dflash.models.masks import PackedRow, block_loss_weights, dense_mask, sample_anchors
 from dflash.models.drafter import DFlashDrafter, drafter_loss

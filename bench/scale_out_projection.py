@@ -35,11 +35,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+REPO = Path(__file__).resolve().parents[1]  # dflash itself: the installed package
 
 H200 = REPO / "bench" / "results" / "h200"
 

@@ -77,7 +77,8 @@ def main(argv=None) -> int:
 
     from dflash.data.generate import eos_ids_of
     from dflash.errors import DFlashError
-    from dflash.eval.tau import evaluate_sets, load_eval_sets
+    from dflash.eval.evalsets import load_eval_sets
+    from dflash.eval.tau import evaluate_sets
     from dflash.models.drafter import load_drafter
     from dflash.spec import dtype_of, load_spec
     from dflash.models.target import load_target, target_embeddings

@@ -14,8 +14,10 @@ import traceback
 from .errors import DFlashError
 
 # The one dispatch table. Stages: dflash.stages.<name>.run(ctx), what Snakemake's rules run;
-# imported by name, so no stage's code (nor its code fingerprint, dflash.code_fingerprint)
-# includes another's. Tools: dflash.<module>.main(argv) takes the rest of the command line.
+# imported by name, and no stage module imports another (what two stages share lives in the
+# library: the bench stage's timed run is dflash.train.trainer), so no stage's code fingerprint
+# (dflash.code_fingerprint) includes another stage module. Tools: dflash.<module>.main(argv)
+# takes the rest of the command line.
 STAGES = ("env", "warmup", "data", "train", "bench")
 TOOLS = {
     "audit": ("env.audit", "pinned vs live environment; non-zero on drift"),

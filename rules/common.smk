@@ -6,13 +6,17 @@ import shlex
 import sys
 from pathlib import Path
 
-sys.path.insert(0, workflow.basedir)  # the dflash package lives beside this Snakefile
+# The one sys.path edit, on purpose (docs/design.md "Where things live"): this workflow imports
+# the package beside its own Snakefile, so a copy of the workflow runs the copy's code even where
+# another checkout is installed (editable) in the interpreter.
+sys.path.insert(0, workflow.basedir)
 
 from dflash.code_fingerprint import stage_code_fingerprint
 from dflash.data.check import check_data
 from dflash.errors import DFlashError
 from dflash.eval.report import PLOTS
 from dflash.manifest import sha256_file
+from dflash.runtime import resources
 from dflash.spec import load_spec
 
 
@@ -108,116 +112,25 @@ def python_for(wc):
     return interpreter_for(SPECS[wc.spec])
 
 
-# GPUs, from the specs only. Snakemake never picks devices (the stages use the spec's device
-# names), so each job holds every CUDA device its spec names: a resource of capacity 1 per device
-# (cuda_0, cuda_1, ...), and two jobs never share a GPU on any machine. `gpu` is the count (for
-# executors that place jobs by it; limit it with --resources gpu=N if you like). A spec with
-# topology.nodes > 1 holds the GPUs of all its nodes (as they run here: local processes;
-# Spec.machine_devices).
-CUDA_DEVICES = sorted({d for s in SPECS.values() for d in s.machine_devices() if d != "cpu"},
-                      key=lambda d: int(d.split(":", 1)[1]))
+# GPUs, from the specs only (dflash/runtime/resources.py says how, locally and on SLURM): a
+# resource of capacity 1 per CUDA device any spec names, so two jobs never share a GPU.
+CUDA_DEVICES = resources.cuda_devices(SPECS)
 for _device in CUDA_DEVICES:
-    workflow.register_resource(_device.replace(":", "_"), 1)
-
-
-def gpus_per_node(spec):
-    """GPUs one node of a spec uses: the highest CUDA index it names + 1 (a spec that names
-    cuda:5 needs six visible devices; SLURM, like dflash.runtime.launch, numbers a node's GPUs from 0)."""
-    idx = [int(d.split(":", 1)[1]) for d in spec.devices() if d.startswith("cuda:")]
-    return max(idx) + 1 if idx else 0
-
-
-def nodes(spec):
-    return spec.topology.nodes
-
-
-# On a SLURM cluster (profiles/slurm sets `config: slurm=True`; snakemake-executor-plugin-slurm
-# turns resources into sbatch flags) SLURM places the jobs: a job's GPUs are the ones SLURM gives
-# it, numbered from 0 on each node. The per-device resources above would be cluster-wide limits
-# there (one cuda_0 job at a time on the whole cluster), and `gpu` becomes `--gpus` (a job total
-# that SLURM may spread over nodes), so instead each job asks for `nodes` and `gres: gpu:K` per
-# node. Only the train rule may span nodes (topology.nodes); every other stage is a one-node job.
+    workflow.register_resource(resources.resource_name(_device), 1)
 
 
 def device_resources():
-    """Resources of a stage: this machine's GPUs it holds (locally), or on SLURM a one-node job
-    (the train rule adds the multi-node part, train_resources)."""
-    if SLURM:
-        def gres(wc):
-            k = gpus_per_node(SPECS[wc.spec])
-            return f"gpu:{k}" if k else None  # None: no such resource (a CPU job)
-
-        return {"nodes": 1, "gres": gres}
-
-    # None, not 0: a resource the job does not hold is left out of its log line (a CPU job's
-    # `resources:` would otherwise list gpu=0, cuda_0=0, ... for every GPU of every spec)
-    def gpus(wc):
-        return len({d for d in SPECS[wc.spec].machine_devices() if d != "cpu"}) or None
-
-    def holds(device):
-        return lambda wc: 1 if device in SPECS[wc.spec].machine_devices() else None
-
-    return {"gpu": gpus, **{d.replace(":", "_"): holds(d) for d in CUDA_DEVICES}}
-
-
-def check_executor():
-    """`config: slurm=True` (profiles/slurm) and the SLURM executor go together. A `--config` on the
-    command line replaces the profile's list, dropping slurm=True: the jobs would then ask SLURM
-    for nothing (no nodes, no GPUs). Checked when a real run starts (not for dry runs)."""
-    executor = getattr(workflow.executor_plugin, "name", None)
-    if executor is None or executor in ("dryrun", "touch"):
-        return
-    if (executor == "slurm") != SLURM:
-        raise WorkflowError(
-            f"config slurm={SLURM} but the executor is {executor!r}: "
-            + ("add slurm=True to your --config (it replaces the one profiles/slurm sets)"
-               if executor == "slurm" else
-               "slurm=True is for the SLURM executor (--workflow-profile profiles/slurm)"))
-
-
-onstart:
-    check_executor()
-
-
-def srun(n):
-    """How the train stage starts on a SLURM allocation of n > 1 nodes: one task per node, each the
-    same `python -m dflash train` (dflash/runtime/launch.py: it reads SLURM_NODEID, SLURM_NNODES and
-    SLURM_JOB_NODELIST and becomes its node's torchrun, the rendezvous on the first host).
-    --kill-on-bad-exit: a rank that dies takes the whole step down. The CPUs per task come from
-    the allocation, so `cpus_per_task` stays a profile setting."""
-    return (f"srun --nodes={n} --ntasks={n} --ntasks-per-node=1 "
-            f"--cpus-per-task=${{SLURM_CPUS_PER_TASK:-1}} --kill-on-bad-exit=1 ")
+    return resources.device_resources(SPECS, SLURM)
 
 
 def train_resources():
-    """The train rule's resources: a one-node stage's, and under SLURM with topology.nodes > 1 a
-    multi-node job: `nodes`, `tasks` = one per node, `gres` per node, and `mpi` — which makes the
-    plugin's jobstep run the rule's shell in the allocation as it is instead of under `srun -n1`
-    (one task on one node), so the shell starts the ranks itself with `launch` (srun above).
-    `launch` is empty otherwise. It sits in the shell command, so the command text (Snakemake's
-    `code` rerun trigger) is the same under every profile: a train run on the cluster is not
-    redone by a later local `snakemake bench_<spec>`."""
-    res = device_resources()
+    return resources.train_resources(SPECS, SLURM)
 
-    def launch(wc):
-        n = nodes(SPECS[wc.spec])
-        return srun(n) if SLURM and n > 1 else ""
 
-    if not SLURM:
-        return {**res, "launch": launch}
-
-    def multi(value):  # only on a multi-node job: None leaves the resource out
-        return lambda wc: value(nodes(SPECS[wc.spec])) if nodes(SPECS[wc.spec]) > 1 else None
-
-    return {
-        **res,
-        "nodes": lambda wc: nodes(SPECS[wc.spec]),
-        "tasks": multi(lambda n: n),
-        # 0: no --ntasks-per-gpu; the plugin would otherwise take `tasks` for it (n tasks per GPU)
-        "tasks_per_gpu": multi(lambda n: 0),
-        "mpi": multi(lambda n: "srun"),
-        "launch": launch,
-    }
+onstart:
+    _mismatch = resources.executor_mismatch(getattr(workflow.executor_plugin, "name", None), SLURM)
+    if _mismatch:
+        raise WorkflowError(_mismatch)
 
 
 def spec_file(wc):

@@ -41,7 +41,7 @@ def exported(tmp_path_factory):
 
 
 def test_eval_sets_mtbench_categories_humaneval_heldout(tmp_path):
-    from dflash.eval.tau import heldout_prompts, load_eval_sets
+    from dflash.eval.evalsets import heldout_prompts, load_eval_sets
     from dflash.models.target import load_target
 
     spec = spec_with(tmp_path)
@@ -122,7 +122,8 @@ def test_bench_failure_is_one_message_naming_the_file(tmp_path, exported):
 
 def test_tau_monitor_equals_simulated_tau_of_the_replica(tmp_path):
     """The training-time τ monitor gives the simulated τ of the replica's current weights."""
-    from dflash.eval.tau import TauMonitor, heldout_prompts, simulate, summarize
+    from dflash.eval.evalsets import heldout_prompts
+    from dflash.eval.tau import TauMonitor, simulate, summarize
     from dflash.models.target import load_target
     from dflash.train.workers import drafter_config, initial_state, make_replicas
 

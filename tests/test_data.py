@@ -11,7 +11,8 @@ import yaml
 
 from dflash.data.dataset import load_dataset
 from dflash.errors import DFlashError, StaleArtifact
-from dflash.data.prompts import load_mtbench, render_prompt
+from dflash.data.prompts import render_prompt
+from dflash.eval.evalsets import mtbench_questions
 from dflash.spec import parse_spec
 from dflash.runtime import faults
 from dflash.stages import StageContext
@@ -180,7 +181,7 @@ def test_sampling_two_devices_deterministic(tmp_path):
 
 def test_user_file_mtbench_and_too_long(tmp_path):
     src = tmp_path / "chat.jsonl"
-    q = load_mtbench(1)[0]
+    q = mtbench_questions()[0]["text"]
     lines = [{"messages": [{"role": "user", "content": f"Tell me fact number {i}."}]}
              for i in range(38)]
     lines.append({"conversations": [{"from": "human", "value": "  " + q.upper() + " "}]})

@@ -11,11 +11,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from dflash.eval.evalsets import EvalSet
 from dflash.eval.tau import (
     Chain,
     draft_every_position,
     evaluate_sets,
-    EvalSet,
     greedy_continuations,
     real_chain,
     simulate,

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from dflash.errors import DFlashError
-from dflash.data.generate import Engine, _mix32, eos_ids_of, generate, gumbel_noise, resolve_engine, seed_keys
+from dflash.data.engine import Engine, _mix32, generate, gumbel_noise, seed_keys
+from dflash.data.generate import eos_ids_of, generate_chunks, open_generator, resolve_engine
 from dflash.data.prompts import render_prompt
 from dflash.data.prompts import load_prompts
 from dflash.spec import section_spec
@@ -140,3 +141,24 @@ def test_engine_choice_and_errors(smol):
         eng.generate([[1] * 9])
     with pytest.raises(DFlashError, match="no eos"):
         Engine(smol.model, slots=1, max_len=16, max_new_tokens=8, eos_ids=[])
+
+
+def test_front_door_serves_both_engines_and_the_chunk_pool(smol, prompts, refs):
+    """open_generator gives one object for either engine (greedy: HF greedy answers);
+    generate_chunks spreads chunks over two workers and hands each chunk back whole."""
+    kw = dict(slots=2, max_len=max(map(len, prompts)) + 20, max_new_tokens=20, temperature=0.0)
+    for name in ("fast", "hf"):
+        gen = open_generator(name, smol, **kw)
+        assert gen.engine == name
+        # the hf engine left-pads a batch; its answers equal the unpadded reference here
+        assert gen.generate(prompts[:2], [0, 0]) == refs[:2], name
+    assert open_generator("auto", smol, **kw, items=1).settings()["slots"] == 1  # <= items
+    chunks = [(c, prompts[2 * c:2 * c + 2], [0, 0]) for c in range(2)]
+    got: dict[int, list] = {}
+    gens = generate_chunks(["cpu", "cpu"], lambda dev: open_generator("fast", smol, **kw),
+                           chunks, lambda dev, c, answers, t: got.__setitem__(c, answers))
+    assert got == {c: refs[2 * c:2 * c + 2] for c in range(2)}
+    assert len(gens) == 2 and all(g.settings()["cuda_graph"] is False for g in gens)
+    with pytest.raises(RuntimeError, match="disk full"):  # a failing chunk stops the pool
+        generate_chunks(["cpu"], lambda dev: open_generator("hf", smol, **kw), chunks,
+                        lambda dev, c, a, t: (_ for _ in ()).throw(RuntimeError("disk full")))

@@ -272,7 +272,8 @@ def test_initial_loss_on_smollm2_is_the_mask_token_path_and_falls_fast():
     import math
 
     from dflash.data.generate import eos_ids_of
-    from dflash.eval.tau import greedy_continuations, heldout_prompts, target_features
+    from dflash.eval.evalsets import heldout_prompts
+    from dflash.eval.tau import greedy_continuations, target_features
     from dflash.models.drafter import RMSNorm
     from dflash.spec import load_spec
     from dflash.models.target import load_target, target_embeddings

@@ -218,7 +218,7 @@ def test_train_status_line_has_elapsed_and_eta(tmp_path, capsys):
 # an honest report
 # ---------------------------------------------------------------------------------------------
 def test_fewer_mtbench_prompts_are_sampled_across_categories():
-    from dflash.eval.tau import across_categories, mtbench_questions
+    from dflash.eval.evalsets import across_categories, mtbench_questions
 
     qs = mtbench_questions()
     cats = {q["category"] for q in qs}

@@ -13,12 +13,16 @@ import yaml
 from dflash.errors import DFlashError
 from dflash.data.prompts import (
     CHATTERBOT,
-    is_mtbench,
-    load_mtbench,
     load_prompts,
     normalize,
     parse_conversation,
 )
+from dflash.eval.evalsets import eval_overlap, is_mtbench, mtbench_questions
+
+
+def load_mtbench(n=None):
+    """First turns of the first ``n`` MT-Bench questions (file order): the one parser's."""
+    return [q["text"] for q in mtbench_questions()][:n]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -161,11 +165,11 @@ def test_user_file_mtbench_question_dropped_and_counted(tmp_path):
     raw["data"].update(source=str(src), max_prompts=1000)
     spec = parse_spec(raw, "specs/tiny.yaml")
     tok = AutoTokenizer.from_pretrained(tokenizer_dir("llama-micro"))
-    samples, report, prompts, per_source = build_samples(spec, tok)
+    samples, report, prompts, per_source = build_samples(spec, tok, overlap=eval_overlap)
     assert per_source[str(src)]["taken"] == 30
     assert report.counts == {"mtbench_overlap": 1}
     assert report.examples["mtbench_overlap"] == [f"{src}:8"]
     assert len(prompts) == 30 and not any(is_mtbench(p.user_text) for p in prompts)
     raw["data"]["max_bad_fraction"] = 0.0
     with pytest.raises(DFlashError, match=rf"{src}:8: mtbench_overlap"):
-        build_samples(parse_spec(raw, "specs/tiny.yaml"), tok)
+        build_samples(parse_spec(raw, "specs/tiny.yaml"), tok, overlap=eval_overlap)

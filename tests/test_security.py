@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from dflash.errors import SpecError
+from dflash.runtime.resources import srun
 from dflash.spec import load_spec, parse_spec, schema
 
 REPO = Path(__file__).resolve().parents[1]
@@ -404,7 +405,6 @@ def test_stage_command_quotes_every_value(stage):
                                                                          ) == launch
     base = [evil["python"], "-m", "dflash", stage, evil["spec"], "--results", evil["results"],
             "2>&1", "|", "tee", evil["log"]]
-    srun = _common_fn("srun")
     for prefix in (["", srun(2)] if launch else [""]):
         cmd = smk_format(template, params=types.SimpleNamespace(python=evil["python"],
                                                                 spec=evil["spec"]),
@@ -413,7 +413,6 @@ def test_stage_command_quotes_every_value(stage):
 
 
 def test_launch_prefix_is_built_from_an_integer_only():
-    srun = _common_fn("srun")
     assert shlex.split(srun(3)) == ["srun", "--nodes=3", "--ntasks=3", "--ntasks-per-node=1",
                                     "--cpus-per-task=${SLURM_CPUS_PER_TASK:-1}",
                                     "--kill-on-bad-exit=1"]

@@ -10,14 +10,13 @@ import pytest
 import yaml
 
 from dflash.errors import DFlashError, SpecError
-from dflash.data.prompts import (
-    CHATTERBOT,
+from dflash.data.prompts import CHATTERBOT, load_prompts
+from dflash.eval.evalsets import (
     NgramIndex,
     eval_index,
     eval_overlap,
     load_humaneval,
-    load_mtbench,
-    load_prompts,
+    mtbench_questions,
 )
 from dflash.data import sources
 from dflash.data.self_written import check, user_turn_prefix
@@ -60,7 +59,7 @@ def test_self_written_filters(text, terminated, kind):
 
 
 def test_ngram_overlap_catches_copies_not_topics():
-    mt = load_mtbench()
+    mt = [q["text"] for q in mtbench_questions()]
     long_q = next(q for q in mt if len(q.split()) > 30)
     words = long_q.split()
     # a copied span of 8+ words inside other text, with case and punctuation changed
@@ -110,7 +109,7 @@ def mixed(tmp_path_factory):
     """A real mix on SmolLM2 (CPU, float32): 4 chatterbot + a user file (with copies of
     MT-Bench and HumanEval prompts) + 6 prompts the target writes itself."""
     tmp = tmp_path_factory.mktemp("mix")
-    mt, he = load_mtbench(), load_humaneval()
+    mt, he = [q["text"] for q in mtbench_questions()], load_humaneval()
     recs = [{"messages": [{"role": "user", "content": f"Give me a fun fact about the number {i}."}]}
             for i in range(20)]
     recs[3] = {"messages": [{"role": "user", "content": "Quick one: " + mt[7]}]}

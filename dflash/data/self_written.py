@@ -1,4 +1,4 @@
-"""Prompts written by the target itself ("Magpie", Xu et al. 2024; DESIGN §9).
+"""Prompts written by the target itself ("Magpie", Xu et al. 2024; docs/data.md, "Self-written prompts").
 
 An aligned chat model given only its chat template up to the start of a user turn (for
 SmolLM2's ChatML: the default system turn, then ``<|im_start|>user\\n``) writes a plausible user

@@ -12,11 +12,15 @@ import time
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Callable
 
-from ..errors import DFlashError
-from .generate import eos_ids_of, generate_batch, sample_seed
+from ..errors import DFlashError, SpecError
 from ..manifest import fingerprint
-from .prompts import BadReport, Prompt, eval_overlap, load_prompts, normalize, render_prompt
+from ..models.target import hf_config, load_target, target_fingerprint, tokenizer_dir
+from ..spec import SourceSpec
+from .generate import eos_ids_of, open_generator, resolve_engine, sample_seed
+from .prompts import BadReport, Prompt, load_prompts, normalize, render_prompt
+from .self_written import write_prompts
 
 
 def log(msg: str) -> None:
@@ -36,14 +40,18 @@ class Sample:
 def tokenizer_for(model: str):
     from transformers import AutoTokenizer
 
-    from ..models.target import tokenizer_dir
 
     return AutoTokenizer.from_pretrained(tokenizer_dir(model))
 
 
-def build_samples(spec, tokenizer, data_dir: Path | None = None):
+def build_samples(spec, tokenizer, data_dir: Path | None = None, *,
+                  overlap: Callable[[list[dict], int], str | None]):
     """Load prompts (dropping over-long ones and any that overlap an evaluation set as bad
     records), render, expand. Returns (samples, combined report, prompts, per-source counts).
+
+    ``overlap(messages, n)``: the decontamination check, ``"<set>_overlap"`` or None
+    (:func:`dflash.eval.evalsets.eval_overlap`; required: eval/ sits above data/, so the caller
+    hands it in).
     """
     d = spec.data
     if d.source == SYNTHETIC:
@@ -52,7 +60,7 @@ def build_samples(spec, tokenizer, data_dir: Path | None = None):
     rendered: dict[str, list[int]] = {}
 
     def reject(messages: list[dict]) -> str | None:
-        why = eval_overlap(messages, d.decontaminate_ngram)
+        why = overlap(messages, d.decontaminate_ngram)
         if why:
             return why
         key = json.dumps(messages, sort_keys=True)
@@ -88,8 +96,6 @@ def source_quotas(d) -> list[tuple[str, int]]:
     ``count`` entries get their count; the others share ``max_prompts`` minus the counts by
     ``weight`` (default 1; largest remainder, ties to the earlier entry).
     """
-    from ..errors import SpecError
-    from ..spec import SourceSpec
 
     entries = d.sources or (SourceSpec(source=d.source, count=d.max_prompts),)
     fixed = 0
@@ -186,36 +192,23 @@ def _name(src: str, i: int, taken: dict) -> str:
 
 def _self_written(spec, tokenizer, count: int, reject, seen: set[str], data_dir: Path | None):
     """``count`` prompts written by the target (dflash/data/self_written.py) with the data engine."""
-    from .generate import Engine, resolve_engine
-    from .self_written import write_prompts
-    from ..models.target import load_target, target_fingerprint
-
     d = spec.data
     sw = d.self_written
     dev = spec.topology.targets[0]
     t0 = time.time()
     tgt = load_target(spec.target, dev, seed=spec.seed)
     eos = eos_ids_of(tgt)
-    pad = tgt.tokenizer.pad_token_id
-    pad = eos[0] if pad is None else pad
     engine = resolve_engine(d.engine, tgt.model)
-    holder: dict = {}
+    gen = None
 
     def sample(prefix: list[int], seeds: list[int]) -> list[list[int]]:
-        if engine == "hf":
-            out = []
-            for j in range(0, len(seeds), d.gen_batch_size):
-                part = seeds[j:j + d.gen_batch_size]
-                out += generate_batch(tgt.model, [prefix] * len(part), sw.max_tokens,
-                                      sw.temperature, eos, pad, part)
-            return out
-        if "engine" not in holder:  # one engine (one compile/capture) for every round
-            holder["engine"] = Engine(
-                tgt.model, slots=min(d.gen_batch_size, len(seeds)),
-                max_len=len(prefix) + sw.max_tokens,
-                max_new_tokens=sw.max_tokens, eos_ids=eos, temperature=sw.temperature,
-                compile=engine_compile(spec, dev))
-        return holder["engine"].generate([prefix] * len(seeds), seeds)
+        nonlocal gen
+        if gen is None:  # one generator (one compile/capture) for every round
+            gen = open_generator(engine, tgt, slots=d.gen_batch_size, items=len(seeds),
+                                 max_len=len(prefix) + sw.max_tokens,
+                                 max_new_tokens=sw.max_tokens, temperature=sw.temperature,
+                                 compile=engine_compile(spec, dev))
+        return gen.generate([prefix] * len(seeds), seeds)
 
     ident = fingerprint({"target": target_fingerprint(spec.target), "engine": engine,
                          "settings": asdict(sw), "eos": eos})
@@ -228,10 +221,8 @@ def _self_written(spec, tokenizer, count: int, reject, seen: set[str], data_dir:
     rep.update(engine=engine, seconds=round(time.time() - t0, 2))
     log(f"self-written: {len(prompts)} prompts from {rep['candidates']} candidates in "
          f"{rep['rounds']} round(s), {rep['seconds']}s")
-    tgt = None  # free the copy before the answers are generated
-    holder.clear()
+    tgt = gen = None  # free the copy before the answers are generated
     return prompts, rep
-
 
 
 def engine_compile(spec, device: str):
@@ -247,7 +238,6 @@ SYNTHETIC = "synthetic"
 
 
 def _synthetic_vocab_eos(spec) -> tuple[int, int]:
-    from ..models.target import hf_config
 
     cfg = hf_config(spec.target)
     eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else 2
@@ -263,7 +253,6 @@ def synthetic_samples(spec):
     """
     import random
 
-    from .prompts import BadReport
 
     d = spec.data
     vocab, _ = _synthetic_vocab_eos(spec)

@@ -22,16 +22,11 @@ Real speculative decoding (:mod:`dflash.eval.speculative`, with the drafter KV c
 prompts of the first set: wall-clock tokens/s of target-only vs speculative decoding, the speed-up, and
 a check that its tokens and block lengths equal the simulated ones and target greedy's.
 
-Eval sets: ``mtbench`` (80 first turns, τ per category), ``humaneval`` (164 problems, wrapped in
-the chat template with the reference benchmark's instruction: an instruct model is served
-through its chat template, and the reference DFlash numbers are measured that way), ``heldout``
-(prompts of the training source that the data stage did not use; see :func:`heldout_prompts`).
+The eval sets themselves (MT-Bench, HumanEval, held-out prompts) are :mod:`dflash.eval.evalsets`.
 """
 from __future__ import annotations
 
-import json
 import math
-import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,20 +35,7 @@ from typing import Sequence
 import torch
 
 from ..errors import DFlashError
-
-SETS = ("mtbench", "humaneval", "heldout")
-# the reference benchmark's HumanEval format (z-lab/dflash benchmark.py), so τ is comparable
-HUMANEVAL_FORMAT = ("Write a solution to the following problem and make sure that it passes "
-                    "the tests:\n```python\n{prompt}\n```")
-
-
-@dataclass
-class EvalSet:
-    name: str
-    prompts: list[list[int]]                  # rendered prompt token ids
-    categories: list[str] | None = None       # per prompt (MT-Bench), else None
-    note: str = ""
-
+from .evalsets import EvalSet, heldout_prompts
 
 @dataclass
 class Chain:
@@ -64,123 +46,6 @@ class Chain:
     accepted: list[int] = field(default_factory=list)
     produced: list[int] = field(default_factory=list)
     remaining: list[int] = field(default_factory=list)
-
-
-# ---------------------------------------------------------------------------------------------
-# eval sets
-# ---------------------------------------------------------------------------------------------
-def render(tokenizer, user_text: str) -> list[int]:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": user_text}],
-                                         add_generation_prompt=True, tokenize=False)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def mtbench_questions() -> list[dict]:
-    """(first turn, category) of every MT-Bench question, file order."""
-    from ..data.prompts import mtbench_path
-
-    path = mtbench_path()
-    out = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if line.strip():
-            try:
-                q = json.loads(line)
-                out.append({"text": q["turns"][0], "category": q.get("category", "unknown")})
-            except (ValueError, KeyError, IndexError) as e:
-                raise DFlashError(f"{path}:{lineno}: not an MT-Bench question ({e})") from None
-    return out
-
-
-def across_categories(questions: list[dict], n: int, seed: int) -> list[dict]:
-    """``n`` questions spread over the categories (round-robin over the categories in file
-    order, a seeded shuffle within each), in file order; all of them when ``n`` covers the set.
-    The file is sorted by category, so its first ``n`` would all be "writing"."""
-    if n >= len(questions):
-        return list(questions)
-    rng = random.Random(f"mtbench:{seed}")
-    by_cat: dict[str, list[int]] = {}
-    for i, q in enumerate(questions):
-        by_cat.setdefault(q["category"], []).append(i)
-    for idx in by_cat.values():
-        rng.shuffle(idx)
-    picked: list[int] = []
-    while len(picked) < n:
-        for idx in by_cat.values():
-            if idx and len(picked) < n:
-                picked.append(idx.pop())
-    return [questions[i] for i in sorted(picked)]
-
-
-def heldout_prompts(spec, results_dir: Path | None, tokenizer, n: int) -> tuple[list[list[int]],
-                                                                                str]:
-    """Up to ``n`` prompts of the training source that the training data does not contain.
-
-    The data stage takes the first ``data.max_prompts`` prompts of a seeded order; here the same
-    source is read in the same seeded order and taken from the END, and any prompt whose
-    rendered token ids occur as a prompt in the training dataset (read from its parquet, so this
-    holds whatever the data stage did) is dropped, as are MT-Bench overlaps and prompts longer
-    than ``data.max_prompt_tokens``. Returns (prompts, note); empty when every prompt was used.
-    """
-    from ..data.prompts import CHATTERBOT, is_mtbench, load_prompts
-
-    d = spec.data
-    # a mix (data.sources) holds out of its corpus/file sources; self-written prompts are
-    # written fresh each run, so there is nothing of theirs to hold out
-    srcs = [d.source] if d.source else [e.source for e in d.sources or ()]
-    held = [s for s in srcs if s == CHATTERBOT or Path(s).is_file()]
-    if not held:
-        return [], f"data sources {srcs} have no prompt file to hold prompts out of"
-    src = held[0]
-    used: set[tuple[int, ...]] = set()
-    ds_path = Path(results_dir) / "data" / "dataset.parquet" if results_dir else None
-    if ds_path is not None and ds_path.is_file():
-        import pyarrow.parquet as pq
-
-        t = pq.read_table(ds_path, columns=["input_ids", "num_prompt_tokens"])
-        for ids, npt in zip(t["input_ids"].to_pylist(), t["num_prompt_tokens"].to_pylist()):
-            used.add(tuple(ids[:npt]))
-    prompts, _ = load_prompts(src, 10_000_000, spec.seed, 1.0)
-    out: list[list[int]] = []
-    for p in reversed(prompts):
-        if len(out) >= n:
-            break
-        if any(m["role"] == "user" and is_mtbench(m["content"]) for m in p.messages):
-            continue
-        text = tokenizer.apply_chat_template(p.messages, add_generation_prompt=True,
-                                             tokenize=False)
-        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-        if tuple(ids) in used or len(ids) > d.max_prompt_tokens:
-            continue
-        out.append(ids)
-    note = (f"{len(out)} prompts of {src} not in the training data ({len(used)} training "
-            f"prompts excluded), from the end of the seeded order")
-    return out, note
-
-
-def load_eval_sets(spec, results_dir: Path | None, tokenizer, names: Sequence[str],
-                   n: int) -> list[EvalSet]:
-    """The named eval sets, ``n`` prompts each (MT-Bench has 80, HumanEval 164; fewer MT-Bench
-    questions than all are sampled across its categories, seeded: :func:`across_categories`)."""
-    from ..data.prompts import load_humaneval
-
-    sets = []
-    for name in names:
-        if name == "mtbench":
-            qs = across_categories(mtbench_questions(), n, spec.seed)
-            sets.append(EvalSet(name, [render(tokenizer, q["text"]) for q in qs],
-                                [q["category"] for q in qs], "MT-Bench first turns"))
-        elif name == "humaneval":
-            sets.append(EvalSet(name, [render(tokenizer, HUMANEVAL_FORMAT.format(prompt=p))
-                                       for p in load_humaneval(n)],
-                                note="HumanEval prompts in the chat template, with the "
-                                     "reference benchmark's instruction"))
-        elif name == "heldout":
-            ps, note = heldout_prompts(spec, results_dir, tokenizer, n)
-            sets.append(EvalSet(name, ps, note=note))
-        else:
-            raise DFlashError(f"bench.eval_sets: unknown set {name!r} (known: "
-                              f"{', '.join(SETS)})")
-    return sets
 
 
 # ---------------------------------------------------------------------------------------------
@@ -590,7 +455,6 @@ def _f(x) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
 
 
-__all__ = ["SETS", "EvalSet", "Chain", "load_eval_sets", "heldout_prompts",
-           "greedy_continuations", "target_features", "draft_every_position", "walk_chain",
+__all__ = ["Chain", "greedy_continuations", "target_features", "draft_every_position", "walk_chain",
            "summarize", "teacher_forced_accuracy", "simulate", "real_decode", "real_chain",
            "evaluate_sets", "TauMonitor"]

@@ -13,15 +13,22 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-
-from ..errors import DFlashError
+from ..data.dataset import load_dataset
+from ..data.generate import eos_ids_of
 from ..env.facts import hardware_facts
+from ..errors import DFlashError
+from ..eval.evalsets import load_eval_sets
+from ..eval.report import training_curves, write_report
+from ..eval.tau import evaluate_sets
+from ..manifest import atomic_write_text, expect, read_manifest
+from ..models.drafter import load_drafter
+from ..models.target import hf_config, load_target, target_embeddings
 from ..runtime.status import by_role
-from ..train.trainer import timed_run
+from ..spec import dtype_of
 from ..train.flops import (drafter_flops_per_step, measure_peak_flops, target_flops,
                            worker_balance)
-from ..eval.report import training_curves, write_report
-from ..manifest import atomic_write_text, expect, read_manifest
+from ..train.trainer import timed_run
+from ..train.workers import drafter_config
 from . import StageContext
 
 
@@ -34,12 +41,6 @@ def evaluate_tau(spec, drafter_dir: Path, device: str, results_dir: Path | None 
     Any failure becomes ONE message naming what failed and the spec fields / files involved;
     the traceback goes to ``bench/tau_error.txt`` beside the report, not to the console.
     """
-    from ..data.generate import eos_ids_of
-    from ..eval.tau import evaluate_sets, load_eval_sets
-    from ..models.drafter import load_drafter
-    from ..spec import dtype_of
-    from ..models.target import load_target, target_embeddings
-
     b = spec.bench
     if b.eval_prompts == 0 or not b.eval_sets:
         return {"skipped": "bench.eval_prompts is 0 or bench.eval_sets is empty"}
@@ -134,10 +135,6 @@ def throughput_source(ctx: StageContext, train: dict, out: Path) -> tuple[dict, 
 def throughput(ctx: StageContext, source: dict, metrics: list[dict]) -> dict:
     """Tokens/s, MFU (FLOPs from the configs and the tokens processed in the steady-state
     window, against a peak measured on the first drafter device now), busy/wait per step."""
-    from ..spec import dtype_of
-    from ..models.target import hf_config
-    from ..train.workers import drafter_config
-
     spec = ctx.spec
     steady = source["steady_state"]
     tcfg, dcfg = hf_config(spec.target), drafter_config(spec)
@@ -218,8 +215,6 @@ def run_facts(ctx: StageContext, source: dict) -> dict:
 
 
 def _doc_lengths_per_step(ctx, window: list[dict]) -> list[list[int]]:
-    from ..data.dataset import load_dataset
-
     ds = load_dataset(ctx.spec, ctx.results)
     length = dict(zip(ds.sample_ids, ds.lengths))
     return [[length[s] for s in m["sample_ids"]] for m in window]

@@ -11,11 +11,13 @@ generated twice and nothing is lost; shards made from other inputs are discarded
 
 Chunks are spread over ``topology.targets`` (one thread per entry, each with its own target copy;
 several ``cpu`` entries share the CPU). ``data.engine`` picks the generator: ``fast``
-(:mod:`dflash.data.generate`: every chunk of a worker streams through one continuous batch of
+(:mod:`dflash.data.engine`: every chunk of a worker streams through one continuous batch of
 ``gen_batch_size`` slots; a chunk's shard is written when its last sample finishes) or ``hf``
-(:func:`generate_batch`, one chunk per batch); ``auto`` takes ``fast`` where it supports the
-architecture. Sampling (``temperature > 0``) is seeded per sample (``sample_seed``), so a sample
-does not depend on which device or batch produced it.
+(:func:`dflash.data.generate.generate_batch`, one chunk per batch), both behind
+:func:`dflash.data.generate.open_generator` and its worker pool
+:func:`dflash.data.generate.generate_chunks`; ``auto`` takes ``fast`` where it supports the
+architecture. Sampling (``temperature > 0``) is seeded per sample (``sample_seed``), so a
+sample does not depend on which device or batch produced it.
 
 Which prompts (one ``data.source`` or a mix, target-written prompts, decontamination against
 MT-Bench and HumanEval) is :mod:`dflash.data.sources`; docs/data.md has the details.
@@ -24,17 +26,16 @@ from __future__ import annotations
 
 import importlib
 import json
-import queue
 import shutil
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Sequence
 
 from ..data.dataset import DATASET
 from ..errors import DFlashError
-from ..data.generate import eos_ids_of, generate_batch, sample_seed
+from ..data.generate import (ChunkProgress, eos_ids_of, generate_chunks, open_generator,
+                             resolve_engine, sample_seed)
+from ..models.target import load_target, target_fingerprint
 from ..manifest import atomic_path, atomic_write_json, fingerprint, sha256_file, write_manifest
 from ..data.sources import (
     SYNTHETIC,
@@ -45,6 +46,7 @@ from ..data.sources import (
     synthetic_responses,
     tokenizer_for,
 )
+from ..eval.evalsets import eval_overlap
 from ..runtime import faults
 from . import StageContext
 
@@ -143,8 +145,6 @@ def run(ctx: StageContext) -> dict:
     """Build (or resume) ``results/<spec>/data``; returns the manifest. After each shard is
     written, :func:`dflash.runtime.faults.shard_written` runs the test hooks (tests use it to
     simulate an interruption)."""
-    from ..models.target import target_fingerprint
-
     from ..data.check import check_data
 
     # by name: the budget (model shapes, FLOPs) does not change the dataset, so it stays out of
@@ -160,7 +160,8 @@ def run(ctx: StageContext) -> dict:
     fingerprints = {"data": spec.fingerprint("data"), "target": target_fingerprint(spec.target)}
 
     tokenizer = None if d.source == SYNTHETIC else tokenizer_for(spec.target.model)
-    samples, report, prompts, per_source = build_samples(spec, tokenizer, data_dir)
+    samples, report, prompts, per_source = build_samples(spec, tokenizer, data_dir,
+                                                         overlap=eval_overlap)
     chunks = make_chunks(samples, d.gen_batch_size)
     plan_fp = fingerprint([[s.sample_id, list(s.prompt_ids)] for c in chunks for s in c])
     meta = {"fingerprints": fingerprints, "plan": plan_fp}
@@ -191,139 +192,59 @@ def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int) -> dict:
     if not todo:
         return info
     if spec.data.source == SYNTHETIC:
-        import pyarrow.parquet as pq
-
         for chunk, samples in todo:
             responses, eos = synthetic_responses(spec, samples)
-            table = _rows_table(samples, responses, {eos})
-            with atomic_path(shard_path(shard_dir, chunk)) as tmp:
-                pq.write_table(table, tmp)
+            _write_shard(shard_dir, chunk, samples, responses, {eos})
         log(f"synthetic responses for {sum(len(c) for _, c in todo)} samples")
         info["engine"] = SYNTHETIC
         return info
-    from ..data.generate import resolve_engine
-    from ..models.target import load_target
-
     d = spec.data
     devices = list(spec.topology.targets)[:len(todo)]
     t_load = time.time()
-    targets = [load_target(spec.target, dev, seed=spec.seed) for dev in devices]
+    targets = dict(zip(devices, [load_target(spec.target, dev, seed=spec.seed)
+                                 for dev in devices]))
     log(f"loaded {len(targets)} target cop{'y' if len(targets) == 1 else 'ies'} on "
          f"{', '.join(devices)} in {time.time() - t_load:.1f}s")
-    eos = eos_ids_of(targets[0])
-    pad = targets[0].tokenizer.pad_token_id
-    pad = eos[0] if pad is None else pad
-    engine = resolve_engine(d.engine, targets[0].model)
-    info["engine"] = engine
-    # the fast engine's cache holds the longest prompt still to generate + max_new_tokens
-    max_len = max(len(s.prompt_ids) for _, c in todo for s in c) + d.max_new_tokens
-    n_todo = sum(len(c) for _, c in todo)  # no more slots than samples (idle slots cost steps)
+    eos = eos_ids_of(targets[devices[0]])
+    info["engine"] = engine = resolve_engine(d.engine, targets[devices[0]].model)
+    by_chunk = dict(todo)
+    progress = ChunkProgress(n_chunks, resumed, log, every_chunk=engine == "hf")
 
-    work: queue.Queue = queue.Queue()
-    for item in todo:
-        work.put(item)
-    stop = threading.Event()
-    lock = threading.Lock()
-    progress = {"chunks": resumed, "new_tokens": 0, "logged": 0.0, "setup": 0.0}
-    t0 = time.time()
+    def open_one(dev: str):
+        # the fast engine's cache holds the longest prompt still to generate + max_new_tokens;
+        # no more slots than samples (idle slots cost steps)
+        return open_generator(
+            engine, targets[dev], slots=d.gen_batch_size,
+            max_len=max(len(s.prompt_ids) for _, c in todo for s in c) + d.max_new_tokens,
+            max_new_tokens=d.max_new_tokens, temperature=d.temperature,
+            compile=engine_compile(spec, dev), items=sum(len(c) for _, c in todo))
 
-    def write_shard(dev: str, chunk: int, samples, responses, tc: float) -> None:
-        import pyarrow.parquet as pq
-
-        table = _rows_table(samples, responses, set(eos))
-        path = shard_path(shard_dir, chunk)
-        with atomic_path(path) as tmp:
-            pq.write_table(table, tmp)
-        new = sum(len(r) for r in responses)
-        with lock:
-            progress["chunks"] += 1
-            progress["new_tokens"] += new
-            now = time.time()
-            el = now - t0
-            left = n_chunks - progress["chunks"]
-            # a line per chunk, at most one per 5 s (the fast engine finishes several a second)
-            if now - progress["logged"] >= 5 or left == 0 or engine == "hf":
-                progress["logged"] = now
-                rate = progress["new_tokens"] / el if el else 0.0
-                eta = el / max(1, progress["chunks"] - resumed) * left
-                log(f"chunk {progress['chunks']}/{n_chunks} on {dev}: {len(samples)} "
-                     f"samples, {new} new tokens in {now - tc:.1f}s; overall "
-                     f"{rate:.1f} tok/s, ETA {eta:.0f}s")
+    def on_chunk(dev: str, chunk: int, responses: list, tc: float) -> None:
+        samples = by_chunk[chunk]
+        path = _write_shard(shard_dir, chunk, samples, responses, set(eos))
+        progress.done(dev, len(samples), sum(len(r) for r in responses), tc)
         faults.shard_written(chunk, path)
 
-    def next_chunk():
-        if stop.is_set():
-            return None
-        try:
-            return work.get_nowait()
-        except queue.Empty:
-            return None
-
-    def hf_worker(dev: str, target) -> None:
-        while (item := next_chunk()) is not None:
-            chunk, samples = item
-            tc = time.time()
-            seeds = [sample_seed(spec.seed, s.sample_id) for s in samples]
-            responses = generate_batch(target.model, [s.prompt_ids for s in samples],
-                                       d.max_new_tokens, d.temperature, eos, pad, seeds)
-            write_shard(dev, chunk, samples, responses, tc)
-
-    def fast_worker(dev: str, target) -> None:
-        from ..data.generate import Engine
-
-        eng = Engine(target.model, slots=min(d.gen_batch_size, n_todo), max_len=max_len,
-                     max_new_tokens=d.max_new_tokens, eos_ids=eos,
-                     temperature=d.temperature, compile=engine_compile(spec, dev))
-        t_prep = time.time()
-        eng._prepare()
-        prep = time.time() - t_prep
-        with lock:
-            progress["setup"] = max(progress["setup"], prep)
-        open_chunks: dict[int, tuple[list, dict, float]] = {}
-
-        def feed():
-            while (item := next_chunk()) is not None:
-                chunk, samples = item
-                open_chunks[chunk] = (samples, {}, time.time())
-                for s in samples:
-                    yield (chunk, s.sample_id), s.prompt_ids, sample_seed(spec.seed,
-                                                                          s.sample_id)
-
-        for (chunk, sid), tokens in eng.stream(feed()):
-            samples, got, tc = open_chunks[chunk]
-            got[sid] = tokens
-            if len(got) == len(samples):
-                del open_chunks[chunk]
-                write_shard(dev, chunk, samples, [got[s.sample_id] for s in samples], tc)
-        with lock:
-            info["engines"][dev] = {
-                "slots": eng.B, "cache_len": eng.S, "compiled": bool(eng.compile),
-                "cuda_graph": eng._graph is not None, "sync_every": eng.sync_every,
-                "setup_seconds": round(prep, 2), "decode_steps": eng.stats["decode_steps"],
-                "prefill_calls": eng.stats["prefill_calls"],
-                **({"graph_error": eng.stats["graph_error"]} if "graph_error" in eng.stats
-                   else {})}
-
-    def worker(dev: str, target) -> None:
-        try:
-            (fast_worker if engine == "fast" else hf_worker)(dev, target)
-        except BaseException:
-            stop.set()  # the other workers stop after their current chunk
-            raise
-
-    # one worker thread per target copy; the first error (or Ctrl-C) stops them all, finished
-    # shards stay and the rerun resumes from them
-    with ThreadPoolExecutor(max_workers=len(devices), thread_name_prefix="gen") as pool:
-        futures = [pool.submit(worker, dev, tgt) for dev, tgt in zip(devices, targets)]
-        try:
-            for f in as_completed(futures):
-                f.result()
-        except BaseException:
-            stop.set()
-            raise
-    info["seconds"] = time.time() - t0 - progress["setup"]  # compile + capture apart
-    info["new_tokens"] = progress["new_tokens"]
+    chunks = ((chunk, [s.prompt_ids for s in samples],
+               [sample_seed(spec.seed, s.sample_id) for s in samples])
+              for chunk, samples in todo)
+    # one worker per target copy; the first error (or Ctrl-C) stops them all, finished shards
+    # stay and the rerun resumes from them
+    gens = generate_chunks(devices, open_one, chunks, on_chunk)
+    info["engines"] = {dev: g.settings() for dev, g in zip(devices, gens) if g.settings()}
+    setup = max(g.setup_seconds for g in gens)
+    info["seconds"] = time.time() - progress.t0 - setup  # compile + capture apart
+    info["new_tokens"] = progress.new_tokens
     return info
+
+
+def _write_shard(shard_dir: Path, chunk: int, samples, responses, eos: set) -> Path:
+    import pyarrow.parquet as pq
+
+    path = shard_path(shard_dir, chunk)
+    with atomic_path(path) as tmp:
+        pq.write_table(_rows_table(samples, responses, eos), tmp)
+    return path
 
 
 def _merge(shard_dir: Path, chunks, samples):

@@ -1,0 +1,124 @@
+"""What each Snakemake job holds: GPUs from the specs only, locally or on a SLURM cluster.
+
+``rules/common.smk`` binds these to the workflow's specs and config; the rules use the result.
+Snakemake never picks devices (the stages use the spec's device names), so locally each job
+holds every CUDA device its spec names: a resource of capacity 1 per device (``cuda_0``,
+``cuda_1``, ...; :func:`cuda_devices`), and two jobs never share a GPU on any machine. ``gpu``
+is the count (for executors that place jobs by it; limit it with ``--resources gpu=N``). A spec
+with ``topology.nodes`` > 1 holds the GPUs of all its nodes (as they run here: local processes;
+``Spec.machine_devices``).
+
+On a SLURM cluster (profiles/slurm sets ``config: slurm=True``; snakemake-executor-plugin-slurm
+turns resources into sbatch flags) SLURM places the jobs: a job's GPUs are the ones SLURM gives
+it, numbered from 0 on each node. The per-device resources would be cluster-wide limits there
+(one cuda_0 job at a time on the whole cluster), and ``gpu`` becomes ``--gpus`` (a job total that
+SLURM may spread over nodes), so instead each job asks for ``nodes`` and ``gres: gpu:K`` per
+node. Only the train rule may span nodes (``topology.nodes``); every other stage is a one-node
+job.
+
+Owns: the resource functions and the executor check. Standard library only (Snakemake imports
+it at parse time, before any environment exists).
+"""
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+
+def cuda_devices(specs: Mapping) -> list[str]:
+    """Every CUDA device any spec names on this machine, in index order."""
+    return sorted({d for s in specs.values() for d in s.machine_devices() if d != "cpu"},
+                  key=lambda d: int(d.split(":", 1)[1]))
+
+
+def resource_name(device: str) -> str:
+    """``cuda:1`` -> ``cuda_1`` (a Snakemake resource name)."""
+    return device.replace(":", "_")
+
+
+def gpus_per_node(spec) -> int:
+    """GPUs one node of a spec uses: the highest CUDA index it names + 1 (a spec that names
+    cuda:5 needs six visible devices; SLURM, like dflash.runtime.launch, numbers a node's GPUs
+    from 0)."""
+    idx = [int(d.split(":", 1)[1]) for d in spec.devices() if d.startswith("cuda:")]
+    return max(idx) + 1 if idx else 0
+
+
+def nodes(spec) -> int:
+    return spec.topology.nodes
+
+
+def device_resources(specs: Mapping, slurm: bool) -> dict[str, Callable]:
+    """Resources of a stage: this machine's GPUs it holds (locally), or on SLURM a one-node job
+    (the train rule adds the multi-node part, :func:`train_resources`)."""
+    if slurm:
+        def gres(wc):
+            k = gpus_per_node(specs[wc.spec])
+            return f"gpu:{k}" if k else None  # None: no such resource (a CPU job)
+
+        return {"nodes": 1, "gres": gres}
+
+    # None, not 0: a resource the job does not hold is left out of its log line (a CPU job's
+    # `resources:` would otherwise list gpu=0, cuda_0=0, ... for every GPU of every spec)
+    def gpus(wc):
+        return len({d for d in specs[wc.spec].machine_devices() if d != "cpu"}) or None
+
+    def holds(device):
+        return lambda wc: 1 if device in specs[wc.spec].machine_devices() else None
+
+    return {"gpu": gpus, **{resource_name(d): holds(d) for d in cuda_devices(specs)}}
+
+
+def executor_mismatch(executor: str | None, slurm: bool) -> str | None:
+    """Why ``config: slurm`` and the executor disagree (None: they agree, or a dry run).
+    ``slurm=True`` (profiles/slurm) and the SLURM executor go together: a ``--config`` on the
+    command line replaces the profile's list, dropping slurm=True, and the jobs would then ask
+    SLURM for nothing (no nodes, no GPUs)."""
+    if executor is None or executor in ("dryrun", "touch"):
+        return None
+    if (executor == "slurm") == slurm:
+        return None
+    return (f"config slurm={slurm} but the executor is {executor!r}: "
+            + ("add slurm=True to your --config (it replaces the one profiles/slurm sets)"
+               if executor == "slurm" else
+               "slurm=True is for the SLURM executor (--workflow-profile profiles/slurm)"))
+
+
+def srun(n: int) -> str:
+    """How the train stage starts on a SLURM allocation of n > 1 nodes: one task per node, each
+    the same `python -m dflash train` (dflash/runtime/launch.py: it reads SLURM_NODEID,
+    SLURM_NNODES and SLURM_JOB_NODELIST and becomes its node's torchrun, the rendezvous on the
+    first host). --kill-on-bad-exit: a rank that dies takes the whole step down. The CPUs per
+    task come from the allocation, so `cpus_per_task` stays a profile setting."""
+    return (f"srun --nodes={n} --ntasks={n} --ntasks-per-node=1 "
+            f"--cpus-per-task=${{SLURM_CPUS_PER_TASK:-1}} --kill-on-bad-exit=1 ")
+
+
+def train_resources(specs: Mapping, slurm: bool) -> dict[str, Callable]:
+    """The train rule's resources: a one-node stage's, and under SLURM with topology.nodes > 1
+    a multi-node job: `nodes`, `tasks` = one per node, `gres` per node, and `mpi` — which makes
+    the plugin's jobstep run the rule's shell in the allocation as it is instead of under
+    `srun -n1` (one task on one node), so the shell starts the ranks itself with `launch`
+    (:func:`srun`). `launch` is empty otherwise. It sits in the shell command, so the command
+    text (Snakemake's `code` rerun trigger) is the same under every profile: a train run on the
+    cluster is not redone by a later local `snakemake bench_<spec>`."""
+    res = device_resources(specs, slurm)
+
+    def launch(wc):
+        n = nodes(specs[wc.spec])
+        return srun(n) if slurm and n > 1 else ""
+
+    if not slurm:
+        return {**res, "launch": launch}
+
+    def multi(value):  # only on a multi-node job: None leaves the resource out
+        return lambda wc: value(nodes(specs[wc.spec])) if nodes(specs[wc.spec]) > 1 else None
+
+    return {
+        **res,
+        "nodes": lambda wc: nodes(specs[wc.spec]),
+        "tasks": multi(lambda n: n),
+        # 0: no --ntasks-per-gpu; the plugin would otherwise take `tasks` for it (n tasks per GPU)
+        "tasks_per_gpu": multi(lambda n: 0),
+        "mpi": multi(lambda n: "srun"),
+        "launch": launch,
+    }
