@@ -290,3 +290,16 @@ def test_audit_says_what_it_checks_and_lists_the_unpinned_extras(capsys):
     out = capsys.readouterr().out
     assert f"each of its {len(pinned)} pinned packages must be installed at exactly its version" \
         in out.replace("\n", " ") and "not pinned (not checked: " in out.replace("\n", " ")
+
+
+def test_warmup_heartbeat_prints_while_the_block_runs(capsys):
+    import time
+
+    from dflash.stages.warmup import heartbeat
+
+    with heartbeat(lambda s: f"[warmup] still compiling ({s:.1f}s in)", every_s=0.05):
+        time.sleep(0.3)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) >= 2 and all(ln.startswith("[warmup] still compiling (") for ln in lines)
+    time.sleep(0.15)
+    assert capsys.readouterr().out == ""  # stopped with the block
