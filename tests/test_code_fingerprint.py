@@ -35,6 +35,12 @@ def test_modules_belong_to_the_stages_that_import_them():
     assert [s for s in STAGES if "train/scheduler.py" in _names(s)] == ["train", "bench"]
     assert [s for s in STAGES if "runtime/gate.py" in _names(s)] == ["warmup", "data", "train", "bench"]
     assert [s for s in STAGES if "stages/data.py" in _names(s)] == ["data"]
+    # the phases both train and bench run live in the library (no stage imports another)
+    assert [s for s in STAGES if "train/trainer.py" in _names(s)] == ["train", "bench"]
+    assert [s for s in STAGES if "eval/report.py" in _names(s)] == ["bench"]
+    for stage in STAGES:
+        assert [n for n in _names(stage) if n.startswith("stages/") and n != "stages/__init__.py"
+                ] == [f"stages/{stage}.py"], stage
 
 
 def test_env_runs_no_model_code():

@@ -165,6 +165,8 @@ def test_report_template_edit_reruns_bench_only(wf):
 @pytest.mark.parametrize("module, reruns", [
     ("train/scheduler.py", {"train": 1, "bench": 1}),  # the training pipeline (bench's timed run too)
     ("train/packing.py", {"warmup": 1, "train": 1, "bench": 1}),  # warmup builds its buckets
+    ("train/books.py", {"train": 1, "bench": 1}),  # the trainer's books (bench's timed run too)
+    ("eval/report.py", {"bench": 1}),  # the report module: bench only
 ])
 def test_module_edit_reruns_every_stage_that_imports_it(wf, module, reruns):
     with _rewritten(wf / "dflash" / module, lambda t: t + "\n# edited\n"):
