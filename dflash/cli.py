@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import traceback
 
@@ -57,47 +58,89 @@ def _print_cache_budget(spec, root: str) -> None:
     # by name, like the stages: validate's model-side checks stay out of every stage's code
     # fingerprint (dflash.code_fingerprint follows static imports only)
     fc = importlib.import_module("dflash.train.feature_cache")
-    check_budget, spec_budget = fc.check_budget, fc.spec_budget
-    b = spec_budget(spec, results_dir(spec, root))
+    b = fc.spec_budget(spec, results_dir(spec, root))
     if b is None:
         return
     verdict = "fits" if b.fits else "does NOT fit: the train stage would refuse it"
     print(f"   {b.describe()}: {verdict}")
     if not b.upper_bound:
-        check_budget(b, spec.path)
+        fc.check_budget(b, spec.path)
 
 
-def validate(paths: list[str], devices: bool = True, show: bool = False,
-             results: str = "results") -> int:
-    """`dflash validate`: each spec file, or each arm of a sweep file (under sweeps/)."""
+def _specs_in(path: str) -> list:
+    """(where, spec) for a spec file, or for every arm of a sweep file (under sweeps/)."""
+    from pathlib import Path
+
+    from .spec import load_spec
+    from .sweeps import load_sweep
+
+    if Path(path).parent.name != "sweeps":
+        return [(path, load_spec(path))]
+    sw = load_sweep(path)
+    print(f"ok: {path} (sweep '{sw.name}' on {sw.base}: {len(sw.arms)} arms, "
+          f"{', '.join(sw.arm_names())})")
+    return [(str(a.spec.path), a.spec) for a in sw.arms]
+
+
+def validate(paths: list[str], check_devices: bool, results: str = "results",
+             show: bool = False) -> int:
+    """Check every spec (or sweep arm) given and report each (exit 2 if any fails): schema and
+    cross-field rules, the data checks that need no model, the devices (unless --no-devices),
+    then the budgets (memory per device, disk, rough time per stage, a feature cache) and the
+    disk refusal. ``show``: print each spec as validated (bases merged, defaults filled)."""
     import json
     from pathlib import Path
 
     import yaml
 
-    from .spec import check_devices, load_spec
-    from .sweeps import load_sweep
+    from .spec import check_devices as devices_present
 
+    # by name, like the stages: the CLI is in every stage's code closure (code_fingerprint)
+    check_data = importlib.import_module("dflash.data.check").check_data
+    bud = importlib.import_module("dflash.train.budget")
+
+    failed, checked = 0, 0
     for path in paths:
-        if Path(path).parent.name == "sweeps":
-            sw = load_sweep(path)
-            specs = [(str(a.spec.path), a.spec) for a in sw.arms]
-            print(f"ok: {path} (sweep '{sw.name}' on {sw.base}: {len(specs)} arms, "
-                  f"{', '.join(sw.arm_names())})")
-        else:
-            specs = [(path, load_spec(path))]
+        try:
+            specs = _specs_in(path)
+        except DFlashError as e:
+            failed, checked = failed + 1, checked + 1
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            continue
         for where, s in specs:
-            if devices:
-                check_devices(s)
+            checked += 1
+            try:
+                if check_devices:
+                    devices_present(s)
+                check_data(s)
+                if check_devices:  # like the devices: what is installed here
+                    importlib.import_module("dflash.train.tracker").check_tracker(s)
+                # the disk check is this machine's: skipped with the devices (a spec for elsewhere)
+                b = bud.check_disk(s, Path(results)) if check_devices else bud.budget(s, Path(results))
+            except DFlashError as e:
+                failed += 1
+                print(f"error: {e}", file=sys.stderr, flush=True)
+                continue
             nodes = f" on each of {s.topology.nodes} nodes" if s.topology.nodes > 1 else ""
             print(f"ok: {where} (spec '{s.name}', devices {', '.join(s.devices())}{nodes})")
+            print("\n".join(bud.render(b)), flush=True)
             _print_cache_budget(s, results)
             if show:  # JSON first: tuples become lists, as YAML can dump them
                 print(yaml.safe_dump(json.loads(json.dumps(s.to_dict())), sort_keys=False))
-    return 0
+    if checked > 1:
+        print(f"{checked - failed} of {checked} specs ok", file=sys.stderr if failed
+              else sys.stdout)
+    return 2 if failed else 0
+
+
+# Third-party progress bars (GGUF conversion, weight loading, hub downloads) would fill every
+# stage's log; the stages print their own progress. TQDM_DISABLE=0 brings them back.
+QUIET_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 
 
 def main(argv: list[str] | None = None) -> int:
+    for k, v in QUIET_ENV.items():
+        os.environ.setdefault(k, v)
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog="dflash", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -108,11 +151,12 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--at", help="the folder the stage writes its <stage>/ into "
                        "(default: <results>/<spec>; Snakemake's shared store, dflash.sharing)")
         p.add_argument("--env-at", help="the folder whose env/ the stage checks (default: --at)")
-    p = sub.add_parser("validate", help="check a spec or sweep (schema, cross-field rules, "
-                       "devices)")
+    p = sub.add_parser("validate", help="check specs or sweeps (schema, cross-field rules, data, "
+                                        "devices) and print their budgets")
     p.add_argument("specs", nargs="+", help="specs/<name>.yaml or sweeps/<name>.yaml (every arm)")
     p.add_argument("--no-devices", action="store_true",
-                   help="skip the check that the spec's devices exist here")
+                   help="skip the check that the spec's devices exist here (e.g. a GPU spec "
+                        "on a CPU box)")
     p.add_argument("--results", default="results", help="results root (default: results)")
     p.add_argument("--show", action="store_true",
                    help="print each spec as validated: bases merged in, every default filled")
@@ -124,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.cmd in TOOLS:
             return importlib.import_module(f"dflash.{TOOLS[a.cmd][0]}").main(argv[1:])
         if a.cmd == "validate":
-            return validate(a.specs, devices=not a.no_devices, show=a.show, results=a.results)
+            return validate(a.specs, not a.no_devices, a.results, show=a.show)
         run_stage(a.cmd, a.spec, a.results, a.at, a.env_at)
         return 0
     except DFlashError as e:

@@ -24,6 +24,8 @@ SETTINGS = (
     Setting("DFLASH_CACHE", ".cache/dflash",
             "converted targets and the per-environment compile caches (dflash.cache)"),
     Setting("DFLASH_VENV_DIR", "", "where build-mode venvs live; unset: ./.venvs (dflash.env.venv)"),
+    Setting("DFLASH_WHEEL_DIR", "", "adopt mode: the wheels of the image's overlay lock when "
+            "env.wheel_dir is unset (dflash.env.overlay)"),
     Setting("DFLASH_ALLOW_DRIFT", "", "1/true/yes: run despite environment drift, loudly "
             "(dflash.env.drift)"),
     Setting("DFLASH_GATE", "on", "off: no compile gate (the gate-on-vs-off benchmark only; "
@@ -71,6 +73,10 @@ def cache_root() -> str:
 
 def venv_dir() -> str | None:
     return get(VENV_DIR) or None
+
+
+def wheel_dir() -> str | None:
+    return get("DFLASH_WHEEL_DIR") or None
 
 
 def allow_drift() -> bool:

@@ -137,6 +137,7 @@ class MonitorSpec:
     tau_every_steps: int | None
     tau_prompts: int
     tau_max_new_tokens: int
+    tensorboard: bool
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ rule bench:
         env=f"{RESULTS}/{{spec}}/env/manifest.json",
         train=f"{RESULTS}/{{spec}}/train/manifest.json",
     output:
-        json=f"{RESULTS}/{{spec}}/bench/report.json",
+        json=report(f"{RESULTS}/{{spec}}/bench/report.json", caption="../report/report_json.rst",
+                    category="Benchmark", subcategory="{spec}"),
         md=report(f"{RESULTS}/{{spec}}/bench/report.md", caption="../report/report_md.rst",
                   category="Benchmark", subcategory="{spec}"),
         loss=report(f"{RESULTS}/{{spec}}/bench/loss.png", caption="../report/loss.rst",

@@ -1,5 +1,7 @@
 # Shared by every rule: the specs, what each stage depends on, and how stages are invoked.
 import json
+import logging
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -10,6 +12,7 @@ from pathlib import Path
 sys.path.insert(0, workflow.basedir)
 
 from dflash.code_fingerprint import stage_code_fingerprint
+from dflash.data.check import check_data
 from dflash.errors import DFlashError
 from dflash.eval.report import PLOTS
 from dflash.manifest import check_output, sha256_file
@@ -18,16 +21,63 @@ from dflash.spec import load_spec
 
 
 def _load_specs():
-    specs = {}
+    """Every spec in specs/ that passes its checks (schema, cross-field rules, the data checks that
+    read no file: dflash.data.check), and the refusal of each that does not. A bad spec affects
+    only its own targets (rules/targets.smk refuses them, naming the file and field); every other
+    spec still plans and runs."""
+    specs, bad = {}, {}
     for path in sorted(Path(workflow.basedir, "specs").glob("*.yaml")):
         try:
-            specs[path.stem] = load_spec(path)  # schema + cross-field rules, no torch
+            spec = load_spec(path)  # schema + cross-field rules, no torch
+            check_data(spec, read_files=False)  # names, files exist, counts: before any job
+            specs[path.stem] = spec
         except DFlashError as e:
-            raise WorkflowError(str(e)) from None  # one clear message, no traceback
-    return specs
+            bad[path.stem] = str(e)
+    return specs, bad
 
 
-SPECS = _load_specs()
+SPECS, BAD_SPECS = _load_specs()
+
+
+class _StageErrorFilter(logging.Filter):
+    """A stage that fails with its own one-line error (dflash.errors: exit 2 or 3) has printed
+    it already (the console, via tee); Snakemake's `RuleException: CalledProcessError ...` block
+    repeats only the shell command. Drop that block; a crash (any other exit code) keeps it."""
+
+    def filter(self, record):
+        msg = record.getMessage()
+        return not ("CalledProcessError" in msg and "-m dflash " in msg
+                    and re.search(r"returned non-zero exit status [23]\.", msg))
+
+
+for _handler in logging.getLogger("snakemake.logging").handlers or [None]:
+    (_handler or logging.getLogger("snakemake.logging")).addFilter(_StageErrorFilter())
+
+
+def refused(name):
+    """An input function for a bad spec's targets: one clear message, no traceback."""
+
+    def f(wc):
+        raise WorkflowError(f"spec {name!r} is refused: {BAD_SPECS[name]}")
+
+    return f
+
+
+def refuse_requested(targets):
+    """Asked for a bad spec's target by name (or a file under results/<spec>/): its one-line
+    error and exit 2, before the DAG is built."""
+    for target in targets or ():
+        stage, _, name = target.partition("_")
+        parts = Path(target).parts
+        if not (stage in STAGE_TARGETS and name in BAD_SPECS):
+            name = parts[1] if len(parts) > 2 and parts[0] == RESULTS else None
+        if name in BAD_SPECS:
+            print(f"error: spec {name!r} is refused (its targets only): {BAD_SPECS[name]}",
+                  file=sys.stderr)
+            sys.exit(2)
+
+
+STAGE_TARGETS = ("env", "warmup", "data", "train", "bench")
 # the config (validated by the Snakefile) enters here only
 DEFAULT_SPEC = config["default_spec"]
 RESULTS = config["results"]
@@ -145,6 +195,8 @@ def bench_outputs(spec):
 def default_outputs(wc):
     """The default target: the default spec through bench (checked only when it runs: a workflow copy
     may hold other specs only)."""
+    if DEFAULT_SPEC in BAD_SPECS:
+        refused(DEFAULT_SPEC)(wc)
     if DEFAULT_SPEC not in SPECS:
         raise WorkflowError(f"config: default_spec {DEFAULT_SPEC!r} is not a spec in specs/ "
                             f"(have: {', '.join(SPECS) or 'none'})")

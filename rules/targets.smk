@@ -31,3 +31,20 @@ for _name in SPECS:
             f"bench_{_name}"
         input:
             bench_outputs(_name),
+
+
+# A spec that failed its checks (rules/common.smk, BAD_SPECS) keeps its target names, refused with
+# the spec's own error; no other spec is affected. Asked for by name (or by a file under
+# results/<spec>/) on the command line, the refusal is one line before the DAG is built; reached
+# otherwise (e.g. the default target), the rule's input function refuses it.
+for _name in BAD_SPECS:
+    for _stage in ("env", "warmup", "data", "train", "bench"):
+
+        rule:
+            name:
+                f"{_stage}_{_name}"
+            input:
+                refused(_name),
+
+
+refuse_requested(a for a in sys.argv[1:] if not a.startswith("-"))

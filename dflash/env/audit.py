@@ -19,7 +19,7 @@ from ..errors import DFlashError
 from ..manifest import read_manifest
 from .drift import diff_manifest, diff_pins
 from .facts import STACK_KEYS, key_stack, live_env
-from .lock import locked_pins, version_matches
+from .lock import locked_pins, normalize, version_matches
 
 _LABELS = {"python": "python", "torch": "torch", "cuda": "CUDA (torch.version.cuda)",
            "cudnn": "cuDNN", "nccl": "NCCL", "triton": "triton", "transformers": "transformers",
@@ -45,7 +45,7 @@ def audit(manifest: str | None = None, lock: str | None = None,
         facts = live_env(py, probe_torch=True)
         drift = diff_manifest(m, facts)
         pinned_stack = dict(m.get("stack", {}))
-        n_pinned = len(m.get("pinned", {}))
+        pinned_names = set(m.get("pinned", {}))
         source = {"manifest": str(manifest), "lock": m.get("lock", {}).get("path"),
                   "lock_sha256": m.get("lock", {}).get("sha256"), "mode": m.get("mode")}
     else:
@@ -58,7 +58,7 @@ def audit(manifest: str | None = None, lock: str | None = None,
         for k in ("torch", "triton", "transformers"):
             if k in pins:
                 pinned_stack[k] = pins[k]["version"]
-        n_pinned = len(pins)
+        pinned_names = set(pins)
         source = {"lock": str(lock)}
     live_stack = key_stack(facts)
     probed = facts.get("torch", {}).get("probed", False)
@@ -77,7 +77,9 @@ def audit(manifest: str | None = None, lock: str | None = None,
             rows.append({"item": d["name"], "pinned": d["pinned"], "live": d["found"], "ok": False})
     n_stack = sum(not r["ok"] for r in rows)
     return {"source": source, "interpreter": facts.get("interpreter"), "python": facts.get("python"),
-            "platform": facts.get("platform"), "packages_checked": n_pinned,
+            "platform": facts.get("platform"), "packages_checked": len(pinned_names),
+            # installed but not pinned (the package itself, pip, ...): listed, never drift
+            "extras": sorted(set(facts.get("packages", {})) - {normalize(n) for n in pinned_names}),
             "packages_installed": len(facts.get("packages", {})), "stack": rows,
             "packages": [{"name": d["name"], "pinned": d["pinned"], "live": d["found"]}
                          for d in pkg_drift],
@@ -98,9 +100,13 @@ def summary_line(r: dict) -> str:
 def render(r: dict, file=None) -> None:
     file = file or sys.stdout
     src = r["source"].get("manifest") or r["source"].get("lock")
+    extras = r.get("extras", [])
     head = (f"audit of {r['interpreter']} (python {r['python']}, {r['platform']})\n"
-            f"against {src}: {r['packages_checked']} pinned packages checked, "
-            f"{r['packages_installed']} installed")
+            f"against {src}: each of its {r['packages_checked']} pinned packages must be "
+            f"installed at exactly its version; {r['packages_installed']} are installed, "
+            f"{len(extras)} of them not pinned (not checked"
+            + (f": {', '.join(extras[:8])}{', ...' if len(extras) > 8 else ''})" if extras
+               else ")"))
     stack = [(_LABELS.get(x["item"], x["item"]), _s(x["pinned"]), _s(x["live"]),
               "ok" if x["ok"] else "DIFF") for x in r["stack"]]
     pk = [(x["name"], _s(x["pinned"]), x["live"] or "not installed", "DIFF") for x in r["packages"]]

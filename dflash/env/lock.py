@@ -104,20 +104,36 @@ def companion_lock(lock: Path) -> Path | None:
     return comp if comp.is_file() else None
 
 
+def overlay_locks(lock: str | os.PathLike) -> list[Path]:
+    """``envs/x.lock`` -> the adopt-mode overlay locks beside it that exist (``x-overlay.lock``,
+    then ``x-overlay-nodeps.lock``; :mod:`dflash.env.overlay`)."""
+    lock = Path(lock)
+    if "-overlay" in lock.stem or lock.stem.endswith("-nodeps"):
+        return []
+    names = (f"{lock.stem}-overlay{lock.suffix}", f"{lock.stem}-overlay-nodeps{lock.suffix}")
+    return [p for p in (lock.with_name(n) for n in names) if p.is_file()]
+
+
 def lock_files(lock: str | os.PathLike) -> list[Path]:
+    """The lock, its --no-deps companion, then its overlay locks (later pins replace earlier)."""
     lock = Path(lock)
     comp = companion_lock(lock)
-    return [lock] + ([comp] if comp else [])
+    return [lock] + ([comp] if comp else []) + overlay_locks(lock)
+
+
+def installs_no_deps(path: Path) -> bool:
+    return path.stem.endswith("-nodeps")
 
 
 def lock_digest(lock: str | os.PathLike) -> dict[str, str]:
-    """``{"lock": sha256 of the lock, "lock_nodeps": sha256 of its companion (if any)}``."""
+    """``{"lock": sha256 of the lock, "lock_nodeps": its companion's, "lock_overlay": ...}``
+    (the files that exist)."""
     files = lock_files(lock)
     if not files[0].is_file():
         raise LockError(f"{files[0]}: lock file not found")
     out = {"lock": sha256_file(files[0])}
-    if len(files) > 1:
-        out["lock_nodeps"] = sha256_file(files[1])
+    for f in files[1:]:  # lock_nodeps, lock_overlay, lock_overlay_nodeps
+        out["lock_" + f.stem[len(files[0].stem) + 1:].replace("-", "_")] = sha256_file(f)
     return out
 
 

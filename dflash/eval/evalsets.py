@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import random
 import re
 from dataclasses import dataclass
 from functools import lru_cache
@@ -224,13 +225,34 @@ def heldout_prompts(spec, results_dir: Path | None, tokenizer, n: int) -> tuple[
     return out, note
 
 
+def across_categories(questions: list[dict], n: int, seed: int) -> list[dict]:
+    """``n`` questions spread over the categories (round-robin over the categories in file
+    order, a seeded shuffle within each), in file order; all of them when ``n`` covers the set.
+    The file is sorted by category, so its first ``n`` would all be "writing"."""
+    if n >= len(questions):
+        return list(questions)
+    rng = random.Random(f"mtbench:{seed}")
+    by_cat: dict[str, list[int]] = {}
+    for i, q in enumerate(questions):
+        by_cat.setdefault(q["category"], []).append(i)
+    for idx in by_cat.values():
+        rng.shuffle(idx)
+    picked: list[int] = []
+    while len(picked) < n:
+        for idx in by_cat.values():
+            if idx and len(picked) < n:
+                picked.append(idx.pop())
+    return [questions[i] for i in sorted(picked)]
+
+
 def load_eval_sets(spec, results_dir: Path | None, tokenizer, names: Sequence[str],
                    n: int) -> list[EvalSet]:
-    """The named eval sets, ``n`` prompts each (MT-Bench has 80, HumanEval 164)."""
+    """The named eval sets, ``n`` prompts each (MT-Bench has 80, HumanEval 164; fewer MT-Bench
+    questions than all are sampled across its categories, seeded: :func:`across_categories`)."""
     sets = []
     for name in names:
         if name == "mtbench":
-            qs = mtbench_questions()[:n]
+            qs = across_categories(mtbench_questions(), n, spec.seed)
             sets.append(EvalSet(name, [user_prompt(tokenizer, q["text"]) for q in qs],
                                 [q["category"] for q in qs], "MT-Bench first turns"))
         elif name == "humaneval":

@@ -42,12 +42,19 @@ def write_plots(out: Path, metrics: list[dict], tau: dict) -> list[str]:
         plt.close(fig)
 
     no_steps = None if metrics else "no training steps recorded"
-    steps, t = [m["step"] for m in metrics], [m["t"] for m in metrics]
-    tps = [m["tokens"] / max(1e-9, t[i] - t[i - 1]) for i, m in enumerate(metrics) if i > 0]
-    plot("loss.png", lambda ax: ax.plot(steps, [m["loss"] for m in metrics]), no_steps,
-         xlabel="step", ylabel="loss", title="Training loss")
-    plot("throughput.png", lambda ax: ax.plot(t[1:], tps), no_steps,
-         xlabel="seconds", ylabel="target tokens / s", title="Throughput")
+    steps = [m["step"] for m in metrics]
+
+    def draw_loss(ax):  # log scale: step 0's loss would squash the rest of the curve
+        ax.plot(steps, [m["loss"] for m in metrics])
+        ax.set_yscale("log")
+
+    plot("loss.png", draw_loss, no_steps, xlabel="step", ylabel="loss (log scale)",
+         title="Training loss")
+    windows = throughput_windows(metrics)
+    plot("throughput.png", lambda ax: ax.plot(*zip(*windows), marker="."),
+         None if windows else "fewer than two training steps recorded",
+         xlabel="seconds", ylabel="target tokens / s",
+         title=f"Throughput (full windows of {window_steps(len(metrics))} steps)")
     acc = [(m["step"], m["draft_acc"]) for m in metrics if m.get("draft_acc")]
 
     def draw_acc(ax):
@@ -63,9 +70,18 @@ def write_plots(out: Path, metrics: list[dict], tau: dict) -> list[str]:
          xlabel="step", ylabel="top-1 accuracy",
          title="Draft accuracy by block position (training batches)")
     taus = [(m["step"], m["tau_heldout"]) for m in metrics if "tau_heldout" in m]
-    plot("tau_training.png", lambda ax: ax.plot(*zip(*taus), marker="o"),
-         None if taus else "τ not monitored while training (monitor.tau_every_steps)",
-         xlabel="step", ylabel="simulated τ (held-out)", title="τ while training")
+    est = [(m["step"], tau_from_accuracy(m["draft_acc"])) for m in metrics
+           if m.get("draft_acc")]
+
+    def draw_tau(ax):
+        if est:
+            ax.plot(*zip(*est), label="1 + Σₖ Πⱼ≤ₖ accⱼ (training batches, estimate)")
+        if taus:
+            ax.plot(*zip(*taus), marker="o", label="simulated τ, held-out prompts")
+        ax.legend()
+
+    plot("tau_training.png", draw_tau, None if taus or est else "no draft accuracy or τ logged",
+         xlabel="step", ylabel="τ", title="τ while training")
     sets = {k: v for k, v in (tau.get("sets") or {}).items() if v.get("tau") is not None}
     no_tau = None if sets else f"τ not evaluated: {tau.get('skipped', 'no eval set gave a τ')}"
 
@@ -106,14 +122,50 @@ def write_plots(out: Path, metrics: list[dict], tau: dict) -> list[str]:
 
 
 
+def window_steps(n: int) -> int:
+    return max(1, n // 20)
+
+
+def throughput_windows(metrics: list[dict]) -> list[tuple[float, float]]:
+    """(end time, tokens/s) over consecutive full windows of steps: a per-step rate is noisy,
+    and a partial last window (fewer steps, the final flush) spiked the end of the curve."""
+    w = window_steps(len(metrics))
+    out = []
+    for i in range(w, len(metrics), w):  # windows end at i, i + w, ...; a partial tail is dropped
+        dt = metrics[i]["t"] - metrics[i - w]["t"]
+        if dt > 0:
+            out.append((metrics[i]["t"], sum(m["tokens"] for m in metrics[i - w + 1:i + 1]) / dt))
+    return out
+
+
+def tau_from_accuracy(acc: list) -> float:
+    """τ a drafter with these per-position top-1 accuracies would reach if positions were
+    independent: 1 + Σₖ Πⱼ≤ₖ accⱼ (a missing position ends the chain)."""
+    tau, p = 1.0, 1.0
+    for a in acc:
+        if a is None:
+            break
+        p *= a
+        tau += p
+    return tau
+
+
 def write_report(out: Path, report: dict, metrics: list[dict], tau: dict) -> dict:
     """report.json, the plots, report.md (rendered from the package's template)."""
     report["plots"] = write_plots(out, metrics, tau)
     atomic_write_json(out / "report.json", report)
     md = render_report_md(report)
     atomic_write_text(out / "report.md", md)
-    print(md, flush=True)
+    print(f"[bench] report: {out / 'report.md'} (+ report.json and {len(report['plots'])} plots "
+          f"beside it)\n[bench] {headline(report)}", flush=True)
     return report
+
+
+def headline(report: dict) -> str:
+    """The run's figures in one line (the console's; report.md has the rest)."""
+    return (f"target tokens/s {fmt(report.get('tokens_per_s'))} · τ {fmt(report.get('tau'))} · "
+            f"final loss {fmt(report.get('final_loss'))} · recompiles after warmup "
+            f"{report.get('recompiles_after_warmup')} · race errors {report.get('race_errors')}")
 
 
 def render_report_md(report: dict) -> str:
@@ -147,8 +199,17 @@ def _last_draft_acc(metrics: list[dict], last: int = 10) -> list[float | None] |
 
 
 def fmt(x, digits: int = 3) -> str:
+    """A value for a report table: floats rounded, dicts as ``k v, ...`` without the unset
+    entries (``torch: {'cuda': None, ...}`` was unreadable), lists comma-separated."""
     if x is None:
         return "n/a"
+    if isinstance(x, bool):
+        return str(x).lower()
     if isinstance(x, float):
-        return f"{x:.{digits}g}" if abs(x) < 1e4 else f"{x:,.0f}"
+        return f"{x:.{digits}g}" if abs(x) < 10 ** digits else f"{x:,.0f}"
+    if isinstance(x, dict):
+        items = [f"{k} {fmt(v, digits)}" for k, v in x.items() if v not in (None, {}, [], "")]
+        return ", ".join(items) or "n/a"
+    if isinstance(x, (list, tuple)):
+        return ", ".join(fmt(v, digits) for v in x) or "n/a"
     return str(x)

@@ -71,6 +71,27 @@ def _per_node(nodes: int, node_rank: str, endpoint: str, rdzv_id: str) -> list[s
             "--rdzv-conf", f"is_host={int(node_rank == '0')}"]
 
 
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1", "0.0.0.0")
+
+
+def _one_machine(spec, nodes: int, explicit: str | None) -> list[str]:
+    """Simulated nodes: ``--standalone`` (a free port), or at the explicit rendezvous when it
+    names this machine; one naming another host cannot apply here and is refused (it used to
+    be ignored without a word)."""
+    if not explicit:
+        return ["--standalone", "--nnodes", "1", "--nproc-per-node", str(nodes)]
+    import socket
+
+    host = explicit.rsplit(":", 1)[0].strip("[]")
+    if host not in LOCAL_HOSTS + (socket.gethostname(), socket.getfqdn()):
+        raise SpecError(f"{spec.path}: field 'topology.rendezvous': {explicit!r} names another "
+                        f"host, but with no SLURM job and no DFLASH_NODE_RANK the {nodes} nodes "
+                        f"run as local processes on this machine; use auto, localhost:PORT, "
+                        f"or start each node with DFLASH_NODE_RANK=i (README, multi-node)")
+    return ["--nnodes", "1", "--nproc-per-node", str(nodes), "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", explicit, "--rdzv-id", f"dflash-{spec.name}"]
+
+
 def torchrun_args(spec, env: dict) -> tuple[list[str], dict, str]:
     """torchrun's options, the extra environment for the ranks, and how it runs (for the log)."""
     nodes = spec.topology.nodes
@@ -101,7 +122,7 @@ def torchrun_args(spec, env: dict) -> tuple[list[str], dict, str]:
         args = _per_node(nodes, settings.node_rank(env), explicit, f"dflash-{spec.name}")
         how = f"node {settings.node_rank(env)} of {nodes}, rendezvous {explicit}"
     else:
-        args = ["--standalone", "--nnodes", "1", "--nproc-per-node", str(nodes)]
+        args = _one_machine(spec, nodes, explicit)
         k = _gpus_per_node(spec)
         if k:
             visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
@@ -119,7 +140,8 @@ def torchrun_args(spec, env: dict) -> tuple[list[str], dict, str]:
             # NVLink multicast (NVLS) off between processes sharing one host
             extra.setdefault("NCCL_NVLS_ENABLE", env.get("NCCL_NVLS_ENABLE", "0"))
         how = f"{nodes} simulated nodes on this machine (local processes" + \
-              (f", {k} GPU(s) each)" if k else ", gloo on CPU)")
+              (f", {k} GPU(s) each" if k else ", gloo on CPU") + \
+              (f", rendezvous {explicit})" if explicit else ")")
     return common + args, extra, how
 
 

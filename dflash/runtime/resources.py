@@ -57,11 +57,13 @@ def device_resources(specs: Mapping, slurm: bool) -> dict[str, Callable]:
 
         return {"nodes": 1, "gres": gres}
 
+    # None, not 0: a resource the job does not hold is left out of its log line (a CPU job's
+    # `resources:` would otherwise list gpu=0, cuda_0=0, ... for every GPU of every spec)
     def gpus(wc):
-        return len({d for d in specs[wc.spec].machine_devices() if d != "cpu"})
+        return len({d for d in specs[wc.spec].machine_devices() if d != "cpu"}) or None
 
     def holds(device):
-        return lambda wc: int(device in specs[wc.spec].machine_devices())
+        return lambda wc: 1 if device in specs[wc.spec].machine_devices() else None
 
     return {"gpu": gpus, **{resource_name(d): holds(d) for d in cuda_devices(specs)}}
 

@@ -43,6 +43,15 @@ def _memory() -> dict:
             for i in range(torch.cuda.device_count())}
 
 
+def duration(seconds: float | None) -> str:
+    """``75`` -> ``1m15s``; None -> ``-``."""
+    if seconds is None:
+        return "-"
+    m, sec = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{sec:02d}s" if m else f"{sec}s"
+
+
 def busy_fractions(busy_s: dict, wait_s: dict) -> dict:
     """busy / (busy + wait) per worker so far: 1.0 = never waited for inputs or peers."""
     out = {}
@@ -78,6 +87,14 @@ class StatusReporter:
             return None
         return sum(x[2] for x in r[1:]) / max(1e-9, r[-1][0] - r[0][0])
 
+    def eta_s(self, window: int = 20) -> float | None:
+        """Seconds left at the recent step rate (None before two steps)."""
+        r = self.records[-window:]
+        if len(r) < 2 or not self.total:
+            return None
+        per_step = (r[-1][0] - r[0][0]) / (r[-1][1] - r[0][1] or 1)
+        return max(0.0, (self.total - self.state["step"]) * per_step)
+
     def tick(self, pipe) -> None:
         for name in sorted(pipe.first_step_s):
             if name not in self.healthy_announced:
@@ -93,7 +110,8 @@ class StatusReporter:
             wait_s={k: round(v, 3) for k, v in pipe.wait_s.items()},
             gate=g.summary(),
             healthy_workers=sorted(pipe.first_step_s), elapsed_s=round(time.perf_counter()
-                                                                        - self.t0, 1))
+                                                                        - self.t0, 1),
+            eta_s=None if (eta := self.eta_s()) is None else round(eta, 1))
         self._write()
         # print when something moved, or every 30 s as a heartbeat; status.json is always fresh
         now = time.perf_counter()
@@ -103,6 +121,7 @@ class StatusReporter:
         self._printed_step, self._printed_at = self.state["step"], now
         loss = self.state.get("loss")
         print(f"[train] step {self.state['step']}/{self.total} · "
+              f"{duration(self.state['elapsed_s'])} elapsed, ETA {duration(eta)} · "
               f"{'%.0f' % tps if tps else '-'} tok/s · loss "
               f"{'%.4f' % loss if loss is not None else '-'} · queues {self.state['queues']} · "
               f"busy {self.state['busy']} · "
@@ -126,44 +145,105 @@ class StatusReporter:
     def done(self, manifest: dict) -> None:
         # the whole run's busy fractions (a short run may end before its first tick)
         busy_s, wait_s = manifest.get("busy_s", {}), manifest.get("wait_s", {})
-        self.state.update(phase="done", final_loss=manifest.get("final_loss"),
+        self.state.update(phase="done", final_loss=manifest.get("final_loss"), eta_s=0.0,
+                          elapsed_s=round(time.perf_counter() - self.t0, 1),
                           steady_state=manifest.get("steady_state"),
                           busy=busy_fractions(busy_s, wait_s), busy_s=busy_s, wait_s=wait_s)
         self._write()
 
 
+STAGES = ("env", "warmup", "data", "train", "bench")
+# what each stage's record calls its duration (the bench stage's record is its report.json)
+SECONDS_KEYS = ("seconds", "seconds_total", "wall_s")
+
+
+def _fmt(v) -> str:
+    """A status value for people: floats rounded, dicts as k=v."""
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, dict):
+        return ", ".join(f"{k}={_fmt(x)}" for k, x in v.items()) or "-"
+    if isinstance(v, list):
+        return ", ".join(map(_fmt, v)) or "-"
+    return "-" if v is None else str(v)
+
+
+def _last_line(log: Path) -> str | None:
+    try:
+        lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return None
+    return lines[-1][:160] if lines else None
+
+
+def stage_lines(spec_dir: Path, logs: Path) -> list[str]:
+    """One line per stage: done (from its manifest), running or failed (its log's last line,
+    with its age), or not started."""
+    out = []
+    for st in STAGES:
+        m, log = (spec_dir / st / ("report.json" if st == "bench" else "manifest.json"),
+                  logs / f"{st}.log")
+        if m.is_file():
+            try:
+                rec = json.loads(m.read_text())
+            except ValueError:
+                rec = {}
+            secs = next((rec[k] for k in SECONDS_KEYS if isinstance(rec.get(k), (int, float))),
+                        None)
+            out.append(f"  {st:7s} done" + (f" in {duration(secs)}" if secs else ""))
+        elif log.is_file():
+            age = time.time() - log.stat().st_mtime
+            out.append(f"  {st:7s} {'running' if age < 120 else 'stopped'} (log {duration(age)} "
+                       f"ago): {_last_line(log) or '(empty)'}")
+        else:
+            out.append(f"  {st:7s} not started")
+    return out
+
+
 def main(argv: list[str]) -> int:
-    """`dflash status results/<spec>`: print the live status of a run."""
+    """`dflash status results/<spec>`: every stage's state, then the train stage's live status."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="dflash status")
     ap.add_argument("results", help="results/<spec> (or its train/ folder)")
+    ap.add_argument("--logs", default=None, help="the logs/<spec> folder (default: beside the "
+                                                 "results root, as config/config.yaml has it)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    p = Path(a.results)
-    for cand in (p / "train" / "status.json", p / "status.json", p):
-        if cand.is_file():
-            break
-    else:
-        print(f"error: no status.json under {p} (has the train stage started?)", file=sys.stderr)
-        return 2
-    try:
-        st = json.loads(cand.read_text())
-        if not isinstance(st, dict):
-            raise ValueError(f"a JSON {type(st).__name__}, not an object")
-        age = time.time() - float(st.get("updated_unix", 0))
-    except (OSError, ValueError, TypeError) as e:
-        # written atomically by the train stage, so this is damage, not a half-written file
-        print(f"error: {cand}: not a readable status file ({e}); the train stage rewrites it "
-              f"at its next status tick", file=sys.stderr)
-        return 2
+    spec_dir = Path(a.results)
+    for name in ("status.json", "train"):  # results/<spec>/train[/status.json] -> results/<spec>
+        spec_dir = spec_dir.parent if spec_dir.name == name else spec_dir
+    status = spec_dir / "train" / "status.json"
+    status = status if status.is_file() else None
+    st = None
+    if status:
+        try:
+            st = json.loads(status.read_text())
+            if not isinstance(st, dict):
+                raise ValueError(f"a JSON {type(st).__name__}, not an object")
+            float(st.get("updated_unix", 0))
+        except (OSError, ValueError, TypeError) as e:
+            # written atomically by the train stage, so this is damage, not a half-written file
+            print(f"error: {status}: not a readable status file ({e}); the train stage "
+                  f"rewrites it at its next status tick", file=sys.stderr)
+            return 2
     if a.json:
-        print(json.dumps(st, indent=2))
+        print(json.dumps(st or {}, indent=2))
         return 0
-    print(f"spec {st.get('spec')} · {st.get('phase')} · step {st.get('step')}/"
-          f"{st.get('total_steps')} · updated {age:.0f}s ago")
-    for k in ("tokens_per_s", "loss", "lr", "queues", "busy", "gate", "memory",
-              "healthy_workers"):
-        if k in st:
-            print(f"  {k:16s} {st[k]}")
+    logs = Path(a.logs) if a.logs else spec_dir.parent.parent / "logs" / spec_dir.name
+    if not spec_dir.is_dir() and not logs.is_dir():
+        print(f"error: nothing under {spec_dir} or {logs} yet (has the run started?)",
+              file=sys.stderr)
+        return 2
+    print(f"spec {spec_dir.name}:")
+    print("\n".join(stage_lines(spec_dir, logs)))
+    if st:
+        age = time.time() - float(st.get("updated_unix", 0))
+        print(f"train: {st.get('phase')} · step {st.get('step')}/{st.get('total_steps')} · "
+              f"{duration(st.get('elapsed_s'))} elapsed, ETA {duration(st.get('eta_s'))} · "
+              f"updated {duration(age)} ago")
+        for k in ("tokens_per_s", "loss", "lr", "queues", "busy", "gate", "memory",
+                  "healthy_workers"):
+            if k in st:
+                print(f"  {k:16s} {_fmt(st[k])}")
     return 0

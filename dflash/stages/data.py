@@ -24,6 +24,7 @@ MT-Bench and HumanEval) is :mod:`dflash.data.sources`; docs/data.md has the deta
 """
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
 import time
@@ -150,8 +151,15 @@ def run(ctx: StageContext) -> dict:
     """Build (or resume) ``results/<spec>/data``; returns the manifest. After each shard is
     written, :func:`dflash.runtime.faults.shard_written` runs the test hooks (tests use it to
     simulate an interruption)."""
+    from ..data.check import check_data
+
+    # by name: the budget (model shapes, FLOPs) does not change the dataset, so it stays out of
+    # this stage's code closure (dflash.code_fingerprint): an edit to it reruns no data stage
+    check_disk = importlib.import_module("dflash.train.budget").check_disk
     spec = ctx.spec
     t0 = time.time()
+    check_data(spec)                      # the model-free checks again, with field path and file
+    check_disk(spec, ctx.results.parent)  # the run's disk budget fits, before any generation
     d = spec.data
     data_dir = ctx.results / "data"
     shard_dir = data_dir / SHARDS

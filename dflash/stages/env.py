@@ -21,7 +21,8 @@ from pathlib import Path
 
 from ..env.drift import ALLOW_DRIFT_VAR, allow_drift, diff_pins, format_drift, warn_drift
 from ..env.facts import env_fingerprint, found_devices, key_stack, live_env
-from ..env.lock import check_python_tag, lock_digest, lock_files, locked_pins
+from ..env.lock import check_python_tag, installs_no_deps, lock_digest, lock_files, locked_pins
+from ..env.overlay import install_overlay
 from ..env.venv import build_venv
 from ..errors import EnvDrift
 from ..manifest import sha256_file, write_manifest
@@ -43,8 +44,13 @@ def run(ctx: StageContext) -> dict:
     venv, reused = None, None
     if mode == "build":                 # pip's log goes beside the venv (.venvs/<venv>.log)
         venv, facts, reused = build_venv(lock, spec.env.wheel_dir)
-    else:
+    else:                               # the image, plus its overlay lock (dflash.env.overlay)
         facts = live_env(None, probe_torch=True)
+        added = install_overlay(lock, spec.env.wheel_dir, facts["packages"])
+        if added:
+            print(f"[env] overlay: installed {len(added)} pinned package(s) from the wheel dir",
+                  flush=True)
+            facts = live_env(None, probe_torch=True)
     pins = locked_pins(lock, facts)
     drift = diff_pins(pins, facts)
     drift_allowed = False
@@ -61,15 +67,14 @@ def run(ctx: StageContext) -> dict:
     facts["lock_sha256"] = digest["lock"]
     stack = key_stack(facts)
     fps = {"lock": digest["lock"], "env": env_fingerprint(facts)}
-    if "lock_nodeps" in digest:
-        fps["lock_nodeps"] = digest["lock_nodeps"]
+    fps.update({k: v for k, v in digest.items() if k != "lock"})  # companion and overlay locks
     files = lock_files(lock)
     body = write_manifest(
         out_dir / "manifest.json", "env", fingerprints=fps,
         spec=spec.name, mode=mode,
         lock={"path": str(lock), "sha256": digest["lock"]},
-        lock_files=[{"path": str(f), "sha256": sha256_file(f), "no_deps": i > 0}
-                    for i, f in enumerate(files)],
+        lock_files=[{"path": str(f), "sha256": sha256_file(f), "no_deps": installs_no_deps(f)}
+                    for f in files],
         interpreter=facts["interpreter"], prefix=facts["prefix"],
         venv=str(venv.absolute()) if venv else None, venv_reused=reused,
         python=facts["python"], implementation=facts["implementation"],

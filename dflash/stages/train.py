@@ -16,6 +16,7 @@ from ..eval.tau import TauMonitor
 from ..runtime import distributed
 from ..runtime.faults import injected_failures
 from ..train.trainer import train
+from ..train.tracker import check_tracker
 from . import StageContext
 
 
@@ -23,6 +24,7 @@ def run(ctx: StageContext) -> dict:
     """The train stage: results/<spec>/train/{manifest.json, metrics.jsonl, status.json,
     checkpoints/, drafter/}; resumes from the newest good checkpoint of the same run."""
     out = ctx.results / "train"
+    check_tracker(ctx.spec)  # monitor.tensorboard without the package: refused before any work
     comm = distributed.init(ctx.spec.topology.drafters[0])
     if comm is None:
         return train(ctx, out, persist=True, fail_at=injected_failures(), monitor=TauMonitor)

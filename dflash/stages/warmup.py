@@ -9,11 +9,32 @@ manifest lists every (callable, device, bucket) with its seconds, the compile ca
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 
 from ..manifest import write_manifest
 from ..cache import compile_cache_dir
 from . import StageContext
+
+
+@contextlib.contextmanager
+def heartbeat(line, every_s: float = 15.0):
+    """Print ``line(seconds so far)`` every ``every_s`` while the block runs (a compile is
+    silent for up to a minute; the user sees it is alive)."""
+    stop, t0 = threading.Event(), time.perf_counter()
+
+    def beat():
+        while not stop.wait(every_s):
+            print(line(time.perf_counter() - t0), flush=True)
+
+    th = threading.Thread(target=beat, name="warmup-heartbeat", daemon=True)
+    th.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        th.join()
 
 
 def run(ctx: StageContext) -> dict:
@@ -29,16 +50,29 @@ def run(ctx: StageContext) -> dict:
     feat_width = len(cfg.target_layer_ids) * cfg.hidden_size
     replicas = make_replicas(spec, cfg, initial_state(cfg, spec.seed), total_steps=1000)
 
-    def log(rec: dict) -> None:
-        who = f"replica {rec['replica']}" if "replica" in rec else "target"
-        print(f"[warmup] {rec['callable']} on {rec['device']} ({who}) "
-              f"bucket {rec['bucket']}: {rec['seconds']:.1f}s", flush=True)
+    done: list[dict] = []
 
+    def log(rec: dict) -> None:
+        done.append(rec)
+        who = f"replica {rec['replica']}" if "replica" in rec else "target"
+        n = sum("replica" in r for r in done)
+        tail = f" ({n}/{expected} drafter compiles done)" if "replica" in rec else ""
+        print(f"[warmup] compiled {rec['callable']} on {rec['device']} ({who}) "
+              f"bucket {rec['bucket']}: {rec['seconds']:.1f}s{tail}", flush=True)
+
+    expected = len(replicas) * len(buckets(spec))
+    print(f"[warmup] compiling the target's feature extractor where it compiles, then "
+          f"{expected} drafter step(s): {len(replicas)} replica(s) on "
+          f"{', '.join(spec.topology.drafters)} × bucket(s) {buckets(spec)} "
+          f"(backend {spec.compile.backend})", flush=True)
     # the target feature extractor's compiled parts per (target device, bucket), on a one-layer
     # copy; first, as in training (loading a model registers its pytree node types)
-    records = warm_target_features(spec, buckets(spec), log=log)
-    records += warm_all(replicas, buckets(spec), feat_width, dtype_of(spec.target.dtype),
-                        optimizer_step=True, log=log)
+    with heartbeat(lambda s: f"[warmup] still compiling ({s:.0f}s in; "
+                             f"{sum('replica' in r for r in done)}/{expected} drafter compiles "
+                             f"done)"):
+        records = warm_target_features(spec, buckets(spec), log=log)
+        records += warm_all(replicas, buckets(spec), feat_width, dtype_of(spec.target.dtype),
+                            optimizer_step=True, log=log)
     total = time.perf_counter() - t0
     per_device: dict[str, float] = {}
     for r in records:

@@ -92,12 +92,14 @@ class StepBooks:
     def __init__(self, out: Path, *, start_step: int, counters: dict, ledger: EpochLedger,
                  status: StatusReporter, checkpoint, nodes: int, total_steps: int, replica,
                  run_fingerprint: dict, writer: bool, persist: bool,
-                 monitor: Callable | None = None, tau_every: int | None = None):
+                 monitor: Callable | None = None, tau_every: int | None = None,
+                 tracker=None):
         self.out, self.counters, self.ledger, self.status = out, counters, ledger, status
         self.checkpoint, self.nodes, self.total = checkpoint, nodes, total_steps
         self.replica, self.run_fingerprint = replica, run_fingerprint
         self.writer, self.persist = writer, persist
         self.monitor, self.tau_every = monitor, tau_every
+        self.tracker = tracker  # dflash.train.tracker.Tracker (monitor.tensorboard) or None
         self.metrics = MetricsLog(out / "metrics.jsonl", start_step) if writer else None
         self.t0 = time.perf_counter()
         self.feature_cache = None  # flushed before every checkpoint (features.cache: disk)
@@ -121,12 +123,15 @@ class StepBooks:
             extra = {"tau_heldout": m["tau"], "tau_seconds": m["seconds"]}
         if not self.writer:
             return
-        self.metrics.write({"step": rec.step, "epoch": rec.epoch, "loss": rec.loss,
-                            "lr": rec.lr, "grad_norm": rec.grad_norm, "tokens": rec.tokens,
-                            "labelled": rec.labelled, "samples": len(rec.sample_ids),
-                            "draft_acc": rec.draft_acc, "sample_ids": rec.sample_ids,
-                            "t": round(rec.t_end - self.t0, 4), **extra})
+        row = {"step": rec.step, "epoch": rec.epoch, "loss": rec.loss,
+               "lr": rec.lr, "grad_norm": rec.grad_norm, "tokens": rec.tokens,
+               "labelled": rec.labelled, "samples": len(rec.sample_ids),
+               "draft_acc": rec.draft_acc, "sample_ids": rec.sample_ids,
+               "t": round(rec.t_end - self.t0, 4), **extra}
+        self.metrics.write(row)
         self.status.step(rec)
+        if self.tracker is not None:
+            self.tracker.log(row, self.status.tokens_per_s())
         if self.persist and self._due(self.checkpoint.every_steps, rec.step):
             if self.feature_cache is not None:
                 self.feature_cache.flush()  # what this checkpoint's steps computed is stored
@@ -138,3 +143,5 @@ class StepBooks:
     def close(self) -> None:
         if self.metrics is not None:
             self.metrics.close()
+        if self.tracker is not None:
+            self.tracker.close()

@@ -174,7 +174,9 @@ def worker_balance(spec, dcfg, window: list[dict], busy: dict, wait: dict, n_run
             "unbounded_recommendation": round(ideal, 1),
             "drafter_tokens_per_s_per_gpu_at_recommended": rate_rec,
         },
-        "projection": {
+        "projection": {"skipped": "CPU run: its workers share the cores, so it says nothing "
+                                  "about GPU splits (run the spec on GPUs for a projection)"}
+        if all(d == "cpu" for d in spec.devices()) else {
             "formula": "tokens/s = min(T × target tokens/s per GPU, D × drafter tokens/s per "
                        "GPU) from this run's per-GPU busy rates",
             "splits": [{"targets": t, "drafters": d,

@@ -39,6 +39,7 @@ from ..runtime.status import StatusReporter, by_role
 from ..models.dtypes import dtype_of
 from ..spec import cache_mode
 from . import checkpoint as ckpt
+from .tracker import open_tracker
 from .books import EpochLedger, StepBooks
 from .feature_cache import check_run, open_for_run
 from .packing import bucket_for, pack_row, plan_epoch
@@ -219,7 +220,9 @@ def train_steps(job: Job, progress: Progress, targets: list, fail_at: dict,
                       checkpoint=spec.checkpoint, nodes=spec.topology.nodes,
                       total_steps=job.total_steps, replica=job.replicas[0],
                       run_fingerprint=job.run_fingerprint, writer=job.main,
-                      persist=job.persist, monitor=tau, tau_every=every_tau)
+                      persist=job.persist, monitor=tau, tau_every=every_tau,
+                      tracker=open_tracker(spec, job.out, progress.start_step)
+                      if job.persist and job.main else None)
     cache = open_for_run(spec, ds, job.out, job.cfg, job.step_map, progress.start_step,
                          job.total_steps, job.run_fingerprint)
     books.feature_cache = cache

@@ -1,0 +1,221 @@
+"""Budgets before heavy work: GPU memory per device, the disk a run writes, a rough time per stage.
+
+All from the spec and the model shapes (no weights loaded): ``dflash validate`` prints them, and
+the env stage (the first stage) refuses a run whose disk budget does not fit the free space of
+the results root. Rough by design: memory counts weights, optimizer state and the largest
+activations; time is the FLOP model (:mod:`dflash.train.flops`) over a measured peak (the spec's
+own last bench report, else the committed H200 measurement, else the CPU measured now) times an
+assumed MFU (the report's measured one when there is one).
+
+**Extension point**: ``DISK`` and ``MEMORY`` are lists of named items; a stage that writes (or
+holds) something new appends one — e.g. a target-feature cache adds
+``DISK.append(Item("feature cache", lambda s: ...))``. Each item maps a :class:`Sizes` to bytes
+(DISK) or to {device: bytes} (MEMORY); the total, the printout and the disk refusal follow.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ..errors import DFlashError
+
+REPO = Path(__file__).resolve().parents[2]
+# dense bf16 matmul FLOP/s measured on an H200 (bench stage, docs/benchmarks.md)
+H200_PEAK_FILE = REPO / "bench/results/h200/qwen3-8b-2gpu/qwen3-8b-2gpu__bench__report.json"
+ASSUMED_MFU = {"target": 0.5, "drafter": 0.2, "generate": 0.05}  # decode is memory-bound
+STATE_BYTES = 12     # per drafter parameter in a checkpoint: fp32 weights + Adam m and v
+TRAIN_BYTES = 16     # per drafter parameter in memory: the above + fp32 gradients
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class BudgetError(DFlashError):
+    """The run's budget does not fit this machine (names what and by how much)."""
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What the budget items are computed from (one spec, no weights)."""
+    spec: object
+    tcfg: object          # the target's transformers config
+    dcfg: object          # the drafter's DFlashConfig
+    target_params: int    # of the layers the target runs (features up to the deepest layer id)
+    drafter_params: int   # trained parameters (the embedding and lm_head are the target's)
+    samples: int
+    sample_tokens: int    # upper bound per sample (prompt + new tokens)
+    steps: int
+
+
+@dataclass(frozen=True)
+class Item:
+    name: str
+    estimate: Callable[[Sizes], object]
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def _params(cfg, layers: int, vocab: bool) -> int:
+    from .flops import _linear_params
+
+    return _linear_params(cfg, layers) + (cfg.vocab_size * cfg.hidden_size if vocab else 0)
+
+
+def sizes(spec) -> Sizes:
+    from ..models.drafter import DFlashConfig
+    from ..models.target import hf_config, layer_ids
+
+    tcfg = hf_config(spec.target)
+    ids = layer_ids(spec.target, tcfg)
+    dcfg = DFlashConfig.from_target_config(tcfg, spec.drafter.num_layers, spec.drafter.block_size,
+                                           spec.drafter.mask_token_id, ids)
+    d, b, o = spec.data, spec.batching, spec.optim
+    samples = d.max_prompts * d.samples_per_prompt
+    sample_tokens = d.max_prompt_tokens + d.max_new_tokens
+    per_step = max(1, b.token_budget // sample_tokens) * len(spec.topology.drafters) \
+        * spec.topology.nodes
+    steps = o.max_steps or -(-samples * (o.epochs or 1) // per_step)
+    return Sizes(spec, tcfg, dcfg, _params(tcfg, max(ids) + 1, vocab=True),
+                 _params(dcfg, dcfg.num_hidden_layers, vocab=False), samples, sample_tokens, steps)
+
+
+# ---- disk: bytes each item writes under results/<spec>/ -------------------------------------
+DISK: list[Item] = [
+    Item("dataset", lambda s: s.samples * s.sample_tokens * 5),  # int32 ids + int8 loss mask
+    Item("checkpoints", lambda s: (s.spec.checkpoint.keep + 1) * s.drafter_params * STATE_BYTES),
+    Item("exported drafter", lambda s: s.drafter_params * 2),    # bf16 safetensors
+]
+
+
+# ---- memory: bytes per device ---------------------------------------------------------------
+def _target_memory(s: Sizes) -> dict:
+    t, b = s.spec.topology, s.spec.batching
+    bytes_ = DTYPE_BYTES[s.spec.target.dtype]
+    acts = b.token_budget * s.tcfg.hidden_size * bytes_ * (4 + s.tcfg.intermediate_size
+                                                          // s.tcfg.hidden_size)
+    feats = t.queue_depth * b.token_budget * s.dcfg.hidden_size * len(s.dcfg.target_layer_ids) \
+        * bytes_
+    return {dev: s.target_params * bytes_ + acts + feats for dev in t.targets}
+
+
+def _drafter_memory(s: Sizes) -> dict:
+    b, c = s.spec.batching, s.dcfg
+    bytes_ = DTYPE_BYTES[s.spec.drafter.dtype]
+    block_tokens = b.max_anchors * c.block_size
+    acts = block_tokens * c.hidden_size * c.num_hidden_layers * 12 * bytes_
+    logits = block_tokens * c.vocab_size * 4 // 8     # chunked cross-entropy: ~1/8 at a time
+    head = 2 * c.vocab_size * c.hidden_size * bytes_  # the target's embedding and lm_head
+    return {dev: s.drafter_params * TRAIN_BYTES + acts + logits + head
+            for dev in s.spec.topology.drafters}
+
+
+MEMORY: list[Item] = [Item("target", _target_memory), Item("drafter", _drafter_memory)]
+
+
+# ---- time -----------------------------------------------------------------------------------
+def peak(spec, results: Path | None = None) -> tuple[float, str, dict]:
+    """(FLOP/s per device, where it comes from, measured MFUs if any)."""
+    own = results / spec.name / "bench" / "report.json" if results else None
+    for path in filter(None, (own, H200_PEAK_FILE)):
+        if path == H200_PEAK_FILE and spec.topology.drafters[0] == "cpu":
+            break
+        try:
+            r = json.loads(path.read_text())
+            mfu = {k: r[f"{k}_mfu"] for k in ("target", "drafter") if r.get(f"{k}_mfu")}
+            where = path.relative_to(REPO) if path.is_relative_to(REPO) else path
+            return float(r["peak"]["flops_per_s"]), str(where), mfu if path == own else {}
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    if spec.topology.drafters[0] != "cpu":
+        return 0.0, "none (no bench report)", {}
+    import torch
+
+    from .flops import best_seconds_per_call
+
+    n = 1024  # a small matmul: a rough budget needs no more (the bench stage measures properly)
+    a = torch.randn(n, n)
+    return 2 * n ** 3 / best_seconds_per_call(lambda: a @ a, "cpu", reps=1, windows=5), \
+        "measured now (CPU)", {}
+
+
+def stage_seconds(s: Sizes, flops_per_s: float, mfu: dict) -> dict:
+    from .flops import drafter_flops_per_step, target_flops
+
+    if not flops_per_s:
+        return {}
+    m = {**ASSUMED_MFU, **mfu}
+    t, b, d = s.spec.topology, s.spec.batching, s.spec.data
+    gen_tokens = s.samples * d.max_new_tokens
+    gen = 2 * s.target_params * gen_tokens / (flops_per_s * m["generate"] * len(t.targets))
+    ids = s.dcfg.target_layer_ids
+    docs = [s.sample_tokens] * max(1, b.token_budget // s.sample_tokens)
+    tgt = target_flops(s.tcfg, max(ids) + 1, docs) / (flops_per_s * m["target"])
+    dft = drafter_flops_per_step(s.dcfg, b.token_budget, b.max_anchors * s.dcfg.block_size,
+                                 b.max_anchors * (s.dcfg.block_size - 1)) \
+        / (flops_per_s * m["drafter"])
+    per_step = max(tgt * len(t.drafters) / max(1, len(t.targets)), dft)
+    evals = s.spec.bench.eval_prompts * len(s.spec.bench.eval_sets)
+    bench = 2 * s.target_params * evals * s.spec.bench.eval_max_new_tokens * 3 \
+        / (flops_per_s * m["generate"])
+    return {"data": gen, "train": s.steps * per_step, "bench": bench}
+
+
+def budget(spec, results: Path | None = None) -> dict:
+    s = sizes(spec)
+    flops_per_s, source, mfu = peak(spec, results)
+    memory: dict[str, dict] = {}
+    for item in MEMORY:
+        for dev, n in item.estimate(s).items():
+            memory.setdefault(dev, {})[item.name] = n
+    disk = {item.name: item.estimate(s) for item in DISK}
+    return {"memory": memory, "disk": disk, "disk_total": sum(disk.values()),
+            "seconds": stage_seconds(s, flops_per_s, mfu), "steps": s.steps,
+            "peak_flops_per_s": flops_per_s, "peak_source": source,
+            "mfu": {**ASSUMED_MFU, **mfu}, "warmup_compiles": spec.batching.num_buckets
+            * len(spec.topology.drafters)}
+
+
+def _dur(sec: float) -> str:
+    return f"{sec:.0f} s" if sec < 120 else f"{sec / 60:.0f} min" if sec < 7200 \
+        else f"{sec / 3600:.1f} h"
+
+
+def render(b: dict) -> list[str]:
+    lines = []
+    for dev, items in b["memory"].items():
+        lines.append(f"  memory {dev}: {_gb(sum(items.values()))} ("
+                     + ", ".join(f"{k} {_gb(v)}" for k, v in items.items()) + ")")
+    lines.append(f"  disk: {_gb(b['disk_total'])} ("
+                 + ", ".join(f"{k} {_gb(v)}" for k, v in b["disk"].items()) + ")")
+    if b["seconds"]:
+        pk = b["peak_flops_per_s"]
+        pk = f"{pk / 1e12:.1f} TFLOP/s" if pk >= 1e12 else f"{pk / 1e9:.0f} GFLOP/s"
+        lines.append(f"  time (rough: FLOPs / peak {pk} "
+                     f"[{b['peak_source']}] / MFU): warmup {b['warmup_compiles']} compile(s), "
+                     + ", ".join(f"{k} ~{_dur(v)}" for k, v in b["seconds"].items())
+                     + f" ({b['steps']} steps)")
+    else:
+        lines.append(f"  time: no peak for these devices yet ({b['peak_source']}); "
+                     f"{b['steps']} train steps, {b['warmup_compiles']} warm-up compile(s)")
+    return lines
+
+
+def check_disk(spec, results: Path, b: dict | None = None) -> dict:
+    """Refuse a run whose disk budget exceeds the free space where its results go."""
+    b = b or budget(spec, results)
+    where = results if results.exists() else next(
+        (p for p in results.absolute().parents if p.exists()), Path("/"))
+    done = sum(f.stat().st_size for f in (results / spec.name).rglob("*") if f.is_file()) \
+        if (results / spec.name).is_dir() else 0
+    free = shutil.disk_usage(where).free
+    need = b["disk_total"] - done
+    if need > free:
+        raise BudgetError(f"{spec.path}: the run writes ~{_gb(b['disk_total'])} under "
+                          f"{results / spec.name} (" + ", ".join(
+                              f"{k} {_gb(v)}" for k, v in b["disk"].items())
+                          + f"), {_gb(need)} more than is there now, but {where} has "
+                          f"{_gb(free)} free; free space or lower checkpoint.keep / data sizes")
+    return b
