@@ -21,6 +21,9 @@ def _share_keys():
         wc = SimpleNamespace(spec=name)
         for st in SHARED_STAGES:
             up = {"lock": lock_sha(wc)} if st == "env" else {"env": keys[("env", name)]}
+            # the devices too: a shared job runs the stage with one of its specs' files, and every
+            # stage checks that spec's devices (an 8-GPU spec must not stand in for a 1-GPU one)
+            up["devices"] = sorted(set(SPECS[name].devices()))
             k = share_key(st, SPECS[name].section(st), CODE[st], up)
             keys[(st, name)] = k
             reps[st].setdefault(k, name)

@@ -115,3 +115,23 @@ def test_deleting_one_arms_results_keeps_the_others_inputs(wf):
     # the deleted arm relinks its inputs and trains again; no shared stage reruns
     assert job_counts(out) == {"train": 1, "bench": 1}, out[-3000:]
     assert _all_jobs(out)["link_stage"] == 3
+
+
+def test_a_spec_on_other_devices_never_stands_in_for_the_shared_jobs(wf):
+    """Every stage checks the devices of the spec file its job runs with: a spec that sorts
+    first but names devices this machine lacks (an 8-GPU spec beside a 1-GPU one) must get
+    store entries of its own, never run micro's env, warm-up or data jobs."""
+    other = {"base": "micro", "name": "a-gpu",
+             "topology": {"targets": ["cuda:0"], "drafters": ["cuda:0"],
+                          "allow_shared_devices": True}}
+    (wf / "specs" / "a-gpu.yaml").write_text(yaml.safe_dump(other))
+    try:
+        r = snakemake(wf, "-n", "-p", "bench_micro-lr")
+        out = r.stdout + r.stderr
+        assert r.returncode == 0 and job_counts(out) == {}, out[-3000:]  # micro's stay as they are
+        r = snakemake(wf, "-n", "-p", "bench_a-gpu")
+        out = r.stdout + r.stderr
+        assert job_counts(out) == {"env": 1, "warmup": 1, "data": 1, "train": 1, "bench": 1}
+        assert "specs/a-gpu.yaml" in out and "specs/micro.yaml" not in out, out[-3000:]
+    finally:
+        (wf / "specs" / "a-gpu.yaml").unlink()
