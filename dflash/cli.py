@@ -126,6 +126,7 @@ def validate(paths: list[str], check_devices: bool, results: str = "results",
             print("\n".join(bud.render(b)), flush=True)
             _print_cache_budget(s, results)
             if show:  # JSON first: tuples become lists, as YAML can dump them
+                print(f"--- # {where} as validated")
                 print(yaml.safe_dump(json.loads(json.dumps(s.to_dict())), sort_keys=False))
     if checked > 1:
         print(f"{checked - failed} of {checked} specs ok", file=sys.stderr if failed

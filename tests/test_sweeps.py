@@ -92,8 +92,8 @@ def test_validate_show_prints_the_merged_spec(specs):
     r = subprocess.run([sys.executable, "-m", "dflash", "validate", "--show", str(child)],
                        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.returncode == 0, r.stderr
-    shown = yaml.safe_load(r.stdout.split("\n", 1)[1])
-    assert shown["name"] == "child" and shown["loss"] == {"gamma": 3}
+    shown = yaml.safe_load(r.stdout.split(f"--- # {child} as validated\n", 1)[1])
+    assert shown["name"] == "child" and shown["loss"]["gamma"] == 3
     assert shown["target"]["model"] == "llama-micro"       # from the base
     assert shown["optim"]["beta2"] == 0.95                  # a schema default, filled in
     assert "base" not in shown

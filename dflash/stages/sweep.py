@@ -112,7 +112,7 @@ def plot(report: dict, path: Path) -> None:
 def render_md(report: dict) -> str:
     from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
-    from .bench import _fmt
+    from ..eval.report import fmt as _fmt
 
     env = Environment(loader=FileSystemLoader(Path(__file__).parents[1] / "templates"),
                       undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
