@@ -128,7 +128,9 @@ def test_a_spec_on_other_devices_never_stands_in_for_the_shared_jobs(wf):
     try:
         r = snakemake(wf, "-n", "-p", "bench_micro-lr")
         out = r.stdout + r.stderr
-        assert r.returncode == 0 and job_counts(out) == {}, out[-3000:]  # micro's stay as they are
+        assert r.returncode == 0, out[-3000:]
+        # the arms' shared stages stay as they are (an arm deleted above may retrain)
+        assert not {"env", "warmup", "data"} & set(job_counts(out)), out[-3000:]
         r = snakemake(wf, "-n", "-p", "bench_a-gpu")
         out = r.stdout + r.stderr
         assert job_counts(out) == {"env": 1, "warmup": 1, "data": 1, "train": 1, "bench": 1}
