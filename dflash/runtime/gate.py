@@ -348,7 +348,8 @@ class Gate:
     def run(self, sig: Hashable, fn: Callable[[], Any]) -> Any:
         """Run one iteration ``fn()`` identified by ``sig`` (hashable: callable name, device, shapes).
 
-        Unseen sig -> exclusive, recorded as a compile (with seconds). Seen -> shared; if warm and a
+        Unseen sig -> exclusive, recorded as a compile (with seconds). Seen before mark_warm ->
+        exclusive too (any call may still compile). Seen after it -> shared; if a
         compiled call needs to recompile, fail_on_recompile refuses it before any work is done; the
         refusal is counted (with its sig) and fn is retried under exclusive with the default stance.
         FX-nested-trace errors are counted in race_errors and re-raised. ``fn`` must do its state
@@ -358,6 +359,11 @@ class Gate:
             known = sig in self._seen
         if not known:
             return self._run_exclusive(sig, fn, "compile")
+        if not self._warm:
+            # before mark_warm nothing refuses a recompile: a seen sig whose guards fail (a new
+            # document layout, say) would compile on the shared side, where the process-global
+            # is_compiling() it sets poisons every reader's entry check. Exclusive until warm.
+            return self._run_exclusive(sig, fn, "cold")
         try:
             with self.shared():
                 return fn()
