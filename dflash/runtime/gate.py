@@ -14,9 +14,10 @@ at the same time as anything else:
   and raises :class:`dflash.errors.PoisonedProcess` if not.
 * ``gate.exclusive(reason)`` -- anything that may compile or trace: a new shape signature, the first
   backward, uncompiled flex_attention, ``create_block_mask(_compile=True)``, ``make_fx``.
-* ``gate.run(sig, fn)`` -- a worker's whole iteration: exclusive the first time ``sig`` is seen, shared
-  afterwards; after :meth:`Gate.mark_warm` a recompile is refused by ``fail_on_recompile`` *before doing
-  any work*, counted, and retried under exclusive with the default stance. Never a silent eager run.
+* ``gate.run(sig, fn)`` -- a worker's whole iteration: exclusive the first time ``sig`` is seen and
+  until :meth:`Gate.mark_warm` (before it nothing refuses a recompile), shared afterwards, when a
+  recompile is refused by ``fail_on_recompile`` *before doing any work*, counted, and retried under
+  exclusive with the default stance. Never a silent eager run.
 
 Fairness: a waiting writer blocks newly arriving readers (writer preference, so a pending compile gets
 the gate as soon as the readers already inside finish their current iteration), and when a writer
