@@ -84,6 +84,7 @@ RESULTS = config["results"]
 LOGS = config["logs"]
 BENCHMARKS = config["benchmarks"]
 SLURM = config["slurm"]  # profiles/slurm: jobs go to a SLURM cluster (see device_resources)
+GPU_JOBS = config["gpu_jobs"]  # jobs per CUDA device (config/config.schema.yaml: default 1)
 
 
 def _load_sweep_arms():
@@ -129,10 +130,11 @@ def python_for(wc):
 
 
 # GPUs, from the specs only (dflash/runtime/resources.py says how, locally and on SLURM): a
-# resource of capacity 1 per CUDA device any spec names, so two jobs never share a GPU.
+# resource of capacity gpu_jobs (default 1) per CUDA device any spec names, so by default two
+# jobs never share a GPU. register_resource overrides `--resources cuda_0=N`: the config decides.
 CUDA_DEVICES = resources.cuda_devices(SPECS)
 for _device in CUDA_DEVICES:
-    workflow.register_resource(resources.resource_name(_device), 1)
+    workflow.register_resource(resources.resource_name(_device), GPU_JOBS)
 
 
 def device_resources():

@@ -129,6 +129,7 @@ def test_report_holds_the_plots_with_their_captions(wf):
 @pytest.mark.parametrize("config, message", [
     ("resultz=out", "Additional properties are not allowed ('resultz' was unexpected)"),
     ("default_spec=nope", "default_spec 'nope' is not a spec in specs/"),
+    ("gpu_jobs=0", "0 is less than the minimum of 1"),
 ])
 def test_bad_config_is_refused_before_anything_runs(wf, config, message):
     r = snakemake(wf, "-n", "--config", config)
