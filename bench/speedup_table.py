@@ -53,6 +53,9 @@ def rows(path: Path) -> list[str]:
             f"**{_num(r.get('speedup'), '{:.2f}')}×** | {_num(hf)} | "
             f"{ev.get('lossless')} ({ev.get('emitted_checked')} / "
             f"{ev.get('emitted_not_argmax')}) | `{rel}` |")
+    for sk in d.get("skipped") or []:  # a batch size the run's --budget-s left out
+        out.append(f"| {sk.get('batch')} | {d.get('verify_tokens', 'n/a')} | not measured: "
+                   f"{sk.get('reason')} | | | | | | `{rel}` |")
     return out
 
 

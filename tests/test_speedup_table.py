@@ -55,3 +55,12 @@ def test_bad_input_is_one_clear_error(st, tmp_path):
     md.write_text("no markers")
     with pytest.raises(DFlashError, match="x.md: needs exactly one"):
         st.splice(md.read_text(), "t", str(md))
+
+
+def test_a_skipped_batch_size_is_a_row_not_a_gap(st, tmp_path):
+    d = json.loads(RANDOM.read_text())
+    d["skipped"] = [{"batch": 64, "reason": "budget: 400 s spent"}]
+    p = tmp_path / "decode_speed.json"
+    p.write_text(json.dumps(d))
+    last = st.rows(p)[-1]
+    assert last.startswith("| 64 |") and "not measured: budget: 400 s spent" in last
