@@ -6,8 +6,9 @@ copied into this repository) and decode MT-Bench first turns greedily with THEIR
 
 Before decoding, the export contract's real test, in float32: the target features their
 ``extract_context_feature`` picks equal ours (the layer-id offset convention), and their model's
-logits on our export equal our drafter's for one context + block (max abs diff recorded; the
-script fails when it exceeds ``--parity-tol``). Loading also fails on any missing or unexpected
+logits on our export equal our drafter's for one context + block (max abs diff recorded; past
+``--parity-tol`` × max(1, max |logit|) the script still decodes, then exits 1). Loading fails at
+once on any missing or unexpected
 tensor name (their ``from_pretrained`` would otherwise leave it randomly initialised).
 
     # on the GPU: the trained drafter, the real target, 16 MT-Bench first turns, 256 new tokens
@@ -249,7 +250,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=16, help="MT-Bench first turns")
     ap.add_argument("--max-new", type=int, default=256)
     ap.add_argument("--parity-tol", type=float, default=1e-4,
-                    help="max abs logit diff allowed in float32")
+                    help="max abs logit diff allowed in float32, times max(1, max |logit|)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     mod = load_reference(a.ref_dir)
@@ -277,11 +278,15 @@ def main(argv=None) -> int:
     print(f"parity (float32): features {par['features_max_abs_diff']:.3g}, logits max abs diff "
           f"{par['logits_max_abs_diff']:.3g} (|logits| <= {par['logits_max_abs']:.3g}), drafts "
           f"equal {par['drafts_equal']}", flush=True)
-    if par["features_max_abs_diff"] > 0 or par["logits_max_abs_diff"] > a.parity_tol:
-        Path(a.out).write_text(json.dumps(out, indent=1))
-        raise DFlashError(f"export contract: the reference model disagrees with ours "
-                          f"(logits {par['logits_max_abs_diff']:.3g} > {a.parity_tol}, features "
-                          f"{par['features_max_abs_diff']:.3g})")
+    # relative to the logits' scale: float32 kernels (their SDPA call, our attention) may sum
+    # in another order on the GPU; a wrong tensor, rope or layer id is orders of magnitude more
+    tol = a.parity_tol * max(1.0, par["logits_max_abs"])
+    par["tolerance"] = tol
+    par["ok"] = par["features_max_abs_diff"] == 0 and par["logits_max_abs_diff"] <= tol
+    if not par["ok"]:  # still decode (the τ's say how much it matters), fail at the end
+        print(f"error: export contract: the reference model disagrees with ours (logits "
+              f"{par['logits_max_abs_diff']:.3g} > {tol:.3g}, features "
+              f"{par['features_max_abs_diff']:.3g})", file=sys.stderr, flush=True)
     ref = ref.to(drafter.dtype)
     ref_res = reference_decode(mod, ref, target, prompts, max_new, eos)
     spec, greedy, ts, tg = ours_decode(target, drafter, prompts, max_new, eos)
@@ -294,7 +299,7 @@ def main(argv=None) -> int:
           f"{c['prompts_same_acceptance']}/{c['prompts']}", flush=True)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1))
-    return 0
+    return 0 if par["ok"] else 1
 
 
 if __name__ == "__main__":
