@@ -3,8 +3,13 @@
 vs simulated per prompt; the lossless counts and margins. Prints the table, writes JSON.
 
     # the integrator's measurement: the trained drafter, the real target, MT-Bench first turns
+    # (bench/results/h200/COMMANDS.md has the time estimate; --budget-s keeps it in one call)
     PYTHONPATH=$PWD python bench/gpu/decode_speed.py --spec specs/smollm2-quality.yaml \\
-        --drafter results/smollm2-quality/train/drafter --out bench/results/h200/decode_speed.json
+        --drafter results/smollm2-quality/train/drafter --batches 1,4,16,64 \\
+        --hf-batches 1,4,16,64 --budget-s 420 --out bench/results/h200/decode_speed.json
+    # CPU smoke: a 4-layer stack of the same shapes, 8 new tokens
+    PYTHONPATH=$PWD python bench/gpu/decode_speed.py --random --target-layers 4 --batches 1,4 \\
+        --hf-batches 1,4 --max-new 8 --min-prompts 4 --prompts 8 --out /tmp/decode_speed.json
     # development without weights: random SmolLM2-135M-shaped target and drafter, random prompts
     PYTHONPATH=$PWD python bench/gpu/decode_speed.py --random --out /tmp/decode_speed.json
 
@@ -23,15 +28,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def random_models(device: str, drafter_layers: int, block: int):
-    """SmolLM2-135M's architecture with random weights (bf16), and a random drafter."""
+def random_models(device: str, drafter_layers: int, block: int, target_layers: int = 30):
+    """SmolLM2-135M's architecture with random weights (bf16), and a random drafter
+    (``target_layers`` < 30: a shallower stack of the same layers, for a CPU smoke run)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from dflash.models.drafter import DFlashConfig, DFlashDrafter
 
     torch.manual_seed(0)
-    tc = LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+    tc = LlamaConfig(hidden_size=576, num_hidden_layers=target_layers, num_attention_heads=9,
                      num_key_value_heads=3, intermediate_size=1536, vocab_size=49152,
                      tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=100000.0,
                      max_position_embeddings=8192, bos_token_id=1, eos_token_id=2,
@@ -40,7 +46,7 @@ def random_models(device: str, drafter_layers: int, block: int):
     from dflash.models.target import default_layer_ids
 
     cfg = DFlashConfig.from_target_config(tc, drafter_layers, block, 49151,
-                                          default_layer_ids(30, drafter_layers))
+                                          default_layer_ids(target_layers, drafter_layers))
     drafter = DFlashDrafter(cfg).to(device=device, dtype=torch.bfloat16).eval()
     return target, drafter, [2], 2
 
@@ -82,9 +88,11 @@ def simulated_tau(target, drafter, prompts, max_new, eos) -> list[float | None]:
     return [summarize([c], drafter.cfg.block_size)["tau"] for c in sim["chains"]]
 
 
-def main(argv=None) -> int:
+def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--random", action="store_true", help="random SmolLM2-135M-shaped models")
+    ap.add_argument("--target-layers", type=int, default=30, help="--random: target layers "
+                    "(30 = SmolLM2-135M; fewer for a CPU smoke run)")
     ap.add_argument("--spec", help="spec of the target (and MT-Bench prompts)")
     ap.add_argument("--drafter", help="exported drafter folder (with --spec)")
     ap.add_argument("--batches", default="1,4,16,64")
@@ -98,63 +106,113 @@ def main(argv=None) -> int:
     ap.add_argument("--verify-tokens", type=int, default=None,
                     help="tokens per verify (anchor + drafts; default the drafter's block)")
     ap.add_argument("--no-simulated", action="store_true", help="skip simulated τ")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="skip a batch size (recorded in the JSON) when the run so far plus the "
+                         "last batch size's wall time x 1.5 would pass this many seconds")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
-    import torch
+    if not a.random and not (a.spec and a.drafter):
+        ap.error("give --random, or --spec and --drafter")
+    return a
 
+
+def simulated_for(a, target, drafter, prompts, n: int) -> tuple[list | None, str | None]:
+    """Simulated τ of the first ``n`` prompts, once for every batch size (it does not depend on
+    the batch), or why not: a narrower verify than the trained block caps real τ below what
+    the simulation (which walks the whole block) reports, so a gap there is no serving gap."""
+    if a.no_simulated:
+        return None, "--no-simulated"
+    if a.verify_tokens and a.verify_tokens < drafter.cfg.block_size:
+        return None, (f"--verify-tokens {a.verify_tokens} < block {drafter.cfg.block_size}: "
+                      f"simulated τ walks the whole block")
+    return simulated_tau(target, drafter, prompts[:n], a.max_new, a.eos), None
+
+
+def one_batch(a, target, drafter, ps, b, hf_b, sim) -> dict:
+    """Target-only vs speculative at batch ``b`` (+ HF static, + τ real vs simulated)."""
     from dflash.eval.serving import goal, hf_static_generate, pair, tau_gap
 
+    kw = {k: v for k, v in (("sync_every", a.sync_every), ("verify_tokens", a.verify_tokens))
+          if v}
+    t0 = time.time()
+    r = pair(target, drafter, ps, b, a.max_new, a.eos, **kw)
+    r["wall_s"] = {"pair": time.time() - t0}
+    for name in ("target_only", "speculative"):
+        steps = r["engine"][name]["steps"]
+        r["engine"][name]["ms_per_step"] = 1e3 * r[f"{name}_s"] / max(1, steps)
+    if b in hf_b:
+        t1 = time.time()
+        r["hf_static"] = hf_static_generate(target, ps, b, a.max_new, a.eos, a.pad)
+        r["wall_s"]["hf_static"] = time.time() - t1
+    if sim is not None:
+        r["tau_gap"] = tau_gap(r["results"], sim[:len(ps)])
+    r["tau_per_prompt"] = [x.tau for x in r["results"]]
+    r.pop("results")
+    r.pop("greedy")
+    r["goal"] = goal(r)
+    r["wall_s"]["total"] = time.time() - t0
+    return r
+
+
+def _line(r) -> str:
+    ev, b = r["lossless_evidence"], r["batch"]
+    gap = (r.get("tau_gap") or {}).get("warning")
+    return (f"batch {b:3d}: target-only {r['target_only_tokens_per_s']:9.1f} tok/s "
+            f"({r['engine']['target_only']['ms_per_step']:.2f} ms/step), speculative "
+            f"{r['speculative_tokens_per_s']:9.1f} tok/s "
+            f"({r['engine']['speculative']['ms_per_step']:.2f} ms/step, τ {r['tau']:.3f}, "
+            f"speed-up {r['speedup']:.3f}), HF static "
+            f"{(r.get('hf_static') or {}).get('tokens_per_s') or float('nan'):9.1f} tok/s; "
+            f"checked {ev['emitted_checked']}, not argmax {ev['emitted_not_argmax']}, identical "
+            f"{ev['identical_to_greedy']}/{ev['prompts']}, lossless {ev['lossless']}; "
+            f"{r['wall_s']['total']:.0f} s" + (f"; WARNING {gap}" if gap else ""))
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    import torch
+
+    t_start = time.time()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if a.random:
-        target, drafter, eos, pad = random_models(dev, a.drafter_layers, a.block)
+        target, drafter, a.eos, a.pad = random_models(dev, a.drafter_layers, a.block,
+                                                      a.target_layers)
         prompts = random_prompts(max(a.prompts, 64))
-    elif a.spec and a.drafter:
-        target, drafter, eos, pad, prompts = real_models(a.spec, a.drafter, dev, a.prompts)
     else:
-        ap.error("give --random, or --spec and --drafter")
+        target, drafter, a.eos, a.pad, prompts = real_models(a.spec, a.drafter, dev, a.prompts)
     batches = [int(x) for x in a.batches.split(",") if x]
     hf_b = {int(x) for x in a.hf_batches.split(",") if x}
+    n_of = {b: min(len(prompts), max(b, a.min_prompts)) for b in batches}
     out = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name() if dev == "cuda"
            else platform.processor(), "torch": torch.__version__,
            "transformers": __import__("transformers").__version__,
-           "models": "random SmolLM2-135M shape" if a.random else {"spec": a.spec,
-                                                                   "drafter": a.drafter},
+           "models": f"random SmolLM2-135M shape, {a.target_layers} target layers" if a.random
+           else {"spec": a.spec, "drafter": a.drafter},
            "block_size": drafter.cfg.block_size, "drafter_layers": drafter.cfg.num_hidden_layers,
            "verify_tokens": a.verify_tokens or drafter.cfg.block_size,
-           "max_new_tokens": a.max_new, "batches": [], "started": time.time()}
+           "max_new_tokens": a.max_new, "prompts_per_batch": n_of, "batches": [], "skipped": [],
+           "wall_s": {"load": time.time() - t_start}}
     path = Path(a.out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    kw = {k: v for k, v in (("sync_every", a.sync_every), ("verify_tokens", a.verify_tokens))
-          if v}
+    t1 = time.time()
+    sim, why = simulated_for(a, target, drafter, prompts, max(n_of.values(), default=0))
+    out["wall_s"]["simulated"], out["simulated_skipped"] = time.time() - t1, why
+    last = 0.0
     for b in batches:
-        ps = prompts[:max(b, a.min_prompts)]
-        r = pair(target, drafter, ps, b, a.max_new, eos, **kw)
-        for name, res in (("target_only", r["greedy"]), ("speculative", r["results"])):
-            steps = r["engine"][name]["steps"]
-            r["engine"][name]["ms_per_step"] = 1e3 * r[f"{name}_s"] / max(1, steps)
-        if b in hf_b:
-            r["hf_static"] = hf_static_generate(target, ps, b, a.max_new, eos, pad)
-        if b == 1 and not a.no_simulated:
-            r["tau_gap"] = tau_gap(r["results"], simulated_tau(target, drafter, ps, a.max_new,
-                                                                eos))
-        r["tau_per_prompt"] = [x.tau for x in r["results"]]
-        r.pop("results")
-        r.pop("greedy")
-        r["goal"] = goal(r)
+        spent = time.time() - t_start
+        if a.budget_s and spent + 1.5 * last > a.budget_s:
+            out["skipped"].append({"batch": b, "reason": f"budget: {spent:.0f} s spent + 1.5 x "
+                                   f"{last:.0f} s (last batch) > --budget-s {a.budget_s:.0f}"})
+            print(f"batch {b:3d}: skipped ({out['skipped'][-1]['reason']})", flush=True)
+            continue
+        r = one_batch(a, target, drafter, prompts[:n_of[b]], b, hf_b, sim)
+        last = r["wall_s"]["total"]
         out["batches"].append(r)
-        ev = r["lossless_evidence"]
-        print(f"batch {b:3d}: target-only {r['target_only_tokens_per_s']:9.1f} tok/s "
-              f"({r['engine']['target_only']['ms_per_step']:.2f} ms/step), speculative "
-              f"{r['speculative_tokens_per_s']:9.1f} tok/s "
-              f"({r['engine']['speculative']['ms_per_step']:.2f} ms/step, τ {r['tau']:.3f}), "
-              f"HF static {(r.get('hf_static') or {}).get('tokens_per_s') or float('nan'):9.1f}"
-              f" tok/s; checked {ev['emitted_checked']}, not argmax {ev['emitted_not_argmax']},"
-              f" identical {ev['identical_to_greedy']}/{ev['prompts']}", flush=True)
+        print(_line(r), flush=True)
         path.write_text(json.dumps(out, indent=1, default=str))  # after every batch size
-        del r
         if dev == "cuda":
             torch.cuda.empty_cache()
-    out["seconds"] = time.time() - out.pop("started")
+    out["seconds"] = time.time() - t_start
     path.write_text(json.dumps(out, indent=1, default=str))
     return 0
 

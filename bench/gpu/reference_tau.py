@@ -1,0 +1,310 @@
+"""The reference model's τ on our export: load our exported drafter folder with z-lab's own
+``DFlashDraftModel`` (their ``dflash/model.py``, from a checkout given by ``--ref-dir``; never
+copied into this repository) and decode MT-Bench first turns greedily with THEIR speculative loop
+(``dflash_generate``: DynamicCache, eager, batch 1), next to our decoder
+(:class:`dflash.eval.decoder.Decoder`, batch 1) on the same prompts and ``max_new_tokens``.
+
+Before decoding, the export contract's real test, in float32: the target features their
+``extract_context_feature`` picks equal ours (the layer-id offset convention), and their model's
+logits on our export equal our drafter's for one context + block (max abs diff recorded; past
+``--parity-tol`` × max(1, max |logit|) the script still decodes, then exits 1). Loading fails at
+once on any missing or unexpected
+tensor name (their ``from_pretrained`` would otherwise leave it randomly initialised).
+
+    # on the GPU: the trained drafter, the real target, 16 MT-Bench first turns, 256 new tokens
+    PYTHONPATH=$PWD python bench/gpu/reference_tau.py --ref-dir .zlab \\
+        --spec specs/smollm2-quality.yaml --drafter results/smollm2-quality/train/drafter \\
+        --out bench/results/h200/reference_tau.json
+    # on CPU: a tiny random target + drafter exported the way tests/test_model.py exports one
+    PYTHONPATH=$PWD python bench/gpu/reference_tau.py --ref-dir /work/.mirror/zlab --tiny \\
+        --out bench/results/reference_tau_cpu.json
+
+``--ref-dir`` holds ``dflash/model.py`` (or ``model.py``) of github.com/z-lab/dflash; only that
+file is imported (under another module name: their package is also called ``dflash``). It needs
+torch, transformers (Qwen3 modules) and typing_extensions; nothing else of theirs.
+
+τ, both sides, as the reference's benchmark defines it: per prompt the mean of per-step
+acceptance lengths (accepted drafts + 1, before any cut at eos / max_new_tokens), then the mean
+over prompts. ``tau_emitted_ours`` is ours as decode_speed.py reports it (tokens emitted per
+verify). Their loop runs one step more than ours at the end (it stops when the next anchor's
+position reaches prompt + max_new_tokens, so its last bonus token is cut); ``tau_reference_same_
+steps`` averages their first as many steps as ours took, and ``acceptance_prefix_equal`` says
+whether those steps accepted exactly what ours did (expected in float32; in bf16 a near-tie can
+fork the two streams, then the τ's stay close but the steps differ).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import importlib.util
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_speed import real_models  # noqa: E402  (bench/gpu/, beside this script)
+
+from dflash.errors import DFlashError  # noqa: E402
+
+
+def load_reference(ref_dir: str):
+    """Their ``model.py`` as module ``zlab_dflash_model`` (not ``dflash``: that is ours)."""
+    root = Path(ref_dir)
+    path = next((p for p in (root / "dflash" / "model.py", root / "model.py") if p.is_file()),
+                None)
+    if path is None:
+        raise DFlashError(f"--ref-dir {root}: no dflash/model.py or model.py (a checkout of "
+                          f"github.com/z-lab/dflash)")
+    spec = importlib.util.spec_from_file_location("zlab_dflash_model", path)
+    mod = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(mod)
+    except ImportError as e:  # e.g. a transformers without the Qwen3 names it imports
+        raise DFlashError(f"{path}: does not import with transformers "
+                          f"{__import__('transformers').__version__}: {e}") from None
+    return mod
+
+
+def load_reference_drafter(mod, drafter_dir, device, dtype=torch.float32):
+    """Their ``DFlashDraftModel.from_pretrained`` on our folder; any missing/unexpected tensor
+    is a breach of the export contract."""
+    model, info = mod.DFlashDraftModel.from_pretrained(
+        str(drafter_dir), dtype=dtype, attn_implementation="sdpa", output_loading_info=True)
+    bad = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys",
+                                                  "mismatched_keys") and v}
+    if bad:
+        raise DFlashError(f"{drafter_dir}: the reference DFlashDraftModel does not load it "
+                          f"cleanly: {bad}")
+    return model.to(device).eval()
+
+
+@torch.inference_mode()
+def logits_parity(mod, ref32, ours, target, prompt, seed: int = 0) -> dict:
+    """float32: their features vs ours for ``prompt``, then their drafter's block logits vs ours
+    (context = the prompt's features, block = [last token, mask × (K-1)] after it)."""
+    from dflash.models.drafter import extract_features
+
+    dev = next(target.parameters()).device
+    tgt32 = copy.deepcopy(target).float()
+    ours32 = copy.deepcopy(ours).float().eval()
+    ids = torch.tensor([list(prompt)], device=dev)
+    hs = tgt32(ids, output_hidden_states=True).hidden_states
+    layer_ids = ours.cfg.target_layer_ids
+    f_ours, f_ref = extract_features(hs, layer_ids), mod.extract_context_feature(hs, layer_ids)
+    if ref32.target_layer_ids != layer_ids:
+        raise DFlashError(f"target_layer_ids: reference reads {ref32.target_layer_ids}, "
+                          f"ours {layer_ids}")
+    C, K = ids.shape[1], ours.cfg.block_size
+    block = torch.full((1, K), ref32.mask_token_id, device=dev)
+    block[0, 0] = ids[0, -1]
+    emb = tgt32.get_input_embeddings()(block)
+    pos = torch.arange(C + K, device=dev)[None]
+    h_ref = ref32.float()(position_ids=pos, noise_embedding=emb, target_hidden=f_ref,
+                          is_causal=False)
+    h_ours = ours32(emb, f_ours, pos[:, C:], pos[:, :C], mask=None)
+    lm = tgt32.lm_head
+    l_ref, l_ours = lm(h_ref), lm(h_ours)
+    return {"context_tokens": C, "block_size": K, "dtype": "float32",
+            "features_max_abs_diff": (f_ours - f_ref).abs().max().item(),
+            "hidden_max_abs_diff": (h_ref - h_ours).abs().max().item(),
+            "logits_max_abs_diff": (l_ref - l_ours).abs().max().item(),
+            "logits_max_abs": l_ours.abs().max().item(),
+            "drafts_equal": bool((l_ref[0, 1:].argmax(-1) == l_ours[0, 1:].argmax(-1)).all())}
+
+
+def reference_decode(mod, ref, target, prompts, max_new, eos) -> list[dict]:
+    """Their loop, one prompt at a time (it is batch-1 only), greedy, with their stats. On CPU
+    their ``return_stats`` path calls ``torch.cuda.synchronize``: it is made a no-op there."""
+    from transformers.cache_utils import Cache
+
+    dev = next(target.parameters()).device
+    real, crop = torch.cuda.synchronize, Cache.crop
+    if dev.type != "cuda":
+        torch.cuda.synchronize = lambda *a, **k: None
+    if needs_crop_shim():
+        Cache.crop = _legacy_crop(crop)
+    try:
+        out = []
+        for p in prompts:
+            ids = torch.tensor([list(p)], device=dev)
+            t = time.perf_counter()
+            r = mod.dflash_generate(ref, target=target, input_ids=ids, max_new_tokens=max_new,
+                                    stop_token_ids=list(eos), temperature=0.0,
+                                    return_stats=True)
+            out.append({"tokens": r.output_ids[0, len(p):].tolist(),
+                        "acceptance_lengths": list(r.acceptance_lengths),
+                        "seconds": time.perf_counter() - t})
+        return out
+    finally:
+        torch.cuda.synchronize, Cache.crop = real, crop
+
+
+def needs_crop_shim() -> bool:
+    """Their loop calls ``DynamicCache.crop(start)`` with an absolute length (positive): the
+    legacy meaning, deprecated in transformers 5.x and gone from 5.18 on (5.17, the H200 image's,
+    still has it; it raises ValueError after)."""
+    from packaging.version import Version
+
+    return Version(__import__("transformers").__version__) >= Version("5.18")
+
+
+def _legacy_crop(crop):
+    """``crop(n > 0)`` as transformers <= 5.17 did it: keep the first n positions."""
+    def legacy(self, n):
+        if n > 0:
+            have = self.get_seq_length()
+            if n >= have:
+                return None
+            n = n - have  # negative: the number of positions to drop
+        return crop(self, n)
+    return legacy
+
+
+def ours_decode(target, drafter, prompts, max_new, eos):
+    """Our decoder at batch 1, speculative and target-only (the greedy reference)."""
+    from dflash.eval.serving import timed_decode
+    from dflash.eval.decoder import Decoder
+
+    max_len = max(len(p) for p in prompts) + max_new
+    kw = dict(batch=1, max_len=max_len, max_new_tokens=max_new, eos_ids=eos)
+    spec, ts = timed_decode(Decoder(target, drafter, **kw), prompts)
+    greedy, tg = timed_decode(Decoder(target, None, **kw), prompts)
+    return spec, greedy, ts, tg
+
+
+def tiny_models(tmp: Path):
+    """A tiny random Llama target and a 2-layer drafter exported like tests/test_model.py; a
+    16-token vocabulary, so that random drafts are sometimes accepted (τ > 1: the acceptance
+    and the drafter's context paths of both loops are exercised, not only the bonus token)."""
+    V = 16
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dflash.models.drafter import DFlashConfig, DFlashDrafter, export_drafter
+
+    torch.manual_seed(0)
+    tc = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                     num_hidden_layers=6, intermediate_size=128, vocab_size=V,
+                     rope_theta=10000.0, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    target = LlamaForCausalLM(tc).eval()
+    cfg = DFlashConfig.from_target_config(tc, 2, 8, V - 1, layer_ids=[1, 3])
+    d = DFlashDrafter(cfg).eval()
+    with torch.no_grad():  # larger than the 0.02 init, so drafts depend on the context
+        for p in d.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    out = export_drafter(d, cfg, tmp / "drafter")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, V - 1, (int(n),), generator=g).tolist()
+               for n in (9, 17, 30, 12, 21, 5)]
+    # ours = the in-memory drafter that was exported (not a reload): an export that writes a
+    # tensor under the wrong name, or a config field wrong, shows as a parity failure
+    return target, d, [2], out, prompts
+
+
+def _mean(xs):
+    return statistics.fmean(xs) if xs else None
+
+
+def compare(ref_res, spec, greedy) -> dict:
+    """Per prompt τ both ways and whether the token streams agree."""
+    rows = []
+    for i, (r, s, g) in enumerate(zip(ref_res, spec, greedy)):
+        ours_acc = [a + 1 for a in s.accepted]
+        rows.append({"prompt": i, "tau_reference": _mean(r["acceptance_lengths"]),
+                     "tau_ours": _mean(ours_acc), "tau_emitted_ours": s.tau,
+                     "tau_reference_same_steps": _mean(r["acceptance_lengths"][:len(ours_acc)]),
+                     "acceptance_prefix_equal": r["acceptance_lengths"][:len(ours_acc)]
+                     == ours_acc,
+                     "steps_reference": len(r["acceptance_lengths"]),
+                     "steps_ours": len(ours_acc),
+                     "tokens_reference": len(r["tokens"]), "tokens_ours": len(s.tokens),
+                     "reference_equals_ours": r["tokens"] == s.tokens,
+                     "reference_equals_greedy": r["tokens"] == g.tokens,
+                     "reference_seconds": r["seconds"]})
+    tr = [x["tau_reference"] for x in rows if x["tau_reference"] is not None]
+    to = [x["tau_ours"] for x in rows if x["tau_ours"] is not None]
+    return {"per_prompt": rows, "tau_reference": _mean(tr), "tau_ours": _mean(to),
+            "tau_emitted_ours": _mean([s.tau for s in spec if s.target_forwards]),
+            "tau_reference_same_steps": _mean([x["tau_reference_same_steps"] for x in rows
+                                               if x["tau_reference_same_steps"] is not None]),
+            "prompts_identical_tokens": sum(x["reference_equals_ours"] for x in rows),
+            "prompts_same_acceptance": sum(x["acceptance_prefix_equal"] for x in rows),
+            "reference_identical_to_greedy": sum(x["reference_equals_greedy"] for x in rows),
+            "prompts": len(rows)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ref-dir", required=True, help="checkout of github.com/z-lab/dflash "
+                    "(needs dflash/model.py)")
+    ap.add_argument("--tiny", action="store_true", help="CPU check: tiny random target + drafter")
+    ap.add_argument("--spec", help="spec of the target (and MT-Bench prompts)")
+    ap.add_argument("--drafter", help="exported drafter folder (with --spec)")
+    ap.add_argument("--prompts", type=int, default=16, help="MT-Bench first turns")
+    ap.add_argument("--max-new", type=int, default=256)
+    ap.add_argument("--parity-tol", type=float, default=1e-4,
+                    help="max abs logit diff allowed in float32, times max(1, max |logit|)")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    mod = load_reference(a.ref_dir)
+    dev = "cuda" if torch.cuda.is_available() and not a.tiny else "cpu"
+    tmp = tempfile.TemporaryDirectory()
+    if a.tiny:
+        target, drafter, eos, ddir, prompts = tiny_models(Path(tmp.name))
+        max_new = min(a.max_new, 40)
+    elif a.spec and a.drafter:
+        target, drafter, eos, _, prompts = real_models(a.spec, a.drafter, dev, a.prompts)
+        ddir, max_new = Path(a.drafter), a.max_new
+    else:
+        ap.error("give --tiny, or --spec and --drafter")
+    prompts = prompts[:a.prompts]
+    out = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name() if dev == "cuda"
+           else platform.processor(), "torch": torch.__version__,
+           "transformers": __import__("transformers").__version__,
+           "reference": {"file": str(Path(mod.__file__).resolve()), "loop": "dflash_generate "
+                         "(their speculative loop: DynamicCache, eager, batch 1)",
+                         "sha256": hashlib.sha256(Path(mod.__file__).read_bytes()).hexdigest(),
+                         "crop_shim": needs_crop_shim()},
+           "drafter": str(ddir), "max_new_tokens": max_new}
+    ref = load_reference_drafter(mod, ddir, dev, torch.float32)
+    out["parity"] = par = logits_parity(mod, ref, drafter, target, prompts[0])
+    print(f"parity (float32): features {par['features_max_abs_diff']:.3g}, logits max abs diff "
+          f"{par['logits_max_abs_diff']:.3g} (|logits| <= {par['logits_max_abs']:.3g}), drafts "
+          f"equal {par['drafts_equal']}", flush=True)
+    # relative to the logits' scale: float32 kernels (their SDPA call, our attention) may sum
+    # in another order on the GPU; a wrong tensor, rope or layer id is orders of magnitude more
+    tol = a.parity_tol * max(1.0, par["logits_max_abs"])
+    par["tolerance"] = tol
+    par["ok"] = par["features_max_abs_diff"] == 0 and par["logits_max_abs_diff"] <= tol
+    if not par["ok"]:  # still decode (the τ's say how much it matters), fail at the end
+        print(f"error: export contract: the reference model disagrees with ours (logits "
+              f"{par['logits_max_abs_diff']:.3g} > {tol:.3g}, features "
+              f"{par['features_max_abs_diff']:.3g})", file=sys.stderr, flush=True)
+    ref = ref.to(drafter.dtype)
+    ref_res = reference_decode(mod, ref, target, prompts, max_new, eos)
+    spec, greedy, ts, tg = ours_decode(target, drafter, prompts, max_new, eos)
+    out["tau"] = c = compare(ref_res, spec, greedy)
+    out["ours_seconds"] = {"speculative": ts, "target_only": tg}
+    print(f"τ reference {c['tau_reference']:.3f} (over our steps "
+          f"{c['tau_reference_same_steps']:.3f}) vs ours {c['tau_ours']:.3f} on {c['prompts']} "
+          f"prompts ({max_new} new tokens); identical token streams "
+          f"{c['prompts_identical_tokens']}/{c['prompts']}, identical acceptance "
+          f"{c['prompts_same_acceptance']}/{c['prompts']}", flush=True)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(out, indent=1))
+    return 0 if par["ok"] else 1
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except DFlashError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

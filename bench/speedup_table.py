@@ -1,0 +1,103 @@
+"""Our rows of the decoding speed-up table, rendered from the committed H200 JSON
+(bench/gpu/decode_speed.py's output) into README.md and docs/benchmarks.md, so no figure is
+copied by hand. The rows sit between the markers ``<!-- ours:decode_speed:begin -->`` and
+``<!-- ours:decode_speed:end -->``; everything else in the files is left alone.
+
+    python bench/speedup_table.py                         # print the rows
+    python bench/speedup_table.py --write README.md docs/benchmarks.md
+    python bench/speedup_table.py --check README.md docs/benchmarks.md   # exit 1 if stale
+
+``--json`` (default bench/results/h200/decode_speed.json) may be given several times (e.g. the
+``--verify-tokens 8`` run as well): one row per batch size per file.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from dflash.errors import DFlashError  # noqa: E402
+
+DEFAULT = REPO / "bench" / "results" / "h200" / "decode_speed.json"
+BEGIN, END = "<!-- ours:decode_speed:begin -->", "<!-- ours:decode_speed:end -->"
+HEADER = ("| batch | verify tokens | target-only tok/s | speculative tok/s | τ real | speed-up | "
+          "HF static tok/s | lossless (checked / not argmax) | source |\n"
+          "|---|---|---|---|---|---|---|---|---|")
+
+
+def _num(x, fmt="{:,.1f}") -> str:
+    return "n/a" if x is None else fmt.format(x)
+
+
+def rows(path: Path) -> list[str]:
+    """One markdown row per batch size of one decode_speed.json."""
+    try:
+        d = json.loads(path.read_text())
+        batches = d["batches"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DFlashError(f"{path}: not a decode_speed.json ({type(e).__name__}: {e})") from None
+    rel = path.resolve().relative_to(REPO) if path.resolve().is_relative_to(REPO) else path
+    out = []
+    for r in batches:
+        ev = r.get("lossless_evidence") or {}
+        hf = (r.get("hf_static") or {}).get("tokens_per_s")
+        out.append(
+            f"| {r['batch']} | {d.get('verify_tokens', 'n/a')} | "
+            f"{_num(r.get('target_only_tokens_per_s'))} | "
+            f"{_num(r.get('speculative_tokens_per_s'))} | {_num(r.get('tau'), '{:.3f}')} | "
+            f"**{_num(r.get('speedup'), '{:.2f}')}×** | {_num(hf)} | "
+            f"{ev.get('lossless')} ({ev.get('emitted_checked')} / "
+            f"{ev.get('emitted_not_argmax')}) | `{rel}` |")
+    for sk in d.get("skipped") or []:  # a batch size the run's --budget-s left out
+        out.append(f"| {sk.get('batch')} | {d.get('verify_tokens', 'n/a')} | not measured: "
+                   f"{sk.get('reason')} | | | | | | `{rel}` |")
+    return out
+
+
+def render(paths: list[Path]) -> str:
+    return "\n".join([HEADER] + [row for p in paths for row in rows(p)])
+
+
+def splice(text: str, table: str, name: str) -> str:
+    """``text`` with the block between the markers replaced by ``table``."""
+    pat = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
+    if len(pat.findall(text)) != 1:
+        raise DFlashError(f"{name}: needs exactly one {BEGIN} ... {END} block")
+    return pat.sub(lambda _: f"{BEGIN}\n{table}\n{END}", text)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="append", type=Path, help=f"default {DEFAULT}")
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--write", nargs="+", type=Path, metavar="MD")
+    g.add_argument("--check", nargs="+", type=Path, metavar="MD")
+    a = ap.parse_args(argv)
+    table = render(a.json or [DEFAULT])
+    if not (a.write or a.check):
+        print(table)
+        return 0
+    stale = []
+    for md in a.write or a.check:
+        old = md.read_text()
+        new = splice(old, table, str(md))
+        if a.write and new != old:
+            md.write_text(new)
+        stale += [str(md)] if a.check and new != old else []
+    if stale:
+        print(f"stale (rerun with --write): {', '.join(stale)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except DFlashError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,66 @@
+"""bench/speedup_table.py: our speed-up rows come from the committed decode_speed JSON, spliced
+between markers (never hand-copied); a stale table is detected; bad input is one clear error."""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from dflash.errors import DFlashError
+
+REPO = Path(__file__).resolve().parents[1]
+RANDOM = REPO / "bench" / "results" / "h200" / "decode_speed_random.json"
+
+
+@pytest.fixture(scope="module")
+def st():
+    spec = importlib.util.spec_from_file_location("speedup_table", REPO / "bench" /
+                                                  "speedup_table.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_rows_carry_the_json_figures(st):
+    d = json.loads(RANDOM.read_text())
+    rows = st.rows(RANDOM)
+    assert len(rows) == len(d["batches"])
+    b1 = d["batches"][0]
+    cells = [c.strip() for c in rows[0].strip("|").split("|")]
+    assert cells[0] == str(b1["batch"])
+    assert cells[2] == f"{b1['target_only_tokens_per_s']:,.1f}"
+    assert cells[3] == f"{b1['speculative_tokens_per_s']:,.1f}"
+    assert cells[5] == f"**{b1['speedup']:.2f}×**"
+    assert cells[6] == f"{b1['hf_static']['tokens_per_s']:,.1f}"
+
+
+def test_write_then_check_and_stale_detection(st, tmp_path):
+    md = tmp_path / "README.md"
+    md.write_text(f"intro\n{st.BEGIN}\n| TBD (H200 run) |\n{st.END}\noutro\n")
+    assert st.main(["--json", str(RANDOM), "--check", str(md)]) == 1      # placeholder: stale
+    assert st.main(["--json", str(RANDOM), "--write", str(md)]) == 0
+    text = md.read_text()
+    assert text.startswith("intro\n") and text.endswith("outro\n") and "TBD" not in text
+    assert st.main(["--json", str(RANDOM), "--check", str(md)]) == 0
+    md.write_text(text.replace("435.8", "999.9"))                        # a hand edit
+    assert st.main(["--json", str(RANDOM), "--check", str(md)]) == 1
+
+
+def test_bad_input_is_one_clear_error(st, tmp_path):
+    bad = tmp_path / "decode_speed.json"
+    bad.write_text("{}")
+    with pytest.raises(DFlashError, match="decode_speed.json: not a decode_speed.json"):
+        st.rows(bad)
+    md = tmp_path / "x.md"
+    md.write_text("no markers")
+    with pytest.raises(DFlashError, match="x.md: needs exactly one"):
+        st.splice(md.read_text(), "t", str(md))
+
+
+def test_a_skipped_batch_size_is_a_row_not_a_gap(st, tmp_path):
+    d = json.loads(RANDOM.read_text())
+    d["skipped"] = [{"batch": 64, "reason": "budget: 400 s spent"}]
+    p = tmp_path / "decode_speed.json"
+    p.write_text(json.dumps(d))
+    last = st.rows(p)[-1]
+    assert last.startswith("| 64 |") and "not measured: budget: 400 s spent" in last
