@@ -352,3 +352,35 @@ def test_head_loss_mode_resolves_per_device():
     assert parse_spec(KD_SPEC, "kd.yaml").compile.head_loss == "auto"
     with pytest.raises(SpecError, match="compile.head_loss"):
         parse_spec({**KD_SPEC, "compile": {"head_loss": "fast"}}, "kd.yaml")
+
+
+def test_warm_up_compiles_the_head_and_training_never_recompiles(monkeypatch):
+    """The replica's step with the compiled head, warmed through the gate as the warm-up stage
+    does it: steps on other rows (other supervised counts) after mark_warm are no recompile."""
+    import dflash.runtime.gate as gate_mod
+    from dflash.train.warm import synthetic_output, synthetic_row, warm_replica
+    from dflash.train.workers import drafter_config, initial_state, make_replicas
+
+    gate = gate_mod.Gate()
+    monkeypatch.setattr(gate_mod, "_GATE", gate)
+    spec = parse_spec({**KD_SPEC, "compile": {"backend": "aot_eager", "head_loss": "on"}},
+                      "kd.yaml")
+    cfg = drafter_config(spec)
+    [rep] = make_replicas(spec, cfg, initial_state(cfg, 0), 10)
+    width = len(cfg.target_layer_ids) * cfg.hidden_size
+    before = _graphs()
+    warm_replica(rep, 64, width, torch.float32, optimizer_step=False)
+    assert _graphs() > before
+    gate.mark_warm()
+    try:
+        counts = set()
+        for seed in (1, 2, 3):
+            r = synthetic_row(64, cfg.vocab_size, seed=seed, docs=seed)
+            out, blocks = synthetic_output(rep, r, width, torch.float32, seed), rep.anchors(r, seed)
+            res = gate.run(rep.signature(64), lambda: rep.forward_backward(r, out, blocks))
+            counts.add(res.labelled)
+            assert torch.isfinite(res.loss)
+        st = gate.stats()
+        assert len(counts) > 1 and st.recompiles_after_warmup == 0, st.recompile_reasons
+    finally:
+        gate.mark_cold()
