@@ -292,8 +292,12 @@ def test_compiled_head_loss_equals_the_eager_path(kind, top_k):
     chunks' (float32), hard labels and top-k soft labels, with a ragged last chunk."""
     obj, r, blocks, hidden, head, tl = case(16, seed=2, kind=kind, top_k=top_k)
     soft = soft_of(tl, r, top_k) if kind == "kd" else None
+    from dflash.train.head_loss import balanced_chunk
+
     n = int(obj.supervised(blocks).sum())
-    assert n % CHUNK, "the case must end in a partial chunk"
+    c = balanced_chunk(obj.max_supervised(blocks.labels.numel()), CHUNK)
+    assert obj.max_supervised(blocks.labels.numel()) == 12 * 15 and c == 15
+    assert n % c, "the case must end in a partial chunk"
     got = {}
     for backend in (None, "inductor"):
         o = dataclasses.replace(obj, head_backend=backend)
@@ -329,8 +333,20 @@ def test_compiled_head_loss_does_not_recompile_for_another_count():
     step(21)
     assert _graphs() == before + 1                        # it compiled once, here
     with torch.compiler.set_stance("fail_on_recompile"):
+        # another count of chunks and ragged end; a whole number of chunks (no padding)
         assert step(50).shape == (50, Hh) and step(3).shape == (3, Hh)
+        assert step(2 * CHUNK).shape == (2 * CHUNK, Hh)
     assert _graphs() == before + 1
+
+
+def test_balanced_chunk_tiles_a_full_bucket_with_the_fewest_equal_chunks():
+    from dflash.train.head_loss import balanced_chunk
+
+    for most, chunk in ((23040, 2048), (4096, 2048), (4097, 2048), (48, 2048), (1, 8), (0, 8)):
+        c = balanced_chunk(most, chunk)
+        q = -(-max(most, 1) // c)
+        assert c <= chunk and q == -(-max(most, 1) // chunk) and q * c - max(most, 1) < q
+    assert balanced_chunk(23040, 2048) == 1920
 
 
 def test_head_loss_mode_resolves_per_device():

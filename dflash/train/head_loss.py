@@ -17,8 +17,9 @@ Two ways to run a chunk (``compile.head_loss``, resolved by :func:`head_backend`
 * one ``torch.compile`` graph per (device, dtype, chunk) (:func:`compiled_chunk`, the
   process's one compiled :func:`_chunk_fused`): logits stay in the matmul's dtype and inductor
   fuses the fp32 math into a couple of passes. Every call has the same [chunk, H] shape (the
-  last chunk is padded with zero-weight rows), so the number of supervised positions, which
-  changes every step, never recompiles; the drafter step's gate signature covers its compile.
+  last chunk is padded with zero-weight rows; the objective sizes the chunk per bucket with
+  :func:`balanced_chunk`), so the number of supervised positions, which changes every step,
+  never recompiles; the drafter step's gate signature (per bucket) covers its compile.
 """
 from __future__ import annotations
 
@@ -76,6 +77,15 @@ def compiled_chunk(backend: str):
     return torch.compile(_chunk_fused, backend=backend, dynamic=False)
 
 
+def balanced_chunk(most_rows: int, chunk: int) -> int:
+    """The compiled chunk for a bucket whose steps have at most ``most_rows`` supervised
+    positions: the fewest chunks of at most ``chunk`` rows, made equal, so a full row pads
+    less than one row per chunk (22,912 of at most 23,040 at SmolLM2's shape: 12 × 1,920, not
+    12 × 2,048 = 24,576). Static per bucket: one graph per bucket."""
+    most_rows = max(1, most_rows)
+    return -(-most_rows // -(-most_rows // chunk))
+
+
 def head_backend(mode, backend: str, device: str) -> str | None:
     """``compile.head_loss`` resolved for one drafter device: the torch.compile backend of the
     per-chunk head loss, or None (eager torch ops). ``auto``: on for CUDA with
@@ -101,7 +111,7 @@ class _HeadCE(torch.autograd.Function):
     def forward(ctx, h, w, ids, p, wt, label, k, num_positions: int, chunk: int,
                 backend: str | None):
         want = ctx.needs_input_grad[0]
-        n = h.shape[0]
+        n, h = h.shape[0], h.detach()  # padded or not, the graph sees one requires_grad
         run = _chunk
         if backend is not None:
             # one shape for every call: pad to whole chunks with rows of weight 0, p 0 and
@@ -148,4 +158,4 @@ def head_cross_entropy(h: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, p: t
                          backend)
 
 
-__all__ = ["head_cross_entropy", "head_backend", "compiled_chunk"]
+__all__ = ["head_cross_entropy", "head_backend", "compiled_chunk", "balanced_chunk"]

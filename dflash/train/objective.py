@@ -23,9 +23,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.masks import IGNORE_INDEX, Blocks, PackedRow, block_loss_weights, sample_anchors
+from ..models.masks import (
+    IGNORE_INDEX,
+    Blocks,
+    PackedRow,
+    block_loss_weights,
+    loss_weights,
+    sample_anchors,
+)
 from ..models.target_output import SoftLabels
-from .head_loss import head_cross_entropy
+from .head_loss import balanced_chunk, head_cross_entropy
 
 KINDS = ("ce", "kd", "ce+kd")
 SOFT_KINDS = ("kd", "ce+kd")  # the kinds whose target worker produces soft labels
@@ -99,9 +106,17 @@ class Objective:
             return h.sum() * 0.0, hits  # keeps the graph (and the gradient mean) whole
         h = h[keep]
         ids, p, const = self._targets(y, keep, k, blocks, soft, row_len)
+        if self.head_backend is not None:  # equal chunks that tile the bucket's most rows
+            chunk = balanced_chunk(self.max_supervised(hidden.numel() // hidden.shape[-1]),
+                                   chunk)
         total, hits = head_cross_entropy(h, lm_head, ids, p, w, y, k, B, chunk,
                                          self.head_backend)
         return (total + (const * w).sum()) / w.sum(), hits
+
+    def max_supervised(self, block_tokens: int) -> int:
+        """The most supervised positions ``block_tokens`` (A·B) can hold: every block full."""
+        per_block = int((loss_weights(self.block_size, self.gamma, self.max_position) > 0).sum())
+        return block_tokens // self.block_size * per_block
 
     def _rows(self, blocks: Blocks, device) -> tuple[torch.Tensor, ...]:
         """(row index, block position k, label, weight) of every supervised block token, found
