@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -265,9 +266,12 @@ def main() -> None:
     out = {"spec": spec.name, "target_shape": "smollm2-135m" if a.smollm2_shape else
            spec.target.model, "device": torch.cuda.get_device_name(a.device)
            if a.device.startswith("cuda") else "cpu",
-           "torch": torch.__version__, "head_alone": [], "step": []}
+           "torch": torch.__version__, "command": " ".join(sys.argv),
+           "head_alone": [], "step": []}
+    t_start = time.perf_counter()
 
     def save():
+        out["wall_s"] = round(time.perf_counter() - t_start, 1)
         a.out.write_text(json.dumps(out, indent=1) + "\n")
 
     for arm, cap in arms:
@@ -283,6 +287,9 @@ def main() -> None:
                            a.profile)
             print(f"[loss_step] whole step {arm} cap {cap}: {r['s_per_step']} s/step, MFU "
                   f"{r['mfu_while_busy']}, compile {r['compile_s']} s", flush=True)
+            if "profile" in r:
+                print(f"  profile: {r['profile']['busy_ms_per_step']} ms busy, "
+                      f"{r['profile']['launches_per_step']} launches per step", flush=True)
             for k in r.get("profile", {}).get("top", [])[:15]:
                 print(f"    {k['ms_per_step']:8.3f} ms {k['calls_per_step']:6.1f}x  "
                       f"{k['name'][:100]}", flush=True)
