@@ -12,6 +12,9 @@ drafter step (issue #24 item 1), at a spec's shapes with random weights.
   ``loss_step.json`` run, so it is that run's arm.
 * ``compiled``: the same loss with each chunk one inductor graph (``compile.head_loss`` on, the
   CUDA default), in a step with the fused AdamW (the CUDA default): today's training step.
+* ``nohead`` (whole step only): the step with the head and loss replaced by a mean of squares
+  over the hidden states, fused AdamW: what the rest of the step (drafter forward + backward,
+  mask, optimizer) costs.
 
 ``--profile`` adds, per arm, the top CUDA kernels of the whole step by total time
 (torch.profiler over a few steps; on CPU the top ops) and the kernel count per step.
@@ -108,8 +111,24 @@ def _time(fn, device: str, iters: int) -> float:
     return (time.perf_counter() - t) / iters
 
 
+def nohead_objective(obj):
+    """The objective with the head taken out (the ``nohead`` arm: the step's remainder, i.e.
+    drafter forward + backward + optimizer): a loss that touches every hidden state once."""
+    from dflash.train.objective import Objective
+
+    class NoHead(Objective):
+        def loss(self, hidden, lm_head, blocks, soft=None, row_len=None, chunk=2048, **_):
+            hits = torch.zeros(self.block_size, device=hidden.device)
+            return hidden.float().square().mean(), hits
+
+    return NoHead(**dataclasses.asdict(obj))
+
+
 def arm_objective(obj, arm: str, cap):
-    """The objective of an arm: main's loss, or the objective's with eager or compiled chunks."""
+    """The objective of an arm: main's loss, no head, or the objective's with eager or compiled
+    chunks."""
+    if arm == "nohead":
+        return nohead_objective(obj)
     if arm == "main":
         return main_objective(dataclasses.replace(obj, head_backend=None))
     return dataclasses.replace(obj, max_position=cap,
@@ -216,15 +235,30 @@ def step_whole(spec, device: str, arm: str, cap, steps: int, peak: float | None,
 
     def prepare(rep):
         rep.objective = arm_objective(rep.objective, arm, cap)
-        _optimizer(rep, fused=arm == "compiled" and device.startswith("cuda"))
+        _optimizer(rep, fused=arm in ("compiled", "nohead") and device.startswith("cuda"))
 
     after = (lambda step: profile_steps(step, device)) if profile else None
     r = measure(spec, spec.batching.max_anchors, device, steps, peak, prepare=prepare,
                 after=after)
+    if arm == "nohead":  # its FLOPs count the head it does not run: no MFU for it
+        r["mfu_while_busy"] = None
     return {"arm": arm, "max_position": cap,
             "head_backend": "inductor" if arm == "compiled" else None,
-            "adamw": "fused" if arm == "compiled" and device.startswith("cuda") else "foreach",
+            "adamw": ("fused" if arm in ("compiled", "nohead") and device.startswith("cuda")
+                      else "foreach"),
             **r}
+
+
+def _guarded(fn, spec, device, arm, cap, *args) -> dict:
+    """``fn``'s record, or the arm's error as a record: one failing arm does not cost the
+    others their measurement (the GPU gets one call)."""
+    try:
+        return fn(spec, device, arm, cap, *args)
+    except Exception as e:  # noqa: BLE001 - recorded and printed, the next arm runs
+        import traceback
+
+        traceback.print_exc()
+        return {"arm": arm, "max_position": cap, "error": f"{type(e).__name__}: {e}"[:2000]}
 
 
 def main() -> None:
@@ -236,7 +270,7 @@ def main() -> None:
     ap.add_argument("--spec")
     ap.add_argument("--smollm2-shape", action="store_true")
     ap.add_argument("--caps", default="none,8", help="fused and compiled arms: none or K")
-    ap.add_argument("--arms", default="main,fused,compiled", help="comma list of arms")
+    ap.add_argument("--arms", default="main,fused,compiled,nohead", help="comma list of arms")
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--steps", type=int, default=10)
@@ -263,6 +297,7 @@ def main() -> None:
     names = a.arms.split(",")
     arms = ([("main", None)] if "main" in names else []) + [
         (n, c) for n in ("fused", "compiled") if n in names for c in caps]
+    step_arms = arms + ([("nohead", None)] if "nohead" in names else [])
     out = {"spec": spec.name, "target_shape": "smollm2-135m" if a.smollm2_shape else
            spec.target.model, "device": torch.cuda.get_device_name(a.device)
            if a.device.startswith("cuda") else "cpu",
@@ -275,16 +310,24 @@ def main() -> None:
         a.out.write_text(json.dumps(out, indent=1) + "\n")
 
     for arm, cap in arms:
-        r = head_alone(spec, a.device, arm, cap, a.iters)
+        r = _guarded(head_alone, spec, a.device, arm, cap, a.iters)
         print(f"[loss_step] loss alone {arm} cap {cap}: {r}", flush=True)
         out["head_alone"].append(r)
         save()
     if not a.no_step:
         out["peak"] = (measure_peak_flops(a.device, dtype_of(spec.drafter.dtype))
                        if a.device.startswith("cuda") else {"flops_per_s": None})
-        for arm, cap in arms:
-            r = step_whole(spec, a.device, arm, cap, a.steps, out["peak"]["flops_per_s"],
-                           a.profile)
+        # today's step first: the first arm also pays the drafter's compile (about a minute
+        # on the H200), and a run cut short by its time limit keeps what it measured
+        order = {"compiled": 0, "nohead": 1, "fused": 2, "main": 3}
+        for arm, cap in sorted(step_arms, key=lambda ac: order[ac[0]]):
+            r = _guarded(step_whole, spec, a.device, arm, cap, a.steps,
+                         out["peak"]["flops_per_s"], a.profile)
+            if "error" in r:
+                print(f"[loss_step] whole step {arm} cap {cap}: {r['error']}", flush=True)
+                out["step"].append(r)
+                save()
+                continue
             print(f"[loss_step] whole step {arm} cap {cap}: {r['s_per_step']} s/step, MFU "
                   f"{r['mfu_while_busy']}, compile {r['compile_s']} s", flush=True)
             if "profile" in r:
