@@ -237,9 +237,14 @@ def step_whole(spec, device: str, arm: str, cap, steps: int, peak: float | None,
         rep.objective = arm_objective(rep.objective, arm, cap)
         _optimizer(rep, fused=arm in ("compiled", "nohead") and device.startswith("cuda"))
 
-    after = (lambda step: profile_steps(step, device)) if profile else None
+    def after(step) -> dict:
+        try:  # the arm keeps its timing even where the profiler cannot run
+            return profile_steps(step, device)
+        except Exception as e:  # noqa: BLE001 - recorded in the arm's JSON
+            return {"profile": {"error": f"{type(e).__name__}: {e}"[:500]}}
+
     r = measure(spec, spec.batching.max_anchors, device, steps, peak, prepare=prepare,
-                after=after)
+                after=after if profile else None)
     if arm == "nohead":  # its FLOPs count the head it does not run: no MFU for it
         r["mfu_while_busy"] = None
     return {"arm": arm, "max_position": cap,
@@ -330,7 +335,7 @@ def main() -> None:
                 continue
             print(f"[loss_step] whole step {arm} cap {cap}: {r['s_per_step']} s/step, MFU "
                   f"{r['mfu_while_busy']}, compile {r['compile_s']} s", flush=True)
-            if "profile" in r:
+            if "busy_ms_per_step" in r.get("profile", {}):
                 print(f"  profile: {r['profile']['busy_ms_per_step']} ms busy, "
                       f"{r['profile']['launches_per_step']} launches per step", flush=True)
             for k in r.get("profile", {}).get("top", [])[:15]:
