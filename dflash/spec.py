@@ -150,6 +150,7 @@ class FeaturesSpec:
 @dataclass(frozen=True)
 class CompileSpec:
     backend: str
+    head_loss: str
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,8 @@ full-softmax computations, in float32 on CPU; the target's soft labels against a
 forward; a distilling spec end to end through the real target worker and replica."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -270,3 +272,131 @@ def test_replica_step_counts_only_supervised_positions():
     assert res.counts == [0, int(has[:, 1].sum()), int(has[:, 2].sum()), 0]
     assert res.labelled == sum(res.counts) and float(res.hits[3]) == 0
     assert torch.isfinite(res.loss) and rep.flat_grad().abs().sum() > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# the compiled head loss (compile.head_loss): the eager path's numbers, one graph for any n
+# ---------------------------------------------------------------------------------------------
+CHUNK = 16  # every compiled test uses it: one graph per (kind, dtype) serves them all
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("kind,top_k", [("ce", 8), ("kd", 5)])
+def test_compiled_head_loss_equals_the_eager_path(kind, top_k):
+    """Loss, hits and the input gradient of the inductor-compiled chunks equal the eager
+    chunks' (float32), hard labels and top-k soft labels, with a ragged last chunk."""
+    obj, r, blocks, hidden, head, tl = case(16, seed=2, kind=kind, top_k=top_k)
+    soft = soft_of(tl, r, top_k) if kind == "kd" else None
+    from dflash.train.head_loss import balanced_chunk
+
+    n = int(obj.supervised(blocks).sum())
+    c = balanced_chunk(obj.max_supervised(blocks.labels.numel()), CHUNK)
+    assert obj.max_supervised(blocks.labels.numel()) == 12 * 15 and c == 15
+    assert n % c, "the case must end in a partial chunk"
+    got = {}
+    for backend in (None, "inductor"):
+        o = dataclasses.replace(obj, head_backend=backend)
+        before = _graphs()
+        loss, hits = o.loss(hidden, head, blocks, soft, row_len=64, chunk=CHUNK)
+        (g,) = torch.autograd.grad(loss, hidden)
+        got[backend] = (loss, hits, g)
+        if backend is None:
+            assert _graphs() == before                    # eager: nothing compiled
+    assert not got["inductor"][1].requires_grad and float(got[None][1].sum()) > 0
+    for a, b in zip(got[None], got["inductor"]):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
+
+
+def test_compiled_head_loss_does_not_recompile_for_another_count():
+    """A second step with a different number of supervised positions (another count of
+    chunks, another ragged end) runs the same graph: refused recompiles would raise."""
+    torch.manual_seed(0)
+    Hh, Vv, B = 8, 40, 4
+
+    def step(n):
+        h = torch.randn(n, Hh, requires_grad=True)
+        y = torch.randint(0, Vv, (n,))
+        from dflash.train.head_loss import head_cross_entropy
+
+        total, hits = head_cross_entropy(h, torch.randn(Vv, Hh), y[:, None], torch.ones(n, 1),
+                                         torch.rand(n) + 0.1, y, torch.randint(0, B, (n,)), B,
+                                         CHUNK, "inductor")
+        total.backward()
+        return h.grad
+
+    before = _graphs()
+    step(21)
+    assert _graphs() == before + 1                        # it compiled once, here
+    with torch.compiler.set_stance("fail_on_recompile"):
+        # another count of chunks and ragged end; a whole number of chunks (no padding)
+        assert step(50).shape == (50, Hh) and step(3).shape == (3, Hh)
+        assert step(2 * CHUNK).shape == (2 * CHUNK, Hh)
+    assert _graphs() == before + 1
+
+
+def test_balanced_chunk_tiles_a_full_bucket_with_the_fewest_equal_chunks():
+    from dflash.train.head_loss import balanced_chunk
+
+    for most, chunk in ((23040, 2048), (4096, 2048), (4097, 2048), (48, 2048), (1, 8), (0, 8)):
+        c = balanced_chunk(most, chunk)
+        q = -(-max(most, 1) // c)
+        assert c <= chunk and q == -(-max(most, 1) // chunk) and q * c - max(most, 1) < q
+    assert balanced_chunk(23040, 2048) == 1920
+
+
+def test_head_loss_mode_resolves_per_device():
+    from dflash.train.head_loss import head_backend
+    from dflash.train.workers import drafter_config, initial_state, make_replicas
+
+    assert head_backend("auto", "inductor", "cuda:0") == "inductor"
+    assert head_backend("auto", "inductor", "cpu") is None
+    assert head_backend("auto", "aot_eager", "cuda:1") is None
+    assert head_backend("on", "aot_eager", "cpu") == "aot_eager"
+    assert head_backend(True, "inductor", "cpu") == "inductor"
+    assert head_backend(False, "inductor", "cuda:0") is None
+    assert head_backend("on", "eager", "cuda:0") is None
+    spec = parse_spec({**KD_SPEC, "compile": {"backend": "aot_eager", "head_loss": "on"}},
+                      "kd.yaml")
+    cfg = drafter_config(spec)
+    [rep] = make_replicas(spec, cfg, initial_state(cfg, 0), 10)
+    assert rep.objective.head_backend == "aot_eager"
+    assert parse_spec(KD_SPEC, "kd.yaml").compile.head_loss == "auto"
+    with pytest.raises(SpecError, match="compile.head_loss"):
+        parse_spec({**KD_SPEC, "compile": {"head_loss": "fast"}}, "kd.yaml")
+
+
+def test_warm_up_compiles_the_head_and_training_never_recompiles(monkeypatch):
+    """The replica's step with the compiled head, warmed through the gate as the warm-up stage
+    does it: steps on other rows (other supervised counts) after mark_warm are no recompile."""
+    import dflash.runtime.gate as gate_mod
+    from dflash.train.warm import synthetic_output, synthetic_row, warm_replica
+    from dflash.train.workers import drafter_config, initial_state, make_replicas
+
+    gate = gate_mod.Gate()
+    monkeypatch.setattr(gate_mod, "_GATE", gate)
+    spec = parse_spec({**KD_SPEC, "compile": {"backend": "aot_eager", "head_loss": "on"}},
+                      "kd.yaml")
+    cfg = drafter_config(spec)
+    [rep] = make_replicas(spec, cfg, initial_state(cfg, 0), 10)
+    width = len(cfg.target_layer_ids) * cfg.hidden_size
+    before = _graphs()
+    warm_replica(rep, 64, width, torch.float32, optimizer_step=False)
+    assert _graphs() > before
+    gate.mark_warm()
+    try:
+        counts = set()
+        for seed in (1, 2, 3):
+            r = synthetic_row(64, cfg.vocab_size, seed=seed, docs=seed)
+            out, blocks = synthetic_output(rep, r, width, torch.float32, seed), rep.anchors(r, seed)
+            res = gate.run(rep.signature(64), lambda: rep.forward_backward(r, out, blocks))
+            counts.add(res.labelled)
+            assert torch.isfinite(res.loss)
+        st = gate.stats()
+        assert len(counts) > 1 and st.recompiles_after_warmup == 0, st.recompile_reasons
+    finally:
+        gate.mark_cold()

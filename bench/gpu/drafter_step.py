@@ -26,8 +26,9 @@ def _sync(device: str) -> None:
 
 
 def measure(spec, anchors: int, device: str, steps: int, peak: float | None,
-            prepare=None) -> dict:
-    """``prepare(rep)``, when given, adjusts the replica before its warm-up (an A/B's arm)."""
+            prepare=None, after=None) -> dict:
+    """``prepare(rep)``, when given, adjusts the replica before its warm-up (an A/B's arm);
+    ``after(step)``, when given, runs after the timing with the step and adds its dict."""
     from dflash.models.dtypes import dtype_of
     from dflash.train.flops import drafter_useful_flops
     from dflash.runtime.gate import get_gate, worker_thread_setup
@@ -69,7 +70,8 @@ def measure(spec, anchors: int, device: str, steps: int, peak: float | None,
         # the bench stage's rule, on the counts the training step itself reports (what the
         # train stage logs as metrics "tokens" / "labelled"): padded slots are not useful
         flops = drafter_useful_flops(cfg, first.tokens, first.labelled)
-        return {"anchors": anchors, "num_slots": rep.num_slots(L), "bucket": L,
+        extra = after(step) if after is not None else {}
+        return {**extra, "anchors": anchors, "num_slots": rep.num_slots(L), "bucket": L,
                 "compile_s": round(compile_s, 1), "steps": steps, "s_per_step": round(s, 4),
                 "tokens": first.tokens, "labelled": first.labelled,
                 "tokens_per_s_capacity": round(first.tokens / s, 1), "flops_per_step": flops,

@@ -5,21 +5,34 @@ drafter step (issue #24 item 1), at a spec's shapes with random weights.
   chunks of 2048 supervised positions under activation checkpointing, so the frozen head runs
   three times per position (logits, the same logits again in backward, the input gradient) and
   the softmax twice.
-* ``fused``: :class:`dflash.train.objective.Objective`'s loss: the input gradient is taken in
-  forward while a chunk's logits are live (two head matmuls, one softmax);
-  ``loss.max_position`` K also drops every block position k > K before the head runs.
+* ``fused``: :class:`dflash.train.objective.Objective`'s loss with eager chunks
+  (``compile.head_loss: off``): the input gradient is taken in forward while a chunk's logits
+  are live (two head matmuls, one softmax); ``loss.max_position`` K also drops every block
+  position k > K before the head runs. Its step uses the foreach AdamW of the committed
+  ``loss_step.json`` run, so it is that run's arm.
+* ``compiled``: the same loss with each chunk one inductor graph (``compile.head_loss`` on, the
+  CUDA default), in a step with the fused AdamW (the CUDA default): today's training step.
+* ``nohead`` (whole step only): the step with the head and loss replaced by a mean of squares
+  over the hidden states, fused AdamW: what the rest of the step (drafter forward + backward,
+  mask, optimizer) costs.
+
+``--profile`` adds, per arm, the top CUDA kernels of the whole step by total time
+(torch.profiler over a few steps; on CPU the top ops) and the kernel count per step.
+``--smoke`` runs every arm on CPU at tests/specs/micro.yaml's tiny shapes (the script's check).
 
 SmolLM2-135M's shape without its package: ``--smollm2-shape`` writes its public config.json
 (vocab 49152 × 576, 30 layers) to a folder and runs the spec with that target, random weights.
 
     python bench/gpu/loss_step.py --spec specs/smollm2-quality.yaml --smollm2-shape \
-        --caps none,8 --out loss_step.json
+        --caps none,8 --profile --out loss_step2.json
+    python bench/gpu/loss_step.py --smoke --profile --out /tmp/loss_step_smoke.json
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -71,7 +84,7 @@ def main_objective(obj):
     from dflash.train.objective import Objective
 
     class Main(Objective):
-        def loss(self, hidden, lm_head, blocks, soft=None, row_len=None, chunk=2048):
+        def loss(self, hidden, lm_head, blocks, soft=None, row_len=None, chunk=2048, **_):
             B = self.block_size
             k = torch.arange(B, device=hidden.device).repeat(blocks.labels.shape[-1] // B)
             return main_drafter_loss(hidden, lm_head, blocks.labels[None],
@@ -98,8 +111,33 @@ def _time(fn, device: str, iters: int) -> float:
     return (time.perf_counter() - t) / iters
 
 
+def nohead_objective(obj):
+    """The objective with the head taken out (the ``nohead`` arm: the step's remainder, i.e.
+    drafter forward + backward + optimizer): a loss that touches every hidden state once."""
+    from dflash.train.objective import Objective
+
+    class NoHead(Objective):
+        def loss(self, hidden, lm_head, blocks, soft=None, row_len=None, chunk=2048, **_):
+            hits = torch.zeros(self.block_size, device=hidden.device)
+            return hidden.float().square().mean(), hits
+
+    return NoHead(**dataclasses.asdict(obj))
+
+
+def arm_objective(obj, arm: str, cap):
+    """The objective of an arm: main's loss, no head, or the objective's with eager or compiled
+    chunks."""
+    if arm == "nohead":
+        return nohead_objective(obj)
+    if arm == "main":
+        return main_objective(dataclasses.replace(obj, head_backend=None))
+    return dataclasses.replace(obj, max_position=cap,
+                               head_backend="inductor" if arm == "compiled" else None)
+
+
 def head_alone(spec, device: str, arm: str, cap, iters: int) -> dict:
-    """The loss's forward + backward on one bucket's blocks, drafter hidden states random."""
+    """The loss's forward + backward on one bucket's blocks, drafter hidden states random; the
+    supervised rows found on the blocks' host copy, as the replica does."""
     from dflash.models.dtypes import dtype_of
     from dflash.models.target import target_embeddings
     from dflash.train.warm import synthetic_row
@@ -107,13 +145,13 @@ def head_alone(spec, device: str, arm: str, cap, iters: int) -> dict:
 
     cfg = drafter_config(spec)
     obj = objective(spec, cfg)
-    obj = main_objective(obj) if arm == "main" else dataclasses.replace(obj, max_position=cap)
+    obj = arm_objective(obj, arm, cap)
     L = buckets(spec)[-1]
     row = synthetic_row(L, cfg.vocab_size, seed=3, docs=8)
-    blocks = obj.anchors(row, 5)
-    blocks = dataclasses.replace(blocks, **{f.name: getattr(blocks, f.name).to(device)
-                                            for f in dataclasses.fields(blocks)
-                                            if torch.is_tensor(getattr(blocks, f.name))})
+    host = obj.anchors(row, 5)
+    blocks = dataclasses.replace(host, **{f.name: getattr(host, f.name).to(device)
+                                          for f in dataclasses.fields(host)
+                                          if torch.is_tensor(getattr(host, f.name))})
     dt = dtype_of(spec.drafter.dtype)
     head = target_embeddings(spec.target, spec.seed)[1].to(device, dt)
     hidden = torch.randn(1, blocks.labels.numel(), cfg.hidden_size, device=device,
@@ -121,7 +159,7 @@ def head_alone(spec, device: str, arm: str, cap, iters: int) -> dict:
 
     def step():
         with torch.autocast(device.split(":")[0], dtype=dt, enabled=dt != torch.float32):
-            loss, _ = obj.loss(hidden, head, blocks)
+            loss, _ = obj.loss(hidden, head, blocks, host=host)
         loss.backward()
         hidden.grad = None
 
@@ -130,12 +168,17 @@ def head_alone(spec, device: str, arm: str, cap, iters: int) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device) if cuda else 0
+    t0 = time.perf_counter()
+    step()                                   # the compiled arm compiles here
+    _sync(device)
+    first_s = time.perf_counter() - t0
     s = _time(step, device, iters)
     peak = torch.cuda.max_memory_allocated(device) - base if cuda else 0
     n = int(obj.supervised(blocks).sum()) if arm != "main" else int(
         (blocks.labels != -100).sum())
     return {"arm": arm, "max_position": cap, "supervised": n, "ms": round(s * 1e3, 3),
-            "peak_extra_mb": round(peak / 2**20, 1), "iters": iters}
+            "peak_extra_mb": round(peak / 2**20, 1), "iters": iters,
+            "first_call_s": round(first_s, 2)}
 
 
 def _drafter_step():
@@ -149,15 +192,78 @@ def _drafter_step():
     return mod
 
 
-def step_whole(spec, device: str, arm: str, cap, steps: int, peak: float | None) -> dict:
+def _optimizer(rep, fused: bool) -> None:
+    """AdamW fused (the CUDA default) or foreach (the committed run's), set before any step."""
+    for g in rep.opt.param_groups:
+        g["fused"], g["foreach"] = (True, False) if fused else (False, True)
+
+
+def profile_steps(step, device: str, steps: int = 3, top: int = 15) -> dict:
+    """The top kernels (CUDA; on CPU the top ops) of ``steps`` whole steps by total time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.startswith("cuda")
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    _sync(device)
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            step()
+        _sync(device)
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    tally: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type != kind or (not cuda and e.cpu_parent is not None):
+            continue  # CPU: top-level ops only, so nothing is counted twice
+        t = tally.setdefault(e.name, [0, 0.0])
+        t[0] += 1
+        t[1] += e.time_range.elapsed_us()
+    rows = sorted(tally.items(), key=lambda kv: -kv[1][1])
+    total = sum(v[1] for v in tally.values())
+    return {"profile": {
+        "what": "cuda kernels" if cuda else "cpu top-level ops", "steps": steps,
+        "busy_ms_per_step": round(total / steps / 1e3, 3),
+        "launches_per_step": round(sum(v[0] for v in tally.values()) / steps, 1),
+        "top": [{"name": k[:160], "calls_per_step": round(c / steps, 1),
+                 "ms_per_step": round(us / steps / 1e3, 3),
+                 "share": round(us / total, 4) if total else None}
+                for k, (c, us) in rows[:top]]}}
+
+
+def step_whole(spec, device: str, arm: str, cap, steps: int, peak: float | None,
+               profile: bool = False) -> dict:
     measure = _drafter_step().measure
 
     def prepare(rep):
-        rep.objective = (main_objective(rep.objective) if arm == "main"
-                         else dataclasses.replace(rep.objective, max_position=cap))
+        rep.objective = arm_objective(rep.objective, arm, cap)
+        _optimizer(rep, fused=arm in ("compiled", "nohead") and device.startswith("cuda"))
 
-    r = measure(spec, spec.batching.max_anchors, device, steps, peak, prepare=prepare)
-    return {"arm": arm, "max_position": cap, **r}
+    def after(step) -> dict:
+        try:  # the arm keeps its timing even where the profiler cannot run
+            return profile_steps(step, device)
+        except Exception as e:  # noqa: BLE001 - recorded in the arm's JSON
+            return {"profile": {"error": f"{type(e).__name__}: {e}"[:500]}}
+
+    r = measure(spec, spec.batching.max_anchors, device, steps, peak, prepare=prepare,
+                after=after if profile else None)
+    if arm == "nohead":  # its FLOPs count the head it does not run: no MFU for it
+        r["mfu_while_busy"] = None
+    return {"arm": arm, "max_position": cap,
+            "head_backend": "inductor" if arm == "compiled" else None,
+            "adamw": ("fused" if arm in ("compiled", "nohead") and device.startswith("cuda")
+                      else "foreach"),
+            **r}
+
+
+def _guarded(fn, spec, device, arm, cap, *args) -> dict:
+    """``fn``'s record, or the arm's error as a record: one failing arm does not cost the
+    others their measurement (the GPU gets one call)."""
+    try:
+        return fn(spec, device, arm, cap, *args)
+    except Exception as e:  # noqa: BLE001 - recorded and printed, the next arm runs
+        import traceback
+
+        traceback.print_exc()
+        return {"arm": arm, "max_position": cap, "error": f"{type(e).__name__}: {e}"[:2000]}
 
 
 def main() -> None:
@@ -166,43 +272,75 @@ def main() -> None:
     from dflash.train.flops import measure_peak_flops
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--spec", required=True)
+    ap.add_argument("--spec")
     ap.add_argument("--smollm2-shape", action="store_true")
-    ap.add_argument("--caps", default="none,8", help="fused arms: none or K, comma list")
+    ap.add_argument("--caps", default="none,8", help="fused and compiled arms: none or K")
+    ap.add_argument("--arms", default="main,fused,compiled,nohead", help="comma list of arms")
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--no-step", action="store_true", help="the loss alone only")
+    ap.add_argument("--profile", action="store_true", help="top kernels of the step per arm")
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU, tests/specs/micro.yaml, 2 iterations: the script's own check")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
+    if a.smoke:
+        a.spec, a.device, a.iters, a.steps = "tests/specs/micro.yaml", "cpu", 2, 2
+        a.smollm2_shape = False
+    if not a.spec:
+        ap.error("--spec is required (or --smoke)")
     spec = load_spec(a.spec)
+    if a.smoke:  # one drafter on the CPU, a compile the CPU can afford
+        spec = spec.replace(topology={"drafters": ["cpu"]})
     if a.smollm2_shape:
         d = Path("/tmp/smollm2-135m-shape")
         d.mkdir(exist_ok=True)
         (d / "config.json").write_text(json.dumps(SMOLLM2_135M))
         spec = spec.replace(target={"model": str(d), "init": "random"})
-    arms = [("main", None)] + [("fused", None if c == "none" else int(c))
-                               for c in a.caps.split(",")]
+    caps = [None if c == "none" else int(c) for c in a.caps.split(",")]
+    names = a.arms.split(",")
+    arms = ([("main", None)] if "main" in names else []) + [
+        (n, c) for n in ("fused", "compiled") if n in names for c in caps]
+    step_arms = arms + ([("nohead", None)] if "nohead" in names else [])
     out = {"spec": spec.name, "target_shape": "smollm2-135m" if a.smollm2_shape else
            spec.target.model, "device": torch.cuda.get_device_name(a.device)
            if a.device.startswith("cuda") else "cpu",
-           "torch": torch.__version__, "head_alone": [], "step": []}
+           "torch": torch.__version__, "command": " ".join(sys.argv),
+           "head_alone": [], "step": []}
+    t_start = time.perf_counter()
 
     def save():
+        out["wall_s"] = round(time.perf_counter() - t_start, 1)
         a.out.write_text(json.dumps(out, indent=1) + "\n")
 
     for arm, cap in arms:
-        r = head_alone(spec, a.device, arm, cap, a.iters)
+        r = _guarded(head_alone, spec, a.device, arm, cap, a.iters)
         print(f"[loss_step] loss alone {arm} cap {cap}: {r}", flush=True)
         out["head_alone"].append(r)
         save()
     if not a.no_step:
         out["peak"] = (measure_peak_flops(a.device, dtype_of(spec.drafter.dtype))
                        if a.device.startswith("cuda") else {"flops_per_s": None})
-        for arm, cap in arms:
-            r = step_whole(spec, a.device, arm, cap, a.steps, out["peak"]["flops_per_s"])
+        # today's step first: the first arm also pays the drafter's compile (about a minute
+        # on the H200), and a run cut short by its time limit keeps what it measured
+        order = {"compiled": 0, "nohead": 1, "fused": 2, "main": 3}
+        for arm, cap in sorted(step_arms, key=lambda ac: order[ac[0]]):
+            r = _guarded(step_whole, spec, a.device, arm, cap, a.steps,
+                         out["peak"]["flops_per_s"], a.profile)
+            if "error" in r:
+                print(f"[loss_step] whole step {arm} cap {cap}: {r['error']}", flush=True)
+                out["step"].append(r)
+                save()
+                continue
             print(f"[loss_step] whole step {arm} cap {cap}: {r['s_per_step']} s/step, MFU "
                   f"{r['mfu_while_busy']}, compile {r['compile_s']} s", flush=True)
+            if "busy_ms_per_step" in r.get("profile", {}):
+                print(f"  profile: {r['profile']['busy_ms_per_step']} ms busy, "
+                      f"{r['profile']['launches_per_step']} launches per step", flush=True)
+            for k in r.get("profile", {}).get("top", [])[:15]:
+                print(f"    {k['ms_per_step']:8.3f} ms {k['calls_per_step']:6.1f}x  "
+                      f"{k['name'][:100]}", flush=True)
             out["step"].append(r)
             save()
     print(f"wrote {a.out}")

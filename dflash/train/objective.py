@@ -13,7 +13,9 @@ Loss kinds (``loss.kind``):
 - ``ce+kd``: the mean of the two.
 Every kind uses the same γ weights w_k = exp(−(k−1)/γ), k = 1..B−1, and ``loss.max_position``
 K keeps only k ≤ K (weights above K are 0, so the head never runs there). The loss is
-Σ w·loss / Σ w over the supervised positions.
+Σ w·loss / Σ w over the supervised positions. ``head_backend`` (``compile.head_loss`` resolved
+for the replica's device, :func:`dflash.train.head_loss.head_backend`) runs the head's chunks
+as one compiled graph; None runs them as eager torch ops.
 """
 from __future__ import annotations
 
@@ -21,9 +23,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.masks import IGNORE_INDEX, Blocks, PackedRow, block_loss_weights, sample_anchors
+from ..models.masks import (
+    IGNORE_INDEX,
+    Blocks,
+    PackedRow,
+    block_loss_weights,
+    loss_weights,
+    sample_anchors,
+)
 from ..models.target_output import SoftLabels
-from .head_loss import head_cross_entropy
+from .head_loss import balanced_chunk, head_cross_entropy
 
 KINDS = ("ce", "kd", "ce+kd")
 SOFT_KINDS = ("kd", "ce+kd")  # the kinds whose target worker produces soft labels
@@ -39,6 +48,7 @@ class Objective:
     kind: str = "ce"
     max_position: int | None = None  # None: every block position k >= 1 carries loss
     top_k: int = 32                  # soft labels kept per position (kd, ce+kd)
+    head_backend: str | None = None  # torch.compile backend of the head's chunks; None: eager
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -82,24 +92,40 @@ class Objective:
     # ---- loss --------------------------------------------------------------------------------
     def loss(self, hidden: torch.Tensor, lm_head: torch.Tensor, blocks: Blocks,
              soft: SoftLabels | None = None, row_len: int | None = None,
-             chunk: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+             chunk: int = 2048, host: Blocks | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss, hits) for one row's blocks: hidden [1, A*B, H] (or [A*B, H]) of the drafter,
         the frozen head [V, H], the blocks (on hidden's device) and, for kd / ce+kd, the row's
         soft labels (``row_len`` = L). hits [B]: supervised positions whose top-1 equals the
-        label, per block position (no gradient)."""
+        label, per block position (no gradient). ``host``: the same blocks on the CPU (the
+        replica has them): the supervised rows are then found there, without a device sync."""
         B = self.block_size
         h = hidden.reshape(-1, hidden.shape[-1])
-        y = blocks.labels.reshape(-1)
-        w = self.weights(blocks).reshape(-1).float()
-        keep = torch.nonzero(w > 0, as_tuple=False).flatten()
-        k = torch.arange(B, device=y.device).repeat(y.numel() // B)[keep]
+        keep, k, y, w = self._rows(host if host is not None else blocks, h.device)
         hits = torch.zeros(B, dtype=torch.float32, device=h.device)
         if keep.numel() == 0:
             return h.sum() * 0.0, hits  # keeps the graph (and the gradient mean) whole
-        h, y, w = h[keep], y[keep], w[keep]
+        h = h[keep]
         ids, p, const = self._targets(y, keep, k, blocks, soft, row_len)
-        total, hits = head_cross_entropy(h, lm_head, ids, p, w, y, k, B, chunk)
+        if self.head_backend is not None:  # equal chunks that tile the bucket's most rows
+            chunk = balanced_chunk(self.max_supervised(hidden.numel() // hidden.shape[-1]),
+                                   chunk)
+        total, hits = head_cross_entropy(h, lm_head, ids, p, w, y, k, B, chunk,
+                                         self.head_backend)
         return (total + (const * w).sum()) / w.sum(), hits
+
+    def max_supervised(self, block_tokens: int) -> int:
+        """The most supervised positions ``block_tokens`` (A·B) can hold: every block full."""
+        per_block = int((loss_weights(self.block_size, self.gamma, self.max_position) > 0).sum())
+        return block_tokens // self.block_size * per_block
+
+    def _rows(self, blocks: Blocks, device) -> tuple[torch.Tensor, ...]:
+        """(row index, block position k, label, weight) of every supervised block token, found
+        where ``blocks`` live (a host copy: no sync; the count is known there) and then moved
+        to ``device`` without waiting."""
+        w = self.weights(blocks).reshape(-1).float()
+        keep = torch.nonzero(w > 0, as_tuple=False).flatten()
+        rows = (keep, keep % self.block_size, blocks.labels.reshape(-1)[keep], w[keep])
+        return tuple(t.to(device, non_blocking=True) for t in rows)
 
     def _targets(self, y, keep, k, blocks, soft, row_len):
         """The target distribution per supervised position as (ids [n, m], p [n, m]) and the

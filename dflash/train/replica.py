@@ -5,6 +5,7 @@ callables (same config, dtypes, feature width N·H, shape buckets) that training
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ import torch
 from ..models.drafter import DFlashConfig, DFlashDrafter
 from ..models.masks import Blocks, PackedRow, attention_backend, dense_mask, flex_block_mask
 from ..models.target_output import TargetOutput
+from .head_loss import head_backend
 from .objective import Objective
 
 if TYPE_CHECKING:
@@ -47,14 +49,17 @@ def lr_lambda(total_steps: int, warmup_ratio: float):
 
 class DrafterReplica:
     """One replica. It takes its own config sections: the drafter config, the objective (block
-    size, anchors, loss), the optimizer section, the compute dtype and the compile backend."""
+    size, anchors, loss), the optimizer section, the compute dtype, the compile backend and
+    ``compile.head_loss`` (resolved here for the replica's device)."""
 
     def __init__(self, index: int, device: str, cfg: DFlashConfig, objective: Objective,
                  optim: OptimSpec, dtype: torch.dtype, backend: str,
                  embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
-                 init_state: dict | None, total_steps: int):
+                 init_state: dict | None, total_steps: int, head_loss="auto"):
         self.index, self.device, self.cfg = index, device, cfg
-        self.objective, self.optim = objective, optim
+        self.objective = dataclasses.replace(
+            objective, head_backend=head_backend(head_loss, backend, device))
+        self.optim = optim
         self.attention = attention_backend(device)
         # fp32 master weights; bf16/fp16 compute through autocast on CUDA
         self.compute_dtype = dtype
@@ -68,8 +73,12 @@ class DrafterReplica:
                         else lm_head_weight.to(device=device, dtype=self.compute_dtype))
         self.params = [p for p in self.model.parameters()]
         o = optim
+        # CUDA: the fused AdamW kernel (a launch or two for all parameters instead of a foreach
+        # chain per update term); CPU keeps foreach, so CPU runs stay bit-identical to before
+        fused = device.startswith("cuda")
         self.opt = torch.optim.AdamW(self.params, lr=o.lr, betas=(0.9, o.beta2),
-                                     weight_decay=o.weight_decay, foreach=True)
+                                     weight_decay=o.weight_decay, foreach=not fused,
+                                     fused=fused or None)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lr_lambda(total_steps, o.warmup_ratio))
         self.forward = (self.model.forward if backend == "eager" else
@@ -113,7 +122,7 @@ class DrafterReplica:
             hidden = self.forward(block_embeds, out.features, blocks_d.block_position_ids[None],
                                   ctx_pos, mask)
             loss, hits = self.objective.loss(hidden, self.lm_head, blocks_d, out.soft,
-                                             row_len=row.input_ids.shape[0])
+                                             row_len=row.input_ids.shape[0], host=blocks)
         loss.backward()
         # counts from the host copies, and loss/hits stay device tensors: no host-device sync
         # here, so this thread goes on queueing work while the GPU runs the backward
@@ -125,7 +134,9 @@ class DrafterReplica:
 
     def zero_grad(self) -> None:
         for p in self.params:
-            p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        torch._foreach_zero_([p.grad for p in self.params])  # one launch, not one per tensor
 
     def flat_grad(self) -> torch.Tensor:
         return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)

@@ -46,7 +46,7 @@ def make_replicas(spec, cfg: DFlashConfig, init_state: dict, total_steps: int
     embed, head = target_embeddings(spec.target, spec.seed)
     obj, dtype = objective(spec, cfg), dtype_of(spec.drafter.dtype)
     return [DrafterReplica(i, dev, cfg, obj, spec.optim, dtype, spec.compile.backend, embed,
-                           head, init_state, total_steps)
+                           head, init_state, total_steps, head_loss=spec.compile.head_loss)
             for i, dev in enumerate(spec.topology.drafters)]
 
 
