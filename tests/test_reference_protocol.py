@@ -115,3 +115,18 @@ def test_train_set_is_a_seeded_sample_of_the_distinct_training_prompts(tmp_path)
     assert sorted(train_prompts(spec, tmp_path, 100)[0]) == prompts   # all, once each
     (es,) = load_eval_sets(spec, tmp_path, None, ["train"], 4)
     assert es.name == "train" and es.prompts == got
+
+
+def test_feature_batches_by_tokens_give_the_same_features(target):
+    """Long answers: target_features' token budget splits the batches, not the values."""
+    from dflash.eval.tau import target_features
+
+    tgt, _ = target
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(5, 1000, (n,), generator=g).tolist() for n in (9, 30, 17, 40)]
+    ids = [1, 5, 10]
+    whole = target_features(tgt.model, seqs, ids, batch_size=4)
+    split = target_features(tgt.model, seqs, ids, batch_size=4, max_tokens=60)   # <= 60 padded
+    for w, s, q in zip(whole, split, seqs):
+        assert w.shape == s.shape == (len(q), 3 * 576)
+        assert torch.allclose(w, s, atol=1e-4, rtol=1e-4)

@@ -94,6 +94,11 @@ def evaluate_reference(target_model, tokenizer, drafter, embed, lm_head, questio
         "aggregation": "tau_prompt_mean: mean over turns of each turn's tokens per verify "
                        "step (the reference's); tau: pooled, total tokens / total verify steps",
         "generator": "fast engine" if eng is not None else "hf (batched)",
+        # slots, cache length, setup (compile + capture) seconds, decode steps, prefills
+        "engine": {**eng.settings(), "compile_seconds": eng.stats["compile_seconds"],
+                   "capture_seconds": eng.stats.get("capture_seconds", 0.0),
+                   "prefill_seconds": round(eng.stats["prefill_seconds"], 3)}
+        if eng is not None else None,
         "by_turn": {f"turn{k + 1}": {key: s[key] for key in ("tau", "tau_prompt_mean",
                                                              "prompts", "tokens", "forwards")}
                     for k, s in enumerate((summarize(chains[:n], B), summarize(chains[n:], B)))},

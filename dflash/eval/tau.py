@@ -56,13 +56,12 @@ class Chain:
 def greedy_continuations(model, prompts: Sequence[Sequence[int]], max_new: int,
                          eos_ids: Sequence[int], batch_size: int = 64,
                          max_context: int | None = None, engine=None) -> list[list[int]]:
-    """The target's greedy continuation of every prompt (ends at eos, inclusive, or max_new).
+    """The target's greedy continuation of every prompt (ends at eos, inclusive, or max_new),
+    each budget capped by ``max_context`` (:func:`dflash.eval.budget.budgets`; none left: []).
 
-    Prompts of similar length are batched together (little left padding). ``max_context``
-    (the target's positions) caps each prompt's budget at ``max_context - len(prompt)`` (none
-    left: an empty continuation). ``engine``: a :class:`dflash.data.engine.Engine` built for
-    ``max_new`` that takes the prompts it fits (all of them, in one continuous batch); the rest,
-    and everything without it, go through :func:`dflash.data.generate.generate_batch`.
+    ``engine`` (a :class:`dflash.data.engine.Engine` for ``max_new``) takes the prompts it fits
+    in one continuous batch; the rest go through :func:`dflash.data.generate.generate_batch`,
+    prompts of similar length batched together (little left padding), per budget.
     """
     from ..data.generate import generate_batch
 
@@ -70,13 +69,11 @@ def greedy_continuations(model, prompts: Sequence[Sequence[int]], max_new: int,
     out: list[list[int]] = [[] for _ in prompts]
     fast = [i for i, p in enumerate(prompts) if engine is not None and budget[i] == max_new
             and engine.max_new == max_new and len(p) <= engine.S - engine.max_new]
-    if fast:
-        for i, g in zip(fast, engine.generate([prompts[i] for i in fast])):
-            out[i] = g
-    taken = set(fast)
-    for b in sorted({budget[i] for i in range(len(prompts)) if i not in taken} - {0}):
-        group = [i for i in range(len(prompts)) if budget[i] == b and i not in taken]
-        order = sorted(group, key=lambda i: len(prompts[i]))
+    for i, g in zip(fast, engine.generate([prompts[i] for i in fast]) if fast else []):
+        out[i] = g
+    rest = [i for i in range(len(prompts)) if i not in set(fast) and budget[i] > 0]
+    for b in sorted({budget[i] for i in rest}):
+        order = sorted((i for i in rest if budget[i] == b), key=lambda i: len(prompts[i]))
         for s in range(0, len(order), batch_size):
             idx = order[s:s + batch_size]
             gen = generate_batch(model, [prompts[i] for i in idx], b, 0.0, eos_ids,
@@ -89,23 +86,21 @@ def greedy_continuations(model, prompts: Sequence[Sequence[int]], max_new: int,
 @torch.no_grad()
 def target_features(model, seqs: Sequence[Sequence[int]], layer_ids: list[int],
                     batch_size: int = 16, max_tokens: int | None = None) -> list[torch.Tensor]:
-    """Feature-layer hidden states [len, n*H] of every sequence: one forward per batch of
-    right-padded sequences (padding after a causal sequence changes nothing before it), at most
-    ``batch_size`` of them and, given ``max_tokens``, at most that many padded tokens (long
-    answers: the hidden states of every layer are held at once)."""
+    """Feature-layer hidden states [len, n*H] of every sequence: one forward per batch of at
+    most ``batch_size`` right-padded sequences (padding after a causal sequence changes nothing
+    before it) and, given ``max_tokens``, of at most that many padded tokens (long answers)."""
     from ..models.drafter import extract_features
 
     dev = next(model.parameters()).device
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     out: list[torch.Tensor | None] = [None] * len(seqs)
-    batches, s = [], 0
-    while s < len(order):
-        n = batch_size
-        if max_tokens:  # sorted by length: the batch's last sequence is its longest
-            while n > 1 and n * len(seqs[order[min(s + n, len(order)) - 1]]) > max_tokens:
-                n -= 1
-        batches.append(order[s:s + n])
-        s += n
+    batches: list[list[int]] = []
+    for i in order:  # sorted by length: each new sequence is its batch's longest
+        n = len(batches[-1]) + 1 if batches else 0
+        if 0 < n <= batch_size and (not max_tokens or n * len(seqs[i]) <= max_tokens):
+            batches[-1].append(i)
+        else:
+            batches.append([i])
     for idx in batches:
         L = max(len(seqs[i]) for i in idx)
         ids = torch.zeros((len(idx), L), dtype=torch.long)
