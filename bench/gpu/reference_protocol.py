@@ -7,6 +7,10 @@ dflash/eval/reference.py), and its τ beside ours, for one drafter on one device
         --out bench/results/h200/reference_protocol.json
     # no trained drafter: a random-weight one of the spec's shape (τ ≈ 1, the same cost)
     # CPU smoke (seconds): PYTHONPATH=$PWD python bench/gpu/reference_protocol.py --smoke
+    # CPU, 8 questions (one per category), full 2,048 tokens: the answer lengths the GPU
+    # estimate rests on (bench/results/cpu/reference_protocol_8q.json)
+    PYTHONPATH=$PWD python bench/gpu/reference_protocol.py --spec specs/tiny.yaml --device cpu \
+        --questions 8 --batch-size 8 --threads 1 --out bench/results/cpu/reference_protocol_8q.json
 
 Writes JSON: the reference protocol's report (τ per-prompt mean and pooled, per turn, the caps,
 the fast engine's setup seconds, decode steps and prefills, seconds per phase) and, with
@@ -35,6 +39,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ours", action="store_true", help="also our protocol on MT-Bench")
     ap.add_argument("--ours-max-new", type=int, default=256)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny spec, 2 questions, 8 tokens")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if a.smoke:
@@ -53,6 +58,8 @@ def main(argv=None) -> int:
     from dflash.spec import load_spec
     from dflash.train.workers import drafter_config
 
+    if a.threads:
+        torch.set_num_threads(a.threads)
     device = a.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
     spec = load_spec(a.spec)
     t0 = time.perf_counter()
