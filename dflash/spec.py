@@ -53,6 +53,8 @@ class DrafterSpec:
     block_size: int
     mask_token_id: int
     dtype: str
+    # a default: code that builds a DrafterSpec by hand predates the field (schema: the same)
+    init: str = "random"
 
 
 @dataclass(frozen=True)
@@ -163,6 +165,8 @@ class BenchSpec:
     eval_max_new_tokens: int
     real_prompts: int
     eval_batch_size: int
+    protocols: tuple[str, ...] = ("dflash",)
+    reference_max_new_tokens: int = 2048
 
 
 @dataclass(frozen=True)
@@ -295,7 +299,7 @@ def stage_fields(spec: Spec) -> dict[str, dict[str, Any]]:
         # everything that changes a compiled shape or the compiled code
         "warmup": {**target_identity, "target.num_feature_layers": t.num_feature_layers,
                    "target.layer_ids": t.layer_ids, "target.compile": t.compile,
-                   "drafter": spec.drafter,
+                   "drafter": _shape_only(spec.drafter),
                    "batching": spec.batching, "topology.drafters": spec.topology.drafters,
                    "compile": spec.compile, "seed": spec.seed},
         "data": {**target_identity, "data": spec.data, "seed": spec.seed},
@@ -304,9 +308,19 @@ def stage_fields(spec: Spec) -> dict[str, dict[str, Any]]:
         # fingerprint as it was before the field existed
         "train": {"loss": spec.loss, "optim": spec.optim, "checkpoint": spec.checkpoint,
                   "topology": spec.topology, "monitor": spec.monitor, "seed": spec.seed,
-                  **({"features": spec.features} if cache_mode(spec) != "off" else {})},
+                  **({"features": spec.features} if cache_mode(spec) != "off" else {}),
+                  # the starting weights, not a shape: a random start leaves the fingerprint
+                  # as it was before the field existed
+                  **({"drafter.init": spec.drafter.init} if spec.drafter.init != "random"
+                     else {})},
         "bench": {"bench": spec.bench},
     }
+
+
+def _shape_only(drafter: DrafterSpec) -> dict:
+    """The drafter fields warm-up compiles for: all but ``init`` (the starting weights change
+    no compiled shape, so an init arm shares the base's warm-up)."""
+    return {k: v for k, v in _plain(drafter).items() if k != "init"}
 
 
 def cache_mode(spec: Spec) -> str:

@@ -108,6 +108,56 @@ def test_evaluate_tau_report_and_markdown(tmp_path, exported):
     # the batch sweep is CUDA-only; the lossless evidence of the real decode is reported
     assert tau["decode_speed"]["skipped"].startswith("on cpu")
     assert "Skipped: on cpu" in md and "emitted tokens checked, 0 not the verify argmax" in md
+    # the reference protocol is off by default (bench.protocols: [dflash]): said, not measured
+    assert set(tau["protocols"]) == {"dflash"} and "not measured (`bench.protocols`" in md
+    assert tau["protocols"]["dflash"]["tau_prompt_mean"] == tau["sets"]["mtbench"][
+        "tau_prompt_mean"]
+
+
+def test_reference_protocol_and_train_set_in_the_report(tmp_path, exported):
+    """bench.protocols [dflash, reference]: both turns of 2 questions, both aggregations, the
+    caps, beside ours in report.json and report.md; the train set reads the dataset."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from jinja2 import Environment, FileSystemLoader, StrictUndefined
+
+    from dflash.eval.evalsets import user_prompt
+    from dflash.eval.report import fmt
+    from dflash.models.target import load_target
+    from dflash.stages.bench import evaluate_tau
+
+    spec = spec_with(tmp_path, eval_sets=["mtbench", "train"], eval_prompts=2,
+                     eval_max_new_tokens=6, real_prompts=0, protocols=["dflash", "reference"],
+                     reference_max_new_tokens=8)
+    tok = load_target(spec.target, "cpu").tokenizer
+    trained = [user_prompt(tok, t) for t in ("Hello there.", "What is a cat?", "Tell a joke.")]
+    (tmp_path / "data").mkdir()
+    pq.write_table(pa.table({"input_ids": [p + [2] for p in trained],
+                             "num_prompt_tokens": [len(p) for p in trained]}),
+                   tmp_path / "data" / "dataset.parquet")
+    tau = evaluate_tau(spec, exported, "cpu", tmp_path)
+    assert tau["sets"]["train"]["prompts"] == 2 and "of the 3 distinct" in tau["sets"]["train"][
+        "note"]
+    ref, ours = tau["protocols"]["reference"], tau["protocols"]["dflash"]
+    assert ours["tau"] == tau["sets"]["mtbench"]["tau"] and ours["max_new_tokens"] == 6
+    assert ref["questions"] == 2 and ref["prompts"] == 4 and ref["max_new_tokens"] == 8
+    t1, t2 = ref["by_turn"]["turn1"], ref["by_turn"]["turn2"]
+    assert t1["prompts"] == t2["prompts"] == 2
+    assert t1["tokens"] + t2["tokens"] == ref["tokens"]
+    assert ref["tau"] == ref["tokens"] / ref["forwards"]
+    assert ref["max_context"] == 8192 and ref["hit_cap"]["context"] == 0
+    assert sum(ref["hit_cap_by_turn"][t]["max_new_tokens"] for t in ("turn1", "turn2")) == \
+        ref["hit_cap"]["max_new_tokens"]
+    assert ref["generator"] == "fast engine"
+    assert set(ref["tau_prompt_mean_by_category"]) == {"writing", "roleplay"}
+    env = Environment(loader=FileSystemLoader(REPO / "dflash" / "templates"),
+                      undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    src = env.loader.get_source(env, "report.md.j2")[0]
+    md = env.from_string(src[src.index("## Acceptance length"):src.index("## Step time")]
+                         ).render(r={"acceptance": tau}, fmt=fmt)
+    assert f"| dflash (ours) | first | 6 | 2 | {fmt(ours['tau'])} |" in md
+    assert f"| reference | both | 8 | 4 | {fmt(ref['tau'])} | **{fmt(ref['tau_prompt_mean'])}** |" in md
+    assert "| reference, turn2 only | turn2 | 8 | 2 |" in md and "| train | 2 |" in md
 
 
 def test_bench_failure_is_one_message_naming_the_file(tmp_path, exported):

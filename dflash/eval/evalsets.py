@@ -6,8 +6,11 @@ Eval sets (``bench.eval_sets``; :func:`load_eval_sets`): ``mtbench`` (80 first t
 category), ``humaneval`` (164 problems, wrapped in the chat template with the reference
 benchmark's instruction: an instruct model is served through its chat template, and the
 reference DFlash numbers are measured that way), ``heldout`` (prompts of the training source
-that the data stage did not use; :func:`heldout_prompts`). Every prompt is rendered by the one
-chat-template helper, :func:`dflash.data.prompts.render_prompt`.
+that the data stage did not use; :func:`heldout_prompts`), ``train`` (a seeded sample of the
+prompts the drafter was trained on, read from the data stage's dataset: τ there against τ on
+held-out prompts tells a data limit from a capacity limit; :func:`train_prompts`). The
+reference protocol's MT-Bench conversations (both turns) are :func:`mtbench_conversations`.
+Every prompt is rendered by the one chat-template helper, :func:`dflash.data.prompts.render_prompt`.
 
 Decontamination: :func:`eval_overlap` lets the data stage drop any training prompt that shares a
 word n-gram with an MT-Bench or HumanEval prompt (:class:`NgramIndex`); :func:`is_mtbench` is
@@ -31,7 +34,7 @@ from typing import Sequence
 from ..data.prompts import CHATTERBOT, load_prompts, normalize, package_dir, render_prompt
 from ..errors import DFlashError
 
-SETS = ("mtbench", "humaneval", "heldout")
+SETS = ("mtbench", "humaneval", "heldout", "train")
 # the reference benchmark's HumanEval format (z-lab/dflash benchmark.py), so τ is comparable
 HUMANEVAL_FORMAT = ("Write a solution to the following problem and make sure that it passes "
                     "the tests:\n```python\n{prompt}\n```")
@@ -74,6 +77,11 @@ def _mtbench() -> tuple[dict, ...]:
             except (ValueError, KeyError, IndexError, TypeError) as e:
                 raise DFlashError(f"{path}:{lineno}: not an MT-Bench question ({e})") from None
     return tuple(out)
+
+
+def mtbench_conversations() -> list[dict]:
+    """Every MT-Bench question's turns (both) and category, file order."""
+    return [{"turns": list(q["turns"]), "category": q["category"]} for q in _mtbench()]
 
 
 def mtbench_questions() -> list[dict]:
@@ -225,6 +233,26 @@ def heldout_prompts(spec, results_dir: Path | None, tokenizer, n: int) -> tuple[
     return out, note
 
 
+def train_prompts(spec, results_dir: Path | None, n: int) -> tuple[list[list[int]], str]:
+    """Up to ``n`` distinct prompts the drafter was trained on: the rendered prompts of the data
+    stage's ``dataset.parquet`` (what training reads), a sample seeded by ``spec.seed`` (the
+    same prompts run after run). Returns (prompts, note); empty, with the reason, without a
+    dataset (e.g. τ of a drafter evaluated outside the DAG)."""
+    path = Path(results_dir) / "data" / "dataset.parquet" if results_dir else None
+    if path is None or not path.is_file():
+        return [], f"no training dataset ({path or 'no results folder'})"
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(path, columns=["input_ids", "num_prompt_tokens"])
+    distinct: dict[tuple[int, ...], None] = {}       # first-seen order: deterministic
+    for ids, npt in zip(t["input_ids"].to_pylist(), t["num_prompt_tokens"].to_pylist()):
+        distinct.setdefault(tuple(ids[:npt]), None)
+    pool = list(distinct)
+    picked = random.Random(f"train:{spec.seed}").sample(pool, min(n, len(pool)))
+    return [list(p) for p in picked], (f"{len(picked)} of the {len(pool)} distinct training "
+                                      f"prompts of {path}, seeded sample")
+
+
 def across_categories(questions: list[dict], n: int, seed: int) -> list[dict]:
     """``n`` questions spread over the categories (round-robin over the categories in file
     order, a seeded shuffle within each), in file order; all of them when ``n`` covers the set.
@@ -262,6 +290,9 @@ def load_eval_sets(spec, results_dir: Path | None, tokenizer, names: Sequence[st
                                      "reference benchmark's instruction"))
         elif name == "heldout":
             ps, note = heldout_prompts(spec, results_dir, tokenizer, n)
+            sets.append(EvalSet(name, ps, note=note))
+        elif name == "train":
+            ps, note = train_prompts(spec, results_dir, n)
             sets.append(EvalSet(name, ps, note=note))
         else:
             raise DFlashError(f"bench.eval_sets: unknown set {name!r} (known: "

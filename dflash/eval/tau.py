@@ -35,6 +35,7 @@ from typing import Sequence
 import torch
 
 from ..errors import DFlashError
+from .budget import budget_hits, budgets
 from .evalsets import EvalSet, heldout_prompts
 from .serving import tau_gap
 
@@ -53,37 +54,54 @@ class Chain:
 # 1-2: the target's greedy continuation and its features
 # ---------------------------------------------------------------------------------------------
 def greedy_continuations(model, prompts: Sequence[Sequence[int]], max_new: int,
-                         eos_ids: Sequence[int], batch_size: int = 64) -> list[list[int]]:
-    """The target's greedy continuation of every prompt (ends at eos, inclusive, or max_new).
+                         eos_ids: Sequence[int], batch_size: int = 64,
+                         max_context: int | None = None, engine=None) -> list[list[int]]:
+    """The target's greedy continuation of every prompt (ends at eos, inclusive, or max_new),
+    each budget capped by ``max_context`` (:func:`dflash.eval.budget.budgets`; none left: []).
 
-    Prompts of similar length are batched together (little left padding). The generator is
-    one line below: swap in a faster engine there.
+    ``engine`` (a :class:`dflash.data.engine.Engine` for ``max_new``) takes the prompts it fits
+    in one continuous batch; the rest go through :func:`dflash.data.generate.generate_batch`,
+    prompts of similar length batched together (little left padding), per budget.
     """
     from ..data.generate import generate_batch
 
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    budget = budgets(prompts, max_new, max_context)
     out: list[list[int]] = [[] for _ in prompts]
-    for s in range(0, len(order), batch_size):
-        idx = order[s:s + batch_size]
-        gen = generate_batch(model, [prompts[i] for i in idx], max_new, 0.0, eos_ids,
-                             pad_id=eos_ids[0])
-        for i, g in zip(idx, gen):
-            out[i] = g
+    fast = [i for i, p in enumerate(prompts) if engine is not None and budget[i] == max_new
+            and engine.max_new == max_new and len(p) <= engine.S - engine.max_new]
+    for i, g in zip(fast, engine.generate([prompts[i] for i in fast]) if fast else []):
+        out[i] = g
+    rest = [i for i in range(len(prompts)) if i not in set(fast) and budget[i] > 0]
+    for b in sorted({budget[i] for i in rest}):
+        order = sorted((i for i in rest if budget[i] == b), key=lambda i: len(prompts[i]))
+        for s in range(0, len(order), batch_size):
+            idx = order[s:s + batch_size]
+            gen = generate_batch(model, [prompts[i] for i in idx], b, 0.0, eos_ids,
+                                 pad_id=eos_ids[0])
+            for i, g in zip(idx, gen):
+                out[i] = g
     return out
 
 
 @torch.no_grad()
 def target_features(model, seqs: Sequence[Sequence[int]], layer_ids: list[int],
-                    batch_size: int = 16) -> list[torch.Tensor]:
-    """Feature-layer hidden states [len, n*H] of every sequence: one forward per batch of
-    right-padded sequences (padding after a causal sequence changes nothing before it)."""
+                    batch_size: int = 16, max_tokens: int | None = None) -> list[torch.Tensor]:
+    """Feature-layer hidden states [len, n*H] of every sequence: one forward per batch of at
+    most ``batch_size`` right-padded sequences (padding after a causal sequence changes nothing
+    before it) and, given ``max_tokens``, of at most that many padded tokens (long answers)."""
     from ..models.drafter import extract_features
 
     dev = next(model.parameters()).device
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     out: list[torch.Tensor | None] = [None] * len(seqs)
-    for s in range(0, len(order), batch_size):
-        idx = order[s:s + batch_size]
+    batches: list[list[int]] = []
+    for i in order:  # sorted by length: each new sequence is its batch's longest
+        n = len(batches[-1]) + 1 if batches else 0
+        if 0 < n <= batch_size and (not max_tokens or n * len(seqs[i]) <= max_tokens):
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    for idx in batches:
         L = max(len(seqs[i]) for i in idx)
         ids = torch.zeros((len(idx), L), dtype=torch.long)
         attn = torch.zeros((len(idx), L), dtype=torch.long)
@@ -244,16 +262,20 @@ def _sync(device: str) -> None:
 
 def simulate(target_model, drafter, embed, lm_head, prompts: Sequence[Sequence[int]],
              max_new: int, eos_ids: Sequence[int], layer_ids: list[int], device: str,
-             batch_size: int = 64) -> dict:
-    """Simulated acceptance of one prompt list: continuations, chains, timings."""
+             batch_size: int = 64, continuations: Sequence[Sequence[int]] | None = None,
+             feature_tokens: int | None = None) -> dict:
+    """Simulated acceptance of one prompt list: continuations (generated here unless given),
+    chains, timings. ``feature_tokens``: :func:`target_features`' ``max_tokens``."""
     timings = {}
     t = time.perf_counter()
-    conts = greedy_continuations(target_model, prompts, max_new, eos_ids, batch_size)
+    conts = (greedy_continuations(target_model, prompts, max_new, eos_ids, batch_size)
+             if continuations is None else [list(c) for c in continuations])
     _sync(device)
     timings["generate_s"] = time.perf_counter() - t
     t = time.perf_counter()
     seqs = [list(p) + list(c) for p, c in zip(prompts, conts)]
-    feats = target_features(target_model, seqs, layer_ids, max(1, batch_size // 4))
+    feats = target_features(target_model, seqs, layer_ids, max(1, batch_size // 4),
+                            feature_tokens)
     _sync(device)
     timings["features_s"] = time.perf_counter() - t
     t = time.perf_counter()
@@ -323,6 +345,7 @@ def evaluate_sets(target_model, drafter, embed, lm_head, sets: Sequence[EvalSet]
         rep["timings_s"] = {k: round(v, 3) for k, v in sim["timings"].items()}
         rep["teacher_forced_accuracy_by_position"] = teacher_forced_accuracy(
             sim["drafts"], sim["continuations"])
+        rep["hit_cap"] = budget_hits(es.prompts, sim["continuations"], max_new, eos)
         rep["note"] = es.note
         if es.categories:
             cats: dict[str, list[Chain]] = {}

@@ -6,7 +6,8 @@ from the train stage's steady state (bench.mode train_metrics) or from a fresh t
 from :mod:`dflash.eval.tau`: simulated acceptance on every ``bench.eval_sets`` set (MT-Bench
 first turns, HumanEval, held-out training-source prompts), real speculative decoding on
 ``bench.real_prompts`` prompts of each (speed-up, and a check that its output equals the target's
-own greedy output token for token and the simulated blocks).
+own greedy output token for token and the simulated blocks); with ``bench.protocols`` holding
+``reference``, the reference harness's MT-Bench protocol beside ours (:mod:`dflash.eval.reference`).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from ..data.generate import eos_ids_of
 from ..env.facts import hardware_facts
 from ..errors import DFlashError
 from ..eval.evalsets import load_eval_sets
+from ..eval.reference import evaluate_reference, reference_questions
 from ..eval.report import training_curves, write_report
 from ..eval.tau import evaluate_sets
 from ..manifest import atomic_write_text, expect, read_manifest, verify_files
@@ -62,6 +64,15 @@ def evaluate_tau(spec, drafter_dir: Path, device: str, results_dir: Path | None 
                 f"{b.eval_max_new_tokens}, bench.real_prompts {b.real_prompts})")
         per_set = evaluate_sets(tgt.model, drafter, embed, head, sets, b.eval_max_new_tokens,
                                 eos_ids_of(tgt), b.real_prompts, device, b.eval_batch_size)
+        step = (f"evaluating τ under the reference protocol (bench.protocols, "
+                f"bench.reference_max_new_tokens {b.reference_max_new_tokens})")
+        ref = (evaluate_reference(tgt.model, tgt.tokenizer, drafter,
+                                  embed.to(device=device, dtype=drafter.dtype),
+                                  head.to(device=device, dtype=drafter.dtype),
+                                  reference_questions(b.eval_prompts, spec.seed),
+                                  b.reference_max_new_tokens, eos_ids_of(tgt), device,
+                                  b.eval_batch_size)
+               if "reference" in b.protocols else None)
     except DFlashError:
         raise
     except Exception as e:  # noqa: BLE001 - one message for the user, the traceback to a file
@@ -81,6 +92,7 @@ def evaluate_tau(spec, drafter_dir: Path, device: str, results_dir: Path | None 
     first = per_set.get(primary, {})
     real = first.get("real") or {}
     return {"sets": per_set, "primary_set": primary, "tau": first.get("tau"),
+            "protocols": protocols(per_set, ref, b),
             "prompts": first.get("prompts"), "block_size": cfg.block_size,
             "max_new_tokens": b.eval_max_new_tokens, "device": device,
             "accept_rate_by_position": first.get("accept_rate_by_position"),
@@ -88,6 +100,20 @@ def evaluate_tau(spec, drafter_dir: Path, device: str, results_dir: Path | None 
             "target_only_tokens_per_s": real.get("target_only_tokens_per_s"),
             "speculative_tokens_per_s": real.get("speculative_tokens_per_s"),
             "speedup": real.get("speedup"), "decode_speed": speed}
+
+
+def protocols(per_set: dict, ref: dict | None, b) -> dict:
+    """Ours and (when measured) the reference protocol side by side, each with both
+    aggregation rules: pooled (total tokens / total verify steps) and the per-prompt mean."""
+    mt = per_set.get("mtbench") or {}
+    out = {"dflash": {"set": "mtbench", "turns": "first", "max_new_tokens": b.eval_max_new_tokens,
+                      "prompts": mt.get("prompts"), "tau": mt.get("tau"),
+                      "tau_prompt_mean": mt.get("tau_prompt_mean"),
+                      "hit_cap": mt.get("hit_cap"),
+                      **({} if mt else {"skipped": "mtbench is not in bench.eval_sets"})}}
+    if ref is not None:
+        out["reference"] = ref
+    return out
 
 
 def _decode_speed_or_failure(tgt, drafter, embed, head, es, b, device, results_dir) -> dict:

@@ -152,7 +152,7 @@ def prepare(ctx, out: Path, persist: bool, max_steps: int | None, comm=None) -> 
     total_steps = max_steps if max_steps is not None else total_steps_for(spec, step_map)
     cfg = drafter_config(spec)
     check_run(spec, ds, out, cfg)  # refuses a feature cache that does not fit, before heavy work
-    replicas = make_replicas(spec, cfg, initial_state(cfg, spec.seed), total_steps)
+    replicas = make_replicas(spec, cfg, initial_state(cfg, spec.seed, spec), total_steps)
     # the train code too: a checkpoint of other code is not resumed (its run is not this one)
     run_fp = {"train": spec.fingerprint("train"), "shape": spec.fingerprint("warmup"),
               "dataset_sha256": ds.manifest["dataset"]["sha256"],

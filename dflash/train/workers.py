@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..models.drafter import DFlashConfig, DFlashDrafter
+from ..models.drafter_init import target_layers_state
 from ..models.dtypes import dtype_of
 from .objective import SOFT_KINDS, Objective
 from .packing import bucket_lengths
@@ -34,9 +35,26 @@ def buckets(spec) -> list[int]:
     return bucket_lengths(b.token_budget, b.num_buckets)
 
 
-def initial_state(cfg: DFlashConfig, seed: int) -> dict:
+def initial_state(cfg: DFlashConfig, seed: int, spec=None) -> dict:
+    """The weights every replica starts from: seeded random, then, with ``drafter.init:
+    target-layers`` (``spec`` given), the target's last decoder layers copied in
+    (:func:`dflash.models.drafter_init.target_layers_state`; warm-up compiles on the random
+    ones: the shapes are the same)."""
     torch.manual_seed(seed)
-    return {k: v.clone() for k, v in DFlashDrafter(cfg).state_dict().items()}
+    state = {k: v.clone() for k, v in DFlashDrafter(cfg).state_dict().items()}
+    if spec is None or spec.drafter.init == "random":
+        return state
+    from ..models.target import load_target
+
+    # the whole target, on the host, once: the layers copied may be past the feature layers
+    # the target workers keep
+    tgt = load_target(spec.target, "cpu", seed=spec.seed, need_tokenizer=False)
+    state, kept = target_layers_state(state, tgt.model.model.layers, str(spec.path))
+    n, total = cfg.num_hidden_layers, len(tgt.model.model.layers)
+    print(f"[train] drafter.init target-layers: drafter layers 0..{n - 1} from target layers "
+          f"{total - n}..{total - 1}" + (f"; kept initial (no such target weight): "
+                                         f"{', '.join(kept)}" if kept else ""), flush=True)
+    return state
 
 
 def make_replicas(spec, cfg: DFlashConfig, init_state: dict, total_steps: int
