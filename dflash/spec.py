@@ -167,6 +167,7 @@ class BenchSpec:
     eval_batch_size: int
     protocols: tuple[str, ...] = ("dflash",)
     reference_max_new_tokens: int = 2048
+    decode_batches: tuple[int, ...] = (1, 4, 16, 64)
 
 
 @dataclass(frozen=True)

@@ -245,3 +245,20 @@ def test_tau_monitor_equals_real_decoding_of_a_trained_replica(tmp_path):
         blocks += res.block_lengths
     assert got == tokens / forwards
     assert max(blocks) >= 2 and min(blocks) == 1, blocks  # accepted drafts, and rejected ones
+
+
+def test_decode_batches_choose_the_sweep(tmp_path):
+    """bench.decode_batches: the sweep's batch sizes (default 1, 4, 16, 64); [] skips it before
+    anything loads; a bad entry names the field."""
+    from dflash.errors import SpecError
+    from dflash.stages.bench import decode_speed
+
+    assert spec_with(tmp_path).bench.decode_batches == (1, 4, 16, 64)
+    b = spec_with(tmp_path, decode_batches=[]).bench
+    assert decode_speed(None, None, None, None, None, b, "cuda:0") == {
+        "skipped": "bench.decode_batches is []"}
+    b = spec_with(tmp_path, decode_batches=[2, 8]).bench
+    assert b.decode_batches == (2, 8)
+    assert "on cpu" in decode_speed(None, None, None, None, None, b, "cpu")["skipped"]
+    with pytest.raises(SpecError, match="decode_batches"):
+        spec_with(tmp_path, decode_batches=[0])

@@ -7,6 +7,8 @@
 # session (it outlives the call), then watches it; call 3 watches until WATCH_S and collects.
 # Run state lives in /tmp (a carried folder is replaced by the next call); what comes back is
 # one archive, results.tgz, plus the trained drafter in parts (at most 8 files come back).
+# The plan: the recipe's arms at one epoch (sweeps/smollm2-recipe-1ep.yaml), the decoding sweep
+# and the reference model's τ on the best of the first three, then the other arms.
 #   call 1:  bash bench/gpu/session.sh probes
 #   call 2:  bash bench/gpu/session.sh launch     (then watches for WATCH_S seconds)
 #   call 3:  bash bench/gpu/session.sh watch      (WATCH_S seconds at most; FETCH=1: the drafter)
@@ -42,18 +44,31 @@ collect() {  # every spec's manifests, reports, plots and metrics, and the logs,
 pack() {  # one archive back (and, with FETCH=1, the quality drafter in 15 MB parts)
   collect
   tar czf "$FINAL/results.tgz" -C "$RES" .
-  if [ "${FETCH:-0}" = 1 ] && [ -d /tmp/r/smollm2-quality/train/drafter ]; then
-    tar cf - -C /tmp/r/smollm2-quality/train drafter | split -b 15000000 -d - "$FINAL/drafter.tar."
+  local d=/tmp/r/smollm2-recipe-1ep-${FETCH_ARM:-ref}/train
+  if [ "${FETCH:-0}" = 1 ] && [ -d $d/drafter ]; then
+    tar cf - -C $d drafter | split -b 15000000 -d - "$FINAL/drafter.tar."
   fi
 }
 
-plan() {  # the round's GPU work, in order of what the issues need most
+plan() {  # the round's GPU work, in the order the issues need it (what the lease cuts is last)
   cd /tmp/repo
   stamp "start"
-  timeout 1000 $SNAKE bench_smollm2-quality --config $CONF > "$RES/dag_quality.log" 2>&1
-  stamp "bench_smollm2-quality rc=$?"
-  D=/tmp/r/smollm2-quality/train/drafter
-  if [ -d "$D" ]; then
+  # the recipe's first arms at one epoch, 3 at once on the GPU (they share ONE data + warm-up)
+  local first="bench_smollm2-recipe-1ep-ref bench_smollm2-recipe-1ep-init-target bench_smollm2-recipe-1ep-kd"
+  timeout 1000 $SNAKE $first --config $CONF gpu_jobs=3 > "$RES/dag_arms1.log" 2>&1
+  stamp "first arms rc=$?"
+  # the decoding sweep, alone on the GPU, with the best of them (MT-Bench τ, pooled)
+  D=$(python3 - <<'PY'
+import glob, json, os
+best = (0, "")
+for p in glob.glob("/tmp/r/smollm2-recipe-1ep-*/bench/report.json"):
+    t = json.load(open(p)).get("tau") or 0
+    best = max(best, (t, os.path.join(os.path.dirname(os.path.dirname(p)), "train", "drafter")))
+print(best[1])
+PY
+)
+  stamp "decoding with $D"
+  if [ -n "$D" ] && [ -d "$D" ]; then
     timeout 330 python3 bench/gpu/decode_speed.py --spec specs/smollm2-quality.yaml --drafter "$D" \
       --batches 1,4,16,64 --hf-batches 1,4,16,64 --budget-s 280 --out "$RES/decode_speed.json" \
       > "$RES/decode_speed.log" 2>&1
@@ -65,8 +80,8 @@ plan() {  # the round's GPU work, in order of what the issues need most
       stamp "reference_tau rc=$?"
     fi
   fi
-  timeout 1500 $SNAKE bench_smollm2-recipe-1ep --config $CONF gpu_jobs=${GPU_JOBS:-3} \
-    > "$RES/dag_recipe.log" 2>&1
+  # the other arms and the sweep report, 4 at once
+  timeout 1500 $SNAKE bench_smollm2-recipe-1ep --config $CONF gpu_jobs=4 > "$RES/dag_arms2.log" 2>&1
   stamp "bench_smollm2-recipe-1ep rc=$?"
   stamp "done"
 }

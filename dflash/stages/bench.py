@@ -136,19 +136,21 @@ def _decode_speed_or_failure(tgt, drafter, embed, head, es, b, device, results_d
 
 
 def decode_speed(tgt, drafter, embed, head, es, b, device) -> dict:
-    """Tokens/s target-only vs speculative at batch 1, 4, 16, 64 on the primary set's prompts
-    through the one decoder, HF static-cache ``generate`` in the same run, and the issue's
-    batch-1 goal ratios. CUDA only: on CPU the decoder runs eagerly and times Python."""
+    """Tokens/s target-only vs speculative at ``bench.decode_batches`` (1, 4, 16, 64) on the
+    primary set's prompts through the one decoder, HF static-cache ``generate`` in the same run,
+    and the issue's batch-1 goal ratios. CUDA only: on CPU the decoder runs eagerly and times Python."""
     from ..data.generate import eos_ids_of
-    from ..eval.serving import SWEEP_BATCHES, goal, sweep
+    from ..eval.serving import goal, sweep
 
+    if not b.decode_batches:
+        return {"skipped": "bench.decode_batches is []"}
     if not str(device).startswith("cuda"):
         return {"skipped": f"on {device}: the sweep times captured CUDA-graph steps"}
     if not es.prompts:
         return {"skipped": f"no {es.name} prompts"}
     eos = eos_ids_of(tgt)
     pad = tgt.tokenizer.pad_token_id
-    r = sweep(tgt.model, drafter, es.prompts, b.eval_max_new_tokens, eos, SWEEP_BATCHES,
+    r = sweep(tgt.model, drafter, es.prompts, b.eval_max_new_tokens, eos, b.decode_batches,
               min_prompts=max(1, b.real_prompts), pad_id=eos[0] if pad is None else pad,
               embed=embed, lm_head=head, log=lambda m: print(m.replace("[decode]", "[bench]"),
                                                               flush=True))
