@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import sys
 import traceback
+from pathlib import Path
 
 from .errors import DFlashError
 
@@ -31,12 +33,16 @@ TOOLS = {
 }
 
 
+# Function-local imports below, on purpose (ruff PLC0415 is off for this file): `dflash` starts
+# every command with the standard library only (`check-env` runs in a bare interpreter, `status`
+# must answer at once), and each command loads only what it runs (the spec: jsonschema + yaml;
+# the stages: torch).
 def run_stage(name: str, spec_path: str, root: str = "results", at: str | None = None,
               env_at: str | None = None) -> dict:
-    from .stages import begin
+    from .stages import begin  # the spec and a stage: only for `dflash <stage>`
 
     if name == "train":  # topology.nodes > 1: this process becomes torchrun (dflash.runtime.launch)
-        from .runtime.distributed import select_local_gpus
+        from .runtime.distributed import select_local_gpus  # torch: the train stage only
         from .runtime.launch import maybe_launch
 
         maybe_launch(spec_path, root)
@@ -49,7 +55,7 @@ def _print_cache_budget(spec, root: str) -> None:
     """``features.cache`` on: its storage budget against this machine's free memory or disk
     (exact once the data stage has run, else an upper bound from data.*). An exact budget
     that does not fit fails here as it would fail the train stage."""
-    from .spec import cache_mode
+    from .spec import cache_mode  # validate only
 
     if cache_mode(spec) == "off":
         return  # no torch import for the common case
@@ -69,9 +75,7 @@ def _print_cache_budget(spec, root: str) -> None:
 
 def _specs_in(path: str) -> list:
     """(where, spec) for a spec file, or for every arm of a sweep file (under sweeps/)."""
-    from pathlib import Path
-
-    from .spec import load_spec
+    from .spec import load_spec  # validate only
     from .sweeps import load_sweep
 
     if Path(path).parent.name != "sweeps":
@@ -88,10 +92,7 @@ def validate(paths: list[str], check_devices: bool, results: str = "results",
     cross-field rules, the data checks that need no model, the devices (unless --no-devices),
     then the budgets (memory per device, disk, rough time per stage, a feature cache) and the
     disk refusal. ``show``: print each spec as validated (bases merged, defaults filled)."""
-    import json
-    from pathlib import Path
-
-    import yaml
+    import yaml  # validate only (not in a bare interpreter)
 
     from .spec import check_devices as devices_present
 

@@ -18,6 +18,7 @@ import jsonschema
 import yaml
 
 from .errors import SpecError
+from .inherit import attribute, resolve
 from .manifest import fingerprint
 
 SCHEMA_PATH = Path(__file__).with_name("schema") / "spec.schema.yaml"
@@ -428,8 +429,6 @@ def parse_spec(data: Any, file: str = "<spec>") -> Spec:
 def load_spec(path: str | Path, check_devices_present: bool = False) -> Spec:
     """Read (with its ``base`` specs merged in, :mod:`dflash.inherit`), validate and
     (optionally) check that the spec's devices exist on this machine."""
-    from .inherit import attribute, resolve
-
     path = Path(path)
     file = str(path)
     data, prov, bases = resolve(path)

@@ -58,9 +58,15 @@ import sys
 import time
 from typing import Any, Hashable, Iterable, Iterator, Sequence
 
+import torch
+import torch.nn.functional as F
+
 from ..errors import DFlashError
-from ..models.decoder import SUPPORTED_MODEL_TYPES  # noqa: F401 (re-exported)
-from ..models.decoder import compile_region, rope_of
+from ..models.decoder import (
+    SUPPORTED_MODEL_TYPES,  # noqa: F401 (re-exported)
+    compile_region,
+    rope_of,
+)
 from ..models.decoder import out_mlp as _out_mlp
 from ..models.decoder import qkv as _qkv
 from ..models.decoder import unsupported_reason as _layers_unsupported
@@ -105,8 +111,6 @@ def seed_keys(seeds):
 
 def gumbel_noise(keys, steps, vocab_hash):
     """Gumbel(0, 1) noise [B, V] as a pure function of (key, step, vocabulary index)."""
-    import torch
-
     row = _mix32(keys ^ _mul32(steps & _M32, 0x9E3779B9))       # [B]
     h = _mix32(row[:, None] ^ vocab_hash[None, :])              # [B, V]
     u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # (0, 1), 24 bits
@@ -118,8 +122,6 @@ def gumbel_noise(keys, steps, vocab_hash):
 # ---------------------------------------------------------------------------------------------
 def _decode_attn_mlp(layer, x, q, k_cache, v_cache, mask):
     """One-token attention over the slot's cache row (mask: [B,1,1,S] valid positions)."""
-    import torch.nn.functional as F
-
     B, nh, _, D = q.shape
     kvh = k_cache.shape[1]
     # GQA without copying K/V: the G query heads of one KV head form the query-length dim
@@ -133,8 +135,6 @@ def _decode_attn_mlp(layer, x, q, k_cache, v_cache, mask):
 def _decode_attn_mlp_matmul(layer, x, q, k_cache, v_cache, mask):
     """:func:`_decode_attn_mlp` with the attention as two batched matmuls and a masked softmax
     (reads K and V once each; no query-tile padding for the G query rows)."""
-    import torch
-
     B, nh, _, D = q.shape
     kvh = k_cache.shape[1]
     qg = q.reshape(B, kvh, nh // kvh, D)
@@ -181,8 +181,6 @@ class Engine:
                  sync_every: int | None = None, refill_at: int | None = None,
                  prefill_batch: int | None = None, padded_prefill: bool | None = None,
                  attention: str = "sdpa", gate=None):
-        import torch
-
         why = unsupported_reason(model)
         if why:
             raise DFlashError(f"fast generation engine: unsupported target: {why}")
@@ -276,8 +274,6 @@ class Engine:
 
     def _decode_step(self) -> None:
         """One token for every slot; inactive slots compute but change nothing."""
-        import torch
-
         pos = self.pos
         x = self.base.embed_tokens(self.tok[:, None])                        # [B, 1, H]
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]            # [B, 1, D]
@@ -308,9 +304,6 @@ class Engine:
         """Prompts ``ids`` [n, P] (right-padded, causal) into cache rows ``idx``; each row's
         first token picked from its last prompt position. Device tensors only, no host sync
         (it is captured as a CUDA graph per padded shape)."""
-        import torch
-        import torch.nn.functional as F
-
         n, P = ids.shape
         rows = self.rows
         x = self.base.embed_tokens(ids)
@@ -345,8 +338,6 @@ class Engine:
 
     def _prefill_buffers(self, P: int) -> tuple:
         """Static device inputs of the padded prefill of length ``P`` (a spare-row no-op)."""
-        import torch
-
         if P not in self._prefill_bufs:
             n, dev = self.prefill_batch, self.device
             self._prefill_bufs[P] = (torch.zeros(n, P, dtype=torch.long, device=dev),
@@ -360,7 +351,6 @@ class Engine:
         (once, exclusive gate)."""
         if self._ready:
             return
-        import torch
 
         if not (self.compile or self.cuda_graph):
             self._ready = True
@@ -403,8 +393,6 @@ class Engine:
         """One CUDA graph per padded prefill length, all in one memory pool (they never run
         at the same time and keep no tensor alive between runs). Warm-up and capture run with
         every row aimed at the spare row, so no slot's state changes."""
-        import torch
-
         pool = torch.cuda.graph_pool_handle()
         for P in self._prefill_lengths():
             bufs = self._prefill_buffers(P)
@@ -445,8 +433,6 @@ class Engine:
     def _prefill(self, slots: list[int], prompts: list[Sequence[int]], keys: list[int]) -> None:
         """Run ``prompts`` into ``slots`` and pick each first token: as they are (eager), or
         padded to ``prefill_batch`` rows × a multiple of 32 tokens (captured graph on CUDA)."""
-        import torch
-
         t0 = time.time()
         n = len(prompts)
         longest = max(len(p) for p in prompts)
@@ -488,8 +474,6 @@ class Engine:
         prefill overlap the decode); hand out last round's answers; then one sync to find the
         slots that finished.
         """
-        import torch
-
         self._prepare()
         feed = iter(items)
         state = {"exhausted": False}

@@ -55,6 +55,7 @@ from ..errors import DFlashError
 from ..models.decoder import attend_cache, compile_region, qkv, rope_of
 from ..models.decoder import unsupported_reason as _layers_unsupported
 from ..models.drafter import apply_rope, rope_cos_sin
+from ..runtime.gate import get_gate, worker_thread_setup
 
 # An emitted token differing from plain greedy decoding is a floating-point near-tie when the
 # target's top-2 logit margin there is below this (bf16 logits of magnitude < 32 are spaced
@@ -130,7 +131,6 @@ class Decoder:
             raise DFlashError(f"decoder: unsupported target: {why}")
         if batch < 1 or max_new_tokens < 1:
             raise DFlashError("decoder: batch and max_new_tokens must be >= 1")
-        from ..runtime.gate import get_gate
 
         self.target, self.drafter, self.hook = target, drafter, draft_hook
         self.layers = list(target.model.layers)
@@ -370,7 +370,6 @@ class Decoder:
         if not (self.compile or self.cuda_graph):
             self._ready = True
             return
-        from ..runtime.gate import worker_thread_setup
 
         with self.gate.exclusive("decoder: compile + capture the verify / draft step"):
             worker_thread_setup()  # recompile limit: one graph per (model, batch, block) shape

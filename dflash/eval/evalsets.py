@@ -28,6 +28,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Sequence
 
+import pyarrow.parquet as pq
+
 from ..data.prompts import CHATTERBOT, load_prompts, normalize, package_dir, render_prompt
 from ..errors import DFlashError
 
@@ -204,8 +206,6 @@ def heldout_prompts(spec, results_dir: Path | None, tokenizer, n: int) -> tuple[
     used: set[tuple[int, ...]] = set()
     ds_path = Path(results_dir) / "data" / "dataset.parquet" if results_dir else None
     if ds_path is not None and ds_path.is_file():
-        import pyarrow.parquet as pq
-
         t = pq.read_table(ds_path, columns=["input_ids", "num_prompt_tokens"])
         for ids, npt in zip(t["input_ids"].to_pylist(), t["num_prompt_tokens"].to_pylist()):
             used.add(tuple(ids[:npt]))

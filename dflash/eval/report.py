@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..manifest import atomic_path, atomic_write_json, atomic_write_text
+from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
+from ..manifest import atomic_path, atomic_write_json, atomic_write_text
 
 # The bench rule declares these as report outputs (rules/bench.smk; tests/test_report.py holds
 # them to this list) and the default target asks for them (rules/common.smk), so every run
@@ -22,6 +23,8 @@ PLOTS = ("loss.png", "throughput.png", "draft_accuracy.png", "tau_training.png",
 
 
 def write_plots(out: Path, metrics: list[dict], tau: dict) -> list[str]:
+    # matplotlib here only (the Snakefile reads PLOTS at parse time): ~0.3 s, and its backend
+    # is chosen before pyplot loads
     import matplotlib
 
     matplotlib.use("Agg")
@@ -169,8 +172,6 @@ def headline(report: dict) -> str:
 
 
 def render_report_md(report: dict) -> str:
-    from jinja2 import Environment, FileSystemLoader, StrictUndefined
-
     env = Environment(loader=FileSystemLoader(Path(__file__).parents[1] / "templates"),
                       undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     return env.get_template("report.md.j2").render(r=report, fmt=fmt)

@@ -34,9 +34,15 @@ from typing import Sequence
 
 import torch
 
+from ..data.generate import eos_ids_of, generate_batch
 from ..errors import DFlashError
+from ..models.drafter import extract_features
+from ..models.masks import Blocks, dense_mask
+from ..models.target import layer_ids, load_target
+from ..runtime.gate import get_gate
 from .evalsets import EvalSet, heldout_prompts
-from .serving import tau_gap
+from .serving import pair, tau_gap
+
 
 @dataclass
 class Chain:
@@ -59,8 +65,6 @@ def greedy_continuations(model, prompts: Sequence[Sequence[int]], max_new: int,
     Prompts of similar length are batched together (little left padding). The generator is
     one line below: swap in a faster engine there.
     """
-    from ..data.generate import generate_batch
-
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: list[list[int]] = [[] for _ in prompts]
     for s in range(0, len(order), batch_size):
@@ -77,8 +81,6 @@ def target_features(model, seqs: Sequence[Sequence[int]], layer_ids: list[int],
                     batch_size: int = 16) -> list[torch.Tensor]:
     """Feature-layer hidden states [len, n*H] of every sequence: one forward per batch of
     right-padded sequences (padding after a causal sequence changes nothing before it)."""
-    from ..models.drafter import extract_features
-
     dev = next(model.parameters()).device
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     out: list[torch.Tensor | None] = [None] * len(seqs)
@@ -114,8 +116,6 @@ def draft_every_position(drafter, embed: torch.Tensor, lm_head: torch.Tensor,
     the computation of :func:`dflash.eval.speculative.draft_block` at each anchor, batched.
     ``embed``/``lm_head`` should already be in the drafter's dtype and on its device.
     """
-    from ..models.masks import Blocks, dense_mask
-
     cfg = drafter.cfg
     B, dev = cfg.block_size, embed.device
     # anchors per row: at most 64, so that the block-to-block part of the dense mask (Q x Q,
@@ -273,8 +273,6 @@ def real_decode(target_model, drafter, cfg, embed, lm_head, prompts: Sequence[Se
     """Target-only and speculative decoding through the one decoder
     (:func:`dflash.eval.serving.pair`: static caches, captured steps on CUDA, each engine
     compiled and captured before it is timed), ``batch`` prompts at a time."""
-    from .serving import pair
-
     if not prompts:
         return {"results": [], "greedy": [], "divergences": []}
     r = pair(target_model, drafter, [list(p) for p in prompts], batch, max_new, eos_ids,
@@ -382,9 +380,6 @@ class TauMonitor:
     """
 
     def __init__(self, spec, results_dir: Path, device: str, log=print):
-        from ..data.generate import eos_ids_of
-        from ..models.target import load_target
-
         m = spec.monitor
         t0 = time.perf_counter()
         tgt = load_target(spec.target, spec.topology.targets[0], seed=spec.seed)
@@ -392,7 +387,6 @@ class TauMonitor:
         if not prompts:
             raise DFlashError(f"monitor.tau_every_steps: no held-out prompts ({note})")
         eos = eos_ids_of(tgt)
-        from ..models.target import layer_ids
 
         ids = layer_ids(spec.target, tgt.config)
         conts = greedy_continuations(tgt.model, prompts, m.tau_max_new_tokens, eos)
@@ -407,8 +401,6 @@ class TauMonitor:
 
     @torch.no_grad()
     def __call__(self, replica) -> dict:
-        from ..runtime.gate import get_gate
-
         t = time.perf_counter()
         with get_gate().shared(), replica._autocast():
             drafts = draft_every_position(replica.model, replica.embed, replica.lm_head,

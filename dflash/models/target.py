@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import importlib.util
+import inspect
 import os
 import shutil
 import threading
@@ -17,10 +18,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch.nn.attention.flex_attention import flex_attention
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
 from ..cache import cache_root
 from ..errors import SpecError
 from ..manifest import file_lock, fingerprint
 from ..spec import TargetSpec
+from .decoder import compile_region, out_mlp, qkv, rope_of, unsupported_reason
+from .dtypes import dtype_of
+from .masks import compiled_flex_attention, document_block_mask, document_dense_mask
+from .target_output import SoftLabels, TargetOutput, soft_positions
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -67,8 +78,6 @@ def smollm2_hf_dir() -> Path:
     with file_lock(str(out) + ".lock"):
         if (out / "config.json").is_file():
             return out
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
 
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -103,8 +112,6 @@ def _user_dir(model: str) -> Path:
 
 def hf_config(target: TargetSpec):
     """The target's transformers config, without loading any weights."""
-    from transformers import AutoConfig
-
     model = target.model
     if model in CONFIGS:
         cfg = dict(CONFIGS[model])
@@ -164,10 +171,6 @@ def target_fingerprint(target: TargetSpec) -> str:
 def kv_cache(model) -> tuple[str, Any]:
     """A fresh KV cache the model fills in place, and the keyword its forward takes it by:
     ``cache`` (transformers >= 5.2x) or ``past_key_values`` (older; the GPU image's 5.17)."""
-    import inspect
-
-    from transformers import DynamicCache
-
     kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     try:
         return kw, DynamicCache(config=model.config)
@@ -195,11 +198,6 @@ def load_target(target: TargetSpec, device: str, seed: int = 0,
     ``num_layers`` truncates the decoder to its first layers: a feature-only worker needs layers
     up to max(layer_ids) and no lm_head, which saves compute (SmolLM2: 28 of 30 layers).
     """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .dtypes import dtype_of
-
     dtype = dtype_of(target.dtype)
     impl = _register_flex() if attention == "flex" else "sdpa"
     config = hf_config(target)
@@ -255,7 +253,6 @@ def _expected_unexpected_keys(config, patterns: list[str]):
     if not patterns:
         yield
         return
-    from transformers import AutoModelForCausalLM
 
     cls = AutoModelForCausalLM._model_mapping[type(config)]
     with _LOAD_LOCK:
@@ -277,16 +274,12 @@ FLEX_IMPL = "packed_doc_flex"  # must not contain "flash": transformers reads th
 def _flex_attention_forward(module, query, key, value, attention_mask, scaling=None,
                             dropout=0.0, **_kwargs):
     """transformers attention interface: q/k/v [B, heads, L, D] -> ([B, L, heads, D], None)."""
-    from .masks import compiled_flex_attention
-
     out = compiled_flex_attention()(query, key, value, block_mask=attention_mask,
                                     scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
 
 
 def _register_flex() -> str:
-    from transformers import AttentionInterface
-
     AttentionInterface.register(FLEX_IMPL, _flex_attention_forward)
     return FLEX_IMPL
 
@@ -295,17 +288,11 @@ def packed_layer(layer, x, cos, sin, rope, mask):
     """One decoder layer on a packed row: the layer math of :mod:`dflash.models.decoder` with the
     document mask as a FlexAttention BlockMask (CUDA) or a dense boolean mask (SDPA). Compiled
     once per process (:func:`dflash.models.decoder.compile_region`), shared by every layer."""
-    import torch
-    import torch.nn.functional as F
-
-    from .decoder import out_mlp, qkv
-
     q, k, v = qkv(layer, x, cos, sin, rope)
     scale, gqa = layer.self_attn.scaling, q.shape[1] != k.shape[1]
     if isinstance(mask, torch.Tensor):  # the dense boolean mask
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     else:  # a BlockMask: flex attention traced into the layer's graph
-        from torch.nn.attention.flex_attention import flex_attention
 
         o = flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
     B, L = x.shape[:2]
@@ -319,8 +306,6 @@ _COMPILED_LOCK = threading.Lock()
 def compiled_packed_layer(backend: str):
     """The process's one compiled :func:`packed_layer` per backend (every target worker and
     every layer shares it: one dynamo cache, one graph per shape bucket)."""
-    from .decoder import compile_region
-
     with _COMPILED_LOCK:
         if backend not in _COMPILED_LAYERS:
             _COMPILED_LAYERS[backend] = compile_region(packed_layer, backend)
@@ -336,8 +321,6 @@ def compile_backend(target: TargetSpec, device: str, backend: str, model=None) -
     any device. With ``model`` given, an architecture :mod:`dflash.models.decoder` cannot run turns
     ``auto`` off and makes ``on`` a SpecError.
     """
-    from .decoder import unsupported_reason
-
     # YAML 1.1 reads a bare `compile: off` as False: both spellings mean the same
     mode = {True: "on", False: "off"}.get(target.compile, target.compile)
     if mode == "off" or (mode == "auto" and not (device.startswith("cuda")
@@ -385,8 +368,6 @@ class FeatureExtractor:
             raise ValueError("soft labels need the whole target (load_target num_layers=None)")
         self._captured: dict[int, Any] = {}
         if compile:
-            from .decoder import rope_of
-
             self._layer = compiled_packed_layer(compile)
             self._rope = rope_of(self.base.layers[0])
         else:
@@ -404,8 +385,6 @@ class FeatureExtractor:
     def outputs(self, row, device: str):
         """The :class:`~dflash.models.target_output.TargetOutput` of a PackedRow on ``device``:
         features, and soft labels when ``soft_top_k`` is set."""
-        from .target_output import TargetOutput, soft_positions
-
         ids, doc, pos = (t.to(device) for t in (row.input_ids, row.doc_ids, row.position_ids))
         if self.soft_top_k is None:
             return TargetOutput(self(ids, doc, pos))
@@ -415,10 +394,6 @@ class FeatureExtractor:
 
     def _run(self, input_ids, doc_ids, position_ids, final: bool):
         """(features, the final-norm hidden states [1, L, H] or None) of one forward."""
-        import torch
-
-        from .masks import document_block_mask, document_dense_mask
-
         self._captured.clear()
         # compiled layers: the BlockMask is built by a compiled kernel too (a compile per row
         # length, like the layers; eager code materialises [L, L] intermediates)
@@ -439,10 +414,6 @@ class FeatureExtractor:
 
     def _soft(self, last, positions):
         """Top-k log-softmax of the LM head at ``positions`` of ``last`` [L, H], chunked."""
-        import torch
-
-        from .target_output import SoftLabels
-
         head = self.target.model.get_output_embeddings()
         ids, lps = [], []
         with torch.no_grad():
@@ -471,11 +442,6 @@ def target_embeddings(target: TargetSpec, seed: int = 0):
     The drafter shares them (they are not stored with it). Tied targets return the same tensor
     twice. Random-init targets get seeded random tables of the right shape.
     """
-    import torch
-    from safetensors import safe_open
-
-    from .dtypes import dtype_of
-
     cfg = hf_config(target)
     dtype = dtype_of(target.dtype)
     tied = bool(getattr(cfg, "tie_word_embeddings", False))

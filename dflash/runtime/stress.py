@@ -34,6 +34,16 @@ import traceback
 import types
 from typing import Any, Callable
 
+import torch
+import torch.fx._symbolic_trace as st
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+from dflash.errors import PoisonedProcess
+from dflash.runtime.gate import Gate, classify_error, worker_thread_setup
+
 SCENARIOS = ("peer", "adv_fx", "adv_eagerflex", "adv_compile", "mixed")
 _ADV = {"peer": (), "adv_fx": ("fx",), "adv_eagerflex": ("eagerflex",), "adv_compile": ("compile",),
         "mixed": ("fx", "eagerflex", "compile")}
@@ -49,12 +59,9 @@ def _fresh(fn: Callable, tag: str) -> Callable:
 
 
 def _block_forward(self, x, block_mask=None):  # noqa: ANN001 - becomes a Module.forward
-    import torch
-    import torch.nn.functional as F
     B, S, D = x.shape
     q, k, v = self.qkv(self.ln1(x)).view(B, S, 3, self.h, D // self.h).permute(2, 0, 3, 1, 4)
     if block_mask is not None:
-        from torch.nn.attention.flex_attention import flex_attention
         a = flex_attention(q, k, v, block_mask=block_mask)
     else:
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -76,14 +83,6 @@ def run_stress(gate: bool, threads: int, iterations: int, device: str = "cpu", s
                adversary_pause_s: float = 0.002, adv_from_start: bool = False,
                shapes: list[tuple[int, int]] | None = None) -> dict[str, Any]:
     """Run the stress and return the result dict (what ``main`` prints as one JSON line)."""
-    import torch
-    import torch.fx._symbolic_trace as st
-    import torch.nn as nn
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    from dflash.errors import PoisonedProcess
-    from dflash.runtime.gate import Gate, classify_error, worker_thread_setup
-
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown scenario {scenario!r}; one of {SCENARIOS}")
     if threads < 1 or iterations < 1:
@@ -118,7 +117,6 @@ def run_stress(gate: bool, threads: int, iterations: int, device: str = "cpu", s
     # ---- shared fixtures (built before any thread starts) --------------------------------------
     buckets = list(shapes) if shapes else [(b, s) for b in BATCH for s in SEQ]
     flex_masks: dict[int, Any] = {}
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     with excl("setup: create_block_mask"):
         for s in sorted({s for _, s in buckets} | {128}):
             flex_masks[s] = create_block_mask(_causal, None, None, s, s, device=device)

@@ -33,18 +33,29 @@ on write; on read their positions come from the row itself, as the target worker
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+import numpy as np
 import torch
 
+from ..data.dataset import load_dataset
 from ..errors import SpecError
 from ..manifest import atomic_write_json, fingerprint
+from ..models.dtypes import dtype_of
+from ..models.target import hf_config, layer_ids
+from ..models.target_output import SoftLabels, TargetOutput, soft_positions
+from ..runtime.gate import get_gate
+from ..spec import cache_mode
+from .objective import SOFT_KINDS
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -75,9 +86,6 @@ class Plane:
 def planes_for(spec, layers: int, hidden: int) -> list[Plane]:
     """The planes of ``spec``'s run: the features, and the soft labels when the objective
     distils (``loss.kind`` kd / ce+kd: top-k token ids and log-probs, stored per token)."""
-    from ..models.dtypes import dtype_of
-    from .objective import SOFT_KINDS
-
     target = dtype_of(spec.target.dtype)
     store = STORE_DTYPES.get(spec.features.dtype, target)
     planes = [Plane("features", layers * hidden, target, store, groups=layers)]
@@ -148,8 +156,6 @@ def budget(spec, tokens: int, samples: int, train_dir: Path, layers: int, hidden
            available: int | None = None, upper_bound: bool = False) -> Budget:
     """The storage the spec's cache needs against what this machine has (``available``: the
     free bytes, measured when not given), less ``features.headroom``."""
-    from ..spec import cache_mode
-
     mode = cache_mode(spec)
     need = store_bytes(spec, tokens, layers, hidden)
     free = available_bytes(mode, cache_dir(train_dir)) if available is None else available
@@ -170,17 +176,12 @@ def check_budget(b: Budget, spec_path) -> None:
 def spec_budget(spec, results: Path, available: int | None = None) -> Budget | None:
     """For ``dflash validate``: the budget from the dataset when the data stage has run, else
     an upper bound from the spec's data fields (None when the cache is off)."""
-    from ..models.target import hf_config, layer_ids
-    from ..spec import cache_mode
-
     if cache_mode(spec) == "off":
         return None
     cfg = hf_config(spec.target)
     layers, hidden = len(layer_ids(spec.target, cfg)), cfg.hidden_size
     tokens = samples = None
     try:
-        from ..data.dataset import load_dataset
-
         ds = load_dataset(spec, results)
         tokens, samples = sum(ds.lengths), len(ds.lengths)
     except Exception:  # noqa: BLE001 - no (valid) dataset yet: estimate from the spec
@@ -214,8 +215,6 @@ def as_planes(value: Any, L: int) -> dict[str, torch.Tensor]:
 
 def from_planes(planes: dict[str, torch.Tensor], row, tensor: bool) -> Any:
     """The value the target would hand over, from planes read for ``row``."""
-    from ..models.target_output import SoftLabels, TargetOutput, soft_positions
-
     feats = planes["features"][None]
     if tensor:
         return feats
@@ -265,10 +264,6 @@ class _Arrays:
         self.t = self._open(folder, shapes, ident)
 
     def _open(self, folder: Path, shapes: dict, ident: dict) -> dict:
-        import json
-
-        import numpy as np
-
         meta = folder / "meta.json"
         want = fingerprint(ident)
         if folder.exists():
@@ -352,8 +347,6 @@ class FeatureCache:
     def wait_for(self, sids: Sequence[int], stop: threading.Event | None = None,
                  poll_s: float = 0.1) -> None:
         """Block (holding no gate) until every sample of a served row is stored."""
-        import time
-
         deadline = time.monotonic() + WAIT_S
         with self._cond:
             while not all(self.filled(s) for s in sids):
@@ -479,8 +472,6 @@ class FeatureCache:
             shutil.rmtree(self.folder, ignore_errors=True)
 
     def _shared(self):
-        from contextlib import nullcontext
-
         return self.gate.shared() if self.gate is not None else nullcontext()
 
 
@@ -513,8 +504,6 @@ def epoch0_samples(step_map, start_step: int, total_steps: int) -> list[int]:
 # ---------------------------------------------------------------------------------------------
 def run_budget(spec, ds, train_dir: Path, cfg, available: int | None = None) -> Budget | None:
     """The budget of a run on dataset ``ds`` (None when the cache is off)."""
-    from ..spec import cache_mode
-
     if cache_mode(spec) == "off":
         return None
     return budget(spec, sum(ds.lengths), len(ds.lengths), train_dir, len(cfg.target_layer_ids),
@@ -534,9 +523,6 @@ def open_for_run(spec, ds, train_dir: Path, cfg, step_map, start_step: int, tota
                  ident: dict) -> FeatureCache | None:
     """The run's cache, with what its epoch 0 still writes marked pending; a disk cache of the
     same run (``ident``) is reopened as a killed run left it."""
-    from ..runtime.gate import get_gate
-    from ..spec import cache_mode
-
     mode = cache_mode(spec)
     if mode == "off":
         return None

@@ -17,7 +17,10 @@ import bisect
 import random
 from typing import Sequence
 
+import torch
+
 from ..errors import DFlashError
+from ..models.masks import PackedRow
 
 LOOKAHEAD = 256  # samples a row may pull forward from later in the shuffled order to close it
 CLOSE_ROOM = 1.5  # x mean sample length: room left when a row stops taking the stream in order
@@ -223,10 +226,6 @@ def batch_randomness(batches: Sequence[Sequence[int]], lengths: Sequence[int]) -
 
 def pack_row(samples: Sequence[tuple], bucket_len: int, pad_id: int):
     """Concatenate ``(sample_id, input_ids, loss_mask)`` documents into one padded PackedRow."""
-    import torch
-
-    from ..models.masks import PackedRow
-
     ids, docs, pos, lm, sids = [], [], [], [], []
     for d, (sid, input_ids, loss_mask) in enumerate(samples):
         x = torch.as_tensor(input_ids, dtype=torch.long).flatten()

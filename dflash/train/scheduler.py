@@ -34,9 +34,10 @@ from typing import Any, Callable
 import torch
 
 from ..errors import DFlashError
+from ..models.masks import PackedRow
 from ..runtime.gate import get_gate, worker_thread_setup
 from ..runtime.status import worker_name
-from ..models.masks import PackedRow
+from .feature_cache import CacheStopped
 
 POLL_S = 0.1
 
@@ -287,8 +288,6 @@ class Pipeline:
         then stores them)."""
         row, cache = item.row, self.cache
         if cache is not None and item.epoch >= 1 and cache.serves(row.sample_ids):
-            from .feature_cache import CacheStopped
-
             try:
                 cache.wait_for(row.sample_ids, self.stop)
             except CacheStopped:
