@@ -2,12 +2,25 @@
 import json
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
+from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
+from dflash.data.generate import eos_ids_of
 from dflash.errors import DFlashError
+from dflash.eval.evalsets import heldout_prompts, load_eval_sets
+from dflash.eval.report import fmt, write_plots
+from dflash.eval.speculative import speculative_generate
+from dflash.eval.tau import TauMonitor, simulate, summarize
+from dflash.models.drafter import DFlashDrafter, export_drafter
+from dflash.models.masks import PackedRow, sample_anchors
+from dflash.models.target import load_target
 from dflash.spec import load_spec
+from dflash.stages.bench import evaluate_tau
+from dflash.train.workers import drafter_config, initial_state, make_replicas
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,9 +42,6 @@ def spec_with(tmp_path, **bench):
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """A random-weight drafter for the tiny spec, exported as the train stage does."""
-    from dflash.models.drafter import DFlashDrafter, export_drafter
-    from dflash.train.workers import drafter_config
-
     spec = load_spec(REPO / "specs" / "tiny.yaml")
     cfg = drafter_config(spec)
     torch.manual_seed(0)
@@ -41,9 +51,6 @@ def exported(tmp_path_factory):
 
 
 def test_eval_sets_mtbench_categories_humaneval_heldout(tmp_path):
-    from dflash.eval.evalsets import heldout_prompts, load_eval_sets
-    from dflash.models.target import load_target
-
     spec = spec_with(tmp_path)
     tok = load_target(spec.target, "cpu").tokenizer
     mt, he = load_eval_sets(spec, None, tok, ["mtbench", "humaneval"], 1000)
@@ -54,8 +61,6 @@ def test_eval_sets_mtbench_categories_humaneval_heldout(tmp_path):
     # held out: never a prompt the training data holds (read from the dataset parquet)
     first, _ = heldout_prompts(spec, None, tok, 5)
     assert len(first) == 5
-    import pyarrow as pa
-    import pyarrow.parquet as pq
 
     (tmp_path / "data").mkdir()
     used = first[:3]
@@ -68,11 +73,6 @@ def test_eval_sets_mtbench_categories_humaneval_heldout(tmp_path):
 
 
 def test_evaluate_tau_report_and_markdown(tmp_path, exported):
-    from jinja2 import Environment, FileSystemLoader, StrictUndefined
-
-    from dflash.eval.report import fmt, write_plots
-    from dflash.stages.bench import evaluate_tau
-
     spec = spec_with(tmp_path, eval_sets=["mtbench", "humaneval", "heldout"], eval_prompts=2,
                      eval_max_new_tokens=6, real_prompts=1)
     tau = evaluate_tau(spec, exported, "cpu", tmp_path)
@@ -111,8 +111,6 @@ def test_evaluate_tau_report_and_markdown(tmp_path, exported):
 
 
 def test_bench_failure_is_one_message_naming_the_file(tmp_path, exported):
-    from dflash.stages.bench import evaluate_tau
-
     spec = spec_with(tmp_path, eval_prompts=1, eval_max_new_tokens=4)
     broken = tmp_path / "broken"
     broken.mkdir()
@@ -131,11 +129,6 @@ def test_bench_failure_is_one_message_naming_the_file(tmp_path, exported):
 
 def test_tau_monitor_equals_simulated_tau_of_the_replica(tmp_path):
     """The training-time τ monitor gives the simulated τ of the replica's current weights."""
-    from dflash.eval.evalsets import heldout_prompts
-    from dflash.eval.tau import TauMonitor, simulate, summarize
-    from dflash.models.target import load_target
-    from dflash.train.workers import drafter_config, initial_state, make_replicas
-
     raw = yaml.safe_load((REPO / "tests" / "specs" / "micro.yaml").read_text())
     path = tmp_path / "micro.yaml"
     path.write_text(yaml.safe_dump(raw))
@@ -157,13 +150,6 @@ def test_tau_monitor_equals_real_decoding_of_a_trained_replica(tmp_path):
     step by step, its own features, the drafter's KV cache; τ = tokens after the prefill one
     over verification forwards, no chain walk) of the same prompts, with a replica trained
     through its own training step until some of its drafts are accepted."""
-    from dflash.data.generate import eos_ids_of
-    from dflash.eval.speculative import speculative_generate
-    from dflash.eval.tau import TauMonitor
-    from dflash.models.masks import PackedRow, sample_anchors
-    from dflash.models.target import load_target
-    from dflash.train.workers import drafter_config, initial_state, make_replicas
-
     spec = spec_with(tmp_path).replace(
         compile={"backend": "eager"}, drafter={"block_size": 4},
         optim={"lr": 1e-2, "warmup_ratio": 0.0},

@@ -8,19 +8,21 @@ DFlash drafter replicas through the compile gate (the scheduler tests' fixtures)
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
+from test_scheduler import SPEC, _dataset
 
+from dflash.cli import main
 from dflash.errors import SpecError
 from dflash.spec import parse_spec
 from dflash.train import checkpoint as ckpt
 from dflash.train import feature_cache as fc
 from dflash.train.packing import bucket_for, pack_row, plan_epoch
 from dflash.train.scheduler import Pipeline, StepMap
-from dflash.train.workers import (buckets, drafter_config, initial_state, make_replicas,
-                                  make_target_workers)
-from test_scheduler import SPEC, _dataset
+from dflash.train.workers import buckets, captured, drafter_config, initial_state, make_replicas, make_target_workers
 
 
 @pytest.fixture(autouse=True)
@@ -276,10 +278,6 @@ def test_cached_run_is_exactly_once_and_resumes_bit_identically(tmp_path):
 
 
 def test_cuda_graph_capture_only_for_a_compiled_cuda_extractor():
-    from types import SimpleNamespace
-
-    from dflash.train.workers import captured
-
     compiled, eager = SimpleNamespace(compile="inductor"), SimpleNamespace(compile=None)
     auto, off = _spec(), parse_spec(dict(SPEC, target={**SPEC["target"], "cuda_graph": "off"}),
                                     "x.yaml")
@@ -313,10 +311,6 @@ def test_lost_host_cache_after_a_kill_recomputes_and_stays_exactly_once(tmp_path
 
 
 def test_validate_prints_the_budget(tmp_path, capsys):
-    import yaml
-
-    from dflash.cli import main
-
     path = tmp_path / "cachespec.yaml"
     path.write_text(yaml.safe_dump(dict(SPEC, name="cachespec",
                                         features={"cache": "disk", "dtype": "float8_e4m3"})))

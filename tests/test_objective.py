@@ -13,6 +13,12 @@ from dflash.models.target import FeatureExtractor, load_target
 from dflash.models.target_output import SoftLabels, TargetOutput, soft_positions
 from dflash.spec import parse_spec, section_spec
 from dflash.train.objective import Objective
+from dflash.train.workers import (
+    drafter_config,
+    initial_state,
+    make_replicas,
+    make_target_workers,
+)
 
 H, V, MASK = 32, 96, 95
 
@@ -219,13 +225,6 @@ KD_SPEC = {
 def test_distilling_spec_runs_whole_target_and_trains_the_replica():
     """kd end to end on the real workers: the target worker loads the whole target and hands
     soft labels with the features; the replica's step lowers its KD loss on a fixed row."""
-    from dflash.train.workers import (
-        drafter_config,
-        initial_state,
-        make_replicas,
-        make_target_workers,
-    )
-
     spec = parse_spec(KD_SPEC, "kd.yaml")
     cfg = drafter_config(spec)
     [(dev, fn)] = make_target_workers(spec)
@@ -257,8 +256,6 @@ def test_max_position_must_be_a_block_position():
 def test_replica_step_counts_only_supervised_positions():
     """With loss.max_position the replica's books (labelled, per-position counts) and its
     gradient cover k <= K only; a bare feature tensor stands for a features-only output."""
-    from dflash.train.workers import drafter_config, initial_state, make_replicas
-
     spec = parse_spec({**KD_SPEC, "loss": {"gamma": 4, "max_position": 2}}, "kd.yaml")
     cfg = drafter_config(spec)
     [rep] = make_replicas(spec, cfg, initial_state(cfg, 0), 10)

@@ -19,11 +19,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import time
 from pathlib import Path
 
 import torch
+from torch.utils.checkpoint import checkpoint
+
+from dflash.models.dtypes import dtype_of
+from dflash.models.masks import block_loss_weights
+from dflash.models.target import target_embeddings
+from dflash.spec import load_spec
+from dflash.train.flops import measure_peak_flops
+from dflash.train.objective import Objective
+from dflash.train.warm import synthetic_row
+from dflash.train.workers import buckets, drafter_config, objective
 
 SMOLLM2_135M = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=576,
                     intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -46,8 +57,6 @@ def _main_chunk_ce_sum(h, w_lm, y, wt, k=None, num_positions: int = 0):
 
 def main_drafter_loss(hidden, lm_head_weight, labels, weights, chunk_size=2048, positions=None,
                       num_positions=0):
-    from torch.utils.checkpoint import checkpoint
-
     h = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1)
     w = torch.broadcast_to(weights, labels.shape).reshape(-1).to(torch.float32)
@@ -67,9 +76,6 @@ def main_drafter_loss(hidden, lm_head_weight, labels, weights, chunk_size=2048, 
 
 def main_objective(obj):
     """The objective with main's loss (the ``main`` arm; no cap existed there)."""
-    from dflash.models.masks import block_loss_weights
-    from dflash.train.objective import Objective
-
     class Main(Objective):
         def loss(self, hidden, lm_head, blocks, soft=None, row_len=None, chunk=2048):
             B = self.block_size
@@ -100,11 +106,6 @@ def _time(fn, device: str, iters: int) -> float:
 
 def head_alone(spec, device: str, arm: str, cap, iters: int) -> dict:
     """The loss's forward + backward on one bucket's blocks, drafter hidden states random."""
-    from dflash.models.dtypes import dtype_of
-    from dflash.models.target import target_embeddings
-    from dflash.train.warm import synthetic_row
-    from dflash.train.workers import buckets, drafter_config, objective
-
     cfg = drafter_config(spec)
     obj = objective(spec, cfg)
     obj = main_objective(obj) if arm == "main" else dataclasses.replace(obj, max_position=cap)
@@ -140,8 +141,6 @@ def head_alone(spec, device: str, arm: str, cap, iters: int) -> dict:
 
 def _drafter_step():
     """bench/gpu/drafter_step.py, the module beside this script (no sys.path edit)."""
-    import importlib.util
-
     spec = importlib.util.spec_from_file_location(
         "drafter_step", Path(__file__).with_name("drafter_step.py"))
     mod = importlib.util.module_from_spec(spec)
@@ -161,10 +160,6 @@ def step_whole(spec, device: str, arm: str, cap, steps: int, peak: float | None)
 
 
 def main() -> None:
-    from dflash.models.dtypes import dtype_of
-    from dflash.spec import load_spec
-    from dflash.train.flops import measure_peak_flops
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--spec", required=True)
     ap.add_argument("--smollm2-shape", action="store_true")
