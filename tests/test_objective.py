@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from dflash.errors import SpecError
 from dflash.models.masks import IGNORE_INDEX, PackedRow, loss_weights, sample_anchors
-from dflash.models.target import FeatureExtractor, load_target
+from dflash.models.features import FeatureExtractor
+from dflash.models.target import load_target
 from dflash.models.target_output import SoftLabels, TargetOutput, soft_positions
 from dflash.spec import parse_spec, section_spec
 from dflash.train.objective import Objective

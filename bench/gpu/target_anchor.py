@@ -5,7 +5,7 @@ peak measured in the same process:
 
 * ``hf_plain``: plain transformers, SDPA, ``B × S`` causal batch, ``output_hidden_states=True``
   (the users' anchor: Qwen3-8B 26–31 K tok/s, Qwen3-32B 7.2–7.8 K tok/s on one H200);
-* ``ours_flex``: :class:`dflash.models.target.FeatureExtractor` as the train stage runs it on CUDA
+* ``ours_flex``: :class:`dflash.models.features.FeatureExtractor` as the train stage runs it on CUDA
   (FlexAttention + document BlockMask) on ONE packed row of the same B documents of S tokens,
   every layer of the model, feature layers captured;
 * ``ours_dense_sdpa``: the same packed row with SDPA and the dense 4-D document mask (the path
@@ -47,7 +47,8 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from dflash.models.drafter import head_dim_of
 from dflash.models.masks import document_block_mask, document_mask_mod
-from dflash.models.target import FeatureExtractor, hf_config, layer_ids, load_target
+from dflash.models.features import FeatureExtractor
+from dflash.models.target import hf_config, layer_ids, load_target
 from dflash.runtime.gate import worker_thread_setup
 from dflash.spec import section_spec
 from dflash.train.flops import best_seconds_per_call as timed

@@ -30,7 +30,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from dflash.models.masks import attention_backend, document_block_mask, document_dense_mask
-from dflash.models.target import FeatureExtractor, hf_config, layer_ids, load_target
+from dflash.models.features import FeatureExtractor
+from dflash.models.target import hf_config, layer_ids, load_target
 from dflash.models.target_graph import CapturedFeatures
 from dflash.spec import section_spec
 from dflash.train import feature_cache as fc

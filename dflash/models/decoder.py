@@ -3,7 +3,7 @@ compile it (regional compilation).
 
 Two users run the target's layers themselves instead of through HF's forward: the generation
 engine (:mod:`dflash.data.generate`: static KV cache, CUDA graphs) and the feature extractor
-(:class:`dflash.models.target.FeatureExtractor`: packed rows, document mask). Both call these functions
+(:class:`dflash.models.features.FeatureExtractor`: packed rows, document mask). Both call these functions
 with the layer module as the first argument and compile them with :func:`compile_region`: dynamo
 lifts the layer's parameters to graph inputs, so ONE compiled graph serves every layer (one
 compile, not one per layer), and inductor fuses what eager mode runs as separate memory-bound

@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ..models.masks import PackedRow, attention_backend
-from ..models.target import FeatureExtractor, compile_backend, load_target
+from ..models.features import FeatureExtractor, compile_backend
+from ..models.target import load_target
 from ..models.target_output import SoftLabels, TargetOutput, soft_positions
 from ..runtime.gate import get_gate, worker_thread_setup
 from .replica import DrafterReplica

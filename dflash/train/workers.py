@@ -12,7 +12,8 @@ import torch
 from ..models.drafter import DFlashConfig, DFlashDrafter
 from ..models.dtypes import dtype_of
 from ..models.masks import attention_backend
-from ..models.target import FeatureExtractor, compile_backend, hf_config, layer_ids, load_target, target_embeddings
+from ..models.features import FeatureExtractor, compile_backend
+from ..models.target import hf_config, layer_ids, load_target, target_embeddings
 from ..models.target_graph import CapturedFeatures
 from ..models.target_output import TargetOutput
 from .objective import SOFT_KINDS, Objective
