@@ -55,7 +55,7 @@ def _print_cache_budget(spec, root: str) -> None:
     """``features.cache`` on: its storage budget against this machine's free memory or disk
     (exact once the data stage has run, else an upper bound from data.*). An exact budget
     that does not fit fails here as it would fail the train stage."""
-    from .spec import cache_mode  # validate only
+    from .spec_types import cache_mode  # validate only
 
     if cache_mode(spec) == "off":
         return  # no torch import for the common case

@@ -24,7 +24,8 @@ from dflash.cli import main
 from dflash.data.prompts import load_prompts
 from dflash.errors import DFlashError, SpecError
 from dflash.models import target as T
-from dflash.spec import TargetSpec, check_devices, load_spec, parse_spec
+from dflash.spec import check_devices, load_spec, parse_spec
+from dflash.spec_types import TargetSpec
 from dflash.stages import StageContext
 from dflash.stages import env as env_stage
 

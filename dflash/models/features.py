@@ -14,7 +14,7 @@ from torch.nn.attention.flex_attention import flex_attention
 from transformers import AttentionInterface
 
 from ..errors import SpecError
-from ..spec import TargetSpec
+from ..spec_types import TargetSpec
 from .decoder import compile_region, out_mlp, qkv, rope_of, unsupported_reason
 from .masks import compiled_flex_attention, document_block_mask, document_dense_mask
 from .target_output import SoftLabels, TargetOutput, soft_positions

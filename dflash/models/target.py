@@ -25,7 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Dynami
 from ..cache import cache_root
 from ..errors import SpecError
 from ..manifest import file_lock, fingerprint
-from ..spec import TargetSpec
+from ..spec_types import TargetSpec
 from .dtypes import dtype_of
 from .features import register_flex
 

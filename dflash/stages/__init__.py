@@ -11,7 +11,8 @@ from pathlib import Path
 
 from ..env.drift import check_env
 from ..manifest import read_manifest
-from ..spec import Spec, load_spec
+from ..spec import load_spec
+from ..spec_types import Spec
 
 
 @dataclass

@@ -54,7 +54,7 @@ from ..models.dtypes import dtype_of
 from ..models.target import hf_config, layer_ids
 from ..models.target_output import SoftLabels, TargetOutput, soft_positions
 from ..runtime.gate import get_gate
-from ..spec import cache_mode
+from ..spec_types import cache_mode
 from .objective import SOFT_KINDS
 
 FP8 = torch.float8_e4m3fn

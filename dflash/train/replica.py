@@ -18,7 +18,7 @@ from ..models.target_output import TargetOutput
 from .objective import Objective
 
 if TYPE_CHECKING:
-    from ..spec import OptimSpec
+    from ..spec_types import OptimSpec
 
 
 @dataclass

@@ -37,7 +37,7 @@ from ..runtime.faults import injected_failures
 from ..runtime.gate import get_gate
 from ..runtime.status import StatusReporter, by_role
 from ..models.dtypes import dtype_of
-from ..spec import cache_mode
+from ..spec_types import cache_mode
 from . import checkpoint as ckpt
 from .tracker import open_tracker
 from .books import EpochLedger, StepBooks
