@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dflash.eval.decoder import Decoded, divergence, lossless_evidence
+from dflash.eval.decoded import Decoded, divergence, lossless_evidence
 from dflash.eval.evalsets import EvalSet
 from dflash.eval.speculative import DrafterCache, draft_block, speculative_generate, target_greedy
 from dflash.eval.tau import (

@@ -8,7 +8,8 @@ import torch
 from torch._dynamo.utils import counters
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from dflash.data.engine import Engine, _mix32, generate, gumbel_noise, seed_keys
+from dflash.data.decode_step import mix32, gumbel_noise, seed_keys
+from dflash.data.engine import Engine, generate
 from dflash.data.generate import eos_ids_of, generate_chunks, open_generator, resolve_engine
 from dflash.data.prompts import load_prompts, render_prompt
 from dflash.errors import DFlashError
@@ -95,7 +96,7 @@ def test_gumbel_max_samples_the_softmax():
     """Counter-based noise: argmax(logits + G) hits each token at its softmax probability."""
     V, n = 6, 40_000
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
-    vh = _mix32(torch.arange(V, dtype=torch.int64) * 0x9E3779B1 & 0xFFFFFFFF)
+    vh = mix32(torch.arange(V, dtype=torch.int64) * 0x9E3779B1 & 0xFFFFFFFF)
     keys = seed_keys(torch.arange(n, dtype=torch.int64) * 7919 + 5)
     steps = torch.full((n,), 3, dtype=torch.int64)
     picks = (logits[None] + gumbel_noise(keys, steps, vh)).argmax(-1)

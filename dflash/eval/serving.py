@@ -17,7 +17,8 @@ import torch
 from transformers import GenerationConfig
 
 from ..runtime.gate import get_gate
-from .decoder import Decoder, lossless_evidence
+from .decoded import lossless_evidence
+from .decoder import Decoder
 
 SWEEP_BATCHES = (1, 4, 16, 64)
 SERVING_GAP = 0.05  # warn when real and simulated τ of a prompt differ by more than this share

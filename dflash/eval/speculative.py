@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from ..models.drafter import DFlashConfig, DFlashDrafter
 from ..models.target import kv_cache
-from .decoder import Decoded, Decoder
+from .decoded import Decoded
+from .decoder import Decoder
 
 # one prompt's decode: tokens, verify forwards, τ, accept counts, per step accepted / emitted
 SpecResult = Decoded

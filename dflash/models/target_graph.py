@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from ..runtime.graphs import capture
+
 
 class CapturedFeatures:
     """``fx(input_ids, doc_ids, position_ids)`` with the same features, from CUDA graphs."""
@@ -56,9 +58,7 @@ class CapturedFeatures:
                 run()
                 run()
             torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                out = run()
+            graph, out = capture(run)
             return graph, static, out
         except Exception as e:  # noqa: BLE001 - fall back, and say so
             self.log(f"[target] CUDA graph capture of the {static.shape[-1]}-token feature "
