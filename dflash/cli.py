@@ -63,7 +63,7 @@ def _print_cache_budget(spec, root: str) -> None:
 
     # by name, like the stages: validate's model-side checks stay out of every stage's code
     # fingerprint (dflash.code_fingerprint follows static imports only)
-    fc = importlib.import_module("dflash.train.feature_cache")
+    fc = importlib.import_module("dflash.train.cache_budget")
     b = fc.spec_budget(spec, results_dir(spec, root))
     if b is None:
         return

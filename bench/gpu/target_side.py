@@ -34,6 +34,7 @@ from dflash.models.features import FeatureExtractor
 from dflash.models.target import hf_config, layer_ids, load_target
 from dflash.models.target_graph import CapturedFeatures
 from dflash.spec import section_spec
+from dflash.train import cache_budget as cb
 from dflash.train import feature_cache as fc
 from dflash.train.packing import pack_row
 
@@ -216,7 +217,7 @@ def cache_ab(dev: str, model: str, L: int, n: int, out: Path, name: str) -> dict
     for store in ("target", "float8_e4m3"):
         sdt = torch.bfloat16 if store == "target" else fc.FP8
         dt = torch.bfloat16 if dev.startswith("cuda") else torch.float32
-        plane = fc.Plane("features", N * H, dt, sdt if store != "target" else dt, groups=N)
+        plane = cb.Plane("features", N * H, dt, sdt if store != "target" else dt, groups=N)
         cache = fc.FeatureCache([plane], ids, lens, tensor_values=True)
         # epoch 0: what the target worker does per row (forward, then the cache's write)
         _, h0, w0 = timed(dev, lambda i: cache.write(packed[i][0], fx(*to(packed[i][0]))), n)

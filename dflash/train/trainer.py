@@ -41,7 +41,8 @@ from ..spec_types import cache_mode
 from . import checkpoint as ckpt
 from .tracker import open_tracker
 from .books import EpochLedger, StepBooks
-from .feature_cache import check_run, open_for_run
+from .cache_budget import check_run
+from .feature_cache import open_for_run
 from .packing import bucket_for, pack_row, plan_epoch
 from .scheduler import Pipeline, StepMap
 from .warm import warm_all, warm_targets
