@@ -22,7 +22,8 @@ from dflash.train import checkpoint as ckpt
 from dflash.train import cache_budget as cb
 from dflash.train import feature_cache as fc
 from dflash.train.packing import bucket_for, pack_row, plan_epoch
-from dflash.train.scheduler import Pipeline, StepMap
+from dflash.train.packing import StepMap
+from dflash.train.scheduler import Pipeline
 from dflash.train.workers import buckets, captured, drafter_config, initial_state, make_replicas, make_target_workers
 
 

@@ -14,7 +14,8 @@ import torch
 from dflash.runtime.status import busy_fractions
 from dflash.spec import parse_spec
 from dflash.train.packing import bucket_for, pack_row, plan_epoch
-from dflash.train.scheduler import Pipeline, StepMap, WorkerFailed
+from dflash.train.packing import StepMap
+from dflash.train.scheduler import Pipeline, WorkerFailed
 from dflash.train.workers import buckets, drafter_config, initial_state, make_replicas, make_target_workers
 
 SPEC = {

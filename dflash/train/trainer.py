@@ -44,7 +44,8 @@ from .books import EpochLedger, StepBooks
 from .cache_budget import check_run
 from .feature_cache import open_for_run
 from .packing import bucket_for, pack_row, plan_epoch
-from .scheduler import Pipeline, StepMap
+from .packing import StepMap
+from .scheduler import Pipeline
 from .warm import warm_all, warm_targets
 from .workers import (buckets, drafter_config, initial_state, make_replicas,
                       make_target_workers)
@@ -76,7 +77,7 @@ class Job:
     compile_cache: Path
     ds: Any                  # dflash.data.dataset.TokenDataset
     bucket_lens: list[int]
-    step_map: Any            # dflash.train.scheduler.StepMap
+    step_map: Any            # dflash.train.packing.StepMap
     total_steps: int
     cfg: Any                 # dflash.models.drafter.DFlashConfig
     replicas: list
