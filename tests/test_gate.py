@@ -13,15 +13,8 @@ import torch
 import torch.fx._symbolic_trace as st
 
 from dflash.errors import PoisonedProcess
-from dflash.runtime.gate import (
-    FX_NESTED,
-    Gate,
-    NoGate,
-    classify_error,
-    get_gate,
-    is_recompile_refusal,
-    worker_thread_setup,
-)
+from dflash.runtime.gate import Gate, NoGate, get_gate
+from dflash.runtime.tracing import FX_NESTED, classify_error, is_recompile_refusal, worker_thread_setup
 
 
 def _stance() -> str:

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from dflash.models.dtypes import dtype_of
-from dflash.runtime.gate import get_gate, worker_thread_setup
+from dflash.runtime.gate import get_gate
+from dflash.runtime.tracing import worker_thread_setup
 from dflash.spec import load_spec
 from dflash.train.flops import drafter_useful_flops, measure_peak_flops
 from dflash.train.warm import synthetic_output, synthetic_row, warm_replica

@@ -56,7 +56,8 @@ from ..models.decoder import unsupported_reason as _layers_unsupported
 from ..models.drafter import apply_rope, rope_cos_sin
 from ..runtime.graphs import capture, capture_or_warn
 from .decoded import Decoded
-from ..runtime.gate import get_gate, worker_thread_setup
+from ..runtime.gate import get_gate
+from ..runtime.tracing import worker_thread_setup
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m

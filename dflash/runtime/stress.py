@@ -42,7 +42,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from dflash.errors import PoisonedProcess
-from dflash.runtime.gate import Gate, classify_error, worker_thread_setup
+from dflash.runtime.gate import Gate
+from dflash.runtime.tracing import classify_error, worker_thread_setup
 
 SCENARIOS = ("peer", "adv_fx", "adv_eagerflex", "adv_compile", "mixed")
 _ADV = {"peer": (), "adv_fx": ("fx",), "adv_eagerflex": ("eagerflex",), "adv_compile": ("compile",),

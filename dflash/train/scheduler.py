@@ -35,7 +35,8 @@ import torch
 
 from ..errors import DFlashError
 from ..models.masks import PackedRow
-from ..runtime.gate import get_gate, worker_thread_setup
+from ..runtime.gate import get_gate
+from ..runtime.tracing import worker_thread_setup
 from ..runtime.status import worker_name
 from ..runtime.busy import DeviceBusy
 from .feature_cache import CacheStopped

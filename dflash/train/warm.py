@@ -19,7 +19,8 @@ from ..models.masks import PackedRow, attention_backend
 from ..models.features import FeatureExtractor, compile_backend
 from ..models.target import load_target
 from ..models.target_output import SoftLabels, TargetOutput, soft_positions
-from ..runtime.gate import get_gate, worker_thread_setup
+from ..runtime.gate import get_gate
+from ..runtime.tracing import worker_thread_setup
 from .replica import DrafterReplica
 
 
