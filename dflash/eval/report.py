@@ -23,6 +23,16 @@ PLOTS = ("loss.png", "throughput.png", "draft_accuracy.png", "tau_training.png",
 
 
 def write_plots(out: Path, metrics: list[dict], tau: dict) -> list[str]:
+    """Every plot of :data:`PLOTS` into ``out``: the training curves, then the evaluation's."""
+    plot = _plotter(out)
+    _training_plots(plot, metrics)
+    _eval_plots(plot, tau)
+    return list(PLOTS)
+
+
+def _plotter(out: Path):
+    """``plot(name, draw, missing, **labels)``: one figure into ``out / name`` (atomically),
+    drawn by ``draw(ax)``, or saying ``missing`` when there is nothing to draw."""
     # matplotlib here only (the Snakefile reads PLOTS at parse time): ~0.3 s, and its backend
     # is chosen before pyplot loads
     import matplotlib
@@ -44,6 +54,10 @@ def write_plots(out: Path, metrics: list[dict], tau: dict) -> list[str]:
             fig.savefig(tmp, format="png", dpi=100)
         plt.close(fig)
 
+    return plot
+
+
+def _training_plots(plot, metrics: list[dict]) -> None:
     no_steps = None if metrics else "no training steps recorded"
     steps = [m["step"] for m in metrics]
 
@@ -85,6 +99,9 @@ def write_plots(out: Path, metrics: list[dict], tau: dict) -> list[str]:
 
     plot("tau_training.png", draw_tau, None if taus or est else "no draft accuracy or τ logged",
          xlabel="step", ylabel="τ", title="τ while training")
+
+
+def _eval_plots(plot, tau: dict) -> None:
     sets = {k: v for k, v in (tau.get("sets") or {}).items() if v.get("tau") is not None}
     no_tau = None if sets else f"τ not evaluated: {tau.get('skipped', 'no eval set gave a τ')}"
 
@@ -121,7 +138,6 @@ def write_plots(out: Path, metrics: list[dict], tau: dict) -> list[str]:
          f"decoding speed not measured: {ds.get('skipped') or ds.get('failed') or no_tau}",
          xlabel="batch size", ylabel="new tokens / s",
          title="Decoding speed by batch size (MT-Bench first turns)")
-    return list(PLOTS)
 
 
 
