@@ -66,7 +66,7 @@ from ..models.decoder import out_mlp as _out_mlp
 from ..models.decoder import qkv as _qkv
 from ..models.decoder import unsupported_reason as _layers_unsupported
 from ..runtime.gate import get_gate
-from ..runtime.graphs import capture, capture_or_warn
+from ..models.graphs import capture, capture_or_warn
 from .decode_step import M32, DECODE_ATTENTION, mix32, pick_token, seed_keys
 
 

@@ -54,7 +54,7 @@ from ..errors import DFlashError
 from ..models.decoder import attend_cache, compile_region, qkv, rope_of
 from ..models.decoder import unsupported_reason as _layers_unsupported
 from ..models.drafter import apply_rope, rope_cos_sin
-from ..runtime.graphs import capture, capture_or_warn
+from ..models.graphs import capture, capture_or_warn
 from .decoded import Decoded
 from ..runtime.gate import get_gate
 from ..runtime.tracing import worker_thread_setup

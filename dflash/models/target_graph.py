@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..runtime.graphs import capture
+from .graphs import capture
 
 
 class CapturedFeatures:
