@@ -45,8 +45,8 @@ full attention (``llama``, ``qwen2``, ``qwen3``); :func:`unsupported_reason` say
 model is not, and the ``hf`` engine (:func:`dflash.data.generate.generate_batch`) serves it.
 
 Owns: :class:`Engine` (its static caches, capture, replay and slot scheduling),
-:func:`unsupported_reason`. Imports the top-level modules, ``models.decoder``, ``runtime`` and
-:mod:`dflash.data.decode_step` (the step's math and its sampling).
+:func:`unsupported_reason`. Imports the top-level modules, ``models.decoder``, ``models.graphs``,
+``runtime.gate`` and :mod:`dflash.data.decode_step` (the step's math and its sampling).
 """
 from __future__ import annotations
 
