@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-import pyarrow.parquet as pq
 import yaml
 
 from ..errors import DFlashError
@@ -184,6 +183,10 @@ def _iter_file_records(path: Path, report: BadReport) -> Iterator[tuple[str, obj
     if suffix == ".jsonl":
         yield from _jsonl_records(path, report)
     elif suffix == ".parquet":
+        # pyarrow (~0.1 s) here only: the Snakefile's parse and `dflash validate` import this
+        # module (data.check) and read no prompt file
+        import pyarrow.parquet as pq
+
         try:
             pf = pq.ParquetFile(path)
         except Exception as e:  # pyarrow raises several types for a non-parquet file

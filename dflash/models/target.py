@@ -27,7 +27,6 @@ from ..errors import SpecError
 from ..manifest import file_lock, fingerprint
 from ..spec_types import TargetSpec
 from .dtypes import dtype_of
-from .features import register_flex
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -195,7 +194,14 @@ def load_target(target: TargetSpec, device: str, seed: int = 0,
     up to max(layer_ids) and no lm_head, which saves compute (SmolLM2: 28 of 30 layers).
     """
     dtype = dtype_of(target.dtype)
-    impl = register_flex() if attention == "flex" else "sdpa"
+    if attention == "flex":
+        # here only: the flex interface loads transformers' modeling code (~1 s), and validate and
+        # the budgets import this module for the config and the layer rule alone
+        from .features import register_flex
+
+        impl = register_flex()
+    else:
+        impl = "sdpa"
     config = hf_config(target)
     if num_layers is not None:
         config.num_hidden_layers = num_layers
