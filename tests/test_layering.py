@@ -18,7 +18,7 @@ MAY_IMPORT = {
     "env": {"top", "env"},
     "stages": {"top", "runtime", "models", "data", "train", "eval", "env", "stages"},
 }
-ENTRY_POINTS = {"dflash.cli", "dflash.__main__"}  # above every room: they dispatch into them
+ENTRY_POINTS = {"dflash.cli", "dflash.__main__", "dflash.validate"}  # above every room: commands
 
 
 def _module(pkg: Path, path: Path) -> str:
