@@ -6,14 +6,9 @@ source, in another interpreter (a build-mode venv).
 """
 from __future__ import annotations
 
-import glob
-import importlib.metadata as md
 import inspect
 import json
 import os
-import platform
-import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +23,12 @@ PROBE_ONLY = ("cudnn", "nccl")            # known only after `import torch`
 def nvidia_probe(allow_subprocess: bool = True) -> tuple[str | None, list[str]]:
     """The NVIDIA driver version and GPU model names: the driver's /proc files, else nvidia-smi.
     Stdlib only and self-contained (its source runs in other interpreters, :func:`live_env`)."""
+    # self-contained: this function's source runs alone in another interpreter (live_env)
+    import glob
+    import re
+    import shutil
+    import subprocess
+
     driver, gpus = None, []
     try:
         txt = open("/proc/driver/nvidia/version").read()
@@ -54,6 +55,13 @@ def nvidia_probe(allow_subprocess: bool = True) -> tuple[str | None, list[str]]:
 
 
 def _collect_facts(probe_torch: bool = True, allow_subprocess: bool = True) -> dict:
+    # self-contained: this function's source runs alone in another interpreter (live_env)
+    import importlib.metadata as md
+    import os
+    import platform
+    import re
+    import sys
+
     pkgs: dict = {}
     # not vendored copies: importing setuptools (inductor's CPU C++ builder does, mid-compile)
     # appends setuptools/_vendor to sys.path, and the same process must report the same env
