@@ -38,6 +38,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from dflash.runtime.faults import (
     REPO,
     Run,
@@ -208,7 +210,6 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", type=Path, default=None,
                     help="keep the workflow copy here (default: a temporary folder, removed)")
     a = ap.parse_args(argv)
-    import torch
 
     t_all = time.time()
     base = Path(a.workdir or tempfile.mkdtemp(prefix="dflash-fault-"))

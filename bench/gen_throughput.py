@@ -24,6 +24,9 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+import transformers
+
 from dflash.data.engine import Engine
 from dflash.data.generate import eos_ids_of, generate_batch, sample_seed
 from dflash.data.prompts import load_prompts, render_prompt
@@ -31,8 +34,6 @@ from dflash.models.target import load_target
 
 
 def _sync(device: str) -> None:
-    import torch
-
     if device.startswith("cuda"):
         torch.cuda.synchronize()
 
@@ -49,8 +50,6 @@ def workload(tok, n: int, seed: int) -> tuple[list[list[int]], list[int]]:
 
 def run_hf_generate(model, prompts, seeds, a, eos, pad, device) -> dict:
     """Plain ``model.generate``: left-padded batches of ``--hf-batch``; first batch = warm-up."""
-    import torch
-
     def batch(ps):
         P = max(len(p) for p in ps)
         ids = torch.full((len(ps), P), pad, dtype=torch.long)
@@ -125,7 +124,6 @@ def run_engine(model, prompts, seeds, a, eos, slots: int, device, attention: str
     # decode_steps × step_ms is the decode share and the rest is prefill/refill/host
     reps = 32
     steps_before = st["decode_steps"]
-    import torch
 
     t1 = time.time()
     with torch.inference_mode():
@@ -155,8 +153,6 @@ def greedy_check(target, prompts, a, eos, pad, device) -> dict:
     """Greedy engine answers (compiled + captured as configured) vs HF greedy, one prompt at a
     time, on a float32 copy of the target (in bf16 the rounding differs between batch
     compositions, so two exact implementations may part ways late in a long answer)."""
-    import torch
-
     model = load_target(dict(target, dtype="float32"), device, need_tokenizer=False).model
 
     eng = Engine(model, slots=min(len(prompts), 8), max_len=max(map(len, prompts)) + a.max_new,
@@ -189,9 +185,6 @@ def greedy_check(target, prompts, a, eos, pad, device) -> dict:
 
 
 def main(argv=None) -> int:
-    import torch
-    import transformers
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -18,6 +18,9 @@ import argparse
 import json
 from pathlib import Path
 
+from dflash.models.drafter import DFlashConfig
+from dflash.train.flops import datasheet_peak, drafter_useful_flops
+
 REPO = Path(__file__).resolve().parents[1]
 H200 = REPO / "bench" / "results" / "h200"
 # (run, report, warmup manifest, train manifest, metrics), as committed
@@ -37,8 +40,6 @@ RUNS = {
 
 def recount(report: dict, dcfg, window: list[dict], gpu: str) -> dict:
     """One run's MFUs: as committed, with the lm_head recounted, over both peaks."""
-    from dflash.train.flops import datasheet_peak, drafter_useful_flops
-
     new = sum(drafter_useful_flops(dcfg, m["tokens"], m["labelled"]) for m in window)
     lm_fwd = sum(2 * m["labelled"] * dcfg.hidden_size * dcfg.vocab_size for m in window)
     old = new + lm_fwd                        # the committed reports' rule: lm_head 3× forward
@@ -61,8 +62,6 @@ def recount(report: dict, dcfg, window: list[dict], gpu: str) -> dict:
 
 
 def main() -> None:
-    from dflash.models.drafter import DFlashConfig
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from dflash.models.target import FeatureExtractor, load_target
+from dflash.models.features import FeatureExtractor
+from dflash.models.target import load_target
 from dflash.models.target_output import soft_positions
 from dflash.spec import section_spec
 from dflash.train.flops import target_flops

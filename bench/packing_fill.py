@@ -29,9 +29,11 @@ import argparse
 import json
 import time
 
-from dflash.train import packing
-from dflash.spec import load_spec
+import pyarrow.parquet as pq
+
 from dflash.data.sources import synthetic_responses, synthetic_samples
+from dflash.spec import load_spec
+from dflash.train import packing
 
 
 def window_ffd(lengths, token_budget, max_batch_size, seed, epoch, window_batches=16,
@@ -93,8 +95,6 @@ def synthetic_lengths(spec) -> list[int]:
 
 
 def parquet_lengths(path: str) -> list[int]:
-    import pyarrow.parquet as pq
-
     return [len(x) for x in pq.read_table(path, columns=["input_ids"])["input_ids"].to_pylist()]
 
 

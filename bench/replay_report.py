@@ -21,6 +21,14 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import torch
+
+import dflash.stages.bench as bench
+import dflash.stages.data as data_stage
+from dflash.spec import load_spec
+from dflash.stages import StageContext
+from dflash.train.flops import datasheet_peak
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -30,14 +38,6 @@ def main() -> None:
     ap.add_argument("--peak", type=Path, required=True, help="JSON with a measured 'peak'")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
-
-    import torch
-
-    import dflash.stages.bench as bench
-    import dflash.stages.data as data_stage
-    from dflash.spec import load_spec
-    from dflash.stages import StageContext
-    from dflash.train.flops import datasheet_peak
 
     spec = load_spec(a.spec)
     name = spec.name

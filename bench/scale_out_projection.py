@@ -37,15 +37,19 @@ import argparse
 import json
 from pathlib import Path
 
+import torch
+
+from dflash.models.drafter import DFlashConfig, DFlashDrafter
+from dflash.models.target import hf_config, layer_ids
+from dflash.spec import load_spec
+from dflash.train.flops import drafter_flops_per_step
+
 REPO = Path(__file__).resolve().parents[1]  # dflash itself: the installed package
 
 H200 = REPO / "bench" / "results" / "h200"
 
 
 def drafter_config(spec):
-    from dflash.models.drafter import DFlashConfig
-    from dflash.models.target import hf_config, layer_ids
-
     tcfg = hf_config(spec.target)
     ids = layer_ids(spec.target, tcfg)
     dcfg = DFlashConfig.from_target_config(tcfg, spec.drafter.num_layers, spec.drafter.block_size,
@@ -56,10 +60,6 @@ def drafter_config(spec):
 def trainable_params(dcfg) -> int:
     """Parameters the replicas all-reduce: the drafter's own (embedding and lm_head are the
     target's, frozen, not part of it)."""
-    import torch
-
-    from dflash.models.drafter import DFlashDrafter
-
     with torch.device("meta"):
         model = DFlashDrafter(dcfg)
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -94,9 +94,6 @@ def allreduce_s(nbytes: float, nodes: int, link_bytes_per_s: float, latency_s: f
 
 
 def project(args) -> dict:
-    from dflash.train.flops import drafter_flops_per_step
-    from dflash.spec import load_spec
-
     spec = load_spec(REPO / args.spec)
     tcfg, dcfg = drafter_config(spec)
     params = trainable_params(dcfg)

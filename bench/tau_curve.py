@@ -41,10 +41,10 @@ def main(argv=None) -> int:
                   f"τ {p['tau_heldout']:.3f}  acc@1..4 {p['draft_acc_1_4']}")
     a.out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
 
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 - the backend is chosen before pyplot loads
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for name, pts in res.items():

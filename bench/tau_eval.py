@@ -25,16 +25,24 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+import torch
+
+from dflash.data.generate import eos_ids_of
+from dflash.errors import DFlashError
+from dflash.eval.evalsets import load_eval_sets
+from dflash.eval.speculative import speculative_generate, target_greedy
+from dflash.eval.tau import evaluate_sets
+from dflash.models.drafter import load_drafter
+from dflash.models.dtypes import dtype_of
+from dflash.models.target import load_target, target_embeddings
+from dflash.spec import load_spec
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def legacy(tgt, drafter, cfg, embed, head, sets, max_new, eos, device) -> dict:
     """The old bench path: target_greedy + speculative_generate per prompt (now on the
     decoder, eager on CPU)."""
-    import torch
-
-    from dflash.eval.speculative import speculative_generate, target_greedy
-
     out = {}
     for es in sets:
         t0 = time.perf_counter()
@@ -72,17 +80,6 @@ def main(argv=None) -> int:
     ap.add_argument("--legacy", action="store_true", help="time the previous bench path")
     ap.add_argument("--out", default=None, help="JSON output path")
     a = ap.parse_args(argv)
-
-    import torch
-
-    from dflash.data.generate import eos_ids_of
-    from dflash.errors import DFlashError
-    from dflash.eval.evalsets import load_eval_sets
-    from dflash.eval.tau import evaluate_sets
-    from dflash.models.drafter import load_drafter
-    from dflash.models.dtypes import dtype_of
-    from dflash.spec import load_spec
-    from dflash.models.target import load_target, target_embeddings
 
     if a.threads:
         torch.set_num_threads(a.threads)

@@ -21,6 +21,7 @@ length, and every shape field (what warmup compiles) is unchanged.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata as md
 import json
 import os
 import platform
@@ -32,6 +33,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+import torch
 import yaml
 
 from dflash.runtime.harness import copy_workflow
@@ -85,8 +87,6 @@ def du(path: Path) -> int:
 
 
 def versions() -> dict:
-    import torch
-
     out = {"python": platform.python_version(), "torch": torch.__version__,
            "torch_git": torch.version.git_version,
            "inductor": f"torch._inductor from torch {torch.__version__}",
@@ -96,8 +96,6 @@ def versions() -> dict:
            "torch_num_threads": torch.get_num_threads()}
     for pkg in ("transformers", "triton", "snakemake"):
         try:
-            import importlib.metadata as md
-
             out[pkg] = md.version(pkg)
         except Exception:  # noqa: BLE001 - not installed
             out[pkg] = None

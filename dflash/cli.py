@@ -31,107 +31,21 @@ TOOLS = {
 }
 
 
+# Function-local imports below, on purpose (ruff PLC0415 is off for this file): `dflash` starts
+# every command with the standard library only (`check-env` runs in a bare interpreter, `status`
+# must answer at once), and each command loads only what it runs (a stage: the spec, torch).
 def run_stage(name: str, spec_path: str, root: str = "results", at: str | None = None,
               env_at: str | None = None) -> dict:
-    from .stages import begin
+    from .stages import begin  # the spec and a stage: only for `dflash <stage>`
 
     if name == "train":  # topology.nodes > 1: this process becomes torchrun (dflash.runtime.launch)
-        from .runtime.distributed import select_local_gpus
+        from .runtime.distributed import select_local_gpus  # torch: the train stage only
         from .runtime.launch import maybe_launch
 
         maybe_launch(spec_path, root)
         select_local_gpus()  # a simulated node's own GPUs, before anything touches CUDA
     ctx = begin(spec_path, name, root, at=at, env_at=env_at)
     return importlib.import_module(f"dflash.stages.{name}").run(ctx)
-
-
-def _print_cache_budget(spec, root: str) -> None:
-    """``features.cache`` on: its storage budget against this machine's free memory or disk
-    (exact once the data stage has run, else an upper bound from data.*). An exact budget
-    that does not fit fails here as it would fail the train stage."""
-    from .spec import cache_mode
-
-    if cache_mode(spec) == "off":
-        return  # no torch import for the common case
-    from .stages import results_dir
-
-    # by name, like the stages: validate's model-side checks stay out of every stage's code
-    # fingerprint (dflash.code_fingerprint follows static imports only)
-    fc = importlib.import_module("dflash.train.feature_cache")
-    b = fc.spec_budget(spec, results_dir(spec, root))
-    if b is None:
-        return
-    verdict = "fits" if b.fits else "does NOT fit: the train stage would refuse it"
-    print(f"   {b.describe()}: {verdict}")
-    if not b.upper_bound:
-        fc.check_budget(b, spec.path)
-
-
-def _specs_in(path: str) -> list:
-    """(where, spec) for a spec file, or for every arm of a sweep file (under sweeps/)."""
-    from pathlib import Path
-
-    from .spec import load_spec
-    from .sweeps import load_sweep
-
-    if Path(path).parent.name != "sweeps":
-        return [(path, load_spec(path))]
-    sw = load_sweep(path)
-    print(f"ok: {path} (sweep '{sw.name}' on {sw.base}: {len(sw.arms)} arms, "
-          f"{', '.join(sw.arm_names())})")
-    return [(str(a.spec.path), a.spec) for a in sw.arms]
-
-
-def validate(paths: list[str], check_devices: bool, results: str = "results",
-             show: bool = False) -> int:
-    """Check every spec (or sweep arm) given and report each (exit 2 if any fails): schema and
-    cross-field rules, the data checks that need no model, the devices (unless --no-devices),
-    then the budgets (memory per device, disk, rough time per stage, a feature cache) and the
-    disk refusal. ``show``: print each spec as validated (bases merged, defaults filled)."""
-    import json
-    from pathlib import Path
-
-    import yaml
-
-    from .spec import check_devices as devices_present
-
-    # by name, like the stages: the CLI is in every stage's code closure (code_fingerprint)
-    check_data = importlib.import_module("dflash.data.check").check_data
-    bud = importlib.import_module("dflash.train.budget")
-
-    failed, checked = 0, 0
-    for path in paths:
-        try:
-            specs = _specs_in(path)
-        except DFlashError as e:
-            failed, checked = failed + 1, checked + 1
-            print(f"error: {e}", file=sys.stderr, flush=True)
-            continue
-        for where, s in specs:
-            checked += 1
-            try:
-                if check_devices:
-                    devices_present(s)
-                check_data(s)
-                if check_devices:  # like the devices: what is installed here
-                    importlib.import_module("dflash.train.tracker").check_tracker(s)
-                # the disk check is this machine's: skipped with the devices (a spec for elsewhere)
-                b = bud.check_disk(s, Path(results)) if check_devices else bud.budget(s, Path(results))
-            except DFlashError as e:
-                failed += 1
-                print(f"error: {e}", file=sys.stderr, flush=True)
-                continue
-            nodes = f" on each of {s.topology.nodes} nodes" if s.topology.nodes > 1 else ""
-            print(f"ok: {where} (spec '{s.name}', devices {', '.join(s.devices())}{nodes})")
-            print("\n".join(bud.render(b)), flush=True)
-            _print_cache_budget(s, results)
-            if show:  # JSON first: tuples become lists, as YAML can dump them
-                print(f"--- # {where} as validated")
-                print(yaml.safe_dump(json.loads(json.dumps(s.to_dict())), sort_keys=False))
-    if checked > 1:
-        print(f"{checked - failed} of {checked} specs ok", file=sys.stderr if failed
-              else sys.stdout)
-    return 2 if failed else 0
 
 
 # Third-party progress bars (GGUF conversion, weight loading, hub downloads) would fill every
@@ -169,7 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         if a.cmd in TOOLS:
             return importlib.import_module(f"dflash.{TOOLS[a.cmd][0]}").main(argv[1:])
         if a.cmd == "validate":
-            return validate(a.specs, not a.no_devices, a.results, show=a.show)
+            # by name, like the stages: validate's checks stay out of every stage's code
+            # fingerprint (dflash.code_fingerprint follows static imports only)
+            return importlib.import_module("dflash.validate").validate(
+                a.specs, not a.no_devices, a.results, show=a.show)
         run_stage(a.cmd, a.spec, a.results, a.at, a.env_at)
         return 0
     except DFlashError as e:

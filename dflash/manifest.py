@@ -14,6 +14,7 @@ shared filesystem stay readable by the team, as the umask says.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -84,8 +85,6 @@ def file_lock(path: str | os.PathLike) -> Iterator[None]:
     """An exclusive inter-process lock on ``path`` (created if missing), released on exit or when
     the process dies: one builder of a shared artifact (a venv, a converted target), others wait
     and reuse what it built."""
-    import fcntl
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:

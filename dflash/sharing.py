@@ -24,6 +24,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from .errors import StaleArtifact
 from .manifest import fingerprint
 
 STORE = ".shared"
@@ -87,8 +88,6 @@ def link_stage(store: Path, stage: str, spec_results: Path,
     ``extras`` that exists (the stage's log and Snakemake benchmark, under the spec's names)."""
     src = store / stage
     if not (src / "manifest.json").is_file():
-        from .errors import StaleArtifact
-
         raise StaleArtifact(f"{src / 'manifest.json'}: the shared {stage} stage has no manifest; "
                             f"rerun it (snakemake reruns it when asked for the spec)")
     n = link_tree(src, Path(spec_results) / stage)

@@ -1,7 +1,8 @@
 """Load and validate ``specs/<name>.yaml``: JSON schema, did-you-mean, cross-field rules.
 
 Every error names the spec file and the field path. Nothing heavy (torch, models) is loaded here
-except for the optional device-presence check, which imports torch only to count GPUs.
+except for the optional device-presence check, which imports torch only to count GPUs. The typed
+spec it returns (frozen dataclasses, the fields each stage depends on) is :mod:`dflash.spec_types`.
 """
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import copy
 import difflib
 import math
 import re
-from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,8 @@ import jsonschema
 import yaml
 
 from .errors import SpecError
-from .manifest import fingerprint
+from .inherit import attribute, resolve
+from .spec_types import Spec, _section, cache_mode
 
 SCHEMA_PATH = Path(__file__).with_name("schema") / "spec.schema.yaml"
 DEVICE_RE = re.compile(r"^(cpu|cuda:(0|[1-9][0-9]{0,2}))$")
@@ -27,314 +28,6 @@ DEVICE_RE = re.compile(r"^(cpu|cuda:(0|[1-9][0-9]{0,2}))$")
 @lru_cache(maxsize=1)
 def schema() -> dict:
     return yaml.safe_load(SCHEMA_PATH.read_text())
-
-
-# ---------------------------------------------------------------------------------------------
-# the typed spec: frozen dataclasses built from the validated dict. Field names mirror the
-# schema's properties exactly (a test holds them together); defaults, docs and error messages
-# live in the schema only.
-# ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class TargetSpec:
-    model: str
-    init: str
-    dtype: str
-    num_feature_layers: int
-    layer_ids: tuple[int, ...] | None
-    compile: str
-    # a default, unlike the other fields: code that builds a TargetSpec by hand (tests, tools)
-    # predates the field; the schema's default is the same
-    cuda_graph: str = "auto"
-
-
-@dataclass(frozen=True)
-class DrafterSpec:
-    num_layers: int
-    block_size: int
-    mask_token_id: int
-    dtype: str
-    # a default: code that builds a DrafterSpec by hand predates the field (schema: the same)
-    init: str = "random"
-
-
-@dataclass(frozen=True)
-class BatchingSpec:
-    token_budget: int
-    max_batch_size: int
-    max_anchors: int
-    num_buckets: int
-
-
-@dataclass(frozen=True)
-class LossSpec:
-    gamma: float
-    kind: str
-    max_position: int | None
-    kd_top_k: int
-
-
-@dataclass(frozen=True)
-class TopologySpec:
-    targets: tuple[str, ...]
-    drafters: tuple[str, ...]
-    allow_shared_devices: bool
-    queue_depth: int
-    nodes: int
-    rendezvous: str
-
-
-@dataclass(frozen=True)
-class SourceSpec:
-    """One entry of ``data.sources``: count, or weight (a share of the rest), or neither."""
-    source: str
-    count: int | None = None
-    weight: float | None = None
-
-
-@dataclass(frozen=True)
-class SelfWrittenSpec:
-    temperature: float
-    max_tokens: int
-    min_chars: int
-    max_chars: int
-    oversample: float
-    max_rounds: int
-
-
-@dataclass(frozen=True)
-class DataSpec:
-    source: str | None
-    sources: tuple[SourceSpec, ...] | None
-    self_written: SelfWrittenSpec
-    decontaminate_ngram: int
-    max_prompts: int
-    samples_per_prompt: int
-    max_prompt_tokens: int
-    max_new_tokens: int
-    temperature: float
-    gen_batch_size: int
-    engine: str
-    max_bad_fraction: float
-
-
-@dataclass(frozen=True)
-class OptimSpec:
-    lr: float
-    warmup_ratio: float
-    epochs: int | None
-    max_steps: int | None
-    grad_clip: float
-    weight_decay: float
-    beta2: float
-
-
-@dataclass(frozen=True)
-class CheckpointSpec:
-    every_steps: int
-    keep: int
-
-
-@dataclass(frozen=True)
-class MonitorSpec:
-    tau_every_steps: int | None
-    tau_prompts: int
-    tau_max_new_tokens: int
-    tensorboard: bool
-
-
-@dataclass(frozen=True)
-class FeaturesSpec:
-    cache: str
-    dtype: str
-    headroom: float
-
-
-@dataclass(frozen=True)
-class CompileSpec:
-    backend: str
-    head_loss: str
-
-
-@dataclass(frozen=True)
-class BenchSpec:
-    mode: str
-    steps: int
-    warmup_steps: int
-    eval_sets: tuple[str, ...]
-    eval_prompts: int
-    eval_max_new_tokens: int
-    real_prompts: int
-    eval_batch_size: int
-    protocols: tuple[str, ...] = ("dflash",)
-    reference_max_new_tokens: int = 2048
-    decode_batches: tuple[int, ...] = (1, 4, 16, 64)
-
-
-@dataclass(frozen=True)
-class EnvSpec:
-    lock: str
-    mode: str
-    wheel_dir: str | None
-
-
-SECTIONS: dict[str, type] = {
-    "target": TargetSpec, "drafter": DrafterSpec, "batching": BatchingSpec, "loss": LossSpec,
-    "topology": TopologySpec, "data": DataSpec, "optim": OptimSpec,
-    "checkpoint": CheckpointSpec, "monitor": MonitorSpec, "features": FeaturesSpec,
-    "compile": CompileSpec,
-    "bench": BenchSpec, "env": EnvSpec,
-}
-
-
-# sections' fields that are objects themselves: field -> dataclass (a list: a tuple of them)
-NESTED: dict[type, dict[str, type]] = {
-    DataSpec: {"self_written": SelfWrittenSpec, "sources": SourceSpec},
-}
-
-
-def _frozen(value: Any) -> Any:
-    return tuple(_frozen(v) for v in value) if isinstance(value, list) else value
-
-
-def _build(cls: type, values: dict):
-    nested = NESTED.get(cls, {})
-
-    def field_value(k: str, v: Any) -> Any:
-        if k not in nested or v is None:
-            return _frozen(v)
-        if isinstance(v, (list, tuple)):
-            return tuple(_build(nested[k], x) for x in v)
-        return _build(nested[k], v)
-
-    return cls(**{k: field_value(k, v) for k, v in values.items()})
-
-
-def _section(name: str, values: dict):
-    return _build(SECTIONS[name], values)
-
-
-def _plain(value: Any) -> Any:
-    """A section (or field) as the validated dict held it: a source entry without the count or
-    weight it did not give."""
-    if isinstance(value, SourceSpec):
-        return {k: v for k, v in asdict(value).items() if v is not None}
-    if is_dataclass(value):
-        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
-    if isinstance(value, tuple):
-        return tuple(_plain(v) for v in value)
-    return value
-
-
-@dataclass(frozen=True)
-class Spec:
-    """A validated spec with defaults filled in. ``path`` is the file it came from."""
-
-    name: str
-    seed: int
-    target: TargetSpec
-    drafter: DrafterSpec
-    batching: BatchingSpec
-    loss: LossSpec
-    topology: TopologySpec
-    data: DataSpec
-    optim: OptimSpec
-    checkpoint: CheckpointSpec
-    monitor: MonitorSpec
-    features: FeaturesSpec
-    compile: CompileSpec
-    bench: BenchSpec
-    env: EnvSpec
-    path: Path = field(default=Path("<spec>"), compare=False)
-
-    @classmethod
-    def from_dict(cls, data: dict, path: str | Path = "<spec>") -> "Spec":
-        """From a validated dict with every default filled in (see :func:`parse_spec`)."""
-        return cls(name=data["name"], seed=data["seed"], path=Path(path),
-                   **{k: _section(k, data[k]) for k in SECTIONS})
-
-    def to_dict(self) -> dict:
-        """The validated dict again (JSON-able; lists as tuples)."""
-        return {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name != "path"}
-
-    def replace(self, **sections: dict) -> "Spec":
-        """A copy with some fields of some sections changed, validated again like a spec file:
-        ``spec.replace(topology={"targets": ["cpu"]})``."""
-        data = self.to_dict()
-        for name, values in sections.items():
-            if isinstance(values, dict):
-                data[name] = {**data[name], **values}
-            else:
-                data[name] = values
-        return parse_spec(_absent_nulls(_thawed(data), schema()), str(self.path))
-
-    def section(self, stage: str) -> dict:
-        """The spec fields a stage's output depends on, as {field path: value}. Snakemake turns
-        them into rule params, so changing optim.lr reruns train+bench only, and changing
-        drafter.block_size reruns warmup too."""
-        return {k: _plain(v) for k, v in stage_fields(self)[stage].items()}
-
-    def fingerprint(self, stage: str) -> str:
-        return fingerprint(self.section(stage))
-
-    def devices(self) -> list[str]:
-        """One node's devices (every node of a multi-node run uses the same names)."""
-        return list(self.topology.targets) + list(self.topology.drafters)
-
-    def machine_devices(self) -> list[str]:
-        """The devices of this machine the stages use when every node runs here (simulated
-        nodes, dflash.runtime.launch): node i's cuda:j is cuda:(i·k + j), k = GPUs per node."""
-        devs = self.devices()
-        ids = [int(d.split(":")[1]) for d in devs if d.startswith("cuda:")]
-        if self.topology.nodes == 1 or not ids:
-            return devs
-        k = max(ids) + 1
-        return ["cpu"] * devs.count("cpu") + [f"cuda:{i}" for i in range(self.topology.nodes * k)]
-
-
-def stage_fields(spec: Spec) -> dict[str, dict[str, Any]]:
-    """Which spec fields each stage's output depends on."""
-    t = spec.target
-    target_identity = {"target.model": t.model, "target.init": t.init, "target.dtype": t.dtype}
-    return {
-        "env": {"env": spec.env},
-        # everything that changes a compiled shape or the compiled code
-        "warmup": {**target_identity, "target.num_feature_layers": t.num_feature_layers,
-                   "target.layer_ids": t.layer_ids, "target.compile": t.compile,
-                   "drafter": _shape_only(spec.drafter),
-                   "batching": spec.batching, "topology.drafters": spec.topology.drafters,
-                   "compile": spec.compile, "seed": spec.seed},
-        "data": {**target_identity, "data": spec.data, "seed": spec.seed},
-        # features, when a cache is on: a cached epoch >= 1 row holds its samples' epoch-0
-        # features (float8 storage rounds them), so the weights depend on it; off leaves the
-        # fingerprint as it was before the field existed
-        "train": {"loss": spec.loss, "optim": spec.optim, "checkpoint": spec.checkpoint,
-                  "topology": spec.topology, "monitor": spec.monitor, "seed": spec.seed,
-                  **({"features": spec.features} if cache_mode(spec) != "off" else {}),
-                  # the starting weights, not a shape: a random start leaves the fingerprint
-                  # as it was before the field existed
-                  **({"drafter.init": spec.drafter.init} if spec.drafter.init != "random"
-                     else {})},
-        "bench": {"bench": spec.bench},
-    }
-
-
-def _shape_only(drafter: DrafterSpec) -> dict:
-    """The drafter fields warm-up compiles for: all but ``init`` (the starting weights change
-    no compiled shape, so an init arm shares the base's warm-up)."""
-    return {k: v for k, v in _plain(drafter).items() if k != "init"}
-
-
-def cache_mode(spec: Spec) -> str:
-    """``features.cache`` as off, host or disk (YAML 1.1 reads a bare ``off`` as False)."""
-    return "off" if spec.features.cache in ("off", False) else spec.features.cache
-
-
-def _thawed(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _thawed(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_thawed(v) for v in value]
-    return value
 
 
 def _absent_nulls(node: Any, sch: dict) -> Any:
@@ -444,8 +137,6 @@ def parse_spec(data: Any, file: str = "<spec>") -> Spec:
 def load_spec(path: str | Path, check_devices_present: bool = False) -> Spec:
     """Read (with its ``base`` specs merged in, :mod:`dflash.inherit`), validate and
     (optionally) check that the spec's devices exist on this machine."""
-    from .inherit import attribute, resolve
-
     path = Path(path)
     file = str(path)
     data, prov, bases = resolve(path)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from dflash.runtime.harness import REPO
 
@@ -16,8 +17,6 @@ def micro_spec() -> Path:
 @pytest.fixture
 def one_torch_thread():
     """One intra-op thread for the test (tiny tensors; robust to a busy machine)."""
-    import torch
-
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -20,8 +20,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dflash.cli import main
+from dflash.data.prompts import load_prompts
 from dflash.errors import DFlashError, SpecError
-from dflash.spec import load_spec
+from dflash.models import target as T
+from dflash.spec import check_devices, load_spec, parse_spec
+from dflash.spec_types import TargetSpec
+from dflash.stages import StageContext
+from dflash.stages import env as env_stage
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = yaml.safe_load((REPO / "specs" / "tiny.yaml").read_text())
@@ -229,8 +235,6 @@ def test_malformed_spec_one_clear_message(case, tmp_path, monkeypatch):
 
 
 def test_absent_device_in_process(tmp_path):
-    from dflash.spec import check_devices
-
     path = Case("absent-device", [], put("topology.targets", ["cuda:0"])).write(tmp_path)
     spec = load_spec(path)                       # well-formed: only the device check refuses it
     with pytest.raises(SpecError) as e:
@@ -331,8 +335,6 @@ def good(i):
 
 
 def test_bad_data_lines_past_threshold_name_file_line_and_kind(tmp_path):
-    from dflash.data.prompts import load_prompts
-
     path = write_jsonl(tmp_path / "convs.jsonl", [
         good(1),
         '{"messages": [{"role": "user", "content": "unterminated',      # line 2: invalid JSON
@@ -361,8 +363,6 @@ def test_bad_data_lines_past_threshold_name_file_line_and_kind(tmp_path):
 
 
 def test_data_source_problems_are_one_message(tmp_path):
-    from dflash.data.prompts import load_prompts
-
     def refused(source, *parts):
         with pytest.raises(DFlashError) as e:
             load_prompts(str(source), max_prompts=10, seed=0, max_bad_fraction=0.05)
@@ -386,6 +386,7 @@ def test_data_source_problems_are_one_message(tmp_path):
 # ---------------------------------------------------------------------------------------------
 from test_env import make_wheel  # noqa: E402  (one builder of test wheels)
 
+
 def test_lock_with_bad_hash_refused_by_env_stage_cli(tmp_path):
     wheel = make_wheel(tmp_path / "wheels", "tiny-gamma", "1.0")
     good_hash = hashlib.sha256(wheel.read_bytes()).hexdigest()
@@ -407,10 +408,6 @@ def test_lock_with_bad_hash_refused_by_env_stage_cli(tmp_path):
 
 
 def test_missing_lock_file_is_one_message(tmp_path, monkeypatch):
-    from dflash.spec import parse_spec
-    from dflash.stages import StageContext
-    from dflash.stages import env as env_stage
-
     monkeypatch.chdir(tmp_path)
     data = copy.deepcopy(BASE)
     data["env"] = {"lock": "envs/nope.lock", "mode": "adopt"}
@@ -425,9 +422,6 @@ def test_missing_lock_file_is_one_message(tmp_path, monkeypatch):
 # a missing target model
 # ---------------------------------------------------------------------------------------------
 def test_missing_target_model_names_target_model(tmp_path):
-    from dflash.models import target as T
-    from dflash.spec import TargetSpec
-
     (tmp_path / "no-config").mkdir()            # a folder, but without config.json
     for model in (str(tmp_path / "does-not-exist"), str(tmp_path / "no-config"), "qwen3-9b"):
         tgt = TargetSpec(model=model, init="pretrained", dtype="float32", num_feature_layers=5,
@@ -445,8 +439,6 @@ def test_missing_target_model_names_target_model(tmp_path):
 @pytest.mark.parametrize("text", ['{"spec": "tiny", "step": 3', "[1, 2]", '{"updated_unix": "x"}',
                                   b"\xff\xfe garbage"])
 def test_status_on_a_garbled_status_file_is_one_line(tmp_path, capsys, text):
-    from dflash.cli import main
-
     f = tmp_path / "train" / "status.json"
     f.parent.mkdir()
     f.write_bytes(text if isinstance(text, bytes) else text.encode())

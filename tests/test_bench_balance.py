@@ -6,11 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from dflash.env.facts import hardware_facts
 from dflash.eval.report import render_report_md
 from dflash.spec import load_spec
-from dflash.train.flops import drafter_cost, project_tokens_per_s, worker_balance
+from dflash.train.flops import datasheet_peak, drafter_cost, mfu_against_datasheet, project_tokens_per_s, worker_balance
 from dflash.train.workers import drafter_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -83,7 +84,6 @@ def test_hardware_facts_cpu_and_cuda_structure():
     assert hw["accelerator"] == "cuda" and hw["gpu_count"] == 2
     assert [g["device"] for g in hw["gpus"]] == ["cuda:0", "cuda:1"]
     assert hw["driver"] == "580.159.04" and hw["driver_source"] == "env manifest"
-    import torch
 
     if not torch.cuda.is_available():
         assert all(g["name"] is None and g["error"] for g in hw["gpus"])
@@ -111,8 +111,6 @@ def test_report_md_shows_balance_and_hardware(h200_run):
 def test_report_md_shows_both_mfu_denominators_and_overridden_drift():
     """The committed H200 report rendered with today's fields: each MFU over the measured peak
     and over the datasheet peak, and the drift a DFLASH_ALLOW_DRIFT=1 run went on with."""
-    from dflash.train.flops import datasheet_peak, mfu_against_datasheet
-
     report = json.loads((H200 / "qwen3-8b-2gpu__bench__report.json").read_text())
     report["peak"]["datasheet"] = datasheet_peak("NVIDIA H200", "bfloat16")
     report.update(drafter_mfu_while_busy=0.44, final_draft_acc=None,

@@ -2,12 +2,28 @@
 import json
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
+from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
+from dflash.data.generate import eos_ids_of
 from dflash.errors import DFlashError
+from dflash.eval.evalsets import heldout_prompts, load_eval_sets
+from dflash.eval.report import fmt, write_plots
+from dflash.eval.speculative import speculative_generate
+from dflash.eval.tau import TauMonitor, simulate, summarize
+from dflash.models.drafter import DFlashDrafter, export_drafter
+from dflash.models.masks import PackedRow, sample_anchors
+from dflash.models.target import load_target
 from dflash.spec import load_spec
+from dflash.stages.bench import evaluate_tau
+from dflash.train.workers import drafter_config, initial_state, make_replicas
+from dflash.eval.evalsets import user_prompt
+from dflash.errors import SpecError
+from dflash.stages.bench import decode_speed
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,9 +45,6 @@ def spec_with(tmp_path, **bench):
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """A random-weight drafter for the tiny spec, exported as the train stage does."""
-    from dflash.models.drafter import DFlashDrafter, export_drafter
-    from dflash.train.workers import drafter_config
-
     spec = load_spec(REPO / "specs" / "tiny.yaml")
     cfg = drafter_config(spec)
     torch.manual_seed(0)
@@ -41,9 +54,6 @@ def exported(tmp_path_factory):
 
 
 def test_eval_sets_mtbench_categories_humaneval_heldout(tmp_path):
-    from dflash.eval.evalsets import heldout_prompts, load_eval_sets
-    from dflash.models.target import load_target
-
     spec = spec_with(tmp_path)
     tok = load_target(spec.target, "cpu").tokenizer
     mt, he = load_eval_sets(spec, None, tok, ["mtbench", "humaneval"], 1000)
@@ -54,8 +64,6 @@ def test_eval_sets_mtbench_categories_humaneval_heldout(tmp_path):
     # held out: never a prompt the training data holds (read from the dataset parquet)
     first, _ = heldout_prompts(spec, None, tok, 5)
     assert len(first) == 5
-    import pyarrow as pa
-    import pyarrow.parquet as pq
 
     (tmp_path / "data").mkdir()
     used = first[:3]
@@ -68,11 +76,6 @@ def test_eval_sets_mtbench_categories_humaneval_heldout(tmp_path):
 
 
 def test_evaluate_tau_report_and_markdown(tmp_path, exported):
-    from jinja2 import Environment, FileSystemLoader, StrictUndefined
-
-    from dflash.eval.report import fmt, write_plots
-    from dflash.stages.bench import evaluate_tau
-
     spec = spec_with(tmp_path, eval_sets=["mtbench", "humaneval", "heldout"], eval_prompts=2,
                      eval_max_new_tokens=6, real_prompts=1)
     tau = evaluate_tau(spec, exported, "cpu", tmp_path)
@@ -117,14 +120,7 @@ def test_evaluate_tau_report_and_markdown(tmp_path, exported):
 def test_reference_protocol_and_train_set_in_the_report(tmp_path, exported):
     """bench.protocols [dflash, reference]: both turns of 2 questions, both aggregations, the
     caps, beside ours in report.json and report.md; the train set reads the dataset."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
-    from dflash.eval.evalsets import user_prompt
-    from dflash.eval.report import fmt
-    from dflash.models.target import load_target
-    from dflash.stages.bench import evaluate_tau
 
     spec = spec_with(tmp_path, eval_sets=["mtbench", "train"], eval_prompts=2,
                      eval_max_new_tokens=6, real_prompts=0, protocols=["dflash", "reference"],
@@ -161,8 +157,6 @@ def test_reference_protocol_and_train_set_in_the_report(tmp_path, exported):
 
 
 def test_bench_failure_is_one_message_naming_the_file(tmp_path, exported):
-    from dflash.stages.bench import evaluate_tau
-
     spec = spec_with(tmp_path, eval_prompts=1, eval_max_new_tokens=4)
     broken = tmp_path / "broken"
     broken.mkdir()
@@ -181,11 +175,6 @@ def test_bench_failure_is_one_message_naming_the_file(tmp_path, exported):
 
 def test_tau_monitor_equals_simulated_tau_of_the_replica(tmp_path):
     """The training-time τ monitor gives the simulated τ of the replica's current weights."""
-    from dflash.eval.evalsets import heldout_prompts
-    from dflash.eval.tau import TauMonitor, simulate, summarize
-    from dflash.models.target import load_target
-    from dflash.train.workers import drafter_config, initial_state, make_replicas
-
     raw = yaml.safe_load((REPO / "tests" / "specs" / "micro.yaml").read_text())
     path = tmp_path / "micro.yaml"
     path.write_text(yaml.safe_dump(raw))
@@ -207,13 +196,6 @@ def test_tau_monitor_equals_real_decoding_of_a_trained_replica(tmp_path):
     step by step, its own features, the drafter's KV cache; τ = tokens after the prefill one
     over verification forwards, no chain walk) of the same prompts, with a replica trained
     through its own training step until some of its drafts are accepted."""
-    from dflash.data.generate import eos_ids_of
-    from dflash.eval.speculative import speculative_generate
-    from dflash.eval.tau import TauMonitor
-    from dflash.models.masks import PackedRow, sample_anchors
-    from dflash.models.target import load_target
-    from dflash.train.workers import drafter_config, initial_state, make_replicas
-
     spec = spec_with(tmp_path).replace(
         compile={"backend": "eager"}, drafter={"block_size": 4},
         optim={"lr": 1e-2, "warmup_ratio": 0.0},
@@ -250,8 +232,6 @@ def test_tau_monitor_equals_real_decoding_of_a_trained_replica(tmp_path):
 def test_decode_batches_choose_the_sweep(tmp_path):
     """bench.decode_batches: the sweep's batch sizes (default 1, 4, 16, 64); [] skips it before
     anything loads; a bad entry names the field."""
-    from dflash.errors import SpecError
-    from dflash.stages.bench import decode_speed
 
     assert spec_with(tmp_path).bench.decode_batches == (1, 4, 16, 64)
     b = spec_with(tmp_path, decode_batches=[]).bench

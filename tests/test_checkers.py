@@ -12,6 +12,7 @@ from dflash.runtime import faults as fi
 from dflash.spec import load_spec
 from dflash.train.books import EpochLedger
 from dflash.train.trainer import check_replicas
+from dflash.train.workers import drafter_config, initial_state, make_replicas
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -78,8 +79,6 @@ def test_tensors_equal_names_every_difference():
 
 @pytest.fixture(scope="module")
 def replicas():
-    from dflash.train.workers import drafter_config, initial_state, make_replicas
-
     spec = load_spec(REPO / "tests" / "specs" / "micro.yaml")
     spec = spec.replace(compile={"backend": "eager"})
     cfg = drafter_config(spec)

@@ -4,6 +4,7 @@ same run fingerprint (code included) and world size is resumed."""
 from __future__ import annotations
 
 import json
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -79,8 +80,6 @@ def test_state_json_is_sealed(ckpts):
 
 
 def test_checkpoint_files_respect_the_umask(tmp_path):
-    import os
-
     old = os.umask(0o027)
     try:
         path = ckpt.save(tmp_path / "c", 2, replica(), {}, keep=1, run_fingerprint=RUN)

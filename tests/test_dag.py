@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
+import subprocess
+import sys
 
 import pytest
 import yaml
 
-from dflash.runtime.harness import REPO, copy_workflow, job_counts, snakemake
+from dflash.manifest import read_manifest, write_manifest
+from dflash.runtime.harness import REPO, copy_workflow, job_counts, snakemake, stage_env
 
 pytestmark = pytest.mark.e2e
 
@@ -240,9 +244,6 @@ def test_damaged_artifact_is_seen_by_snakemake(wf, damage, manifest, reruns):
 def test_bench_refuses_a_damaged_drafter_in_one_line(wf):
     """The consumer's own check (a run outside Snakemake): one line naming the file, and the
     train manifest set aside, so the next `snakemake` reruns train."""
-    import subprocess
-    import sys
-
     res = wf / "results" / "micro"
     weights = res / "train" / "drafter" / "model.safetensors"
     with _damaged(weights, _flip, res / "train" / "manifest.json"):
@@ -290,9 +291,6 @@ def test_failed_train_reruns_train_and_bench_only_and_resumes(wf):
 
 def test_stale_warmup_manifest_is_refused(wf):
     """Change a shape field behind Snakemake's back: train refuses the old warmup manifest."""
-    import subprocess
-    import sys
-
     with _edited(wf, lambda d: d["batching"].update(max_anchors=8)):
         r = subprocess.run([sys.executable, "-m", "dflash", "train", "specs/micro.yaml"],
                            cwd=wf, capture_output=True, text=True, timeout=300,
@@ -306,13 +304,6 @@ def test_drifted_env_is_refused_by_every_stage_and_the_override_recorded(wf, tmp
     upgraded under the run): warmup, data, train and bench each refuse to start, naming the
     package with both versions and writing nothing; with DFLASH_ALLOW_DRIFT=1 each runs and
     records what drifted in its manifest (the bench: its report.json and report.md)."""
-    import shutil
-    import subprocess
-    import sys
-
-    from dflash.manifest import read_manifest, write_manifest
-    from dflash.runtime.harness import stage_env
-
     copy = tmp_path / "wf"
     shutil.copytree(wf, copy, ignore=shutil.ignore_patterns(".snakemake", "__pycache__"))
     res = copy / "results" / "micro"

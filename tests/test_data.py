@@ -3,19 +3,24 @@ plus one small real-target (SmolLM2-135M-Instruct) generation."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 import yaml
+from transformers import AutoTokenizer
 
+from dflash.cli import main
 from dflash.data.dataset import load_dataset
+from dflash.data.prompts import load_prompts, render_prompt
 from dflash.errors import DFlashError, StaleArtifact
-from dflash.data.prompts import render_prompt
 from dflash.eval.evalsets import mtbench_questions
-from dflash.spec import parse_spec
+from dflash.models.target import load_target, tokenizer_dir
 from dflash.runtime import faults
+from dflash.spec import parse_spec
 from dflash.stages import StageContext
 from dflash.stages import data as data_stage
 
@@ -87,10 +92,6 @@ def test_dataset_and_manifest(reference, capsys):
     assert g["new_tokens_generated"] == t["response"]["total"] and g["new_tokens_per_second"] > 0
 
     # loss_mask covers exactly the response; the prompt is the chat-templated prompt
-    from transformers import AutoTokenizer
-
-    from dflash.data.prompts import load_prompts
-    from dflash.models.target import tokenizer_dir
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir("llama-micro"))
     prompts, _ = load_prompts("chatterbot-corpus", 12, spec.seed, 0.05)
@@ -245,8 +246,6 @@ def test_user_file_mtbench_and_too_long(tmp_path):
 
 
 def test_cli_reports_errors(tmp_path, capsys):
-    from dflash.cli import main
-
     spec_file = tmp_path / "broken.yaml"
     raw = yaml.safe_load((ROOT / "specs" / "tiny.yaml").read_text())
     raw["name"] = "broken"
@@ -261,10 +260,6 @@ def test_cli_reports_errors(tmp_path, capsys):
 
 def test_real_smollm2_generation(tmp_path):
     """SmolLM2-135M-Instruct on CPU: 2 prompts, 8 new tokens; matches HF greedy generate."""
-    import torch
-
-    from dflash.models.target import load_target
-
     raw = yaml.safe_load((ROOT / "specs" / "tiny.yaml").read_text())
     raw["data"].update(max_prompts=2, max_new_tokens=8, gen_batch_size=2)
     spec = parse_spec(raw, "specs/tiny.yaml")
@@ -284,8 +279,6 @@ def test_damaged_dataset_or_manifest_is_set_aside_for_snakemake(reference, tmp_p
     """A truncated dataset.parquet or an edited data manifest: refused in one line naming the
     file, and the manifest (the data rule's declared output) set aside, so the same Snakemake
     command reruns the data stage; a stale one names the exact command."""
-    import shutil
-
     spec, out, _, _ = reference
     res = tmp_path / "results" / "test"
     shutil.copytree(out / "data", res / "data")

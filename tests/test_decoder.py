@@ -3,12 +3,18 @@ speculative path with a real (briefly trained) drafter and for the target-only p
 with per-sequence acceptance, lengths and eos; the on-device lossless counters."""
 import pytest
 import torch
+from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dflash.eval.decoder import Decoder
+from dflash.errors import DFlashError
+from dflash.eval.decoder import Decoder, _context_kv
+from dflash.eval.report import fmt, write_plots
+from dflash.eval.serving import goal, sweep
 from dflash.eval.speculative import target_greedy
 from dflash.eval.tau import greedy_continuations
 from dflash.models.drafter import DFlashConfig, DFlashDrafter
+from tests.test_bench_tau import REPO
+from tests.test_evaluate import train_briefly
 
 V, MASK, B, EOS = 96, 95, 5, 93
 
@@ -20,8 +26,6 @@ def _one_thread(one_torch_thread):
 
 @pytest.fixture(scope="module")
 def world():
-    from tests.test_evaluate import train_briefly
-
     torch.manual_seed(0)
     tc = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                      num_hidden_layers=4, intermediate_size=128, vocab_size=V,
@@ -102,8 +106,6 @@ def test_batch_sequences_finish_independently(world):
 
 
 def test_prompt_that_does_not_fit_is_one_clear_error(world):
-    from dflash.errors import DFlashError
-
     target, drafter, *_ = world
     with pytest.raises(DFlashError, match="prompt 1 has"):
         make(target, drafter, 1).decode([[1, 2], list(range(60))])
@@ -114,7 +116,6 @@ def test_compiled_regions_give_the_same_tokens(world):
     target, drafter, cfg, ps, greedy = world
     dec = make(target, drafter, 2, compile="aot_eager")
     assert [r.tokens for r in dec.decode(ps[:2])] == greedy[:2]
-    from dflash.eval.decoder import _context_kv
 
     assert dec._ctx is not _context_kv and "context_compile_error" not in dec.stats
     assert dec.stats["mismatches"] == 0
@@ -124,12 +125,6 @@ def test_sweep_rows_and_their_report_section(world, tmp_path):
     """The bench stage's batch sweep on CPU (the same code as on CUDA, eager): per batch size
     both engines and HF's static-cache generate, the lossless evidence, the report section and
     the plot."""
-    from jinja2 import Environment, FileSystemLoader, StrictUndefined
-
-    from dflash.eval.report import fmt, write_plots
-    from dflash.eval.serving import goal, sweep
-    from tests.test_bench_tau import REPO
-
     target, drafter, cfg, ps, greedy = world
     r = sweep(target, drafter, ps[:3], 8, [V + 1], batches=(1, 2), min_prompts=3, pad_id=EOS,
               log=lambda _: None)

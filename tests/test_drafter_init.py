@@ -10,6 +10,9 @@ from dflash.errors import SpecError
 from dflash.models.drafter import DFlashConfig, DFlashDrafter
 from dflash.models.drafter_init import target_layers_state
 from dflash.spec import load_spec
+from dflash.models.masks import PackedRow
+from dflash.models.target import load_target
+from dflash.train.workers import drafter_config, initial_state, make_replicas
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -68,9 +71,6 @@ def test_smollm2_last_layers_copied_and_training_runs():
     """The tiny spec's real target (SmolLM2-135M, 30 layers): a 2-layer drafter starts as its
     layers 28 and 29, through the trainer's own initial_state; a replica built on those weights
     trains (its loss falls on a fixed batch) and moves them."""
-    from dflash.models.masks import PackedRow
-    from dflash.models.target import load_target
-    from dflash.train.workers import drafter_config, initial_state, make_replicas
 
     base = load_spec(REPO / "specs" / "tiny.yaml")
     spec = base.replace(drafter={"num_layers": 2, "init": "target-layers"},

@@ -23,6 +23,7 @@ from dflash.env import drift as env_drift
 from dflash.env import facts as env_facts
 from dflash.env import freeze as env_freeze
 from dflash.env import lock as env_lock
+from dflash.env import overlay
 from dflash.env import venv as env_venv
 from dflash.errors import DFlashError, EnvDrift, SpecError
 from dflash.manifest import read_manifest
@@ -326,8 +327,6 @@ def test_live_env_ignores_vendored_copies():
 # adopt-mode overlay: what the pipeline adds to a machine image, hash-pinned (dflash.env.overlay)
 # ---------------------------------------------------------------------------------------------
 def test_overlay_installs_missing_pins_hash_checked_and_joins_the_lock(tmp_path, wheels):
-    from dflash.env import overlay
-
     py = tmp_path / "img" / "bin" / "python"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(py.parents[1])], check=True)
     subprocess.run(env_venv._pip_cmd(py) + ["install", "-q", "--no-index", "--no-deps",

@@ -11,7 +11,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from dflash.eval.decoded import Decoded, divergence, lossless_evidence
 from dflash.eval.evalsets import EvalSet
+from dflash.eval.speculative import DrafterCache, draft_block, speculative_generate, target_greedy
 from dflash.eval.tau import (
     Chain,
     draft_every_position,
@@ -23,10 +25,9 @@ from dflash.eval.tau import (
     target_features,
     walk_chain,
 )
-from dflash.models.masks import PackedRow, dense_mask, sample_anchors
 from dflash.models.drafter import DFlashConfig, DFlashDrafter
+from dflash.models.masks import PackedRow, dense_mask, sample_anchors
 from dflash.train.objective import Objective
-from dflash.eval.speculative import speculative_generate, target_greedy
 
 V, MASK, B, EOS = 96, 95, 5, [93]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -165,8 +166,6 @@ def test_trained_drafter_simulated_equals_real_and_lossless(world):
 
 def test_every_position_drafts_equal_single_block_drafts(world):
     """The batched all-anchor call (training mask) drafts exactly what draft_block drafts."""
-    from dflash.eval.speculative import DrafterCache, draft_block
-
     target, cfg, ps, conts, drafter = world
     emb, head = target.get_input_embeddings().weight, target.lm_head.weight
     seqs = [p + c for p, c in zip(ps, conts)]
@@ -226,8 +225,6 @@ def test_summary_of_an_untrained_drafter(world):
 
 
 def test_divergence_report_finds_the_first_difference():
-    from dflash.eval.decoder import Decoded, divergence, lossless_evidence
-
     c = list(range(10))
     m = [1.0] * 10
     m[5] = 0.01                                           # a near-tie at the first difference

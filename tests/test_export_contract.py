@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import AutoConfig
 
 from dflash.errors import DFlashError
 from dflash.models.drafter import DFlashConfig, DFlashDrafter, export_drafter
@@ -41,7 +42,6 @@ def test_export_meets_the_contract(exported):
     # the names the loaders map, exactly: nothing more, nothing less
     assert set(load_file(str(exported / "model.safetensors"))) == set(expected_tensors(cfg))
     # vLLM and SGLang parse config.json as a transformers Qwen3 config
-    from transformers import AutoConfig
 
     hf = AutoConfig.from_pretrained(str(exported))
     assert type(hf).__name__ == "Qwen3Config" and hf.block_size == 4

@@ -8,19 +8,23 @@ DFlash drafter replicas through the compile gate (the scheduler tests' fixtures)
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
+from test_scheduler import SPEC, _dataset
 
+from dflash.cli import main
 from dflash.errors import SpecError
 from dflash.spec import parse_spec
 from dflash.train import checkpoint as ckpt
+from dflash.train import cache_budget as cb
 from dflash.train import feature_cache as fc
 from dflash.train.packing import bucket_for, pack_row, plan_epoch
-from dflash.train.scheduler import Pipeline, StepMap
-from dflash.train.workers import (buckets, drafter_config, initial_state, make_replicas,
-                                  make_target_workers)
-from test_scheduler import SPEC, _dataset
+from dflash.train.packing import StepMap
+from dflash.train.scheduler import Pipeline
+from dflash.train.workers import buckets, captured, drafter_config, initial_state, make_replicas, make_target_workers
 
 
 @pytest.fixture(autouse=True)
@@ -60,7 +64,7 @@ def _rows(spec, samples, epoch):
 
 def _cache(spec, samples, folder=None, tensor_values=False):
     cfg = drafter_config(spec)
-    planes = fc.planes_for(spec, len(cfg.target_layer_ids), cfg.hidden_size)
+    planes = cb.planes_for(spec, len(cfg.target_layer_ids), cfg.hidden_size)
     return fc.FeatureCache(planes, DS(samples).sample_ids, DS(samples).lengths, folder=folder,
                            ident={"test": 1}, tensor_values=tensor_values)
 
@@ -149,7 +153,7 @@ def test_disk_cache_of_another_run_is_discarded(tmp_path):
     cache.write(row, torch.ones(1, row.input_ids.shape[0], cache.planes["features"].width))
     cache.close(remove=False)
     cfg = drafter_config(spec)
-    planes = fc.planes_for(spec, len(cfg.target_layer_ids), cfg.hidden_size)
+    planes = cb.planes_for(spec, len(cfg.target_layer_ids), cfg.hidden_size)
     other = fc.FeatureCache(planes, DS(samples).sample_ids, DS(samples).lengths,
                             folder=tmp_path / "fc", ident={"test": 2})
     assert not any(other.filled(s) for s in row.sample_ids)
@@ -161,19 +165,19 @@ def test_budget_is_tokens_times_layers_times_hidden_times_bytes(tmp_path):
     cfg = drafter_config(spec)
     ds = DS(_dataset())
     L, H = len(cfg.target_layer_ids), cfg.hidden_size
-    b = fc.run_budget(spec, ds, tmp_path, cfg, available=10**12)
+    b = cb.run_budget(spec, ds, tmp_path, cfg, available=10**12)
     assert b.tokens == sum(ds.lengths) and b.bytes == sum(ds.lengths) * L * H * 2 and b.fits
-    f8 = fc.run_budget(_spec("host", "float8_e4m3"), ds, tmp_path, cfg, available=10**12)
+    f8 = cb.run_budget(_spec("host", "float8_e4m3"), ds, tmp_path, cfg, available=10**12)
     assert f8.bytes == sum(ds.lengths) * (L * H + 4 * L)  # one float32 scale per layer
     # refused up front, naming the field and the figures
-    small = fc.run_budget(spec, ds, tmp_path, cfg, available=b.bytes)  # 10 % headroom
+    small = cb.run_budget(spec, ds, tmp_path, cfg, available=b.bytes)  # 10 % headroom
     assert not small.fits
     with pytest.raises(SpecError, match=r"field 'features.cache'.*does not fit"):
-        fc.check_budget(small, spec.path)
-    fc.check_budget(fc.run_budget(spec, ds, tmp_path, cfg, available=2 * b.bytes), spec.path)
+        cb.check_budget(small, spec.path)
+    cb.check_budget(cb.run_budget(spec, ds, tmp_path, cfg, available=2 * b.bytes), spec.path)
     # disk: measured on the cache folder's file system
-    assert fc.run_budget(_spec("disk"), ds, tmp_path, cfg).available > 0
-    assert fc.run_budget(_spec("off"), ds, tmp_path, cfg) is None
+    assert cb.run_budget(_spec("disk"), ds, tmp_path, cfg).available > 0
+    assert cb.run_budget(_spec("off"), ds, tmp_path, cfg) is None
 
 
 def test_cache_needs_one_node():
@@ -276,10 +280,6 @@ def test_cached_run_is_exactly_once_and_resumes_bit_identically(tmp_path):
 
 
 def test_cuda_graph_capture_only_for_a_compiled_cuda_extractor():
-    from types import SimpleNamespace
-
-    from dflash.train.workers import captured
-
     compiled, eager = SimpleNamespace(compile="inductor"), SimpleNamespace(compile=None)
     auto, off = _spec(), parse_spec(dict(SPEC, target={**SPEC["target"], "cuda_graph": "off"}),
                                     "x.yaml")
@@ -313,10 +313,6 @@ def test_lost_host_cache_after_a_kill_recomputes_and_stays_exactly_once(tmp_path
 
 
 def test_validate_prints_the_budget(tmp_path, capsys):
-    import yaml
-
-    from dflash.cli import main
-
     path = tmp_path / "cachespec.yaml"
     path.write_text(yaml.safe_dump(dict(SPEC, name="cachespec",
                                         features={"cache": "disk", "dtype": "float8_e4m3"})))

@@ -10,8 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from dflash.train.flops import (datasheet_peak, drafter_flops_per_step, drafter_useful_flops,
-                                mfu_against_datasheet)
+from dflash.models.drafter import DFlashConfig
+from dflash.spec import load_spec
+from dflash.train.flops import datasheet_peak, drafter_flops_per_step, drafter_useful_flops, mfu_against_datasheet
+from dflash.train.workers import drafter_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -51,9 +53,6 @@ def test_datasheet_peak_and_mfu_over_it():
 def test_drafter_step_script_counts_like_the_bench_stage():
     """bench/gpu/drafter_step.py's MFU numerator is the bench stage's: the training step's own
     token and labelled counts (metrics "tokens" / "labelled") through drafter_useful_flops."""
-    from dflash.spec import load_spec
-    from dflash.train.workers import drafter_config
-
     ds = _load(REPO / "bench" / "gpu" / "drafter_step.py")
     spec = load_spec(REPO / "tests" / "specs" / "micro.yaml").replace(
         compile={"backend": "eager"})
@@ -78,7 +77,6 @@ def test_committed_mfu_recount_matches_the_committed_runs():
     assert run["drafter_mfu"]["committed_over_measured_peak"] == report["drafter_mfu"]
     h = md.H200
     rep, warm, train, metrics = md.RUNS["qwen3-8b-2gpu-balanced"]
-    from dflash.models.drafter import DFlashConfig
 
     dcfg = DFlashConfig(**json.loads((h / warm).read_text())["drafter_config"])
     steps = json.loads((h / train).read_text())["steady_state"]["steps"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 import types
@@ -11,14 +13,8 @@ import torch
 import torch.fx._symbolic_trace as st
 
 from dflash.errors import PoisonedProcess
-from dflash.runtime.gate import (
-    FX_NESTED,
-    Gate,
-    classify_error,
-    get_gate,
-    is_recompile_refusal,
-    worker_thread_setup,
-)
+from dflash.runtime.gate import Gate, NoGate, get_gate
+from dflash.runtime.tracing import FX_NESTED, classify_error, is_recompile_refusal, worker_thread_setup
 
 
 def _stance() -> str:
@@ -356,11 +352,6 @@ def test_adam_foreach_never_fails_beside_compiles_with_gate():
 
 def test_nogate_is_a_recording_pass_through():
     """DFLASH_GATE=off (benchmarks): nothing blocks, compiles and race errors still counted."""
-    import subprocess
-    import sys
-
-    from dflash.runtime.gate import NoGate
-
     g = NoGate()
     assert g.run(("sig", 1), lambda: 41) == 41 and g.run(("sig", 1), lambda: 42) == 42
     with g.exclusive("x"):

@@ -5,14 +5,16 @@ import math
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from dflash.errors import DFlashError
-from dflash.data.engine import Engine, _mix32, generate, gumbel_noise, seed_keys
+from dflash.data.decode_step import mix32, gumbel_noise, seed_keys
+from dflash.data.engine import Engine, generate
 from dflash.data.generate import eos_ids_of, generate_chunks, open_generator, resolve_engine
-from dflash.data.prompts import render_prompt
-from dflash.data.prompts import load_prompts
-from dflash.spec import section_spec
+from dflash.data.prompts import load_prompts, render_prompt
+from dflash.errors import DFlashError
 from dflash.models.target import load_target
+from dflash.spec import section_spec
 
 TARGET = section_spec("target", {"model": "smollm2-135m-instruct", "init": "pretrained",
                                  "dtype": "float32", "num_feature_layers": 5})
@@ -94,7 +96,7 @@ def test_gumbel_max_samples_the_softmax():
     """Counter-based noise: argmax(logits + G) hits each token at its softmax probability."""
     V, n = 6, 40_000
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
-    vh = _mix32(torch.arange(V, dtype=torch.int64) * 0x9E3779B1 & 0xFFFFFFFF)
+    vh = mix32(torch.arange(V, dtype=torch.int64) * 0x9E3779B1 & 0xFFFFFFFF)
     keys = seed_keys(torch.arange(n, dtype=torch.int64) * 7919 + 5)
     steps = torch.full((n,), 3, dtype=torch.int64)
     picks = (logits[None] + gumbel_noise(keys, steps, vh)).argmax(-1)
@@ -110,8 +112,6 @@ def test_gumbel_max_samples_the_softmax():
 def test_compiled_decode_step_compiles_once_for_all_layers(smol, prompts):
     """Regional compile (aot_eager here: no C++ build): one graph per piece serves all 30
     layers, and the compiled engine gives the eager engine's greedy answers."""
-    from torch._dynamo.utils import counters
-
     eos = eos_ids_of(smol)
     ps = prompts[:3]
     kw = dict(slots=2, max_len=max(map(len, ps)) + 6, max_new_tokens=6, eos_ids=eos)
@@ -125,8 +125,6 @@ def test_compiled_decode_step_compiles_once_for_all_layers(smol, prompts):
 
 
 def test_engine_choice_and_errors(smol):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     assert resolve_engine("auto", smol.model) == "fast"
     assert resolve_engine("hf", smol.model) == "hf"
     gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model(

@@ -3,17 +3,19 @@ it builds from the environment (one machine, SLURM, by hand), and its refusals. 
 are tests/test_multinode.py."""
 from __future__ import annotations
 
+import os
+
 import pytest
+import yaml
 
 from dflash.errors import SpecError
+from dflash.runtime.distributed import select_local_gpus
+from dflash.runtime.harness import REPO, copy_workflow, snakemake
 from dflash.runtime.launch import first_host, torchrun_args
 from dflash.spec import load_spec
-from dflash.runtime.harness import REPO
 
 
 def _spec(tmp_path, nodes=2, rendezvous="auto", targets=("cpu",), drafters=("cpu", "cpu")):
-    import yaml
-
     d = yaml.safe_load((REPO / "specs" / "tiny.yaml").read_text())
     d["topology"].update(nodes=nodes, targets=list(targets), drafters=list(drafters),
                          allow_shared_devices=True)
@@ -52,8 +54,6 @@ def test_simulated_nodes_get_their_own_gpus(tmp_path):
 
 
 def test_select_local_gpus_shifts_by_local_rank(monkeypatch):
-    from dflash.runtime.distributed import select_local_gpus
-
     monkeypatch.setenv("DFLASH_DIST_WORKER", "1")
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("LOCAL_RANK", "1")
@@ -61,7 +61,6 @@ def test_select_local_gpus_shifts_by_local_rank(monkeypatch):
     monkeypatch.setenv("DFLASH_LAUNCH_VISIBLE_DEVICES", "4,5,6,7")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
     select_local_gpus()
-    import os
 
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "6,7"
 
@@ -102,8 +101,6 @@ def test_by_hand_needs_a_rendezvous(tmp_path):
 
 def test_simulated_nodes_hold_every_gpu_they_use(tmp_path):
     """Snakemake: the 2-node spec's jobs hold cuda_0 and cuda_1 (node 1 runs on GPU 1 here)."""
-    from dflash.runtime.harness import copy_workflow, snakemake
-
     wf = copy_workflow(tmp_path, [REPO / "specs" / "qwen3-8b-2node-shared.yaml"])
     r = snakemake(wf, "-n", "train_qwen3-8b-2node-shared")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]

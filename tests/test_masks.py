@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import flex_attention
 
 from dflash.models.masks import (
     IGNORE_INDEX,
@@ -113,7 +114,6 @@ def test_flex_block_mask_matches_dense(case):
     assert torch.equal(bm.to_dense()[0, 0].bool(), dm)
     # default 128-blocks: attention output equals SDPA with the dense mask
     bm = flex_block_mask(row.doc_ids, bl)
-    from torch.nn.attention.flex_attention import flex_attention
     g = torch.Generator().manual_seed(1)
     Q, KV = dm.shape
     q = torch.randn(1, 4, Q, 16, generator=g)

@@ -1,24 +1,37 @@
 """The drafter: config, attention backends, no-cheating, loss, training, export round trip."""
 import json
+import math
 import os
 import warnings
 
 import pytest
 import torch
+from safetensors import safe_open
 from transformers import LlamaConfig, Qwen3Config
 
 from dflash import settings
+from dflash.cli import main
+from dflash.data.generate import eos_ids_of
+from dflash.errors import DFlashError
+from dflash.eval.evalsets import heldout_prompts
+from dflash.eval.tau import greedy_continuations, target_features
+from dflash.manifest import atomic_write_json
 from dflash.models.drafter import (
     DFlashConfig,
     DFlashDrafter,
+    RMSNorm,
+    export_checksums,
     export_drafter,
     extract_features,
     hidden_state_indices,
     load_drafter,
+    verify_export,
 )
 from dflash.models.masks import IGNORE_INDEX, PackedRow, dense_mask, flex_block_mask, sample_anchors
-from dflash.models.target import default_layer_ids
+from dflash.models.target import default_layer_ids, load_target, target_embeddings
+from dflash.spec import load_spec
 from dflash.train.objective import Objective
+from dflash.train.workers import drafter_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -168,8 +181,6 @@ def test_training_drives_loss_down():
 
 
 def test_export_load_round_trip(tmp_path):
-    from safetensors import safe_open
-
     cfg = tiny_cfg(block_size=8, n_layers=2)
     model = DFlashDrafter(cfg).eval()
     export_drafter(model, cfg, tmp_path / "drafter")
@@ -218,16 +229,6 @@ def test_initial_loss_on_smollm2_is_the_mask_token_path_and_falls_fast():
     IS the logit scale and Adam grows it by ~lr per step); the target's final-norm weights
     start at 112 and reach 4.54; unit weights (ours, the reference's) reach 4.39.
     """
-    import math
-
-    from dflash.data.generate import eos_ids_of
-    from dflash.eval.evalsets import heldout_prompts
-    from dflash.eval.tau import greedy_continuations, target_features
-    from dflash.models.drafter import RMSNorm
-    from dflash.spec import load_spec
-    from dflash.models.target import load_target, target_embeddings
-    from dflash.train.workers import drafter_config
-
     spec = load_spec(os.path.join(os.path.dirname(__file__), "..", "specs", "tiny.yaml"))
     tgt = load_target(spec.target, "cpu")
     cfg = drafter_config(spec)
@@ -295,10 +296,6 @@ def test_export_check_verifies_the_drafter_by_content(tmp_path, capsys):
     """`dflash export-check DIR`: ok on a fresh export; one line naming the file for a flipped
     byte in the weights or an edited config (a changed block_size), against the folder's own
     checksums or the train manifest's record."""
-    from dflash.cli import main
-    from dflash.errors import DFlashError
-    from dflash.models.drafter import export_checksums, verify_export
-
     cfg = tiny_cfg(block_size=8, n_layers=1)
     out = export_drafter(DFlashDrafter(cfg), cfg, tmp_path / "drafter")
     recorded = export_checksums(out)
@@ -323,10 +320,6 @@ def test_export_check_verifies_the_drafter_by_content(tmp_path, capsys):
 def test_artifacts_respect_the_umask(tmp_path):
     """Atomic writes give the mode a plain open() would (0666 minus the umask), not mkstemp's
     0600: teammates on a shared filesystem can read reports, datasets and drafters."""
-    import os
-
-    from dflash.manifest import atomic_write_json
-
     cfg = tiny_cfg(block_size=8, n_layers=1)
     for umask in (0o022, 0o002, 0o077):
         old = os.umask(umask)

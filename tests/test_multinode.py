@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from dflash.runtime import faults as fi
@@ -94,7 +95,6 @@ def test_two_nodes_shard_each_epoch_exactly_once_and_stay_identical(w, trained):
     # the end-of-epoch step where rank 1's replicas have no batch: the mean is over the
     # active replicas of all ranks, so the weights track the 1-node run (to float rounding)
     assert any(len(r["sample_ids"]) <= 4 for r in two["metrics"].values())
-    import torch
 
     for k, v in one["tensors"][0].items():
         assert torch.allclose(two["tensors"][0][k], v, rtol=1e-4, atol=1e-6), k

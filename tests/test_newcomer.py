@@ -7,15 +7,26 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
 
 from dflash.data.check import check_data
+from dflash.env.audit import audit, render
+from dflash.env.lock import locked_pins
 from dflash.errors import SpecError
+from dflash.eval.evalsets import across_categories, mtbench_questions
+from dflash.eval.report import fmt, tau_from_accuracy, throughput_windows
+from dflash.runtime.gate import Gate
 from dflash.runtime.harness import REPO, copy_workflow, snakemake
+from dflash.runtime.status import StatusReporter, main
 from dflash.spec import parse_spec
+from dflash.stages.warmup import heartbeat
+from dflash.train import budget as bud
+from dflash.train import tracker
 
 
 def dflash(*args, cwd: Path, **env) -> subprocess.CompletedProcess:
@@ -103,8 +114,6 @@ def test_validate_checks_every_spec_and_reports_each(tmp_path):
 
 
 def test_budget_items_and_the_disk_refusal(tmp_path):
-    from dflash.train import budget as bud
-
     spec = spec_of(micro(tmp_path))
     b = bud.budget(spec, tmp_path / "results")
     assert set(b["disk"]) == {"dataset", "checkpoints", "exported drafter"}
@@ -168,8 +177,6 @@ def test_a_stage_error_is_printed_once_without_rule_exception(wf_bad):
 # quiet, useful output: `dflash status` in every stage, the train line's elapsed time and ETA
 # ---------------------------------------------------------------------------------------------
 def test_status_works_during_every_stage(tmp_path, capsys):
-    from dflash.runtime.status import main
-
     res, logs = tmp_path / "results" / "x", tmp_path / "logs" / "x"
     (res / "env").mkdir(parents=True)
     (res / "env" / "manifest.json").write_text(json.dumps({"seconds": 75.2}))
@@ -194,17 +201,12 @@ def test_status_works_during_every_stage(tmp_path, capsys):
 
 
 def test_train_status_line_has_elapsed_and_eta(tmp_path, capsys):
-    from types import SimpleNamespace
-
-    from dflash.runtime.status import StatusReporter
-
     spec = SimpleNamespace(name="x")
     rep = StatusReporter(tmp_path / "status.json", spec, total_steps=10)
     for i in range(4):
         rep.records.append((100.0 + 2.0 * i, i, 50, 1.0))  # 2 s per step
     rep.state["step"] = 4
     assert rep.eta_s() == pytest.approx(6 * 2.0)
-    from dflash.runtime.gate import Gate
 
     pipe = SimpleNamespace(first_step_s={}, gate=Gate(), queue_depths=lambda: {}, busy_s={},
                            wait_s={})
@@ -218,8 +220,6 @@ def test_train_status_line_has_elapsed_and_eta(tmp_path, capsys):
 # an honest report
 # ---------------------------------------------------------------------------------------------
 def test_fewer_mtbench_prompts_are_sampled_across_categories():
-    from dflash.eval.evalsets import across_categories, mtbench_questions
-
     qs = mtbench_questions()
     cats = {q["category"] for q in qs}
     assert len({q["category"] for q in qs[:20]}) <= 2  # the file is sorted by category
@@ -232,8 +232,6 @@ def test_fewer_mtbench_prompts_are_sampled_across_categories():
 
 
 def test_report_figures_are_readable_and_without_partial_windows():
-    from dflash.eval.report import fmt, tau_from_accuracy, throughput_windows
-
     assert fmt({"cuda": None, "version": "2.13.0", "probed": False}) == "version 2.13.0, probed false"
     assert fmt([0.123456, None]) == "0.123, n/a" and fmt(12345.6) == "12,346"
     # 41 steps of 100 tokens each 1 s apart, then a short partial flush at the end
@@ -248,8 +246,6 @@ def test_report_figures_are_readable_and_without_partial_windows():
 # the tracker: optional TensorBoard event files (monitor.tensorboard)
 # ---------------------------------------------------------------------------------------------
 def test_tensorboard_scalars_and_the_optional_dependency(tmp_path):
-    from dflash.train import tracker
-
     row = {"step": 3, "loss": 6.5, "lr": 1e-3, "draft_acc": [0.5, None, 0.25],
            "tau_heldout": 1.2}
     assert tracker.scalars(row, 250.0) == {"train/loss": 6.5, "train/lr": 1e-3,
@@ -265,7 +261,7 @@ def test_tensorboard_scalars_and_the_optional_dependency(tmp_path):
                                             "install tensorboard"):
             tracker.open_tracker(on, tmp_path)
         return
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: PLC0415 - optional
 
     t = tracker.open_tracker(on, tmp_path)
     t.log(row, 250.0)
@@ -278,9 +274,6 @@ def test_tensorboard_scalars_and_the_optional_dependency(tmp_path):
 
 
 def test_audit_says_what_it_checks_and_lists_the_unpinned_extras(capsys):
-    from dflash.env.audit import audit, render
-    from dflash.env.lock import locked_pins
-
     r = audit(lock=str(REPO / "envs" / "cpu-py311.lock"))
     pinned = set(locked_pins(REPO / "envs" / "cpu-py311.lock"))
     assert r["packages_checked"] == len(pinned)
@@ -293,10 +286,6 @@ def test_audit_says_what_it_checks_and_lists_the_unpinned_extras(capsys):
 
 
 def test_warmup_heartbeat_prints_while_the_block_runs(capsys):
-    import time
-
-    from dflash.stages.warmup import heartbeat
-
     with heartbeat(lambda s: f"[warmup] still compiling ({s:.1f}s in)", every_s=0.05):
         time.sleep(0.3)
     lines = capsys.readouterr().out.splitlines()

@@ -9,15 +9,19 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
+from transformers import AutoTokenizer
 
-from dflash.errors import DFlashError
 from dflash.data.prompts import (
     CHATTERBOT,
     load_prompts,
     normalize,
     parse_conversation,
 )
+from dflash.data.sources import build_samples
+from dflash.errors import DFlashError
 from dflash.eval.evalsets import eval_overlap, is_mtbench, mtbench_questions
+from dflash.models.target import tokenizer_dir
+from dflash.spec import parse_spec
 
 
 def load_mtbench(n=None):
@@ -151,11 +155,6 @@ def test_default_source_has_no_mtbench_question():
 
 def test_user_file_mtbench_question_dropped_and_counted(tmp_path):
     """The data stage's reject hook drops MT-Bench questions (case/whitespace-insensitive)."""
-    from dflash.data.sources import build_samples
-    from dflash.spec import parse_spec
-    from dflash.models.target import tokenizer_dir
-    from transformers import AutoTokenizer
-
     q = load_mtbench()[5]
     recs = [{"messages": [{"role": "user", "content": f"ordinary question {i}"}]}
             for i in range(30)]

@@ -9,6 +9,16 @@ import torch
 from dflash.eval.budget import budget_hits
 from dflash.eval.tau import summarize, walk_chain
 from dflash.spec import load_spec
+from dflash.data.generate import eos_ids_of
+from dflash.models.target import load_target
+from dflash.eval.evalsets import user_prompt
+from dflash.eval.reference import reference_questions, second_turn_prompt
+from dflash.eval.tau import greedy_continuations
+from dflash.data.engine import Engine
+import pyarrow as pa
+import pyarrow.parquet as pq
+from dflash.eval.evalsets import load_eval_sets, train_prompts
+from dflash.eval.tau import target_features
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -20,8 +30,7 @@ def _one_thread(one_torch_thread):
 
 @pytest.fixture(scope="module")
 def target():
-    from dflash.data.generate import eos_ids_of
-    from dflash.models.target import load_target
+    pass
 
     spec = load_spec(REPO / "specs" / "tiny.yaml")
     tgt = load_target(spec.target, "cpu")
@@ -29,9 +38,7 @@ def target():
 
 
 def test_second_turn_prompt_holds_the_targets_own_first_answer(target):
-    from dflash.eval.evalsets import user_prompt
-    from dflash.eval.reference import reference_questions, second_turn_prompt
-    from dflash.eval.tau import greedy_continuations
+    pass
 
     tgt, eos = target
     tok = tgt.tokenizer
@@ -56,9 +63,6 @@ def test_context_cap_truncates_to_the_greedy_prefix_and_is_counted(target):
     """A prompt whose context leaves 3 positions gets the first 3 tokens of its uncapped greedy
     answer (through the HF loop), the others the engine's full answers; budget_hits counts
     which cap each one stopped at."""
-    from dflash.data.engine import Engine
-    from dflash.eval.evalsets import user_prompt
-    from dflash.eval.tau import greedy_continuations
 
     tgt, eos = target
     short = user_prompt(tgt.tokenizer, "Name a colour.")
@@ -93,10 +97,8 @@ def test_per_prompt_mean_and_pooled_differ_as_computed_by_hand():
 
 
 def test_train_set_is_a_seeded_sample_of_the_distinct_training_prompts(tmp_path):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    pass
 
-    from dflash.eval.evalsets import load_eval_sets, train_prompts
 
     spec = load_spec(REPO / "specs" / "tiny.yaml")
     assert train_prompts(spec, tmp_path, 3) == ([], f"no training dataset "
@@ -119,7 +121,6 @@ def test_train_set_is_a_seeded_sample_of_the_distinct_training_prompts(tmp_path)
 
 def test_feature_batches_by_tokens_give_the_same_features(target):
     """Long answers: target_features' token budget splits the batches, not the values."""
-    from dflash.eval.tau import target_features
 
     tgt, _ = target
     g = torch.Generator().manual_seed(0)

@@ -34,6 +34,7 @@ import pytest
 
 from dflash.runtime import faults as fi
 from dflash.runtime.harness import job_counts, snakemake
+from dflash.train import checkpoint as ckpt
 
 pytestmark = pytest.mark.e2e
 
@@ -238,8 +239,6 @@ def test_resumed_run_proves_exactly_once_over_the_whole_run(killed, ref, w):
 
 def test_corrupt_or_truncated_checkpoints_are_skipped(ref, w, tmp_path):
     """checkpoint.latest_good on copies: a truncated file, a torn state.json, flipped bytes."""
-    from dflash.train import checkpoint as ckpt
-
     src = w.train_dir("results_ref") / "checkpoints"
     steps = sorted(src.glob("step-*"))
     assert len(steps) == 2

@@ -11,9 +11,11 @@ import time
 import pytest
 import torch
 
-from dflash.train.packing import bucket_for, pack_row, plan_epoch
-from dflash.train.scheduler import Pipeline, StepMap, WorkerFailed
+from dflash.runtime.status import busy_fractions
 from dflash.spec import parse_spec
+from dflash.train.packing import bucket_for, pack_row, plan_epoch
+from dflash.train.packing import StepMap
+from dflash.train.scheduler import Pipeline, WorkerFailed
 from dflash.train.workers import buckets, drafter_config, initial_state, make_replicas, make_target_workers
 
 SPEC = {
@@ -150,8 +152,6 @@ def test_failure_ends_within_10s_once_running():
 
 
 def test_busy_fractions_show_an_idling_worker():
-    from dflash.runtime.status import busy_fractions
-
     assert busy_fractions({"target-0": 3.0, "drafter-0": 1.0},
                           {"target-0": 0.0, "drafter-0": 3.0}) == {"drafter-0": 0.25,
                                                                     "target-0": 1.0}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import inspect
 import re
 import shlex
 import types
@@ -18,10 +19,16 @@ from pathlib import Path
 
 import pytest
 import yaml
+from snakemake.utils import format as smk_format
 
+import dflash.env.drift
+import dflash.stages
+import dflash.stages.env
+from dflash.cli import main
 from dflash.errors import SpecError
 from dflash.runtime.resources import srun
 from dflash.spec import load_spec, parse_spec, schema
+from dflash.stages import results_dir
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "dflash"
@@ -257,8 +264,6 @@ def test_weights_never_unpickled():
 def test_transformers_loads_bin_weights_with_weights_only():
     """A user's HF folder with pytorch_model.bin is read by transformers' torch.load with
     weights_only=True (its default; the package never overrides it, see above)."""
-    import inspect
-
     mu = pytest.importorskip("transformers.modeling_utils")
     assert inspect.signature(mu.load_state_dict).parameters["weights_only"].default is True
 
@@ -293,8 +298,6 @@ def test_name_schema_admits_only_path_safe_names():
 
 @pytest.mark.parametrize("name", ["tiny", "a", "x-1_b", "-", "0"])
 def test_valid_names_stay_inside_results_and_logs(name, tmp_path):
-    from dflash.stages import results_dir
-
     data = copy.deepcopy(BASE)
     data["name"] = name
     spec = parse_spec(data, f"specs/{name}.yaml")
@@ -306,11 +309,6 @@ def test_valid_names_stay_inside_results_and_logs(name, tmp_path):
 @pytest.mark.parametrize("stage", ["env", "warmup", "data", "train", "bench"])
 @pytest.mark.parametrize("name", ["..", "../../etc", "a/b"])
 def test_bad_name_refused_before_any_path_is_built(stage, name, tmp_path, monkeypatch, capsys):
-    import dflash.env.drift
-    import dflash.stages
-    import dflash.stages.env
-    from dflash.cli import main
-
     built = []
     monkeypatch.setattr(dflash.stages, "results_dir", lambda *a: built.append(a))
     monkeypatch.setattr(dflash.stages.env, "run", lambda *a: built.append(a))
@@ -398,8 +396,6 @@ def _common_fn(name: str, results: str = "results"):
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_stage_command_quotes_every_value(stage):
-    from snakemake.utils import format as smk_format
-
     evil = {"python": "/w d/.venvs/x;touch pwned-1/bin/python",
             "spec": "specs/t.yaml",
             "results": "/r s/$(touch pwned)/{x}`id`",

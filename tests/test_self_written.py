@@ -9,8 +9,11 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from dflash.errors import DFlashError, SpecError
+from dflash.data import sources
 from dflash.data.prompts import CHATTERBOT, load_prompts
+from dflash.data.self_written import check, user_turn_prefix
+from dflash.data.sources import tokenizer_for
+from dflash.errors import DFlashError, SpecError
 from dflash.eval.evalsets import (
     NgramIndex,
     eval_index,
@@ -18,8 +21,6 @@ from dflash.eval.evalsets import (
     load_humaneval,
     mtbench_questions,
 )
-from dflash.data import sources
-from dflash.data.self_written import check, user_turn_prefix
 from dflash.spec import parse_spec, section_spec
 from dflash.stages import StageContext
 from dflash.stages import data as data_stage
@@ -36,8 +37,6 @@ def tiny_raw(**data):
 
 
 def test_user_turn_prefix_is_the_template_up_to_the_user_text():
-    from dflash.data.sources import tokenizer_for
-
     tok = tokenizer_for("smollm2-135m-instruct")
     text = tok.decode(user_turn_prefix(tok))
     assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_end|>\n<|im_start|>user\n")
@@ -147,7 +146,6 @@ def test_mix_counts_and_no_eval_overlap(mixed):
     assert sw["candidates"] - sw["kept"] >= sum(sw["filtered"].values()) + sw["duplicates"] - 0
     assert sw["engine"] == "fast" and sw["rounds"] >= 1
     # the produced training set shares no n-gram with either evaluation set
-    from dflash.data.sources import tokenizer_for
 
     tok = tokenizer_for("smollm2-135m-instruct")
     rows = pq.read_table(tmp / "out" / "data" / "dataset.parquet").to_pylist()

@@ -13,6 +13,8 @@ import re
 
 import pytest
 import yaml
+from snakemake_executor_plugin_slurm.submit_string import get_submit_command
+from snakemake_executor_plugin_slurm.utils import set_gres_string
 
 from dflash.runtime.harness import REPO, copy_workflow, snakemake
 
@@ -65,9 +67,6 @@ class _Job:
 
 def _sbatch_flags(resources: dict) -> str:
     """The sbatch flags the plugin (snakemake-executor-plugin-slurm, as pinned) builds from them."""
-    from snakemake_executor_plugin_slurm.submit_string import get_submit_command
-    from snakemake_executor_plugin_slurm.utils import set_gres_string
-
     job = _Job(resources)
     params = {"run_uuid": "u", "slurm_logfile": "l", "comment_str": "c", "account": "",
               "partition": f"-p {resources['slurm_partition']}", "workdir": ""}

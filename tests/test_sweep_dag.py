@@ -15,6 +15,7 @@ import shutil
 import pytest
 import yaml
 
+from dflash.manifest import sha256_file
 from dflash.runtime.harness import copy_workflow, job_counts, snakemake
 
 pytestmark = pytest.mark.e2e
@@ -106,7 +107,6 @@ def test_deleting_one_arms_results_keeps_the_others_inputs(wf):
     sha = json.loads((res / ARMS[1] / "data" / "manifest.json").read_text())["dataset"]["sha256"]
     shutil.rmtree(res / ARMS[0])
     assert kept.is_file() and next((res / ".shared").glob("data-*/data/dataset.parquet")).is_file()
-    from dflash.manifest import sha256_file
 
     assert sha256_file(kept) == sha
     r = snakemake(wf, "-n", "bench_micro-lr")

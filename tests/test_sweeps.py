@@ -3,6 +3,7 @@ hard links (dflash.sharing), without running a stage: seconds in all."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -178,7 +179,6 @@ def test_store_links_survive_deleting_one_spec(tmp_path):
     ds = store / "data" / "dataset.parquet"
     assert os.path.samefile(a / "data" / "dataset.parquet", ds)
     assert ds.stat().st_nlink == 3
-    import shutil
 
     shutil.rmtree(a)                                   # one spec's results, deleted by hand
     assert ds.read_bytes() == b"x" * 100 and (b / "data" / "dataset.parquet").is_file()

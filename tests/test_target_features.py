@@ -8,10 +8,18 @@ import dataclasses
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
+from transformers import AutoModelForCausalLM, GPT2Config
 
+import dflash.runtime.gate as gate_mod
+from dflash.errors import SpecError
+from dflash.models.drafter import extract_features
 from dflash.models.masks import document_block_mask, document_dense_mask
-from dflash.spec import section_spec
-from dflash.models.target import FeatureExtractor, load_target
+from dflash.models.features import FeatureExtractor, compile_backend
+from dflash.models.target import hf_config, layer_ids, load_target
+from dflash.spec import load_spec, section_spec
+from dflash.train.warm import synthetic_row, warm_target_features, warm_targets
+from dflash.train.workers import buckets
 
 TARGET = section_spec("target", {"model": "llama-micro", "init": "random", "dtype": "float32",
                                  "num_feature_layers": 3})
@@ -110,10 +118,6 @@ def test_training_features_equal_inference_features_and_last_layer_is_refused():
     """Training reads hooked layer outputs; inference (ours and the reference's) reads HF
     hidden_states[i+1]. They agree for every layer but the last (after the final norm there),
     which target.layer_ids refuses with one message naming the field."""
-    from dflash.errors import SpecError
-    from dflash.models.drafter import extract_features
-    from dflash.models.target import hf_config, layer_ids
-
     n = hf_config(TARGET).num_hidden_layers
     allowed = list(range(n - 1))
     tgt = load_target(dataclasses.replace(TARGET, layer_ids=tuple(allowed)), "cpu",
@@ -147,12 +151,6 @@ def test_compiled_target_features_equal_eager_and_never_recompile(attention, mon
     """The compiled layers (inductor; flex = the CUDA path's BlockMask inside the layer graph)
     give HF's eager features; one graph serves every layer; after a warm start through the
     gate, another document layout of the same length is no recompile."""
-    from torch._dynamo.utils import counters
-
-    import dflash.runtime.gate as gate_mod
-    from dflash.models.target import compile_backend
-    from dflash.train.warm import synthetic_row, warm_targets
-
     gate = gate_mod.Gate()
     monkeypatch.setattr(gate_mod, "_GATE", gate)
     # the reference: HF's eager forward, SDPA with the dense document mask
@@ -189,11 +187,6 @@ def test_compiled_target_features_equal_eager_and_never_recompile(attention, mon
 def test_target_compile_resolution():
     """auto: on for CUDA + inductor only; on: the spec's backend anywhere; an architecture the
     layer code cannot run turns auto off and makes on an error naming target.compile."""
-    from transformers import AutoModelForCausalLM, GPT2Config
-
-    from dflash.errors import SpecError
-    from dflash.models.target import compile_backend
-
     auto, on, off = (dataclasses.replace(SMOL, compile=m) for m in ("auto", "on", "off"))
     assert section_spec("target", {"model": "qwen3-8b"}).compile == "auto"  # the default
     assert compile_backend(auto, "cuda:0", "inductor") == "inductor"
@@ -215,11 +208,6 @@ def test_target_compile_resolution():
 def test_warmup_compiles_the_target_layers_when_on(micro_spec, monkeypatch):
     """The warmup stage's target part: with target.compile on, one gated compile per bucket on a
     one-layer copy of the target; with auto on CPU nothing (the CPU suite compiles no target)."""
-    import dflash.runtime.gate as gate_mod
-    from dflash.spec import load_spec
-    from dflash.train.workers import buckets
-    from dflash.train.warm import warm_target_features
-
     spec = load_spec(micro_spec)
     assert spec.target.compile == "auto"
     assert warm_target_features(spec, buckets(spec)) == []

@@ -3,15 +3,16 @@ and not reported; any other unexpected, missing or mismatched weight still is.""
 from __future__ import annotations
 
 import dataclasses
-
 import logging
+import re
 import shutil
 
 import pytest
 from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from dflash.spec import section_spec
 from dflash.models.target import dropped_layer_keys, hf_config, load_target
+from dflash.spec import section_spec
 
 MICRO = section_spec("target", {"model": "llama-micro", "init": "random", "dtype": "float32",
                                 "num_feature_layers": 3})
@@ -20,8 +21,6 @@ MICRO = section_spec("target", {"model": "llama-micro", "init": "random", "dtype
 @pytest.fixture(scope="module")
 def micro_dir(tmp_path_factory):
     """llama-micro (6 layers, random weights) saved as a user checkpoint folder."""
-    from transformers import AutoModelForCausalLM
-
     d = tmp_path_factory.mktemp("micro") / "ok"
     AutoModelForCausalLM.from_config(hf_config(MICRO)).save_pretrained(d)
     return d
@@ -66,7 +65,6 @@ def test_truncated_load_is_quiet(micro_dir, reports):
     assert "LOAD REPORT" not in report(reports)
     load_target(target_of(micro_dir), "cpu", need_tokenizer=False)  # whole model: quiet too
     assert "LOAD REPORT" not in report(reports)
-    from transformers import LlamaForCausalLM
     assert "_keys_to_ignore_on_load_unexpected" not in LlamaForCausalLM.__dict__  # restored
 
 
@@ -102,8 +100,6 @@ def test_genuine_problems_are_still_reported(micro_dir, tmp_path, reports):
 
 
 def test_dropped_layer_patterns_are_exact():
-    import re
-
     cfg = hf_config(MICRO)  # 6 layers
     assert dropped_layer_keys(cfg, None) == [] and dropped_layer_keys(cfg, 6) == []
     (pat,) = dropped_layer_keys(cfg, 4)

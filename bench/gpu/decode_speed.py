@@ -25,16 +25,25 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from dflash.data.generate import eos_ids_of
+from dflash.eval.evalsets import load_eval_sets
+from dflash.eval.serving import goal, hf_static_generate, pair, tau_gap
+from dflash.eval.tau import simulate, summarize
+from dflash.models.drafter import DFlashConfig, DFlashDrafter, load_drafter
+from dflash.models.dtypes import dtype_of
+from dflash.models.target import default_layer_ids, load_target
+from dflash.spec import load_spec
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 def random_models(device: str, drafter_layers: int, block: int, target_layers: int = 30):
     """SmolLM2-135M's architecture with random weights (bf16), and a random drafter
     (``target_layers`` < 30: a shallower stack of the same layers, for a CPU smoke run)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dflash.models.drafter import DFlashConfig, DFlashDrafter
 
     torch.manual_seed(0)
     tc = LlamaConfig(hidden_size=576, num_hidden_layers=target_layers, num_attention_heads=9,
@@ -43,7 +52,6 @@ def random_models(device: str, drafter_layers: int, block: int, target_layers: i
                      max_position_embeddings=8192, bos_token_id=1, eos_token_id=2,
                      pad_token_id=2)
     target = LlamaForCausalLM(tc).to(device=device, dtype=torch.bfloat16).eval()
-    from dflash.models.target import default_layer_ids
 
     cfg = DFlashConfig.from_target_config(tc, drafter_layers, block, 49151,
                                           default_layer_ids(target_layers, drafter_layers))
@@ -53,21 +61,12 @@ def random_models(device: str, drafter_layers: int, block: int, target_layers: i
 
 def random_prompts(n: int, seed: int = 0) -> list[list[int]]:
     """MT-Bench-like lengths (first turns in SmolLM2's chat template: ~40-250 tokens)."""
-    import torch
-
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(40, 250, (n,), generator=g).tolist()
     return [torch.randint(3, 49000, (L,), generator=g).tolist() for L in lens]
 
 
 def real_models(spec_path: str, drafter_dir: str, device: str, n: int):
-    from dflash.data.generate import eos_ids_of
-    from dflash.eval.evalsets import load_eval_sets
-    from dflash.models.drafter import load_drafter
-    from dflash.models.target import load_target
-    from dflash.models.dtypes import dtype_of
-    from dflash.spec import load_spec
-
     spec = load_spec(spec_path, check_devices_present=False)
     tgt = load_target(spec.target, device, seed=spec.seed)
     drafter, _ = load_drafter(drafter_dir, device=device, dtype=dtype_of(spec.drafter.dtype))
@@ -78,8 +77,6 @@ def real_models(spec_path: str, drafter_dir: str, device: str, n: int):
 
 
 def simulated_tau(target, drafter, prompts, max_new, eos) -> list[float | None]:
-    from dflash.eval.tau import simulate, summarize
-
     dev = str(next(target.parameters()).device)
     emb = target.get_input_embeddings().weight.to(drafter.dtype)
     head = target.lm_head.weight.to(drafter.dtype)
@@ -130,7 +127,6 @@ def simulated_for(a, target, drafter, prompts, n: int) -> tuple[list | None, str
 
 def one_batch(a, target, drafter, ps, b, hf_b, sim) -> dict:
     """Target-only vs speculative at batch ``b`` (+ HF static, + τ real vs simulated)."""
-    from dflash.eval.serving import goal, hf_static_generate, pair, tau_gap
 
     kw = {k: v for k, v in (("sync_every", a.sync_every), ("verify_tokens", a.verify_tokens))
           if v}
@@ -170,7 +166,6 @@ def _line(r) -> str:
 
 def main(argv=None) -> int:
     a = parse(argv)
-    import torch
 
     t_start = time.time()
     dev = "cuda" if torch.cuda.is_available() else "cpu"

@@ -19,6 +19,14 @@ from pathlib import Path
 
 import torch
 
+from dflash.models.dtypes import dtype_of
+from dflash.runtime.gate import get_gate
+from dflash.runtime.tracing import worker_thread_setup
+from dflash.spec import load_spec
+from dflash.train.flops import drafter_useful_flops, measure_peak_flops
+from dflash.train.warm import synthetic_output, synthetic_row, warm_replica
+from dflash.train.workers import buckets, drafter_config, initial_state, make_replicas
+
 
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
@@ -29,11 +37,6 @@ def measure(spec, anchors: int, device: str, steps: int, peak: float | None,
             prepare=None, after=None) -> dict:
     """``prepare(rep)``, when given, adjusts the replica before its warm-up (an A/B's arm);
     ``after(step)``, when given, runs after the timing with the step and adds its dict."""
-    from dflash.models.dtypes import dtype_of
-    from dflash.train.flops import drafter_useful_flops
-    from dflash.runtime.gate import get_gate, worker_thread_setup
-    from dflash.train.warm import synthetic_output, synthetic_row, warm_replica
-    from dflash.train.workers import buckets, drafter_config, initial_state, make_replicas
 
     spec = spec.replace(batching={"max_anchors": anchors},
                         topology={"targets": [device], "drafters": [device],
@@ -82,10 +85,6 @@ def measure(spec, anchors: int, device: str, steps: int, peak: float | None,
 
 
 def main() -> None:
-    from dflash.train.flops import measure_peak_flops
-    from dflash.models.dtypes import dtype_of
-    from dflash.spec import load_spec
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--spec", required=True)
     ap.add_argument("--anchors", default="", help="comma list; default: the spec's max_anchors")

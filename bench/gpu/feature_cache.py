@@ -15,13 +15,13 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from target_side import TINY, cache_ab, config_dir  # noqa: E402
 
 
 def main(argv=None) -> int:
-    import torch
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results/h200"))
     ap.add_argument("--smoke", action="store_true", help="a tiny target on CPU")

@@ -31,12 +31,25 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import sys
 import time
 from pathlib import Path
 
 import torch
+from torch.utils.checkpoint import checkpoint
+
+from dflash.models.dtypes import dtype_of
+from dflash.models.masks import block_loss_weights
+from dflash.models.target import target_embeddings
+from dflash.spec import load_spec
+from dflash.train.flops import measure_peak_flops
+from dflash.train.objective import Objective
+from dflash.train.warm import synthetic_row
+from dflash.train.workers import buckets, drafter_config, objective
+from torch.profiler import ProfilerActivity, profile
+import traceback
 
 SMOLLM2_135M = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=576,
                     intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -59,8 +72,6 @@ def _main_chunk_ce_sum(h, w_lm, y, wt, k=None, num_positions: int = 0):
 
 def main_drafter_loss(hidden, lm_head_weight, labels, weights, chunk_size=2048, positions=None,
                       num_positions=0):
-    from torch.utils.checkpoint import checkpoint
-
     h = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1)
     w = torch.broadcast_to(weights, labels.shape).reshape(-1).to(torch.float32)
@@ -80,9 +91,6 @@ def main_drafter_loss(hidden, lm_head_weight, labels, weights, chunk_size=2048, 
 
 def main_objective(obj):
     """The objective with main's loss (the ``main`` arm; no cap existed there)."""
-    from dflash.models.masks import block_loss_weights
-    from dflash.train.objective import Objective
-
     class Main(Objective):
         def loss(self, hidden, lm_head, blocks, soft=None, row_len=None, chunk=2048, **_):
             B = self.block_size
@@ -114,7 +122,6 @@ def _time(fn, device: str, iters: int) -> float:
 def nohead_objective(obj):
     """The objective with the head taken out (the ``nohead`` arm: the step's remainder, i.e.
     drafter forward + backward + optimizer): a loss that touches every hidden state once."""
-    from dflash.train.objective import Objective
 
     class NoHead(Objective):
         def loss(self, hidden, lm_head, blocks, soft=None, row_len=None, chunk=2048, **_):
@@ -138,10 +145,6 @@ def arm_objective(obj, arm: str, cap):
 def head_alone(spec, device: str, arm: str, cap, iters: int) -> dict:
     """The loss's forward + backward on one bucket's blocks, drafter hidden states random; the
     supervised rows found on the blocks' host copy, as the replica does."""
-    from dflash.models.dtypes import dtype_of
-    from dflash.models.target import target_embeddings
-    from dflash.train.warm import synthetic_row
-    from dflash.train.workers import buckets, drafter_config, objective
 
     cfg = drafter_config(spec)
     obj = objective(spec, cfg)
@@ -183,8 +186,6 @@ def head_alone(spec, device: str, arm: str, cap, iters: int) -> dict:
 
 def _drafter_step():
     """bench/gpu/drafter_step.py, the module beside this script (no sys.path edit)."""
-    import importlib.util
-
     spec = importlib.util.spec_from_file_location(
         "drafter_step", Path(__file__).with_name("drafter_step.py"))
     mod = importlib.util.module_from_spec(spec)
@@ -200,7 +201,6 @@ def _optimizer(rep, fused: bool) -> None:
 
 def profile_steps(step, device: str, steps: int = 3, top: int = 15) -> dict:
     """The top kernels (CUDA; on CPU the top ops) of ``steps`` whole steps by total time."""
-    from torch.profiler import ProfilerActivity, profile
 
     cuda = device.startswith("cuda")
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -260,17 +260,12 @@ def _guarded(fn, spec, device, arm, cap, *args) -> dict:
     try:
         return fn(spec, device, arm, cap, *args)
     except Exception as e:  # noqa: BLE001 - recorded and printed, the next arm runs
-        import traceback
 
         traceback.print_exc()
         return {"arm": arm, "max_position": cap, "error": f"{type(e).__name__}: {e}"[:2000]}
 
 
 def main() -> None:
-    from dflash.models.dtypes import dtype_of
-    from dflash.spec import load_spec
-    from dflash.train.flops import measure_peak_flops
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--spec")
     ap.add_argument("--smollm2-shape", action="store_true")

@@ -24,6 +24,16 @@ import json
 import sys
 import time
 from pathlib import Path
+import torch
+from dflash.data.generate import eos_ids_of
+from dflash.eval.evalsets import load_eval_sets
+from dflash.eval.reference import evaluate_reference, reference_questions
+from dflash.eval.tau import evaluate_sets
+from dflash.models.drafter import DFlashDrafter, load_drafter
+from dflash.models.dtypes import dtype_of
+from dflash.models.target import load_target, target_embeddings
+from dflash.spec import load_spec
+from dflash.train.workers import drafter_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -46,17 +56,7 @@ def main(argv=None) -> int:
         a.spec, a.device, a.questions, a.max_new = str(REPO / "specs" / "tiny.yaml"), "cpu", 2, 8
         a.ours, a.ours_max_new = True, 8
 
-    import torch
 
-    from dflash.data.generate import eos_ids_of
-    from dflash.eval.evalsets import load_eval_sets
-    from dflash.eval.reference import evaluate_reference, reference_questions
-    from dflash.eval.tau import evaluate_sets
-    from dflash.models.drafter import DFlashDrafter, load_drafter
-    from dflash.models.dtypes import dtype_of
-    from dflash.models.target import load_target, target_embeddings
-    from dflash.spec import load_spec
-    from dflash.train.workers import drafter_config
 
     if a.threads:
         torch.set_num_threads(a.threads)

@@ -52,6 +52,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_speed import real_models  # noqa: E402  (bench/gpu/, beside this script)
 
 from dflash.errors import DFlashError  # noqa: E402
+from dflash.models.drafter import extract_features
+from transformers.cache_utils import Cache
+from packaging.version import Version
+from dflash.eval.serving import timed_decode
+from dflash.eval.decoder import Decoder
+from transformers import LlamaConfig, LlamaForCausalLM
+from dflash.models.drafter import DFlashConfig, DFlashDrafter, export_drafter
 
 
 def load_reference(ref_dir: str):
@@ -89,7 +96,6 @@ def load_reference_drafter(mod, drafter_dir, device, dtype=torch.float32):
 def logits_parity(mod, ref32, ours, target, prompt, seed: int = 0) -> dict:
     """float32: their features vs ours for ``prompt``, then their drafter's block logits vs ours
     (context = the prompt's features, block = [last token, mask × (K-1)] after it)."""
-    from dflash.models.drafter import extract_features
 
     dev = next(target.parameters()).device
     tgt32 = copy.deepcopy(target).float()
@@ -122,7 +128,6 @@ def logits_parity(mod, ref32, ours, target, prompt, seed: int = 0) -> dict:
 def reference_decode(mod, ref, target, prompts, max_new, eos) -> list[dict]:
     """Their loop, one prompt at a time (it is batch-1 only), greedy, with their stats. On CPU
     their ``return_stats`` path calls ``torch.cuda.synchronize``: it is made a no-op there."""
-    from transformers.cache_utils import Cache
 
     dev = next(target.parameters()).device
     real, crop = torch.cuda.synchronize, Cache.crop
@@ -150,7 +155,6 @@ def needs_crop_shim() -> bool:
     """Their loop calls ``DynamicCache.crop(start)`` with an absolute length (positive): the
     legacy meaning, deprecated in transformers 5.x and gone from 5.18 on (5.17, the H200 image's,
     still has it; it raises ValueError after)."""
-    from packaging.version import Version
 
     return Version(__import__("transformers").__version__) >= Version("5.18")
 
@@ -169,8 +173,6 @@ def _legacy_crop(crop):
 
 def ours_decode(target, drafter, prompts, max_new, eos):
     """Our decoder at batch 1, speculative and target-only (the greedy reference)."""
-    from dflash.eval.serving import timed_decode
-    from dflash.eval.decoder import Decoder
 
     max_len = max(len(p) for p in prompts) + max_new
     kw = dict(batch=1, max_len=max_len, max_new_tokens=max_new, eos_ids=eos)
@@ -184,9 +186,7 @@ def tiny_models(tmp: Path):
     16-token vocabulary, so that random drafts are sometimes accepted (τ > 1: the acceptance
     and the drafter's context paths of both loops are exercised, not only the bonus token)."""
     V = 16
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dflash.models.drafter import DFlashConfig, DFlashDrafter, export_drafter
 
     torch.manual_seed(0)
     tc = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,

@@ -5,7 +5,7 @@ peak measured in the same process:
 
 * ``hf_plain``: plain transformers, SDPA, ``B × S`` causal batch, ``output_hidden_states=True``
   (the users' anchor: Qwen3-8B 26–31 K tok/s, Qwen3-32B 7.2–7.8 K tok/s on one H200);
-* ``ours_flex``: :class:`dflash.models.target.FeatureExtractor` as the train stage runs it on CUDA
+* ``ours_flex``: :class:`dflash.models.features.FeatureExtractor` as the train stage runs it on CUDA
   (FlexAttention + document BlockMask) on ONE packed row of the same B documents of S tokens,
   every layer of the model, feature layers captured;
 * ``ours_dense_sdpa``: the same packed row with SDPA and the dense 4-D document mask (the path
@@ -37,11 +37,22 @@ document). Ratios are taken within the run.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import time
 
 import torch
+from torch._dynamo.utils import counters
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+from dflash.models.drafter import head_dim_of
+from dflash.models.masks import document_block_mask, document_mask_mod
+from dflash.models.features import FeatureExtractor
+from dflash.models.target import hf_config, layer_ids, load_target
+from dflash.runtime.tracing import worker_thread_setup
+from dflash.spec import section_spec
+from dflash.train.flops import best_seconds_per_call as timed
+from dflash.train.flops import measure_peak_flops, target_flops
 
 PATHS = ("hf_plain", "ours_dense_sdpa", "ours_flex", "ours_flex_truncated",
          "ours_flex_compiled", "ours_flex_compiled_truncated", "attention")
@@ -49,12 +60,6 @@ PATHS = ("hf_plain", "ours_dense_sdpa", "ours_flex", "ours_flex_truncated",
 
 def measure(model_name: str, batch: int, seq: int, device: str, peak: float, iters: int,
             paths=PATHS) -> dict:
-    from dflash.train.flops import best_seconds_per_call as timed, target_flops
-    from dflash.spec import section_spec
-    from torch._dynamo.utils import counters
-
-    from dflash.models.target import FeatureExtractor, hf_config, layer_ids, load_target
-
     spec_target = section_spec("target", {"model": model_name, "init": "random",
                                           "dtype": "bfloat16", "num_feature_layers": 5})
     cfg = hf_config(spec_target)
@@ -136,9 +141,6 @@ def measure(model_name: str, batch: int, seq: int, device: str, peak: float, ite
         features.pop(layers, None)
         torch.cuda.empty_cache()
     # the document BlockMask alone: eager (what the extractor builds per row) and compiled
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    from dflash.models.masks import document_block_mask, document_mask_mod
 
     L = di.shape[0]
     out["mask_seconds"] = {
@@ -161,14 +163,6 @@ def measure(model_name: str, batch: int, seq: int, device: str, peak: float, ite
 
 def attention_variants(cfg, doc, doc_lengths: list[int], device: str, iters: int) -> dict:
     """One layer's attention on the packed row, per kernel: seconds and useful TFLOP/s."""
-    import inspect
-
-    from torch.nn.attention.flex_attention import flex_attention
-
-    from dflash.train.flops import best_seconds_per_call as timed
-    from dflash.models.masks import document_block_mask
-    from dflash.models.drafter import head_dim_of
-
     hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, head_dim_of(cfg)
     L = doc.shape[0]
     g = torch.Generator(device=device).manual_seed(0)
@@ -190,7 +184,7 @@ def attention_variants(cfg, doc, doc_lengths: list[int], device: str, iters: int
         run(name, lambda opts=opts: flex(q, k, v, block_mask=mask, scale=hd ** -0.5,
                                          enable_gqa=hq != hkv, kernel_options=opts))
     try:
-        from torch.nn.attention.varlen import varlen_attn
+        from torch.nn.attention.varlen import varlen_attn  # noqa: PLC0415 - a probe: newer torch only
     except ImportError as e:
         res["varlen"] = {"error": f"ImportError: {e}"}
         return res
@@ -212,9 +206,6 @@ def attention_variants(cfg, doc, doc_lengths: list[int], device: str, iters: int
 
 
 def main() -> None:
-    from dflash.train.flops import measure_peak_flops
-    from dflash.runtime.gate import worker_thread_setup
-
     p = argparse.ArgumentParser()
     p.add_argument("--models", nargs="+", default=["qwen3-8b"])
     p.add_argument("--batch", type=int, default=16)

@@ -27,6 +27,16 @@ import time
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
+
+from dflash.models.masks import attention_backend, document_block_mask, document_dense_mask
+from dflash.models.features import FeatureExtractor
+from dflash.models.target import hf_config, layer_ids, load_target
+from dflash.models.target_graph import CapturedFeatures
+from dflash.spec import section_spec
+from dflash.train import cache_budget as cb
+from dflash.train import feature_cache as fc
+from dflash.train.packing import pack_row
 
 SMOLLM2 = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=576,
                intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -45,8 +55,6 @@ def config_dir(cfg: dict) -> str:
 
 def rows(L: int, n: int, mean: int, vocab: int, seed: int):
     """``n`` packed rows of documents of 1/3..5/3 x ``mean`` tokens, then padding."""
-    from dflash.train.packing import pack_row
-
     rnd = random.Random(seed)
     out, sid = [], 0
     for _ in range(n):
@@ -77,10 +85,6 @@ def timed(dev, fn, reps):
 
 
 def load(model: str, dev: str, compile: str | None, layers: int = 5):
-    from dflash.models.masks import attention_backend
-    from dflash.models.target import FeatureExtractor, hf_config, layer_ids, load_target
-    from dflash.spec import section_spec
-
     spec = section_spec("target", {"model": model, "init": "random", "dtype": "bfloat16"
                                    if dev.startswith("cuda") else "float32",
                                    "num_feature_layers": layers})
@@ -91,9 +95,6 @@ def load(model: str, dev: str, compile: str | None, layers: int = 5):
 
 
 def smollm2_profile(dev: str, cfg: dict, L: int, n: int, out: Path) -> dict:
-    from dflash.models.masks import document_block_mask, document_dense_mask
-    from dflash.models.target_graph import CapturedFeatures
-
     cuda = dev.startswith("cuda")
     t0 = time.perf_counter()
     fx, t = load(config_dir(cfg), dev, "inductor" if cuda else None)
@@ -166,7 +167,6 @@ def smollm2_profile(dev: str, cfg: dict, L: int, n: int, out: Path) -> dict:
         res["tflop_per_row_linear"] = round(flops / 1e12, 3)
         res["target_tokens_per_s"] = {k: round(L / res[k]) for k in
                                       ("today_per_row_s", "nosync_per_row_s", "graph_per_row_s")}
-        from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             fx(*to(rs[2]))
@@ -185,8 +185,6 @@ def smollm2_profile(dev: str, cfg: dict, L: int, n: int, out: Path) -> dict:
 
 def cache_ab(dev: str, model: str, L: int, n: int, out: Path, name: str) -> dict:
     """Epoch 0 (target + cache write) vs epochs >= 1 (cache read), on the target side."""
-    from dflash.train import feature_cache as fc
-
     t0 = time.perf_counter()
     fx, t = load(model, dev, None)
     H = t.config.hidden_size
@@ -198,7 +196,6 @@ def cache_ab(dev: str, model: str, L: int, n: int, out: Path, name: str) -> dict
     rnd = random.Random(2)
     order = samples[:]
     rnd.shuffle(order)
-    from dflash.train.packing import pack_row
 
     ep1, cur, used = [], [], 0
     for s in order:
@@ -220,7 +217,7 @@ def cache_ab(dev: str, model: str, L: int, n: int, out: Path, name: str) -> dict
     for store in ("target", "float8_e4m3"):
         sdt = torch.bfloat16 if store == "target" else fc.FP8
         dt = torch.bfloat16 if dev.startswith("cuda") else torch.float32
-        plane = fc.Plane("features", N * H, dt, sdt if store != "target" else dt, groups=N)
+        plane = cb.Plane("features", N * H, dt, sdt if store != "target" else dt, groups=N)
         cache = fc.FeatureCache([plane], ids, lens, tensor_values=True)
         # epoch 0: what the target worker does per row (forward, then the cache's write)
         _, h0, w0 = timed(dev, lambda i: cache.write(packed[i][0], fx(*to(packed[i][0]))), n)

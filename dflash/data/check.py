@@ -9,14 +9,74 @@ and the field path (``data.sources[1].source``). Light imports only (no torch, n
 from __future__ import annotations
 
 import difflib
+import math
 from pathlib import Path
 
 from ..errors import DFlashError, SpecError
+from ..spec_types import SourceSpec
 from .prompts import CHATTERBOT, load_prompts
-from .sources import SELF_WRITTEN, SYNTHETIC, source_quotas
 
+SELF_WRITTEN = "self-written"
+SYNTHETIC = "synthetic"
 SUFFIXES = (".jsonl", ".parquet")
 NAMES = (CHATTERBOT, SELF_WRITTEN, SYNTHETIC)
+
+
+SELF_WRITTEN = "self-written"
+
+
+def source_quotas(d) -> list[tuple[str, int]]:
+    """(source, prompts wanted) per entry of ``data.sources`` (or the one ``data.source``).
+
+    ``count`` entries get their count; the others share ``max_prompts`` minus the counts by
+    ``weight`` (default 1; largest remainder, ties to the earlier entry).
+    """
+    entries = d.sources or (SourceSpec(source=d.source, count=d.max_prompts),)
+    fixed = 0
+    for i, e in enumerate(entries):
+        if e.count is not None and e.weight is not None:
+            raise SpecError(f"data.sources[{i}]: give 'count' or 'weight', not both")
+        if e.source == SYNTHETIC:
+            raise SpecError(f"data.sources[{i}]: 'synthetic' cannot be mixed (use data.source)")
+        fixed += e.count or 0
+    if sum(e.source == SELF_WRITTEN for e in entries) > 1:
+        raise SpecError("data.sources: list 'self-written' once (give it the whole count)")
+    first: dict[str, int] = {}
+    for i, e in enumerate(entries):
+        j = first.setdefault(str(Path(e.source).expanduser()), i)
+        if j != i:  # the second entry would take only duplicates of the first's prompts
+            raise SpecError(f"data.sources[{i}]: field 'source' {e.source!r} is listed twice "
+                            f"(also data.sources[{j}]); give it once, with the sum of the "
+                            f"counts or weights")
+    rest = d.max_prompts - fixed
+    weighted = [(i, float(e.weight or 1.0)) for i, e in enumerate(entries)
+                if e.count is None]
+    if rest < 0 or (weighted and rest == 0):
+        raise SpecError(f"data.sources: the counts add up to {fixed}, "
+                        f"{'more than' if rest < 0 else 'all of'} data.max_prompts "
+                        f"{d.max_prompts}" + (", leaving none for the weighted entries"
+                                                 if rest == 0 else ""))
+    share = {i: 0 for i, _ in weighted}
+    if weighted:
+        for i, w in weighted:
+            if not math.isfinite(w):
+                raise SpecError(f"data.sources[{i}]: field 'weight' must be a finite number, "
+                                f"got {w}")
+        # relative to the largest: weights near the float limit (1e308) cannot overflow the sum
+        top = max(w for _, w in weighted)
+        total = sum(w / top for _, w in weighted)
+        exact = {i: rest * (w / top) / total for i, w in weighted}
+        share = {i: int(x) for i, x in exact.items()}
+        left = rest - sum(share.values())
+        for i in sorted(exact, key=lambda i: (-(exact[i] - share[i]), i))[:left]:
+            share[i] += 1
+    for i, n in share.items():
+        if n == 0:
+            raise SpecError(f"data.sources[{i}]: field 'weight' {entries[i].weight} gives "
+                            f"{entries[i].source} 0 of the {rest} weighted prompts; raise its "
+                            f"weight, give it a count, or drop the entry")
+    return [(e.source, e.count if e.count is not None else share[i])
+            for i, e in enumerate(entries)]
 
 
 def source_fields(d) -> list[tuple[str, str]]:

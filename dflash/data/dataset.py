@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
 from ..manifest import expect, read_manifest, verify_files
+from ..models.target import target_fingerprint
 
 DATASET = "dataset.parquet"
 
@@ -28,10 +31,6 @@ class TokenDataset:
 
 def load_dataset(spec, results_dir: Path) -> TokenDataset:
     """Read ``results_dir/data``, refusing a stale (other spec/target) or modified dataset."""
-    import pyarrow.parquet as pq
-
-    from ..models.target import target_fingerprint
-
     data_dir = Path(results_dir) / "data"
     mpath = data_dir / "manifest.json"
     manifest = read_manifest(mpath, "data")

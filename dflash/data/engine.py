@@ -37,36 +37,38 @@ Exactness: greedy answers are HF greedy answers (``tests/test_generate.py`` chec
 prompt against ``model.generate(do_sample=False)``), up to floating-point summation order, which
 can only matter at an exact logit tie.
 
-Sampling (``temperature > 0``) is Gumbel-max with counter-based noise: token ``t`` of a sample
-with seed ``s`` is ``argmax_v(logits_v / T + G(s, t, v))``, where ``G`` is Gumbel noise made by
-an integer hash of ``(s, t, v)`` (no generator state). So a sample's tokens depend only on its
-own prompt, seed and the model — not on the slot it got, the other samples in the batch, their
-order, the slot count, or the device — again up to the floating-point noise of the logits
-themselves. The same seeds give the same samples, run after run.
+Sampling (``temperature > 0``): counter-based Gumbel-max, :mod:`dflash.data.decode_step`.
 
 Architectures: Llama-family decoders whose layers are ``input_layernorm → self_attn (q/k/v/o
 projections, optional q_norm/k_norm as in Qwen3) → post_attention_layernorm → mlp`` with
 full attention (``llama``, ``qwen2``, ``qwen3``); :func:`unsupported_reason` says why another
 model is not, and the ``hf`` engine (:func:`dflash.data.generate.generate_batch`) serves it.
 
-Owns: :class:`Engine`, its Gumbel-max noise and decode pieces, :func:`unsupported_reason`.
-Imports the top-level modules, ``models.decoder`` and ``runtime.gate``.
+Owns: :class:`Engine` (its static caches, capture, replay and slot scheduling),
+:func:`unsupported_reason`. Imports the top-level modules, ``models.decoder``, ``models.graphs``,
+``runtime.gate`` and :mod:`dflash.data.decode_step` (the step's math and its sampling).
 """
 from __future__ import annotations
 
-import sys
 import time
 from typing import Any, Hashable, Iterable, Iterator, Sequence
 
+import torch
+import torch.nn.functional as F
+
 from ..errors import DFlashError
-from ..models.decoder import SUPPORTED_MODEL_TYPES  # noqa: F401 (re-exported)
-from ..models.decoder import compile_region, rope_of
+from ..models.decoder import (
+    SUPPORTED_MODEL_TYPES,  # noqa: F401 (re-exported)
+    compile_region,
+    rope_of,
+)
 from ..models.decoder import out_mlp as _out_mlp
 from ..models.decoder import qkv as _qkv
 from ..models.decoder import unsupported_reason as _layers_unsupported
 from ..runtime.gate import get_gate
+from ..models.graphs import capture, capture_or_warn
+from .decode_step import M32, DECODE_ATTENTION, mix32, pick_token, seed_keys
 
-_M32 = 0xFFFFFFFF
 
 
 def unsupported_reason(model) -> str | None:
@@ -78,81 +80,6 @@ def unsupported_reason(model) -> str | None:
         return "no lm_head (a truncated target cannot generate)"
     return None
 
-
-
-# ---------------------------------------------------------------------------------------------
-# counter-based Gumbel noise (identical on every device: integer arithmetic only)
-# ---------------------------------------------------------------------------------------------
-def _mul32(x, c: int):
-    """(x * c) mod 2**32 for int64 x in [0, 2**32), without int64 overflow (no UB, any backend)."""
-    lo, hi = x & 0xFFFF, x >> 16
-    return (lo * c + (((hi * c) & 0xFFFF) << 16)) & _M32
-
-
-def _mix32(x):
-    """A 32-bit integer hash (Chris Wellons' lowbias32) on int64 tensors holding 32-bit values."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def seed_keys(seeds):
-    """Per-sample 32-bit keys from 63-bit seeds (int64 tensor)."""
-    return _mix32(_mix32(seeds & _M32) ^ ((seeds >> 32) & _M32))
-
-
-def gumbel_noise(keys, steps, vocab_hash):
-    """Gumbel(0, 1) noise [B, V] as a pure function of (key, step, vocabulary index)."""
-    import torch
-
-    row = _mix32(keys ^ _mul32(steps & _M32, 0x9E3779B9))       # [B]
-    h = _mix32(row[:, None] ^ vocab_hash[None, :])              # [B, V]
-    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # (0, 1), 24 bits
-    return -torch.log(-torch.log(u))
-
-
-# ---------------------------------------------------------------------------------------------
-# the math, on the model's own modules
-# ---------------------------------------------------------------------------------------------
-def _decode_attn_mlp(layer, x, q, k_cache, v_cache, mask):
-    """One-token attention over the slot's cache row (mask: [B,1,1,S] valid positions)."""
-    import torch.nn.functional as F
-
-    B, nh, _, D = q.shape
-    kvh = k_cache.shape[1]
-    # GQA without copying K/V: the G query heads of one KV head form the query-length dim
-    # (head h = j*G + g, the order of HF's repeat_kv).
-    qg = q.reshape(B, kvh, nh // kvh, D)
-    o = F.scaled_dot_product_attention(qg, k_cache, v_cache, attn_mask=mask,
-                                       scale=layer.self_attn.scaling)
-    return _out_mlp(layer, x, o.reshape(B, 1, nh * D))
-
-
-def _decode_attn_mlp_matmul(layer, x, q, k_cache, v_cache, mask):
-    """:func:`_decode_attn_mlp` with the attention as two batched matmuls and a masked softmax
-    (reads K and V once each; no query-tile padding for the G query rows)."""
-    import torch
-
-    B, nh, _, D = q.shape
-    kvh = k_cache.shape[1]
-    qg = q.reshape(B, kvh, nh // kvh, D)
-    s = torch.matmul(qg, k_cache.transpose(-1, -2)).float() * layer.self_attn.scaling
-    p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1).to(v_cache.dtype)
-    o = torch.matmul(p, v_cache)
-    return _out_mlp(layer, x, o.reshape(B, 1, nh * D))
-
-
-DECODE_ATTENTION = {"sdpa": _decode_attn_mlp, "matmul": _decode_attn_mlp_matmul}
-
-
-def _pick(model, x_last, temperature: float, keys, steps, vocab_hash):
-    """final norm + lm_head + greedy / Gumbel-max pick -> token ids [B]."""
-    logits = model.lm_head(model.model.norm(x_last)).float()
-    if temperature == 0:
-        return logits.argmax(-1)
-    return (logits / temperature + gumbel_noise(keys, steps, vocab_hash)).argmax(-1)
 
 
 def _round_up(n: int, m: int) -> int:
@@ -181,8 +108,6 @@ class Engine:
                  sync_every: int | None = None, refill_at: int | None = None,
                  prefill_batch: int | None = None, padded_prefill: bool | None = None,
                  attention: str = "sdpa", gate=None):
-        import torch
-
         why = unsupported_reason(model)
         if why:
             raise DFlashError(f"fast generation engine: unsupported target: {why}")
@@ -239,8 +164,8 @@ class Engine:
             self.pos_ar = pos
             self.slot_ar = torch.arange(B, device=dev)
             self.eos = torch.tensor(sorted({int(e) for e in eos_ids}), device=dev)
-            self.vocab_hash = _mix32(torch.arange(self.model.lm_head.out_features, device=dev,
-                                                  dtype=torch.int64) * 0x9E3779B1 & _M32)
+            self.vocab_hash = mix32(torch.arange(self.model.lm_head.out_features, device=dev,
+                                                  dtype=torch.int64) * 0x9E3779B1 & M32)
             # per-slot state (static addresses: the captured graphs read and write these)
             self.rows = {name: torch.zeros(R, dtype=dt, device=dev) for name, dt in (
                 ("tok", torch.long), ("pos", torch.long), ("gen", torch.long),
@@ -249,7 +174,7 @@ class Engine:
             self.tok, self.pos, self.gen = (self.rows[k][:B] for k in ("tok", "pos", "gen"))
             self.active, self.keys = self.rows["active"][:B], self.rows["keys"][:B]
             self.out = self.out_rows[:B]
-        self._pre, self._post, self._head = _qkv, DECODE_ATTENTION[attention], _pick
+        self._pre, self._post, self._head = _qkv, DECODE_ATTENTION[attention], pick_token
         self._graph = None
         self._prefill_graphs: dict[int, Any] = {}
         self._prefill_bufs: dict[int, tuple] = {}
@@ -276,8 +201,6 @@ class Engine:
 
     def _decode_step(self) -> None:
         """One token for every slot; inactive slots compute but change nothing."""
-        import torch
-
         pos = self.pos
         x = self.base.embed_tokens(self.tok[:, None])                        # [B, 1, H]
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]            # [B, 1, D]
@@ -308,9 +231,6 @@ class Engine:
         """Prompts ``ids`` [n, P] (right-padded, causal) into cache rows ``idx``; each row's
         first token picked from its last prompt position. Device tensors only, no host sync
         (it is captured as a CUDA graph per padded shape)."""
-        import torch
-        import torch.nn.functional as F
-
         n, P = ids.shape
         rows = self.rows
         x = self.base.embed_tokens(ids)
@@ -328,7 +248,7 @@ class Engine:
                                                scale=layer.self_attn.scaling)
             x = _out_mlp(layer, x, o.transpose(1, 2).reshape(n, P, -1))
         last = x[torch.arange(n, device=ids.device), lens - 1]
-        nxt = _pick(self.model, last, self.temperature, kt,
+        nxt = pick_token(self.model, last, self.temperature, kt,
                     torch.zeros(n, dtype=torch.long, device=ids.device), self.vocab_hash)
         rows["tok"][idx] = nxt
         rows["pos"][idx] = lens
@@ -345,8 +265,6 @@ class Engine:
 
     def _prefill_buffers(self, P: int) -> tuple:
         """Static device inputs of the padded prefill of length ``P`` (a spare-row no-op)."""
-        import torch
-
         if P not in self._prefill_bufs:
             n, dev = self.prefill_batch, self.device
             self._prefill_bufs[P] = (torch.zeros(n, P, dtype=torch.long, device=dev),
@@ -360,7 +278,6 @@ class Engine:
         (once, exclusive gate)."""
         if self._ready:
             return
-        import torch
 
         if not (self.compile or self.cuda_graph):
             self._ready = True
@@ -371,7 +288,7 @@ class Engine:
                 backend = self.compile if isinstance(self.compile, str) else "inductor"
                 self._pre = compile_region(_qkv, backend)
                 self._post = compile_region(DECODE_ATTENTION[self.attention], backend)
-                self._head = compile_region(_pick, backend)
+                self._head = compile_region(pick_token, backend)
             with torch.inference_mode():
                 saved = self._snapshot()
                 for _ in range(2):  # compile, then one warm run (autotune, lazy inits)
@@ -379,41 +296,30 @@ class Engine:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 self.stats["compile_seconds"] = round(time.time() - t0, 3)
-                if self.cuda_graph:
-                    t1 = time.time()
-                    try:
-                        g = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(g, capture_error_mode="thread_local"):
-                            self._decode_step()
-                        torch.cuda.synchronize(self.device)
-                        self._graph = g
-                        if self.padded_prefill:
-                            self._capture_prefills()
-                    except Exception as e:  # loud, recorded: the steps then run uncaptured
-                        self.stats["graph_error"] = f"{type(e).__name__}: {e}"[:500]
-                        self._prefill_graphs.clear()
-                        print(f"[generate] WARNING: CUDA-graph capture failed, running "
-                              f"uncaptured (slower): {self.stats['graph_error']}",
-                              file=sys.stderr, flush=True)
-                    self.stats["capture_seconds"] = round(time.time() - t1, 3)
+                if self.cuda_graph and capture_or_warn(self._capture, self.stats,
+                                                       "generate") is None:
+                    self._prefill_graphs.clear()
                 self._restore(saved)
         self._ready = True
+
+    def _capture(self) -> bool:
+        """The decode step, then (``padded_prefill``) every padded prefill length."""
+        self._graph = capture(self._decode_step)[0]
+        torch.cuda.synchronize(self.device)
+        if self.padded_prefill:
+            self._capture_prefills()
+        return True
 
     def _capture_prefills(self) -> None:
         """One CUDA graph per padded prefill length, all in one memory pool (they never run
         at the same time and keep no tensor alive between runs). Warm-up and capture run with
         every row aimed at the spare row, so no slot's state changes."""
-        import torch
-
         pool = torch.cuda.graph_pool_handle()
         for P in self._prefill_lengths():
             bufs = self._prefill_buffers(P)
             self._prefill_body(*bufs)  # warm-up (lazy inits) outside the capture
             torch.cuda.synchronize(self.device)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
-                self._prefill_body(*bufs)
-            self._prefill_graphs[P] = g
+            self._prefill_graphs[P] = capture(lambda: self._prefill_body(*bufs), pool)[0]
         torch.cuda.synchronize(self.device)
 
     def _snapshot(self):
@@ -445,8 +351,6 @@ class Engine:
     def _prefill(self, slots: list[int], prompts: list[Sequence[int]], keys: list[int]) -> None:
         """Run ``prompts`` into ``slots`` and pick each first token: as they are (eager), or
         padded to ``prefill_batch`` rows × a multiple of 32 tokens (captured graph on CUDA)."""
-        import torch
-
         t0 = time.time()
         n = len(prompts)
         longest = max(len(p) for p in prompts)
@@ -488,8 +392,6 @@ class Engine:
         prefill overlap the decode); hand out last round's answers; then one sync to find the
         slots that finished.
         """
-        import torch
-
         self._prepare()
         feed = iter(items)
         state = {"exhausted": False}

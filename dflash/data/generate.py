@@ -22,6 +22,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Callable, Iterable, Iterator, Sequence
 
+import torch
+
 from ..errors import DFlashError
 from ..manifest import fingerprint
 from ..models.target import kv_cache
@@ -54,8 +56,6 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     Greedy when ``temperature == 0``; otherwise row ``i`` samples with its own generator seeded
     with ``seeds[i]``.
     """
-    import torch
-
     device = next(model.parameters()).device
     B, P = len(prompts), max(len(p) for p in prompts)
     ids = torch.full((B, P), pad_id, dtype=torch.long)

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
+import yaml
+
 from ..errors import DFlashError
 
 CHATTERBOT = "chatterbot-corpus"
@@ -125,8 +127,6 @@ def chatterbot_dir() -> Path:
 
 def _chatterbot_records(report: BadReport) -> Iterator[tuple[str, list[dict] | None]]:
     """(where, messages) per conversation of the English YAML files; first turn only."""
-    import yaml
-
     root_dir = chatterbot_dir()
     for path in sorted(root_dir.glob("*.yml")):
         name = path.relative_to(root_dir.parent.parent.parent)  # chatterbot_corpus/data/...
@@ -183,6 +183,8 @@ def _iter_file_records(path: Path, report: BadReport) -> Iterator[tuple[str, obj
     if suffix == ".jsonl":
         yield from _jsonl_records(path, report)
     elif suffix == ".parquet":
+        # pyarrow (~0.1 s) here only: the Snakefile's parse and `dflash validate` import this
+        # module (data.check) and read no prompt file
         import pyarrow.parquet as pq
 
         try:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
 from ..manifest import atomic_path, atomic_write_text, sha256_file
 
 SIDECAR = ".sha256"
@@ -18,8 +20,6 @@ def sidecar(path: Path) -> Path:
 def write_shard(path: Path, table) -> None:
     """Write ``table`` to ``path`` atomically, its checksum first: a shard that exists always has
     the checksum of the bytes it was written with."""
-    import pyarrow.parquet as pq
-
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp)
         atomic_write_text(sidecar(path), sha256_file(tmp) + "\n")

@@ -8,17 +8,19 @@ decides *what* is answered. docs/data.md has the details.
 from __future__ import annotations
 
 import json
-import math
+import random
 import time
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
-from ..errors import DFlashError, SpecError
+from transformers import AutoTokenizer
+
+from ..errors import DFlashError
 from ..manifest import fingerprint
 from ..models.target import hf_config, load_target, target_fingerprint, tokenizer_dir
-from ..spec import SourceSpec
+from .check import SELF_WRITTEN, SYNTHETIC, source_quotas
 from .generate import eos_ids_of, open_generator, resolve_engine, sample_seed
 from .prompts import BadReport, Prompt, load_prompts, normalize, render_prompt
 from .self_written import write_prompts
@@ -39,8 +41,6 @@ class Sample:
 
 @lru_cache(maxsize=4)
 def tokenizer_for(model: str):
-    from transformers import AutoTokenizer
-
 
     return AutoTokenizer.from_pretrained(tokenizer_dir(model))
 
@@ -86,64 +86,6 @@ def build_samples(spec, tokenizer, data_dir: Path | None = None, *,
         for k in range(spp):
             samples.append(Sample(p.prompt_id * spp + k, p.prompt_id, k, ids))
     return samples, report, prompts, per_source
-
-
-SELF_WRITTEN = "self-written"
-
-
-def source_quotas(d) -> list[tuple[str, int]]:
-    """(source, prompts wanted) per entry of ``data.sources`` (or the one ``data.source``).
-
-    ``count`` entries get their count; the others share ``max_prompts`` minus the counts by
-    ``weight`` (default 1; largest remainder, ties to the earlier entry).
-    """
-
-    entries = d.sources or (SourceSpec(source=d.source, count=d.max_prompts),)
-    fixed = 0
-    for i, e in enumerate(entries):
-        if e.count is not None and e.weight is not None:
-            raise SpecError(f"data.sources[{i}]: give 'count' or 'weight', not both")
-        if e.source == SYNTHETIC:
-            raise SpecError(f"data.sources[{i}]: 'synthetic' cannot be mixed (use data.source)")
-        fixed += e.count or 0
-    if sum(e.source == SELF_WRITTEN for e in entries) > 1:
-        raise SpecError("data.sources: list 'self-written' once (give it the whole count)")
-    first: dict[str, int] = {}
-    for i, e in enumerate(entries):
-        j = first.setdefault(str(Path(e.source).expanduser()), i)
-        if j != i:  # the second entry would take only duplicates of the first's prompts
-            raise SpecError(f"data.sources[{i}]: field 'source' {e.source!r} is listed twice "
-                            f"(also data.sources[{j}]); give it once, with the sum of the "
-                            f"counts or weights")
-    rest = d.max_prompts - fixed
-    weighted = [(i, float(e.weight or 1.0)) for i, e in enumerate(entries)
-                if e.count is None]
-    if rest < 0 or (weighted and rest == 0):
-        raise SpecError(f"data.sources: the counts add up to {fixed}, "
-                        f"{'more than' if rest < 0 else 'all of'} data.max_prompts "
-                        f"{d.max_prompts}" + (", leaving none for the weighted entries"
-                                                 if rest == 0 else ""))
-    share = {i: 0 for i, _ in weighted}
-    if weighted:
-        for i, w in weighted:
-            if not math.isfinite(w):
-                raise SpecError(f"data.sources[{i}]: field 'weight' must be a finite number, "
-                                f"got {w}")
-        # relative to the largest: weights near the float limit (1e308) cannot overflow the sum
-        top = max(w for _, w in weighted)
-        total = sum(w / top for _, w in weighted)
-        exact = {i: rest * (w / top) / total for i, w in weighted}
-        share = {i: int(x) for i, x in exact.items()}
-        left = rest - sum(share.values())
-        for i in sorted(exact, key=lambda i: (-(exact[i] - share[i]), i))[:left]:
-            share[i] += 1
-    for i, n in share.items():
-        if n == 0:
-            raise SpecError(f"data.sources[{i}]: field 'weight' {entries[i].weight} gives "
-                            f"{entries[i].source} 0 of the {rest} weighted prompts; raise its "
-                            f"weight, give it a count, or drop the entry")
-    return [(e.source, e.count if e.count is not None else share[i])
-            for i, e in enumerate(entries)]
 
 
 def _merge_report(into: BadReport, rep: BadReport) -> None:
@@ -253,9 +195,6 @@ def engine_compile(spec, device: str):
     return False if backend == "eager" else backend
 
 
-SYNTHETIC = "synthetic"
-
-
 def _synthetic_vocab_eos(spec) -> tuple[int, int]:
 
     cfg = hf_config(spec.target)
@@ -270,8 +209,6 @@ def synthetic_samples(spec):
     pretrained target): generating with a random 32B model would cost minutes of GPU time and
     produce noise all the same.
     """
-    import random
-
 
     d = spec.data
     vocab, _ = _synthetic_vocab_eos(spec)
@@ -288,8 +225,6 @@ def synthetic_samples(spec):
 
 def synthetic_responses(spec, samples) -> tuple[list[list[int]], int]:
     """Random responses of seeded length in [max_new/2, max_new], ending with eos."""
-    import random
-
     vocab, eos = _synthetic_vocab_eos(spec)
     n = spec.data.max_new_tokens
     out = []

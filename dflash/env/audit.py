@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -146,7 +147,6 @@ def render(r: dict, file=None) -> None:
 
 
 def shutil_width() -> int:
-    import shutil
     return shutil.get_terminal_size((100, 24)).columns
 
 

@@ -3,6 +3,7 @@ env runs first (:func:`check_env`). ``DFLASH_ALLOW_DRIFT=1`` turns the refusal i
 warning that the caller records in its manifest."""
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -118,8 +119,6 @@ def check_env(results_dir: str | os.PathLike, probe_torch: bool | None = None) -
 def main(argv: list[str] | None = None) -> int:
     """``dflash check-env results/<spec>``: this interpreter against the env manifest (exit 0
     OK, 1 drift, 2 bad input)."""
-    import argparse
-
     ap = argparse.ArgumentParser(prog="dflash check-env", description=main.__doc__.split(":")[0])
     ap.add_argument("results_dir", help="results/<spec>")
     a = ap.parse_args(argv)

@@ -23,6 +23,7 @@ PROBE_ONLY = ("cudnn", "nccl")            # known only after `import torch`
 def nvidia_probe(allow_subprocess: bool = True) -> tuple[str | None, list[str]]:
     """The NVIDIA driver version and GPU model names: the driver's /proc files, else nvidia-smi.
     Stdlib only and self-contained (its source runs in other interpreters, :func:`live_env`)."""
+    # self-contained: this function's source runs alone in another interpreter (live_env)
     import glob
     import re
     import shutil
@@ -54,6 +55,7 @@ def nvidia_probe(allow_subprocess: bool = True) -> tuple[str | None, list[str]]:
 
 
 def _collect_facts(probe_torch: bool = True, allow_subprocess: bool = True) -> dict:
+    # self-contained: this function's source runs alone in another interpreter (live_env)
     import importlib.metadata as md
     import os
     import platform
@@ -157,7 +159,7 @@ def env_fingerprint(facts: dict) -> str:
 def found_devices() -> list[str]:
     """The devices here: torch's count, or (no torch in this interpreter) the NVIDIA driver's."""
     try:
-        from ..spec import live_devices
+        from ..spec import live_devices  # needs torch and jsonschema: absent outside the env
         return live_devices()
     except ImportError:                 # no torch in the outer interpreter (build mode): count GPUs
         n = len(list(Path("/proc/driver/nvidia/gpus").glob("*")))
@@ -175,7 +177,7 @@ def hardware_facts(devices: list[str], env_manifest: dict) -> dict:
     if not gpus:
         return {"accelerator": "cpu", "gpu_count": 0, "gpus": [], "driver": None,
                 "note": "CPU run: no GPU in the topology"}
-    import torch
+    import torch  # env/ imports the standard library only (it runs before the pinned env)
 
     names = []
     for d in gpus:

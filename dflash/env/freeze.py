@@ -10,11 +10,11 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Iterable
 
 from .lock import normalize, parse_lock
-
 
 _FREEZE_RE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;#]+)")
 
@@ -51,7 +51,6 @@ def _hashes_from_pypi(pins: dict[str, str], python_version: str, platform: str) 
     uv = _uv_cmd()
     if not uv or not pins:
         return {}
-    import tempfile
 
     def compile_(names: Iterable[str]) -> str | None:
         with tempfile.TemporaryDirectory() as d:

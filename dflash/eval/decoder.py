@@ -38,14 +38,13 @@ whether any sequence is still running). On CPU the same code runs eagerly.
 Lossless: every emitted token is the target's greedy token in the verify forward that produced
 it. That equals plain one-token greedy decoding up to floating-point summation order (a verify
 of K tokens rounds differently from K one-token forwards), which can only flip a near-tie; the
-margins say how near (:func:`divergence`). In float32 the outputs are identical
+margins say how near (:func:`dflash.eval.decoded.divergence`). In float32 the outputs are identical
 (tests/test_decoder.py).
 """
 from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -55,26 +54,10 @@ from ..errors import DFlashError
 from ..models.decoder import attend_cache, compile_region, qkv, rope_of
 from ..models.decoder import unsupported_reason as _layers_unsupported
 from ..models.drafter import apply_rope, rope_cos_sin
-
-# An emitted token differing from plain greedy decoding is a floating-point near-tie when the
-# target's top-2 logit margin there is below this (bf16 logits of magnitude < 32 are spaced
-# 0.125 apart; a verify of 16 tokens and 16 one-token steps round a few such steps apart).
-NEAR_TIE_EPS = 0.5
-
-
-@dataclass
-class Decoded:
-    """One prompt's decode: the tokens (prompt excluded; the first comes from the prefill), the
-    verify steps that produced the rest, per step the drafts accepted (before truncation) and
-    the tokens emitted, and per token the target's top-2 logit margin where it was picked."""
-    tokens: list[int]
-    target_forwards: int
-    tau: float
-    accept_counts: list[int]
-    block_lengths: list[int] = field(default_factory=list)
-    accepted: list[int] = field(default_factory=list)
-    margins: list[float] = field(default_factory=list)
-
+from ..models.graphs import capture, capture_or_warn
+from .decoded import Decoded
+from ..runtime.gate import get_gate
+from ..runtime.tracing import worker_thread_setup
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
@@ -130,7 +113,6 @@ class Decoder:
             raise DFlashError(f"decoder: unsupported target: {why}")
         if batch < 1 or max_new_tokens < 1:
             raise DFlashError("decoder: batch and max_new_tokens must be >= 1")
-        from ..runtime.gate import get_gate
 
         self.target, self.drafter, self.hook = target, drafter, draft_hook
         self.layers = list(target.model.layers)
@@ -370,7 +352,6 @@ class Decoder:
         if not (self.compile or self.cuda_graph):
             self._ready = True
             return
-        from ..runtime.gate import worker_thread_setup
 
         with self.gate.exclusive("decoder: compile + capture the verify / draft step"):
             worker_thread_setup()  # recompile limit: one graph per (model, batch, block) shape
@@ -411,19 +392,14 @@ class Decoder:
         self._step()
 
     def _capture(self) -> None:
-        t1 = time.time()
-        try:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, capture_error_mode="thread_local"):
-                self._step()
+        def run():
+            graph = capture(self._step)[0]
             torch.cuda.synchronize(self.device)
-            self._graph = g
+            return graph
+
+        self._graph = capture_or_warn(run, self.stats, "decoder")
+        if self._graph is not None:
             self.stats["graph"] = True
-        except Exception as e:  # loud, recorded: the step then runs uncaptured
-            self.stats["graph_error"] = f"{type(e).__name__}: {e}"[:500]
-            print(f"[decoder] WARNING: CUDA-graph capture failed, running uncaptured (slower): "
-                  f"{self.stats['graph_error']}", file=sys.stderr, flush=True)
-        self.stats["capture_seconds"] = round(time.time() - t1, 3)
 
     def _run_steps(self, n: int) -> None:
         with self.gate.shared():
@@ -477,39 +453,4 @@ class Decoder:
         return res
 
 
-def divergence(spec: Decoded, plain: Decoded) -> dict | None:
-    """Where a speculative answer first differs from plain greedy decoding (None if nowhere),
-    and the target's top-2 logit margin there in both runs (a near-tie: below
-    :data:`NEAR_TIE_EPS`)."""
-    a, b = spec.tokens, plain.tokens
-    i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
-    if i is None:
-        if len(a) == len(b):
-            return None
-        i = min(len(a), len(b))
-    m = [r.margins[i] if i < len(r.margins) else None for r in (plain, spec)]
-    near = [x for x in m if x is not None]
-    return {"index": i, "greedy_token": b[i] if i < len(b) else None,
-            "speculative_token": a[i] if i < len(a) else None,
-            "margin": m[0], "speculative_margin": m[1],
-            "near_tie": bool(near) and min(near) < NEAR_TIE_EPS}
-
-
-def lossless_evidence(spec: Sequence[Decoded], plain: Sequence[Decoded], checked: int,
-                      mismatches: int) -> dict:
-    """The lossless claim and its evidence: every emitted token checked against the argmax of
-    the verify logits that produced it, and every difference from plain greedy a near-tie."""
-    divs = [d for d in (divergence(s, p) for s, p in zip(spec, plain)) if d is not None]
-    identical = len(spec) - len(divs)
-    return {"prompts": len(spec), "identical_to_greedy": identical,
-            "emitted_checked": checked, "emitted_not_argmax": mismatches,
-            "divergences": divs, "epsilon": NEAR_TIE_EPS,
-            "max_divergence_margin": max((d["margin"] for d in divs
-                                          if d["margin"] is not None), default=None),
-            "all_divergences_near_ties": all(d["near_tie"] for d in divs),
-            # lossless: nothing emitted that the target did not pick, and every difference from
-            # one-token greedy decoding is a floating-point near-tie
-            "lossless": mismatches == 0 and all(d["near_tie"] for d in divs)}
-
-
-__all__ = ["Decoder", "Decoded", "divergence", "lossless_evidence", "NEAR_TIE_EPS"]
+__all__ = ["Decoder"]

@@ -31,6 +31,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Sequence
 
+import pyarrow.parquet as pq
+
 from ..data.prompts import CHATTERBOT, load_prompts, normalize, package_dir, render_prompt
 from ..errors import DFlashError
 
@@ -212,8 +214,6 @@ def heldout_prompts(spec, results_dir: Path | None, tokenizer, n: int) -> tuple[
     used: set[tuple[int, ...]] = set()
     ds_path = Path(results_dir) / "data" / "dataset.parquet" if results_dir else None
     if ds_path is not None and ds_path.is_file():
-        import pyarrow.parquet as pq
-
         t = pq.read_table(ds_path, columns=["input_ids", "num_prompt_tokens"])
         for ids, npt in zip(t["input_ids"].to_pylist(), t["num_prompt_tokens"].to_pylist()):
             used.add(tuple(ids[:npt]))
@@ -241,7 +241,6 @@ def train_prompts(spec, results_dir: Path | None, n: int) -> tuple[list[list[int
     path = Path(results_dir) / "data" / "dataset.parquet" if results_dir else None
     if path is None or not path.is_file():
         return [], f"no training dataset ({path or 'no results folder'})"
-    import pyarrow.parquet as pq
 
     t = pq.read_table(path, columns=["input_ids", "num_prompt_tokens"])
     distinct: dict[tuple[int, ...], None] = {}       # first-seen order: deterministic

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..manifest import atomic_path, atomic_write_json, atomic_write_text
+from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
+from ..manifest import atomic_path, atomic_write_json, atomic_write_text
 
 # The bench rule declares these as report outputs (rules/bench.smk; tests/test_report.py holds
 # them to this list) and the default target asks for them (rules/common.smk), so every run
@@ -22,6 +23,18 @@ PLOTS = ("loss.png", "throughput.png", "draft_accuracy.png", "tau_training.png",
 
 
 def write_plots(out: Path, metrics: list[dict], tau: dict) -> list[str]:
+    """Every plot of :data:`PLOTS` into ``out``: the training curves, then the evaluation's."""
+    plot = _plotter(out)
+    _training_plots(plot, metrics)
+    _eval_plots(plot, tau)
+    return list(PLOTS)
+
+
+def _plotter(out: Path):
+    """``plot(name, draw, missing, **labels)``: one figure into ``out / name`` (atomically),
+    drawn by ``draw(ax)``, or saying ``missing`` when there is nothing to draw."""
+    # matplotlib here only (the Snakefile reads PLOTS at parse time): ~0.3 s, and its backend
+    # is chosen before pyplot loads
     import matplotlib
 
     matplotlib.use("Agg")
@@ -41,6 +54,10 @@ def write_plots(out: Path, metrics: list[dict], tau: dict) -> list[str]:
             fig.savefig(tmp, format="png", dpi=100)
         plt.close(fig)
 
+    return plot
+
+
+def _training_plots(plot, metrics: list[dict]) -> None:
     no_steps = None if metrics else "no training steps recorded"
     steps = [m["step"] for m in metrics]
 
@@ -82,6 +99,9 @@ def write_plots(out: Path, metrics: list[dict], tau: dict) -> list[str]:
 
     plot("tau_training.png", draw_tau, None if taus or est else "no draft accuracy or τ logged",
          xlabel="step", ylabel="τ", title="τ while training")
+
+
+def _eval_plots(plot, tau: dict) -> None:
     sets = {k: v for k, v in (tau.get("sets") or {}).items() if v.get("tau") is not None}
     no_tau = None if sets else f"τ not evaluated: {tau.get('skipped', 'no eval set gave a τ')}"
 
@@ -118,7 +138,6 @@ def write_plots(out: Path, metrics: list[dict], tau: dict) -> list[str]:
          f"decoding speed not measured: {ds.get('skipped') or ds.get('failed') or no_tau}",
          xlabel="batch size", ylabel="new tokens / s",
          title="Decoding speed by batch size (MT-Bench first turns)")
-    return list(PLOTS)
 
 
 
@@ -169,8 +188,6 @@ def headline(report: dict) -> str:
 
 
 def render_report_md(report: dict) -> str:
-    from jinja2 import Environment, FileSystemLoader, StrictUndefined
-
     env = Environment(loader=FileSystemLoader(Path(__file__).parents[1] / "templates"),
                       undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     return env.get_template("report.md.j2").render(r=report, fmt=fmt)

@@ -14,8 +14,11 @@ import time
 from typing import Sequence
 
 import torch
+from transformers import GenerationConfig
 
-from .decoder import Decoder, lossless_evidence
+from ..runtime.gate import get_gate
+from .decoded import lossless_evidence
+from .decoder import Decoder
 
 SWEEP_BATCHES = (1, 4, 16, 64)
 SERVING_GAP = 0.05  # warn when real and simulated τ of a prompt differ by more than this share
@@ -73,10 +76,6 @@ def hf_static_generate(model, prompts: Sequence[Sequence[int]], batch: int, max_
     """HF ``generate(cache_implementation="static")`` (transformers compiles its step on CUDA),
     greedy, ``batch`` prompts at a time, after one untimed warm-up wave. Tokens counted up to
     each answer's first eos (inclusive)."""
-    from transformers import GenerationConfig
-
-    from ..runtime.gate import get_gate
-
     gate = gate or get_gate()
     dev = next(model.parameters()).device
     P = max(len(p) for p in prompts)

@@ -25,8 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from ..models.drafter import DFlashConfig, DFlashDrafter
-from .decoder import Decoded
-
+from ..models.target import kv_cache
+from .decoded import Decoded
+from .decoder import Decoder
 
 # one prompt's decode: tokens, verify forwards, τ, accept counts, per step accepted / emitted
 SpecResult = Decoded
@@ -47,8 +48,6 @@ def _stop_set(eos: int | Iterable[int] | None) -> frozenset[int]:
 def target_greedy(target, prompt_ids: torch.Tensor, max_new_tokens: int,
                   eos_id: int | Iterable[int] | None = None) -> list[int]:
     """Plain greedy decoding, one token per target forward, with the KV cache."""
-    from ..models.target import kv_cache
-
     ids = prompt_ids.reshape(1, -1)
     stops = _stop_set(eos_id)
     kw, cache = kv_cache(target)
@@ -128,8 +127,6 @@ def speculative_generate(target, drafter: DFlashDrafter | None, cfg: DFlashConfi
 
     ``draft_fn(anchor, anchor_pos) -> B-1 tokens`` replaces the drafter (tests use it to inject
     perfect or corrupted drafts). ``embed`` may be the embedding module or its weight."""
-    from .decoder import Decoder
-
     ids = prompt_ids.reshape(-1).tolist()
     stops = sorted(_stop_set(eos_id)) or [-1]
     hook = None if draft_fn is None else (lambda _i, a, p: draft_fn(a, p))

@@ -34,10 +34,16 @@ from typing import Sequence
 
 import torch
 
+from ..data.generate import eos_ids_of, generate_batch
 from ..errors import DFlashError
+from ..models.drafter import extract_features
+from ..models.masks import Blocks, dense_mask
+from ..models.target import layer_ids, load_target
+from ..runtime.gate import get_gate
 from .budget import budget_hits, budgets
 from .evalsets import EvalSet, heldout_prompts
-from .serving import tau_gap
+from .serving import pair, tau_gap
+
 
 @dataclass
 class Chain:
@@ -63,8 +69,6 @@ def greedy_continuations(model, prompts: Sequence[Sequence[int]], max_new: int,
     in one continuous batch; the rest go through :func:`dflash.data.generate.generate_batch`,
     prompts of similar length batched together (little left padding), per budget.
     """
-    from ..data.generate import generate_batch
-
     budget = budgets(prompts, max_new, max_context)
     out: list[list[int]] = [[] for _ in prompts]
     fast = [i for i, p in enumerate(prompts) if engine is not None and budget[i] == max_new
@@ -89,8 +93,6 @@ def target_features(model, seqs: Sequence[Sequence[int]], layer_ids: list[int],
     """Feature-layer hidden states [len, n*H] of every sequence: one forward per batch of at
     most ``batch_size`` right-padded sequences (padding after a causal sequence changes nothing
     before it) and, given ``max_tokens``, of at most that many padded tokens (long answers)."""
-    from ..models.drafter import extract_features
-
     dev = next(model.parameters()).device
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     out: list[torch.Tensor | None] = [None] * len(seqs)
@@ -132,8 +134,6 @@ def draft_every_position(drafter, embed: torch.Tensor, lm_head: torch.Tensor,
     the computation of :func:`dflash.eval.speculative.draft_block` at each anchor, batched.
     ``embed``/``lm_head`` should already be in the drafter's dtype and on its device.
     """
-    from ..models.masks import Blocks, dense_mask
-
     cfg = drafter.cfg
     B, dev = cfg.block_size, embed.device
     # anchors per row: at most 64, so that the block-to-block part of the dense mask (Q x Q,
@@ -295,8 +295,6 @@ def real_decode(target_model, drafter, cfg, embed, lm_head, prompts: Sequence[Se
     """Target-only and speculative decoding through the one decoder
     (:func:`dflash.eval.serving.pair`: static caches, captured steps on CUDA, each engine
     compiled and captured before it is timed), ``batch`` prompts at a time."""
-    from .serving import pair
-
     if not prompts:
         return {"results": [], "greedy": [], "divergences": []}
     r = pair(target_model, drafter, [list(p) for p in prompts], batch, max_new, eos_ids,
@@ -405,9 +403,6 @@ class TauMonitor:
     """
 
     def __init__(self, spec, results_dir: Path, device: str, log=print):
-        from ..data.generate import eos_ids_of
-        from ..models.target import load_target
-
         m = spec.monitor
         t0 = time.perf_counter()
         tgt = load_target(spec.target, spec.topology.targets[0], seed=spec.seed)
@@ -415,7 +410,6 @@ class TauMonitor:
         if not prompts:
             raise DFlashError(f"monitor.tau_every_steps: no held-out prompts ({note})")
         eos = eos_ids_of(tgt)
-        from ..models.target import layer_ids
 
         ids = layer_ids(spec.target, tgt.config)
         conts = greedy_continuations(tgt.model, prompts, m.tau_max_new_tokens, eos)
@@ -430,8 +424,6 @@ class TauMonitor:
 
     @torch.no_grad()
     def __call__(self, replica) -> dict:
-        from ..runtime.gate import get_gate
-
         t = time.perf_counter()
         with get_gate().shared(), replica._autocast():
             drafts = draft_every_position(replica.model, replica.embed, replica.lm_head,

@@ -3,7 +3,7 @@ compile it (regional compilation).
 
 Two users run the target's layers themselves instead of through HF's forward: the generation
 engine (:mod:`dflash.data.generate`: static KV cache, CUDA graphs) and the feature extractor
-(:class:`dflash.models.target.FeatureExtractor`: packed rows, document mask). Both call these functions
+(:class:`dflash.models.features.FeatureExtractor`: packed rows, document mask). Both call these functions
 with the layer module as the first argument and compile them with :func:`compile_region`: dynamo
 lifts the layer's parameters to graph inputs, so ONE compiled graph serves every layer (one
 compile, not one per layer), and inductor fuses what eager mode runs as separate memory-bound
@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import sys
 from typing import Callable
+
+import torch
+import torch.nn.functional as F
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
@@ -73,8 +76,6 @@ def compile_region(fn: Callable, backend: str) -> Callable:
     """The one regional compile: ``fn`` takes a layer module first and is compiled once with
     static shapes (a graph per shape, shared by every layer). Call the result only inside the
     compile gate (:mod:`dflash.runtime.gate`): its first call per shape compiles."""
-    import torch
-
     return torch.compile(fn, backend=backend, dynamic=False)
 
 
@@ -86,8 +87,6 @@ def attend_cache(layer, x, q, k_cache, v_cache, mask):
     head and the L queries form one query-length dim of G*L rows (head h = j*G + g, the order
     of HF's repeat_kv), so SDPA reads every cached K/V once per KV head.
     """
-    import torch.nn.functional as F
-
     B, nh, L, D = q.shape
     kvh, S = k_cache.shape[1], k_cache.shape[2]
     G = nh // kvh

@@ -21,10 +21,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.nn.attention.flex_attention import flex_attention
 
 from ..errors import DFlashError
 from ..manifest import atomic_path, atomic_write_json, sha256_file
+from .masks import compiled_flex_attention
 
 # ---------------------------------------------------------------------------------------------
 # feature layers
@@ -211,9 +214,6 @@ def attend(q, k, v, mask, attention: str, scale: float, compile_flex: bool = Fal
     "flex", a bool [N, Q, K] / [Q, K] (True = attend) for "sdpa", or None for full attention.
     """
     if attention == "flex":
-        from torch.nn.attention.flex_attention import flex_attention
-
-        from .masks import compiled_flex_attention
         fn = compiled_flex_attention() if compile_flex else flex_attention
         return fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
     if attention == "sdpa":
@@ -371,8 +371,6 @@ class DFlashDrafter(nn.Module):
 # ---------------------------------------------------------------------------------------------
 def export_drafter(model: DFlashDrafter, cfg: DFlashConfig, out_dir, dtype=None) -> Path:
     """Write ``config.json`` + ``model.safetensors`` with the reference names, atomically."""
-    from safetensors.torch import save_file
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sd = {k: (v.to(dtype) if dtype is not None else v).detach().cpu().contiguous()
@@ -425,8 +423,6 @@ def verify_export(out_dir, expected: dict[str, str] | None = None) -> DFlashConf
 
 def load_drafter(path, device="cpu", dtype=None, attention: str = "sdpa"
                  ) -> tuple[DFlashDrafter, DFlashConfig]:
-    from safetensors.torch import load_file
-
     path = Path(path)
     cfg = DFlashConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
     model = DFlashDrafter(cfg, attention=attention)

@@ -31,6 +31,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from safetensors import safe_open
+
 from ..errors import DFlashError
 
 DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
@@ -142,8 +144,6 @@ def expected_tensors(cfg: dict) -> dict[str, tuple[int, ...]]:
 def tensor_breaches(path: Path, cfg: dict) -> list[str]:
     """Names, shapes and dtypes of ``model.safetensors`` against :func:`expected_tensors`
     (read from the header only: no tensor is loaded)."""
-    from safetensors import safe_open
-
     want = expected_tensors(cfg)
     with safe_open(str(path), framework="pt") as f:
         have = {k: f.get_slice(k) for k in f.keys()}

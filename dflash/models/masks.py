@@ -16,6 +16,7 @@ import functools
 from dataclasses import dataclass, fields
 
 import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 IGNORE_INDEX = -100
 
@@ -186,8 +187,6 @@ def dense_mask(doc_ids: torch.Tensor, blocks: Blocks) -> torch.Tensor:
 def flex_block_mask(doc_ids: torch.Tensor, blocks: Blocks, *, device=None,
                     block_size: int = 128, _compile: bool = False):
     """The mask as a FlexAttention BlockMask (batch dim = rows, broadcast over heads)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     n, Q, KV = mask_shape(doc_ids, blocks)
     device = device if device is not None else doc_ids.device
     mm = make_mask_mod(doc_ids.to(device), _blocks_to(blocks, device))
@@ -224,8 +223,6 @@ def document_block_mask(doc_ids: torch.Tensor, block_size: int = 128, _compile: 
     skipped, so attention costs what the documents need, not L². ``_compile``: build it with a
     compiled kernel (as the drafter's mask) instead of eager code that materialises [L, L]
     intermediates (a compile per row length: call it inside the compile gate)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     L = doc_ids.shape[-1]
     return create_block_mask(document_mask_mod(doc_ids), B=None, H=None, Q_LEN=L, KV_LEN=L,
                              device=doc_ids.device, BLOCK_SIZE=block_size, _compile=_compile)
@@ -244,8 +241,6 @@ def compiled_flex_attention():
     """The process's one compiled ``flex_attention`` (static shapes: a graph per shape bucket),
     shared by the target layers and the drafter's standalone attention. Its compiles run inside
     ``gate.run`` like every other compile."""
-    from torch.nn.attention.flex_attention import flex_attention
-
     return torch.compile(flex_attention, dynamic=False)
 
 

@@ -8,7 +8,7 @@ fraction of its launch time. Captured once per row length, a row costs one copy 
 static buffers, one replay and one copy of the output.
 
 What is captured: the document BlockMask's construction (compiled), the embedding, rotary and
-every loaded decoder layer of :class:`dflash.models.target.FeatureExtractor` (compiled), the
+every loaded decoder layer of :class:`dflash.models.features.FeatureExtractor` (compiled), the
 concatenation of the feature layers. Only the values of the inputs change between replays
 (ids, document ids, positions), never their shapes or addresses, so the captured kernels read
 each new row. The first call for a length runs the extractor once (it compiles, under the
@@ -21,6 +21,8 @@ import threading
 from typing import Any
 
 import torch
+
+from .graphs import capture
 
 
 class CapturedFeatures:
@@ -56,9 +58,7 @@ class CapturedFeatures:
                 run()
                 run()
             torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                out = run()
+            graph, out = capture(run)
             return graph, static, out
         except Exception as e:  # noqa: BLE001 - fall back, and say so
             self.log(f"[target] CUDA graph capture of the {static.shape[-1]}-token feature "

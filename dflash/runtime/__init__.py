@@ -1,5 +1,6 @@
-"""runtime: the process machinery every stage stands on. The compile gate, multi-node processes
-and launch, live status, fault injection; test and benchmark tools (harness, stress) are marked
+"""runtime: the process machinery every stage stands on. The compile gate (gate.py) and torch's
+tracing hazards it guards (tracing.py), a device's busy time (busy.py), multi-node processes and
+launch, live status, fault injection; test and benchmark tools (harness, stress) are marked
 as tools in their own docstrings.
 
 May import: the top-level modules only.

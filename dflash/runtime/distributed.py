@@ -30,10 +30,10 @@ from datetime import timedelta
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from .. import settings
 from ..errors import DFlashError
-
 
 
 class PeerFailed(DFlashError):
@@ -65,8 +65,6 @@ class Dist:
     """This process's place in the job and the collectives the train stage uses."""
 
     def __init__(self, lead_device: str):
-        import torch.distributed as dist
-
         self.dist = dist
         self.rank = int(os.environ["RANK"])
         self.world = int(os.environ["WORLD_SIZE"])
@@ -140,8 +138,6 @@ class Watchdog:
     """
 
     def __init__(self, d: Dist):
-        import torch.distributed as dist
-
         self.d = d
         addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         self.where = f"{addr}:{port}"

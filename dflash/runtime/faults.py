@@ -21,8 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+import pyarrow.parquet as pq
+import torch
+import yaml
+from safetensors.torch import load_file
+
 from .. import settings
 from .harness import REPO, copy_workflow, snakemake, stage_env
+
 
 # ---------------------------------------------------------------------------------------------
 # in-process hooks (the stages call these; tests set them)
@@ -71,8 +77,6 @@ CORRUPT_RE = re.compile(r"\[train\] checkpoint (\S+) is corrupted")
 def derived_spec(name: str, max_steps: int, every_steps: int, keep: int = 2,
                  **data: object) -> dict:
     """tests/specs/micro.yaml with another name, step count and checkpoint interval."""
-    import yaml
-
     d = yaml.safe_load((REPO / "tests" / "specs" / "micro.yaml").read_text())
     d["name"] = name
     d["optim"]["max_steps"] = max_steps
@@ -114,8 +118,6 @@ class Workflow:
 
 def prepare(base: Path, spec: dict, stages=("data", "warmup")) -> Workflow:
     """Copy the workflow, add the spec, run env → warmup → data once through Snakemake."""
-    import yaml
-
     base.mkdir(parents=True, exist_ok=True)
     wf = copy_workflow(base, [])
     (wf / "specs" / f"{spec['name']}.yaml").write_text(yaml.safe_dump(spec))
@@ -213,15 +215,11 @@ def newest_checkpoint(train_dir: Path) -> int:
 
 
 def load_tensors(path: Path) -> dict:
-    from safetensors.torch import load_file
-
     return load_file(str(path))
 
 
 def tensors_equal(a: dict, b: dict) -> tuple[bool, list[str]]:
     """Bit-identical: same keys, and torch.equal (same dtype, shape, every element) for each."""
-    import torch
-
     bad = sorted(set(a) ^ set(b))
     bad += [k for k in sorted(set(a) & set(b))
             if a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])]
@@ -294,7 +292,5 @@ def decided(run: Run) -> bool:
     return bool(RESUME_RE.search(t)) or "[train] warm start" in t
 
 def dataset_ids(w: Workflow) -> list[int]:
-    import pyarrow.parquet as pq
-
     return pq.read_table(w.res("results") / "data" / "dataset.parquet",
                          columns=["sample_id"])["sample_id"].to_pylist()

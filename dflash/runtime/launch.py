@@ -21,11 +21,13 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 
 from .. import settings
 from ..errors import SpecError
+from ..spec import load_spec
 from .distributed import is_worker
 
 DEFAULT_PORT = 29500
@@ -80,7 +82,6 @@ def _one_machine(spec, nodes: int, explicit: str | None) -> list[str]:
     be ignored without a word)."""
     if not explicit:
         return ["--standalone", "--nnodes", "1", "--nproc-per-node", str(nodes)]
-    import socket
 
     host = explicit.rsplit(":", 1)[0].strip("[]")
     if host not in LOCAL_HOSTS + (socket.gethostname(), socket.getfqdn()):
@@ -127,7 +128,7 @@ def torchrun_args(spec, env: dict) -> tuple[list[str], dict, str]:
         if k:
             visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
             if "CUDA_VISIBLE_DEVICES" not in env:
-                import torch
+                import torch  # this branch only: the launcher execs torchrun before torch loads
 
                 visible = [str(i) for i in range(torch.cuda.device_count())]
             if len(visible) < nodes * k:
@@ -148,8 +149,6 @@ def torchrun_args(spec, env: dict) -> tuple[list[str], dict, str]:
 def maybe_launch(spec_path: str, root: str) -> None:
     """With nodes > 1 and not yet a rank: replace this process with torchrun. Otherwise return
     (one node: the stage runs here, exactly as before)."""
-    from ..spec import load_spec
-
     if is_worker():
         return
     spec = load_spec(spec_path)

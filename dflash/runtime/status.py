@@ -7,7 +7,9 @@ for features, shows here first), gate waits and device memory.
 """
 from __future__ import annotations
 
+import argparse
 import json
+import resource
 import sys
 import time
 from pathlib import Path
@@ -29,12 +31,10 @@ def by_role(times: dict, role: str) -> dict:
 
 
 def _memory() -> dict:
-    import torch
+    import torch  # here only: `dflash status` reads a status file and starts without torch
 
     if not torch.cuda.is_available():
         try:
-            import resource
-
             return {"cpu_max_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                                             / 2**20, 2)}
         except ImportError:  # pragma: no cover - non-POSIX
@@ -202,8 +202,6 @@ def stage_lines(spec_dir: Path, logs: Path) -> list[str]:
 
 def main(argv: list[str]) -> int:
     """`dflash status results/<spec>`: every stage's state, then the train stage's live status."""
-    import argparse
-
     ap = argparse.ArgumentParser(prog="dflash status")
     ap.add_argument("results", help="results/<spec> (or its train/ folder)")
     ap.add_argument("--logs", default=None, help="the logs/<spec> folder (default: beside the "

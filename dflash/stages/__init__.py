@@ -9,7 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..spec import Spec, load_spec
+from ..env.drift import check_env
+from ..manifest import read_manifest
+from ..spec import load_spec
+from ..spec_types import Spec
 
 
 @dataclass
@@ -32,9 +35,6 @@ def begin(spec_path: str | Path, stage: str, root: str | Path = "results",
     ``at``: the results folder the stage writes its ``<stage>/`` into (default
     ``root/<spec>``); ``env_at``: the one whose ``env/`` it checks (default ``at``). Snakemake
     points both into the shared store for env, warm-up and data (:mod:`dflash.sharing`)."""
-    from ..env.drift import check_env
-    from ..manifest import read_manifest
-
     if stage == "env":  # it checks the devices itself, without torch (build mode has none)
         spec = load_spec(spec_path)
         return StageContext(spec=spec, results=Path(at) if at else results_dir(spec, root))

@@ -12,6 +12,7 @@ own greedy output token for token and the simulated blocks); with ``bench.protoc
 from __future__ import annotations
 
 import json
+import traceback
 from pathlib import Path
 
 from ..data.dataset import load_dataset
@@ -21,14 +22,14 @@ from ..errors import DFlashError
 from ..eval.evalsets import load_eval_sets
 from ..eval.reference import evaluate_reference, reference_questions
 from ..eval.report import training_curves, write_report
+from ..eval.serving import goal, sweep
 from ..eval.tau import evaluate_sets
 from ..manifest import atomic_write_text, expect, read_manifest, verify_files
 from ..models.drafter import load_drafter, verify_export
+from ..models.dtypes import dtype_of
 from ..models.target import hf_config, load_target, target_embeddings
 from ..runtime.status import by_role
-from ..models.dtypes import dtype_of
-from ..train.flops import (drafter_useful_flops, measure_peak_flops, mfu_against_datasheet,
-                           target_flops, worker_balance)
+from ..train.flops import drafter_useful_flops, measure_peak_flops, mfu_against_datasheet, target_flops, worker_balance
 from ..train.trainer import timed_run
 from ..train.workers import drafter_config
 from . import StageContext
@@ -76,7 +77,6 @@ def evaluate_tau(spec, drafter_dir: Path, device: str, results_dir: Path | None 
     except DFlashError:
         raise
     except Exception as e:  # noqa: BLE001 - one message for the user, the traceback to a file
-        import traceback
 
         where = ""
         if results_dir is not None:
@@ -123,7 +123,6 @@ def _decode_speed_or_failure(tgt, drafter, embed, head, es, b, device, results_d
     try:
         return decode_speed(tgt, drafter, embed, head, es, b, device)
     except Exception as e:  # noqa: BLE001 - recorded, not raised
-        import traceback
 
         msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         if results_dir is not None:
@@ -138,10 +137,8 @@ def _decode_speed_or_failure(tgt, drafter, embed, head, es, b, device, results_d
 def decode_speed(tgt, drafter, embed, head, es, b, device) -> dict:
     """Tokens/s target-only vs speculative at ``bench.decode_batches`` (1, 4, 16, 64) on the
     primary set's prompts through the one decoder, HF static-cache ``generate`` in the same run,
-    and the issue's batch-1 goal ratios. CUDA only: on CPU the decoder runs eagerly and times Python."""
-    from ..data.generate import eos_ids_of
-    from ..eval.serving import goal, sweep
-
+    and the issue's batch-1 goal ratios. CUDA only: on CPU the decoder runs eagerly and times
+    Python."""
     if not b.decode_batches:
         return {"skipped": "bench.decode_batches is []"}
     if not str(device).startswith("cuda"):

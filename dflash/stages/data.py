@@ -31,15 +31,14 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from ..data.dataset import DATASET
-from ..errors import DFlashError
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from ..code_fingerprint import stage_code_fingerprint
 from ..data import shards
-from ..data.generate import (ChunkProgress, eos_ids_of, generate_chunks, open_generator,
-                             resolve_engine, sample_seed)
-from ..models.target import load_target, target_fingerprint
-from ..manifest import (atomic_path, atomic_write_json, fingerprint, rerun_command, sha256_file,
-                        write_manifest)
+from ..data.check import check_data
+from ..data.dataset import DATASET
+from ..data.generate import ChunkProgress, eos_ids_of, generate_chunks, open_generator, resolve_engine, sample_seed
 from ..data.sources import (
     SYNTHETIC,
     Sample,
@@ -49,7 +48,10 @@ from ..data.sources import (
     synthetic_responses,
     tokenizer_for,
 )
+from ..errors import DFlashError
 from ..eval.evalsets import eval_overlap
+from ..manifest import atomic_path, atomic_write_json, fingerprint, rerun_command, sha256_file, write_manifest
+from ..models.target import load_target, target_fingerprint
 from ..runtime import faults
 from . import StageContext
 
@@ -67,8 +69,6 @@ def make_chunks(samples: Sequence[Sample], chunk_size: int) -> list[list[Sample]
 
 
 def _schema():
-    import pyarrow as pa
-
     return pa.schema([("sample_id", pa.int64()), ("prompt_id", pa.int64()),
                       ("sample_index", pa.int32()), ("input_ids", pa.list_(pa.int32())),
                       ("loss_mask", pa.list_(pa.int8())), ("num_prompt_tokens", pa.int32()),
@@ -76,8 +76,6 @@ def _schema():
 
 
 def _rows_table(samples: Sequence[Sample], responses: Sequence[Sequence[int]], eos_ids):
-    import pyarrow as pa
-
     cols: dict[str, list] = {f.name: [] for f in _schema()}
     for s, r in sorted(zip(samples, responses), key=lambda x: x[0].sample_id):
         cols["sample_id"].append(s.sample_id)
@@ -100,8 +98,6 @@ def shard_path(shard_dir: Path, chunk: int) -> Path:
 
 def _prepare_shards(shard_dir: Path, meta: dict, chunks: list[list[Sample]]) -> set[int]:
     """Keep shards made from exactly these inputs; return the sample ids they already hold."""
-    import pyarrow.parquet as pq
-
     meta_path = shard_dir / SHARD_META
     existing = sorted(shard_dir.glob("part-*.parquet")) if shard_dir.is_dir() else []
     old = None
@@ -151,8 +147,6 @@ def run(ctx: StageContext) -> dict:
     """Build (or resume) ``results/<spec>/data``; returns the manifest. After each shard is
     written, :func:`dflash.runtime.faults.shard_written` runs the test hooks (tests use it to
     simulate an interruption)."""
-    from ..data.check import check_data
-
     # by name: the budget (model shapes, FLOPs) does not change the dataset, so it stays out of
     # this stage's code closure (dflash.code_fingerprint): an edit to it reruns no data stage
     check_disk = importlib.import_module("dflash.train.budget").check_disk
@@ -252,9 +246,6 @@ def _write_shard(shard_dir: Path, chunk: int, samples, responses, eos: set) -> P
 
 
 def _merge(shard_dir: Path, chunks, samples):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     paths = [shard_path(shard_dir, i) for i in range(len(chunks))
              if shard_path(shard_dir, i).is_file()]
     for p in paths:  # by content again: a shard damaged since the resume check is not merged
@@ -280,8 +271,6 @@ def _merge(shard_dir: Path, chunks, samples):
 
 def _write(spec, data_dir: Path, table, fingerprints, plan_fp, report, prompts, chunks,
            resumed, gen: dict, seconds, per_source: dict, drift: list) -> dict:
-    import pyarrow.parquet as pq
-
     d = spec.data
     out = data_dir / DATASET
     with atomic_path(out) as tmp:

@@ -26,13 +26,12 @@ from ..env.overlay import install_overlay
 from ..env.venv import build_venv
 from ..errors import EnvDrift
 from ..manifest import sha256_file, write_manifest
+from ..spec import check_devices
 from . import StageContext
 
 
 def run(ctx: StageContext) -> dict:
     """Build or adopt the environment; write and return ``results/<spec>/env/manifest.json``."""
-    from ..spec import check_devices
-
     spec = ctx.spec
     mode, lock = spec.env.mode, Path(spec.env.lock)
     found = found_devices()

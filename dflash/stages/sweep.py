@@ -14,7 +14,10 @@ import argparse
 import json
 from pathlib import Path
 
+from jinja2 import Environment, FileSystemLoader, StrictUndefined
+
 from ..errors import DFlashError
+from ..eval.report import fmt as _fmt
 from ..manifest import atomic_path, atomic_write_json, atomic_write_text, read_manifest
 from ..sweeps import Sweep, load_sweep, sweep_dir
 
@@ -76,6 +79,7 @@ def build(sweep: Sweep, results: Path) -> dict:
 
 def plot(report: dict, path: Path) -> None:
     """τ per eval set (grouped bars), final loss and tokens/s per arm."""
+    # matplotlib here only: it costs ~0.3 s and the backend is chosen before pyplot loads
     import matplotlib
 
     matplotlib.use("Agg")
@@ -110,10 +114,6 @@ def plot(report: dict, path: Path) -> None:
 
 
 def render_md(report: dict) -> str:
-    from jinja2 import Environment, FileSystemLoader, StrictUndefined
-
-    from ..eval.report import fmt as _fmt
-
     env = Environment(loader=FileSystemLoader(Path(__file__).parents[1] / "templates"),
                       undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     return env.get_template(TEMPLATE).render(r=report, fmt=_fmt)

@@ -13,8 +13,12 @@ import contextlib
 import threading
 import time
 
-from ..manifest import write_manifest
 from ..cache import compile_cache_dir
+from ..manifest import write_manifest
+from ..models.dtypes import dtype_of
+from ..runtime.gate import get_gate
+from ..train.warm import warm_all, warm_target_features
+from ..train.workers import buckets, drafter_config, initial_state, make_replicas
 from . import StageContext
 
 
@@ -38,11 +42,6 @@ def heartbeat(line, every_s: float = 15.0):
 
 
 def run(ctx: StageContext) -> dict:
-    from ..runtime.gate import get_gate
-    from ..models.dtypes import dtype_of
-    from ..train.workers import buckets, drafter_config, initial_state, make_replicas
-    from ..train.warm import warm_all, warm_target_features
-
     spec = ctx.spec
     cache = compile_cache_dir(ctx.env_fingerprint)
     t0 = time.perf_counter()

@@ -20,7 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from ..errors import DFlashError
+from ..models.drafter import DFlashConfig
+from ..models.target import hf_config, layer_ids
+from .flops import _linear_params, best_seconds_per_call, drafter_flops_per_step, target_flops
 
 REPO = Path(__file__).resolve().parents[2]
 # dense bf16 matmul FLOP/s measured on an H200 (bench stage, docs/benchmarks.md)
@@ -59,15 +64,10 @@ def _gb(n: float) -> str:
 
 
 def _params(cfg, layers: int, vocab: bool) -> int:
-    from .flops import _linear_params
-
     return _linear_params(cfg, layers) + (cfg.vocab_size * cfg.hidden_size if vocab else 0)
 
 
 def sizes(spec) -> Sizes:
-    from ..models.drafter import DFlashConfig
-    from ..models.target import hf_config, layer_ids
-
     tcfg = hf_config(spec.target)
     ids = layer_ids(spec.target, tcfg)
     dcfg = DFlashConfig.from_target_config(tcfg, spec.drafter.num_layers, spec.drafter.block_size,
@@ -131,9 +131,6 @@ def peak(spec, results: Path | None = None) -> tuple[float, str, dict]:
             continue
     if spec.topology.drafters[0] != "cpu":
         return 0.0, "none (no bench report)", {}
-    import torch
-
-    from .flops import best_seconds_per_call
 
     n = 1024  # a small matmul: a rough budget needs no more (the bench stage measures properly)
     a = torch.randn(n, n)
@@ -142,8 +139,6 @@ def peak(spec, results: Path | None = None) -> tuple[float, str, dict]:
 
 
 def stage_seconds(s: Sizes, flops_per_s: float, mfu: dict) -> dict:
-    from .flops import drafter_flops_per_step, target_flops
-
     if not flops_per_s:
         return {}
     m = {**ASSUMED_MFU, **mfu}

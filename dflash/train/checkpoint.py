@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from ..errors import SpecError
 from ..manifest import _fsync_dir, atomic_write_json, is_sealed, plain_mode, seal, sha256_file
@@ -44,8 +45,6 @@ def save(ckpt_dir: Path, step: int, replica, counters: dict, keep: int,
     """Write ``ckpt_dir/step-XXXXXXXX`` atomically; prune to the newest ``keep``.
     ``epochs_seen``: the sample ids each epoch trained on so far (the exactly-once record);
     ``nodes``: the world size that wrote it (the data sharding depends on it)."""
-    from safetensors.torch import save_file
-
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     final = ckpt_dir / f"step-{step:08d}"
     tmp = ckpt_dir / f".tmp-step-{step:08d}-{os.getpid()}"
@@ -101,8 +100,6 @@ def latest_good(ckpt_dir: Path, log=print) -> tuple[Path, dict] | None:
 
 def load_into(path: Path, state: dict, replicas: list) -> None:
     """Load weights, optimizer and schedule state into every replica (they stay identical)."""
-    from safetensors.torch import load_file
-
     model_sd = load_file(str(path / "model.safetensors"))
     otensors = load_file(str(path / "optim.safetensors"))
     for rep in replicas:

@@ -1,7 +1,7 @@
 """The bounded target-feature cache across epochs (``features.cache: host | disk``).
 
 What it owns: the storage of what the target worker hands the drafter, per *sample* (not per
-packed row: every epoch re-plans the packing), its budget, and the one rule for when a row is
+packed row: every epoch re-plans the packing) and the one rule for when a row is
 served from it.
 
 * Epoch 0 writes: after the target computed a row, the real tokens' features go to the host
@@ -21,176 +21,44 @@ served from it.
   loses no committed sample: the page cache keeps what was written). A completed run deletes it.
 * dtype: ``target`` (bit-exact), ``bfloat16``, or ``float8_e4m3`` with one float32 scale per
   token and feature layer (scale = amax / 448; |error| <= max(|x| / 16, scale / 1024)).
-* Budget: tokens x feature layers x hidden x bytes (+ scales), checked against free host memory
-  or disk before heavy work; a cache that does not fit is refused with the figures. Caching a
-  share f of the samples would serve a row only when all of its ~n samples are stored (~f^n of
-  the rows), so a partial cache saves next to nothing: we refuse rather than pretend.
+* Budget (:mod:`dflash.train.cache_budget`): tokens x feature layers x hidden x bytes (+ scales),
+  checked against free host memory or disk before heavy work; a cache that does not fit is
+  refused with the figures. Caching a share f of the samples would serve a row only when all of
+  its ~n samples are stored (~f^n of the rows), so a partial cache saves next to nothing: we refuse rather than pretend.
 
 What the target hands the drafter, a :class:`~dflash.models.target_output.TargetOutput`, is
-stored whole: one *plane* per per-token field (:func:`planes_for`): the features, and with a
+stored whole: one *plane* per per-token field (:func:`dflash.train.cache_budget.planes_for`): the features, and with a
 distilling objective the soft labels' token ids and log-probs (scattered to their row positions
 on write; on read their positions come from the row itself, as the target worker computes them).
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+import numpy as np
 import torch
 
-from ..errors import SpecError
 from ..manifest import atomic_write_json, fingerprint
+from ..models.target_output import SoftLabels, TargetOutput, soft_positions
+from ..runtime.gate import get_gate
+from ..spec_types import cache_mode
+from .cache_budget import FP8, Plane, cache_dir, planes_for
 
-FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
-STORE_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3": FP8}
 MAX_PENDING_WRITES = 4  # rows staged on the host and not yet in the store (bounds pinned memory)
 WAIT_S = 600.0  # a served row's pending sample that stays unwritten this long is a bug: raise
 
 
 class CacheStopped(Exception):
     """A wait for a sample ended because the run is stopping."""
-
-
-@dataclass(frozen=True)
-class Plane:
-    """One per-token tensor field of what the target hands the drafter."""
-    name: str            # "features", "soft_ids", "soft_logprobs"
-    width: int           # values per token
-    dtype: torch.dtype   # the dtype the drafter gets
-    store: torch.dtype   # the dtype stored (FP8: with ``groups`` float32 scales per token)
-    groups: int = 1
-
-    @property
-    def bytes_per_token(self) -> int:
-        scales = 4 * self.groups if self.store == FP8 else 0
-        return self.width * self.store.itemsize + scales
-
-
-def planes_for(spec, layers: int, hidden: int) -> list[Plane]:
-    """The planes of ``spec``'s run: the features, and the soft labels when the objective
-    distils (``loss.kind`` kd / ce+kd: top-k token ids and log-probs, stored per token)."""
-    from ..models.dtypes import dtype_of
-    from .objective import SOFT_KINDS
-
-    target = dtype_of(spec.target.dtype)
-    store = STORE_DTYPES.get(spec.features.dtype, target)
-    planes = [Plane("features", layers * hidden, target, store, groups=layers)]
-    if spec.loss.kind in SOFT_KINDS:
-        k = spec.loss.kd_top_k
-        planes += [Plane("soft_ids", k, torch.int32, torch.int32),
-                   Plane("soft_logprobs", k, torch.float32, torch.float32)]
-    return planes
-
-
-# ---------------------------------------------------------------------------------------------
-# budget
-# ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Budget:
-    mode: str            # host | disk
-    dtype: str           # features.dtype
-    tokens: int
-    samples: int
-    bytes: int
-    available: int       # usable after the headroom
-    where: str           # "host memory" or the cache folder's file system
-    upper_bound: bool = False  # tokens estimated from the spec (no dataset yet)
-
-    @property
-    def fits(self) -> bool:
-        return self.bytes <= self.available
-
-    def describe(self) -> str:
-        bound = "<= " if self.upper_bound else ""
-        return (f"features.cache {self.mode} ({self.dtype}): {bound}{gb(self.bytes)} for "
-                f"{bound}{self.tokens:,} tokens of {self.samples:,} samples; "
-                f"{gb(self.available)} usable in {self.where}")
-
-
-def gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB"
-
-
-def available_bytes(mode: str, path: Path) -> int:
-    """Free host memory (``MemAvailable``) or free space of the file system holding ``path``."""
-    if mode == "disk":
-        p = Path(path)
-        while not p.exists():
-            p = p.parent
-        return shutil.disk_usage(p).free
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def cache_dir(train_dir: Path) -> Path:
-    return Path(train_dir) / "feature_cache"
-
-
-def store_bytes(spec, tokens: int, layers: int, hidden: int) -> int:
-    """Bytes the cache of ``spec`` stores for ``tokens`` tokens (every plane, float8 scales
-    included). The one formula: :func:`budget` uses it, and so can a run-wide budget (e.g. a
-    ``dflash.train.budget`` item: disk for ``disk``, host memory for ``host``)."""
-    return tokens * sum(p.bytes_per_token for p in planes_for(spec, layers, hidden))
-
-
-def budget(spec, tokens: int, samples: int, train_dir: Path, layers: int, hidden: int,
-           available: int | None = None, upper_bound: bool = False) -> Budget:
-    """The storage the spec's cache needs against what this machine has (``available``: the
-    free bytes, measured when not given), less ``features.headroom``."""
-    from ..spec import cache_mode
-
-    mode = cache_mode(spec)
-    need = store_bytes(spec, tokens, layers, hidden)
-    free = available_bytes(mode, cache_dir(train_dir)) if available is None else available
-    where = "host memory" if mode == "host" else f"the file system of {cache_dir(train_dir)}"
-    return Budget(mode, spec.features.dtype, tokens, samples, need,
-                  int(free * (1 - spec.features.headroom)), where, upper_bound)
-
-
-def check_budget(b: Budget, spec_path) -> None:
-    """Refuse, before heavy work, a cache that does not fit (see the module docstring)."""
-    if not b.fits:
-        raise SpecError(f"{spec_path}: field 'features.cache': {b.describe()}: it does not "
-                        f"fit. Use features.dtype float8_e4m3 (half of bfloat16), "
-                        f"features.cache disk (or host), fewer data.* samples, or "
-                        f"features.cache off")
-
-
-def spec_budget(spec, results: Path, available: int | None = None) -> Budget | None:
-    """For ``dflash validate``: the budget from the dataset when the data stage has run, else
-    an upper bound from the spec's data fields (None when the cache is off)."""
-    from ..models.target import hf_config, layer_ids
-    from ..spec import cache_mode
-
-    if cache_mode(spec) == "off":
-        return None
-    cfg = hf_config(spec.target)
-    layers, hidden = len(layer_ids(spec.target, cfg)), cfg.hidden_size
-    tokens = samples = None
-    try:
-        from ..data.dataset import load_dataset
-
-        ds = load_dataset(spec, results)
-        tokens, samples = sum(ds.lengths), len(ds.lengths)
-    except Exception:  # noqa: BLE001 - no (valid) dataset yet: estimate from the spec
-        pass
-    upper = tokens is None
-    if upper:
-        d = spec.data
-        samples = d.max_prompts * d.samples_per_prompt
-        tokens = samples * (d.max_prompt_tokens + d.max_new_tokens)
-    return budget(spec, tokens, samples, results / "train", layers, hidden, available, upper)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -214,8 +82,6 @@ def as_planes(value: Any, L: int) -> dict[str, torch.Tensor]:
 
 def from_planes(planes: dict[str, torch.Tensor], row, tensor: bool) -> Any:
     """The value the target would hand over, from planes read for ``row``."""
-    from ..models.target_output import SoftLabels, TargetOutput, soft_positions
-
     feats = planes["features"][None]
     if tensor:
         return feats
@@ -265,10 +131,6 @@ class _Arrays:
         self.t = self._open(folder, shapes, ident)
 
     def _open(self, folder: Path, shapes: dict, ident: dict) -> dict:
-        import json
-
-        import numpy as np
-
         meta = folder / "meta.json"
         want = fingerprint(ident)
         if folder.exists():
@@ -352,8 +214,6 @@ class FeatureCache:
     def wait_for(self, sids: Sequence[int], stop: threading.Event | None = None,
                  poll_s: float = 0.1) -> None:
         """Block (holding no gate) until every sample of a served row is stored."""
-        import time
-
         deadline = time.monotonic() + WAIT_S
         with self._cond:
             while not all(self.filled(s) for s in sids):
@@ -479,8 +339,6 @@ class FeatureCache:
             shutil.rmtree(self.folder, ignore_errors=True)
 
     def _shared(self):
-        from contextlib import nullcontext
-
         return self.gate.shared() if self.gate is not None else nullcontext()
 
 
@@ -511,32 +369,10 @@ def epoch0_samples(step_map, start_step: int, total_steps: int) -> list[int]:
 # ---------------------------------------------------------------------------------------------
 # one run's cache (the train stage)
 # ---------------------------------------------------------------------------------------------
-def run_budget(spec, ds, train_dir: Path, cfg, available: int | None = None) -> Budget | None:
-    """The budget of a run on dataset ``ds`` (None when the cache is off)."""
-    from ..spec import cache_mode
-
-    if cache_mode(spec) == "off":
-        return None
-    return budget(spec, sum(ds.lengths), len(ds.lengths), train_dir, len(cfg.target_layer_ids),
-                  cfg.hidden_size, available)
-
-
-def check_run(spec, ds, train_dir: Path, cfg, log=print) -> Budget | None:
-    """Say what the cache will take and refuse it, before heavy work, when it does not fit."""
-    b = run_budget(spec, ds, train_dir, cfg)
-    if b is not None:
-        log(f"[train] {b.describe()}")
-        check_budget(b, spec.path)
-    return b
-
-
 def open_for_run(spec, ds, train_dir: Path, cfg, step_map, start_step: int, total_steps: int,
                  ident: dict) -> FeatureCache | None:
     """The run's cache, with what its epoch 0 still writes marked pending; a disk cache of the
     same run (``ident``) is reopened as a killed run left it."""
-    from ..runtime.gate import get_gate
-    from ..spec import cache_mode
-
     mode = cache_mode(spec)
     if mode == "off":
         return None

@@ -9,15 +9,18 @@ Planning is deterministic for ``(seed, epoch)``: a seeded shuffle, then rows fil
 order as it comes and closed with the best-fitting one or two of the next samples (keeps the
 randomness, fills rows to ~99.9 %), then a seeded shuffle of the batches. A resumed run
 re-plans the same epochs, so the step number is the whole data-order state
-(:class:`dflash.train.scheduler.StepMap` maps steps to batches).
+(:class:`StepMap` maps steps to batches).
 """
 from __future__ import annotations
 
 import bisect
 import random
-from typing import Sequence
+from typing import Callable, Sequence
+
+import torch
 
 from ..errors import DFlashError
+from ..models.masks import PackedRow
 
 LOOKAHEAD = 256  # samples a row may pull forward from later in the shuffled order to close it
 CLOSE_ROOM = 1.5  # x mean sample length: room left when a row stops taking the stream in order
@@ -223,10 +226,6 @@ def batch_randomness(batches: Sequence[Sequence[int]], lengths: Sequence[int]) -
 
 def pack_row(samples: Sequence[tuple], bucket_len: int, pad_id: int):
     """Concatenate ``(sample_id, input_ids, loss_mask)`` documents into one padded PackedRow."""
-    import torch
-
-    from ..models.masks import PackedRow
-
     ids, docs, pos, lm, sids = [], [], [], [], []
     for d, (sid, input_ids, loss_mask) in enumerate(samples):
         x = torch.as_tensor(input_ids, dtype=torch.long).flatten()
@@ -250,3 +249,39 @@ def pack_row(samples: Sequence[tuple], bucket_len: int, pad_id: int):
     lm.append(torch.zeros(pad, dtype=torch.bool))
     return PackedRow(input_ids=torch.cat(ids), doc_ids=torch.cat(docs),
                      position_ids=torch.cat(pos), loss_mask=torch.cat(lm), sample_ids=sids)
+
+
+class StepMap:
+    """Global step -> (epoch, step within epoch). Epochs may hold different numbers of batches
+    (the packing is re-planned per epoch), so steps per epoch = ceil(batches(epoch) / M)."""
+
+    def __init__(self, epoch_batches: Callable[[int], list], M: int, ranks: int = 1,
+                 rank: int = 0):
+        self.epoch_batches, self.M = epoch_batches, M
+        self.ranks, self.rank = ranks, rank  # nodes, and this node's rank
+        self.starts = [0]  # starts[e] = first global step of epoch e
+        self._cache: dict[int, list] = {}
+
+    def batches(self, epoch: int) -> list:
+        if epoch not in self._cache:
+            self._cache = {epoch: self.epoch_batches(epoch)}  # keep one epoch in memory
+        return self._cache[epoch]
+
+    def steps_in(self, epoch: int) -> int:
+        return max(1, -(-len(self.batches(epoch)) // (self.M * self.ranks)))
+
+    def batch_index(self, local_step: int, r: int) -> int:
+        """The batch of the epoch plan that this rank's replica r trains at a step."""
+        return (local_step * self.ranks + self.rank) * self.M + r
+
+    def locate(self, step: int) -> tuple[int, int]:
+        while self.starts[-1] <= step:
+            e = len(self.starts) - 1
+            self.starts.append(self.starts[-1] + self.steps_in(e))
+        for e in range(len(self.starts) - 1):
+            if self.starts[e] <= step < self.starts[e + 1]:
+                return e, step - self.starts[e]
+        raise AssertionError(step)
+
+    def total_for_epochs(self, epochs: int) -> int:
+        return sum(self.steps_in(e) for e in range(epochs))

@@ -20,7 +20,7 @@ from .head_loss import head_backend
 from .objective import Objective
 
 if TYPE_CHECKING:
-    from ..spec import OptimSpec
+    from ..spec_types import OptimSpec
 
 
 @dataclass

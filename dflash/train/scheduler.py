@@ -34,9 +34,13 @@ from typing import Any, Callable
 import torch
 
 from ..errors import DFlashError
-from ..runtime.gate import get_gate, worker_thread_setup
-from ..runtime.status import worker_name
 from ..models.masks import PackedRow
+from ..runtime.gate import get_gate
+from ..runtime.tracing import worker_thread_setup
+from ..runtime.status import worker_name
+from ..runtime.busy import DeviceBusy
+from .feature_cache import CacheStopped
+from .packing import StepMap
 
 POLL_S = 0.1
 
@@ -73,82 +77,6 @@ class StepRecord:
     replica_losses: list[float | None] = field(default_factory=list)
     # top-1 accuracy of block position k = 1..B-1 over this step's labelled positions
     draft_acc: list[float | None] = field(default_factory=list)
-
-
-class StepMap:
-    """Global step -> (epoch, step within epoch). Epochs may hold different numbers of batches
-    (the packing is re-planned per epoch), so steps per epoch = ceil(batches(epoch) / M)."""
-
-    def __init__(self, epoch_batches: Callable[[int], list], M: int, ranks: int = 1,
-                 rank: int = 0):
-        self.epoch_batches, self.M = epoch_batches, M
-        self.ranks, self.rank = ranks, rank  # nodes, and this node's rank
-        self.starts = [0]  # starts[e] = first global step of epoch e
-        self._cache: dict[int, list] = {}
-
-    def batches(self, epoch: int) -> list:
-        if epoch not in self._cache:
-            self._cache = {epoch: self.epoch_batches(epoch)}  # keep one epoch in memory
-        return self._cache[epoch]
-
-    def steps_in(self, epoch: int) -> int:
-        return max(1, -(-len(self.batches(epoch)) // (self.M * self.ranks)))
-
-    def batch_index(self, local_step: int, r: int) -> int:
-        """The batch of the epoch plan that this rank's replica r trains at a step."""
-        return (local_step * self.ranks + self.rank) * self.M + r
-
-    def locate(self, step: int) -> tuple[int, int]:
-        while self.starts[-1] <= step:
-            e = len(self.starts) - 1
-            self.starts.append(self.starts[-1] + self.steps_in(e))
-        for e in range(len(self.starts) - 1):
-            if self.starts[e] <= step < self.starts[e + 1]:
-                return e, step - self.starts[e]
-        raise AssertionError(step)
-
-    def total_for_epochs(self, epochs: int) -> int:
-        return sum(self.steps_in(e) for e in range(epochs))
-
-
-class DeviceBusy:
-    """Seconds of work a thread queued on its CUDA device, from timing-event pairs read once
-    they have completed: no host-device sync (drafter steps run asynchronously). On CPU the
-    work is synchronous and the host clock is the measure."""
-
-    def __init__(self, device: str):
-        self.device = device
-        self.cuda = device.startswith("cuda")
-        self.pending: list = []
-        self.seconds = 0.0
-
-    def start(self):
-        if not self.cuda:
-            return time.perf_counter()
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record(torch.cuda.current_stream(self.device))
-        return ev
-
-    def stop(self, start) -> None:
-        if not self.cuda:
-            self.seconds += time.perf_counter() - start
-            return
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record(torch.cuda.current_stream(self.device))
-        self.pending.append((start, ev))
-        self.collect(block=False)
-
-    def collect(self, block: bool) -> float:
-        keep = []
-        for a, b in self.pending:
-            if block:
-                b.synchronize()
-            if b.query():
-                self.seconds += a.elapsed_time(b) / 1000.0
-            else:
-                keep.append((a, b))
-        self.pending = keep
-        return self.seconds
 
 
 class Stopped(Exception):
@@ -287,8 +215,6 @@ class Pipeline:
         then stores them)."""
         row, cache = item.row, self.cache
         if cache is not None and item.epoch >= 1 and cache.serves(row.sample_ids):
-            from .feature_cache import CacheStopped
-
             try:
                 cache.wait_for(row.sample_ids, self.stop)
             except CacheStopped:

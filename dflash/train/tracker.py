@@ -48,7 +48,7 @@ class Tracker:
     """A SummaryWriter on ``train/tensorboard`` (see the module docstring)."""
 
     def __init__(self, train_dir: Path, start_step: int = 0):
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # optional: tensorboard
 
         self.writer = SummaryWriter(str(train_dir / EVENTS_DIR),
                                     purge_step=start_step or None)

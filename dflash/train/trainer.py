@@ -37,13 +37,15 @@ from ..runtime.faults import injected_failures
 from ..runtime.gate import get_gate
 from ..runtime.status import StatusReporter, by_role
 from ..models.dtypes import dtype_of
-from ..spec import cache_mode
+from ..spec_types import cache_mode
 from . import checkpoint as ckpt
 from .tracker import open_tracker
 from .books import EpochLedger, StepBooks
-from .feature_cache import check_run, open_for_run
+from .cache_budget import check_run
+from .feature_cache import open_for_run
 from .packing import bucket_for, pack_row, plan_epoch
-from .scheduler import Pipeline, StepMap
+from .packing import StepMap
+from .scheduler import Pipeline
 from .warm import warm_all, warm_targets
 from .workers import (buckets, drafter_config, initial_state, make_replicas,
                       make_target_workers)
@@ -75,7 +77,7 @@ class Job:
     compile_cache: Path
     ds: Any                  # dflash.data.dataset.TokenDataset
     bucket_lens: list[int]
-    step_map: Any            # dflash.train.scheduler.StepMap
+    step_map: Any            # dflash.train.packing.StepMap
     total_steps: int
     cfg: Any                 # dflash.models.drafter.DFlashConfig
     replicas: list

@@ -9,12 +9,18 @@ recompiles here, under the exclusive side, never as a refused recompile in stead
 """
 from __future__ import annotations
 
+import dataclasses
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ..models.masks import PackedRow
+from ..models.masks import PackedRow, attention_backend
+from ..models.features import FeatureExtractor, compile_backend
+from ..models.target import load_target
 from ..models.target_output import SoftLabels, TargetOutput, soft_positions
+from ..runtime.gate import get_gate
+from ..runtime.tracing import worker_thread_setup
 from .replica import DrafterReplica
 
 
@@ -54,8 +60,6 @@ def warm_replica(rep: DrafterReplica, bucket_len: int, feat_width: int, feat_dty
     ``optimizer_step`` True runs the optimizer too (warmup stage: everything a step touches);
     training's warm start passes False so the weights stay exactly the initial/checkpoint ones.
     """
-    from ..runtime.gate import get_gate
-
     gate = get_gate()
     row = synthetic_row(bucket_len, rep.cfg.vocab_size)
     blocks = rep.anchors(row, bucket_len)
@@ -92,10 +96,6 @@ def _warm_in_threads(jobs: list, work, log=None) -> list[dict]:
     by construction), in a worker thread set up exactly like a training worker (dynamo settings
     are per thread in torch 2.13); collect and log the records it yields; its error re-raises
     here."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from ..runtime.gate import worker_thread_setup
-
     def collect(job) -> list[dict]:
         records = []
         for rec in work(job):
@@ -125,8 +125,6 @@ def warm_targets(targets: list[tuple[str, object]], bucket_lens: list[int], voca
     compiles what the feature extractor compiles for the bucket (flex attention on CUDA, the
     decoder layers where ``target.compile`` is on; a cache hit after the warmup stage), so
     steady state never compiles."""
-    from ..runtime.gate import get_gate
-
     gate = get_gate()
 
     def work(job):
@@ -151,11 +149,6 @@ def warm_target_features(spec, bucket_lens: list[int], log=None) -> list[dict]:
     graph depends on shapes, dtypes and code only) through :func:`warm_targets`, filling the
     compile cache that the train stage's warm start then hits. Nothing to do on an eager CPU
     target (SDPA, no compile)."""
-    import dataclasses
-
-    from ..models.masks import attention_backend
-    from ..models.target import FeatureExtractor, compile_backend, load_target
-
     jobs, vocab = [], 8
     for dev in spec.topology.targets:
         attention = attention_backend(dev)

@@ -12,14 +12,17 @@ import torch
 from ..models.drafter import DFlashConfig, DFlashDrafter
 from ..models.drafter_init import target_layers_state
 from ..models.dtypes import dtype_of
+from ..models.masks import attention_backend
+from ..models.features import FeatureExtractor, compile_backend
+from ..models.target import hf_config, layer_ids, load_target, target_embeddings
+from ..models.target_graph import CapturedFeatures
+from ..models.target_output import TargetOutput
 from .objective import SOFT_KINDS, Objective
 from .packing import bucket_lengths
 from .replica import DrafterReplica
 
 
 def drafter_config(spec) -> DFlashConfig:
-    from ..models.target import hf_config, layer_ids
-
     tcfg = hf_config(spec.target)
     d = spec.drafter
     return DFlashConfig.from_target_config(tcfg, d.num_layers, d.block_size,
@@ -44,7 +47,6 @@ def initial_state(cfg: DFlashConfig, seed: int, spec=None) -> dict:
     state = {k: v.clone() for k, v in DFlashDrafter(cfg).state_dict().items()}
     if spec is None or spec.drafter.init == "random":
         return state
-    from ..models.target import load_target
 
     # the whole target, on the host, once: the layers copied may be past the feature layers
     # the target workers keep
@@ -59,8 +61,6 @@ def initial_state(cfg: DFlashConfig, seed: int, spec=None) -> dict:
 
 def make_replicas(spec, cfg: DFlashConfig, init_state: dict, total_steps: int
                   ) -> list[DrafterReplica]:
-    from ..models.target import target_embeddings
-
     embed, head = target_embeddings(spec.target, spec.seed)
     obj, dtype = objective(spec, cfg), dtype_of(spec.drafter.dtype)
     return [DrafterReplica(i, dev, cfg, obj, spec.optim, dtype, spec.compile.backend, embed,
@@ -74,9 +74,6 @@ def make_target_workers(spec) -> list[tuple[str, object]]:
     :class:`~dflash.models.target_output.TargetOutput`. Truncated after the last feature layer,
     unless the objective distils: then the whole target runs (its soft labels need the last
     layers, the final norm and the LM head), in the same forward."""
-    from ..models.masks import attention_backend
-    from ..models.target import FeatureExtractor, compile_backend, hf_config, layer_ids, load_target
-
     ids = layer_ids(spec.target, hf_config(spec.target))
     soft = spec.loss.kind in SOFT_KINDS
     top_k = spec.loss.kd_top_k if soft else None
@@ -88,9 +85,6 @@ def make_target_workers(spec) -> list[tuple[str, object]]:
         fx = FeatureExtractor(t, compile=compile_backend(spec.target, dev, spec.compile.backend,
                                                          t.model), soft_top_k=top_k)
         if captured(spec, dev, fx):
-            from ..models.target_graph import CapturedFeatures
-            from ..models.target_output import TargetOutput
-
             cap = CapturedFeatures(fx, dev)  # takes the row's host tensors: one copy in
             workers.append((dev, lambda row, cap=cap: TargetOutput(cap(
                 row.input_ids, row.doc_ids, row.position_ids))))

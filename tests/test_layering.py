@@ -1,0 +1,107 @@
+"""The package's rooms import only the rooms below them (each sub-package's __init__ says which),
+and no two modules import each other at import time: docs/design.md "Where things live"."""
+import ast
+import shutil
+from pathlib import Path
+
+import dflash
+
+PKG = Path(dflash.__file__).parent
+# room -> the rooms it may import (the top-level modules are the room "top")
+MAY_IMPORT = {
+    "top": {"top"},
+    "runtime": {"top", "runtime"},
+    "models": {"top", "models"},
+    "data": {"top", "runtime", "models", "data"},
+    "train": {"top", "runtime", "models", "data", "train"},
+    "eval": {"top", "runtime", "models", "data", "train", "eval"},
+    "env": {"top", "env"},
+    "stages": {"top", "runtime", "models", "data", "train", "eval", "env", "stages"},
+}
+ENTRY_POINTS = {"dflash.cli", "dflash.__main__", "dflash.validate"}  # above every room: commands
+
+
+def _module(pkg: Path, path: Path) -> str:
+    parts = [p for p in path.relative_to(pkg).with_suffix("").parts if p != "__init__"]
+    return ".".join(["dflash", *parts])
+
+
+def _room(mod: str) -> str:
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in MAY_IMPORT else "top"
+
+
+def _is_module(pkg: Path, mod: str) -> bool:
+    p = pkg.parent.joinpath(*mod.split("."))
+    return p.with_suffix(".py").is_file() or (p / "__init__.py").is_file()
+
+
+def _imports(pkg: Path, path: Path, top_level_only: bool) -> set[str]:
+    """The dflash modules ``path`` imports (at any depth, or at its head only)."""
+    mod = _module(pkg, path)
+    here = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+    tree = ast.parse(path.read_text())
+    out = set()
+    for n in (tree.body if top_level_only else ast.walk(tree)):
+        if isinstance(n, ast.Import):
+            out |= {a.name for a in n.names}
+        elif isinstance(n, ast.ImportFrom):
+            base = n.module or ""
+            if n.level:
+                up = here.split(".")[:len(here.split(".")) - (n.level - 1)]
+                base = ".".join(up + ([base] if base else []))
+            for a in n.names:
+                sub = f"{base}.{a.name}"
+                out.add(sub if _is_module(pkg, sub) else base)
+    return {m for m in out if m.startswith("dflash.")}
+
+
+def _files(pkg: Path):
+    return sorted(p for p in pkg.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def upward_imports(pkg: Path) -> list[str]:
+    bad = []
+    for path in _files(pkg):
+        mod = _module(pkg, path)
+        if mod in ENTRY_POINTS:
+            continue
+        bad += [f"{mod} -> {d}" for d in sorted(_imports(pkg, path, False))
+                if _room(d) not in MAY_IMPORT[_room(mod)]]
+    return bad
+
+
+def import_cycles(pkg: Path) -> list[list[str]]:
+    graph = {_module(pkg, p): _imports(pkg, p, True) for p in _files(pkg)}
+    done, stack, cycles = set(), [], []
+
+    def visit(m):
+        if m in stack:
+            cycles.append(stack[stack.index(m):] + [m])
+        elif m not in done:
+            stack.append(m)
+            for d in sorted(graph.get(m, ())):
+                visit(d)
+            stack.pop()
+            done.add(m)
+
+    for m in sorted(graph):
+        visit(m)
+    return cycles
+
+
+def test_no_room_imports_a_room_above_it():
+    assert upward_imports(PKG) == []
+
+
+def test_no_import_time_cycles():
+    assert import_cycles(PKG) == []
+
+
+def test_an_upward_import_and_a_cycle_are_seen(tmp_path):
+    pkg = tmp_path / "dflash"
+    shutil.copytree(PKG, pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    masks = pkg / "models" / "masks.py"
+    masks.write_text(masks.read_text() + "\nfrom ..train.objective import Objective\n")
+    assert "dflash.models.masks -> dflash.train.objective" in upward_imports(pkg)
+    assert any("dflash.models.masks" in c for c in import_cycles(pkg))  # objective imports masks
