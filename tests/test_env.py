@@ -37,16 +37,19 @@ REPO = Path(__file__).resolve().parents[1]
 # ---------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------
-def make_wheel(out_dir: Path, dist: str, version: str) -> Path:
-    """A minimal valid pure-Python wheel (what `pip wheel` makes for a one-module project)."""
+def make_wheel(out_dir: Path, dist: str, version: str, script: str | None = None) -> Path:
+    """A minimal valid pure-Python wheel (what `pip wheel` makes for a one-module project);
+    ``script``: a console script of that name (pip writes it into bin/)."""
     mod = dist.lower().replace("-", "_")
     stem = f"{mod}-{version}"
     files = {
-        f"{mod}/__init__.py": f"__version__ = {version!r}\n",
+        f"{mod}/__init__.py": f"__version__ = {version!r}\ndef main():\n    pass\n",
         f"{stem}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n",
         f"{stem}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: dflash-tests\n"
                                    "Root-Is-Purelib: true\nTag: py3-none-any\n",
     }
+    if script:
+        files[f"{stem}.dist-info/entry_points.txt"] = f"[console_scripts]\n{script} = {mod}:main\n"
     record = []
     for name, text in files.items():
         data = text.encode()
@@ -351,6 +354,23 @@ def test_overlay_installs_missing_pins_hash_checked_and_joins_the_lock(tmp_path,
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(py2.parents[1])], check=True)
     with pytest.raises(env_lock.LockError, match="img-py311-overlay.lock: pip install"):
         overlay.install_overlay(image, str(wheels["dir"]), {}, python=str(py2))
+
+
+def test_overlay_into_a_target_keeps_every_files_scripts(tmp_path):
+    """--target (bench/gpu/run_all.sh: /tmp/site): the overlay and its -nodeps file install in
+    ONE pip call. Two calls with --upgrade replaced bin/ wholesale, and the second file's scripts
+    deleted the first's (snakemake vanished on the H200, round 3)."""
+    w = tmp_path / "wheels"
+    a, b = make_wheel(w, "tiny-alpha", "1.0", script="alpha"), make_wheel(w, "tiny-beta", "2.0",
+                                                                          script="beta")
+    image = write_lock(tmp_path / "envs" / "img-py311.lock", [])
+    write_lock(tmp_path / "envs" / "img-py311-overlay.lock", [("tiny-alpha", "1.0", sha(a))])
+    write_lock(tmp_path / "envs" / "img-py311-overlay-nodeps.lock", [("tiny-beta", "2.0", sha(b))])
+    site = tmp_path / "site"
+    assert overlay.install_overlay(image, str(w), {}, target=str(site)) == [
+        "tiny-alpha==1.0", "tiny-beta==2.0"]
+    assert (site / "bin" / "alpha").is_file() and (site / "bin" / "beta").is_file()
+    assert (site / "tiny_alpha" / "__init__.py").is_file() and (site / "tiny_beta").is_dir()
 
 
 def test_the_gpu_overlay_lock_pins_what_the_pipeline_adds_to_the_image():

