@@ -17,7 +17,7 @@ from dflash.data.generate import eos_ids_of, generate_batch, sample_seed
 from dflash.spec import load_spec
 from dflash.data.sources import build_samples, tokenizer_for
 from dflash.eval.evalsets import eval_overlap
-from dflash.stages.data import make_chunks
+from dflash.data.chunks import make_chunks
 from dflash.models.target import load_target
 
 

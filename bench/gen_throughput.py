@@ -132,7 +132,7 @@ def run_engine(model, prompts, seeds, a, eos, slots: int, device, attention: str
     step_ms = (time.time() - t1) / reps * 1e3
     st["decode_steps"] = steps_before
     return {"slots": slots, "attention": attention, "padded_prefill": eng.padded_prefill,
-            "prefill_batch": eng.prefill_batch, "prefill_graphs": len(eng._prefill_graphs),
+            "prefill_batch": eng.prefill_batch, "prefill_graphs": len(eng.prefill.graphs),
             "prompts": len(prompts), "new_tokens": new, "seconds": round(s, 3),
             "new_tokens_per_s": round(new / s, 1),
             "setup_seconds": round(prep, 3), "compile_seconds": st["compile_seconds"],

@@ -14,6 +14,7 @@ import yaml
 from transformers import AutoTokenizer
 
 from dflash.cli import main
+from dflash.data.chunks import merge_shards, rows_schema, shard_path
 from dflash.data.dataset import load_dataset
 from dflash.data.prompts import load_prompts, render_prompt
 from dflash.errors import DFlashError, StaleArtifact
@@ -126,7 +127,7 @@ def test_resume_after_interruption(reference, tmp_path):
     assert m["generation"]["chunks_resumed"] == 1
     regenerated = set()
     for c in second.chunks:
-        regenerated |= set(pq.read_table(data_stage.shard_path(tmp_path / "data" / "shards", c))
+        regenerated |= set(pq.read_table(shard_path(tmp_path / "data" / "shards", c))
                            ["sample_id"].to_pylist())
     assert regenerated == set(range(12)) - done_ids
     assert read_rows(tmp_path) == read_rows(ref_out)
@@ -152,12 +153,12 @@ def test_damaged_shard_is_regenerated_and_never_merged(reference, tmp_path, caps
     its checksum at resume (regenerated, said so) and at merge (removed, refused in one line)."""
     spec, _, ref_m, _ = reference
     run_data(spec, tmp_path)
-    shard = data_stage.shard_path(tmp_path / "data" / "shards", 1)
+    shard = shard_path(tmp_path / "data" / "shards", 1)
 
     def tamper():
         t = pq.read_table(shard).to_pylist()
         t[0]["input_ids"][-1] ^= 1  # a one-bit flip in one token
-        pq.write_table(pa.Table.from_pylist(t, schema=data_stage._schema()), shard)
+        pq.write_table(pa.Table.from_pylist(t, schema=rows_schema()), shard)
 
     tamper()
     capsys.readouterr()
@@ -170,7 +171,7 @@ def test_damaged_shard_is_regenerated_and_never_merged(reference, tmp_path, caps
     # damaged after the resume check: the merge refuses it (naming it) and removes it
     tamper()
     with pytest.raises(DFlashError, match=rf"{shard}: damaged.*generates it again"):
-        data_stage._merge(shard.parent, [None] * 3, [])
+        merge_shards(shard.parent, [None] * 3, [])
     assert not shard.exists()
     rec = Recorder()
     assert run_data(spec, tmp_path, on_shard=rec)["dataset"]["sha256"] == ref_m["dataset"]["sha256"]

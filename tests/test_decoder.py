@@ -7,7 +7,8 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dflash.errors import DFlashError
-from dflash.eval.decoder import Decoder, _context_kv
+from dflash.eval.decoder import Decoder
+from dflash.eval.decoder_step import context_kv
 from dflash.eval.report import fmt, write_plots
 from dflash.eval.serving import goal, sweep
 from dflash.eval.speculative import target_greedy
@@ -117,7 +118,7 @@ def test_compiled_regions_give_the_same_tokens(world):
     dec = make(target, drafter, 2, compile="aot_eager")
     assert [r.tokens for r in dec.decode(ps[:2])] == greedy[:2]
 
-    assert dec._ctx is not _context_kv and "context_compile_error" not in dec.stats
+    assert dec._ctx is not context_kv and "context_compile_error" not in dec.stats
     assert dec.stats["mismatches"] == 0
 
 

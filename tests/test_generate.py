@@ -73,8 +73,8 @@ def test_gpu_schedule_gives_the_same_answers(smol, prompts, refs, attention):
                  attention=attention)
     assert eng.generate(prompts) == refs
     assert eng.stats["decode_steps"] % 4 == 0 and eng.stats["prefill_calls"] >= 2
-    assert set(eng._prefill_bufs) <= set(eng._prefill_lengths())
-    assert all(P % 32 == 0 for P in eng._prefill_bufs)
+    assert set(eng.prefill.bufs) <= set(eng.prefill.lengths())
+    assert all(P % 32 == 0 for P in eng.prefill.bufs)
 
 
 def test_sampling_is_seeded_and_independent_of_slots_and_order(smol, prompts):

@@ -28,8 +28,7 @@ How (the model's own modules do the math; only the attention + cache glue is wri
   as a CUDA graph and replayed;
   the host syncs only every ``sync_every`` steps to harvest finished answers. Prefills run in
   fixed shapes (``prefill_batch`` rows × a multiple of 32 tokens; unused rows write to a spare
-  cache row), each length captured once too: run eager, a prefill's ~1200 kernel launches held the
-  host ~100 ms per refill on an H200 while the GPU waited (30 % of the run's time). Compile and
+  cache row), each length captured once too (:mod:`dflash.data.prefill` says why). Compile and
   capture run under the compile gate's exclusive side (:mod:`dflash.runtime.gate`), replays under its
   shared side.
 
@@ -44,9 +43,10 @@ projections, optional q_norm/k_norm as in Qwen3) → post_attention_layernorm �
 full attention (``llama``, ``qwen2``, ``qwen3``); :func:`unsupported_reason` says why another
 model is not, and the ``hf`` engine (:func:`dflash.data.generate.generate_batch`) serves it.
 
-Owns: :class:`Engine` (its static caches, capture, replay and slot scheduling),
-:func:`unsupported_reason`. Imports the top-level modules, ``models.decoder``, ``models.graphs``,
-``runtime.gate`` and :mod:`dflash.data.decode_step` (the step's math and its sampling).
+Owns: :class:`Engine` (its static caches, the decode and prefill math, capture, replay and slot
+scheduling), :func:`unsupported_reason`. Imports the top-level modules, ``models.decoder``,
+``models.graphs``, ``runtime.gate``, :mod:`dflash.data.decode_step` (the step's math and its
+sampling) and :mod:`dflash.data.prefill` (the prefill's shapes, buffers, graphs and host packing).
 """
 from __future__ import annotations
 
@@ -68,6 +68,7 @@ from ..models.decoder import unsupported_reason as _layers_unsupported
 from ..runtime.gate import get_gate
 from ..models.graphs import capture, capture_or_warn
 from .decode_step import M32, DECODE_ATTENTION, mix32, pick_token, seed_keys
+from .prefill import Prefill
 
 
 
@@ -99,8 +100,6 @@ class Engine:
     ``cuda_graph``. ``attention``: the decode step's attention, ``sdpa`` or ``matmul``.
     ``gate``: the compile gate (default: the process's).
     """
-
-    PREFILL_STEP = 32  # padded prefill lengths are multiples of this
 
     def __init__(self, model, *, slots: int, max_len: int, max_new_tokens: int,
                  eos_ids: Sequence[int], temperature: float = 0.0,
@@ -176,8 +175,9 @@ class Engine:
             self.out = self.out_rows[:B]
         self._pre, self._post, self._head = _qkv, DECODE_ATTENTION[attention], pick_token
         self._graph = None
-        self._prefill_graphs: dict[int, Any] = {}
-        self._prefill_bufs: dict[int, tuple] = {}
+        self.prefill = Prefill(self._prefill_body, rows=self.prefill_batch, spare_row=B,
+                               cache_len=S, max_new=self.max_new, padded=self.padded_prefill,
+                               device=dev, gate=self.gate, stats=self.stats)
         self._ready = False
         self.setup_seconds = 0.0
 
@@ -257,22 +257,6 @@ class Engine:
         self.out_rows[idx, 0] = nxt
         rows["active"][idx] = ~(self._is_eos(nxt) | (self.max_new <= 1))
 
-    def _prefill_lengths(self) -> list[int]:
-        """The padded prefill lengths: multiples of PREFILL_STEP up to the longest prompt."""
-        top = min(_round_up(self.S - self.max_new, self.PREFILL_STEP), self.S)
-        return sorted({min(L, top) for L in range(self.PREFILL_STEP, top + self.PREFILL_STEP,
-                                                   self.PREFILL_STEP)})
-
-    def _prefill_buffers(self, P: int) -> tuple:
-        """Static device inputs of the padded prefill of length ``P`` (a spare-row no-op)."""
-        if P not in self._prefill_bufs:
-            n, dev = self.prefill_batch, self.device
-            self._prefill_bufs[P] = (torch.zeros(n, P, dtype=torch.long, device=dev),
-                                     torch.ones(n, dtype=torch.long, device=dev),
-                                     torch.full((n,), self.B, dtype=torch.long, device=dev),
-                                     torch.zeros(n, dtype=torch.long, device=dev))
-        return self._prefill_bufs[P]
-
     def _prepare(self) -> None:
         """Compile the per-layer pieces and capture the decode step and the padded prefills
         (once, exclusive gate)."""
@@ -298,7 +282,7 @@ class Engine:
                 self.stats["compile_seconds"] = round(time.time() - t0, 3)
                 if self.cuda_graph and capture_or_warn(self._capture, self.stats,
                                                        "generate") is None:
-                    self._prefill_graphs.clear()
+                    self.prefill.graphs.clear()
                 self._restore(saved)
         self._ready = True
 
@@ -307,20 +291,8 @@ class Engine:
         self._graph = capture(self._decode_step)[0]
         torch.cuda.synchronize(self.device)
         if self.padded_prefill:
-            self._capture_prefills()
+            self.prefill.capture()
         return True
-
-    def _capture_prefills(self) -> None:
-        """One CUDA graph per padded prefill length, all in one memory pool (they never run
-        at the same time and keep no tensor alive between runs). Warm-up and capture run with
-        every row aimed at the spare row, so no slot's state changes."""
-        pool = torch.cuda.graph_pool_handle()
-        for P in self._prefill_lengths():
-            bufs = self._prefill_buffers(P)
-            self._prefill_body(*bufs)  # warm-up (lazy inits) outside the capture
-            torch.cuda.synchronize(self.device)
-            self._prefill_graphs[P] = capture(lambda: self._prefill_body(*bufs), pool)[0]
-        torch.cuda.synchronize(self.device)
 
     def _snapshot(self):
         return [t.clone() for t in self.rows.values()]
@@ -337,47 +309,6 @@ class Engine:
                 else:
                     self._decode_step()
         self.stats["decode_steps"] += n
-
-    def _to_device(self, t, out=None):
-        """Host -> device without a stream sync (a plain copy from pageable memory waits for
-        the decode steps already queued; a pinned, non-blocking one is queued behind them)."""
-        if self.device.type != "cuda":
-            return t if out is None else out.copy_(t)
-        t = t.pin_memory()
-        return t.to(self.device, non_blocking=True) if out is None else \
-            out.copy_(t, non_blocking=True)
-
-    # -------------------------------------------------------------------------------------
-    def _prefill(self, slots: list[int], prompts: list[Sequence[int]], keys: list[int]) -> None:
-        """Run ``prompts`` into ``slots`` and pick each first token: as they are (eager), or
-        padded to ``prefill_batch`` rows × a multiple of 32 tokens (captured graph on CUDA)."""
-        t0 = time.time()
-        n = len(prompts)
-        longest = max(len(p) for p in prompts)
-        if self.padded_prefill:
-            P = next(L for L in self._prefill_lengths() if L >= longest)
-            rows, fill = self.prefill_batch, self.B  # unused rows: length 1, the spare row
-        else:
-            P, rows, fill = longest, n, 0
-        ids = torch.zeros(rows, P, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, :len(p)] = torch.as_tensor(list(p), dtype=torch.long)
-        host = (ids, torch.tensor([len(p) for p in prompts] + [1] * (rows - n)),
-                torch.tensor(list(slots) + [fill] * (rows - n)),
-                torch.tensor(list(keys) + [0] * (rows - n), dtype=torch.long))
-        with self.gate.shared():
-            if self.padded_prefill:
-                bufs = self._prefill_buffers(P)
-                for h, b in zip(host, bufs):
-                    self._to_device(h, out=b)
-                if P in self._prefill_graphs:
-                    self._prefill_graphs[P].replay()
-                else:
-                    self._prefill_body(*bufs)
-            else:
-                self._prefill_body(*(self._to_device(h) for h in host))
-        self.stats["prefill_calls"] += 1
-        self.stats["prefill_seconds"] += time.time() - t0
 
     # -------------------------------------------------------------------------------------
     def stream(self, items: Iterable[tuple[Hashable, Sequence[int], int | None]]
@@ -416,7 +347,7 @@ class Engine:
                 if group:
                     keys = seed_keys(torch.tensor([g[3] & ((1 << 63) - 1) for g in group],
                                                   dtype=torch.long)).tolist()
-                    self._prefill([g[0] for g in group], [g[2] for g in group], keys)
+                    self.prefill.run([g[0] for g in group], [g[2] for g in group], keys)
                     for slot, key, _, _ in group:
                         occupied[slot] = key
                 force = False

@@ -32,7 +32,7 @@ On CUDA the per-layer pieces are the ones the data engine compiles
 (:mod:`dflash.models.decoder`: ``qkv``, ``attend_cache``, ``out_mlp``; one graph per shape
 serves every layer of a model) and the whole step is captured once as a CUDA graph, compile
 and capture under the compile gate's exclusive side, replays under its shared side, as in
-:class:`dflash.data.generate.Engine`. The host syncs once every ``sync_every`` steps (to see
+:class:`dflash.data.engine.Engine`. The host syncs once every ``sync_every`` steps (to see
 whether any sequence is still running). On CPU the same code runs eagerly.
 
 Lossless: every emitted token is the target's greedy token in the verify forward that produced
@@ -40,6 +40,9 @@ it. That equals plain one-token greedy decoding up to floating-point summation o
 of K tokens rounds differently from K one-token forwards), which can only flip a near-tie; the
 margins say how near (:func:`dflash.eval.decoded.divergence`). In float32 the outputs are identical
 (tests/test_decoder.py).
+
+Owns: :class:`Decoder` (its static caches, step, capture, replay and harvest). Its own step pieces
+(greedy head, drafter RoPE, drafter context K/V) are :mod:`dflash.eval.decoder_step`.
 """
 from __future__ import annotations
 
@@ -53,40 +56,16 @@ import torch.nn.functional as F
 from ..errors import DFlashError
 from ..models.decoder import attend_cache, compile_region, qkv, rope_of
 from ..models.decoder import unsupported_reason as _layers_unsupported
-from ..models.drafter import apply_rope, rope_cos_sin
+from ..models.drafter import rope_cos_sin
 from ..models.graphs import capture, capture_or_warn
 from .decoded import Decoded
+from .decoder_step import context_kv, drafter_rope, greedy_head
 from ..runtime.gate import get_gate
 from ..runtime.tracing import worker_thread_setup
 
+
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
-
-
-def _drafter_rope(q, k, cos, sin):
-    """The drafter's RoPE (:func:`dflash.models.drafter.apply_rope`) in the shared pieces'
-    calling convention: cos/sin [B, L, D]."""
-    cos, sin = cos[:, None], sin[:, None]
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-
-
-def _head(norm, lm_w, x):
-    """final norm + lm_head -> greedy token and top-2 margin per position (logits never leave
-    the device). ``topk``, not a second masked max: torch 2.11's inductor fails to fuse
-    argmax + amax + masked amax (an assertion in its scheduler; bench/results/h200/
-    COMMANDS.md, decode step probe run 2)."""
-    logits = F.linear(norm(x), lm_w)
-    top = logits.topk(2, dim=-1).values.float()
-    return logits.argmax(-1), top[..., 0] - top[..., 1]
-
-
-def _context_kv(drafter, feats, cos, sin):
-    """The drafter's context K/V of verified positions, every layer: fc + hidden_norm + each
-    layer's k/v projection, k_norm and RoPE, compiled as one region (eager it is ~100 small
-    kernels per step: by estimate a quarter to a third of what the speculative step costs
-    over a one-token step on the H200)."""
-    ctx = drafter.hidden_norm(drafter.fc(feats))
-    return [layer.self_attn.context_kv(ctx, (cos, sin)) for layer in drafter.layers]
 
 
 DraftHook = Callable[[int, int, int], Sequence[int]]  # (prompt index, anchor, anchor_pos)
@@ -140,7 +119,7 @@ class Decoder:
         self.sync_every = int(sync_every or (4 if self.cuda_graph else 1))
         self.gate = gate or get_gate()
         self.rope = rope_of(self.layers[0])
-        self._pre, self._attn, self._head, self._ctx = qkv, attend_cache, _head, _context_kv
+        self._pre, self._attn, self._head, self._ctx = qkv, attend_cache, greedy_head, context_kv
         self._graph, self._wave = None, 0
         self._ready = False
         self.stats: dict[str, Any] = {"compile_seconds": 0.0, "capture_seconds": 0.0,
@@ -252,7 +231,7 @@ class Decoder:
         mask = (self.pos_ar[None, :] <= last[:, None])[:, None, None].expand(
             self.N, 1, self.Kd, self.S)
         for layer, kc, vc in zip(self.d_layers, self.dk_cache, self.dv_cache):
-            q, k, v = self._pre(layer, x, cos, sin, _drafter_rope)
+            q, k, v = self._pre(layer, x, cos, sin, drafter_rope)
             kc[rows, :, qpos] = k.transpose(1, 2)
             vc[rows, :, qpos] = v.transpose(1, 2)
             x = self._attn(layer, x, q, kc, vc, mask)
@@ -327,9 +306,9 @@ class Decoder:
         qpos = torch.arange(P, device=self.device)[None].expand(self.N, P)
         x, feats = self._target_forward(ids, qpos, qkv, attend_cache)
         last = x[self.slot_ar, lens - 1]
-        tok, margin = _head(self.target.model.norm, self.lm_w, last)
+        tok, margin = greedy_head(self.target.model.norm, self.lm_w, last)
         if self.drafter is not None and self.hook is None:
-            self._context(feats, qpos, _context_kv)
+            self._context(feats, qpos, context_kv)
         for t in self._buffers:
             t.zero_()
         live = self.slot_ar < n
@@ -360,9 +339,9 @@ class Decoder:
                 backend = self.compile if isinstance(self.compile, str) else "inductor"
                 self._pre = compile_region(qkv, backend)
                 self._attn = compile_region(attend_cache, backend)
-                self._head = compile_region(_head, backend)
+                self._head = compile_region(greedy_head, backend)
                 if self.drafter is not None:
-                    self._ctx = compile_region(_context_kv, backend)
+                    self._ctx = compile_region(context_kv, backend)
             with torch.inference_mode():
                 for t in self._buffers:
                     t.zero_()
@@ -381,13 +360,13 @@ class Decoder:
         try:
             self._step()
         except Exception as e:  # noqa: BLE001 - only the context region may fall back
-            if self._ctx is _context_kv:
+            if self._ctx is context_kv:
                 raise
             self.stats["context_compile_error"] = f"{type(e).__name__}: {e}"[:500]
             print(f"[decoder] WARNING: the drafter-context region failed to compile, running it "
                   f"eagerly in the step: {self.stats['context_compile_error']}",
                   file=sys.stderr, flush=True)
-            self._ctx = _context_kv
+            self._ctx = context_kv
             self._step()
         self._step()
 

@@ -7,7 +7,8 @@ Output (``results/<spec>/data/``): ``dataset.parquet`` (one row per sample, sort
 ``data.gen_batch_size`` samples (prompts of similar length together, so left padding is small);
 each finished chunk is written atomically as ``shards/part-<chunk>.parquet``. A restarted run
 keeps the shards made from the same inputs and generates only the missing samples, so nothing is
-generated twice and nothing is lost; shards made from other inputs are discarded (and said so).
+generated twice and nothing is lost; shards made from other inputs are discarded (and said so):
+:mod:`dflash.data.chunks` (the plan, its shards, resume and merge).
 
 Chunks are spread over ``topology.targets`` (one thread per entry, each with its own target copy;
 several ``cpu`` entries share the CPU). ``data.engine`` picks the generator: ``fast``
@@ -25,119 +26,31 @@ MT-Bench and HumanEval) is :mod:`dflash.data.sources`; docs/data.md has the deta
 from __future__ import annotations
 
 import importlib
-import json
-import shutil
 import time
 from pathlib import Path
-from typing import Sequence
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..code_fingerprint import stage_code_fingerprint
-from ..data import shards
 from ..data.check import check_data
+from ..data.chunks import SHARDS, keep_shards, make_chunks, merge_shards, write_chunk
 from ..data.dataset import DATASET
 from ..data.generate import ChunkProgress, eos_ids_of, generate_chunks, open_generator, resolve_engine, sample_seed
 from ..data.sources import (
     SYNTHETIC,
-    Sample,
     build_samples,
     engine_compile,
     log,
     synthetic_responses,
     tokenizer_for,
 )
-from ..errors import DFlashError
 from ..eval.evalsets import eval_overlap
-from ..manifest import atomic_path, atomic_write_json, fingerprint, rerun_command, sha256_file, write_manifest
+from ..manifest import atomic_path, fingerprint, sha256_file, write_manifest
 from ..models.target import load_target, target_fingerprint
 from ..runtime import faults
 from . import StageContext
 
-SHARDS = "shards"
-SHARD_META = "meta.json"
 
-
-# ---------------------------------------------------------------------------------------------
-# the plan: which samples exist, and how they are chunked
-# ---------------------------------------------------------------------------------------------
-def make_chunks(samples: Sequence[Sample], chunk_size: int) -> list[list[Sample]]:
-    """Fixed chunks: similar prompt lengths together (little left padding), ties by sample_id."""
-    order = sorted(samples, key=lambda s: (len(s.prompt_ids), s.sample_id))
-    return [order[i:i + chunk_size] for i in range(0, len(order), chunk_size)]
-
-
-def _schema():
-    return pa.schema([("sample_id", pa.int64()), ("prompt_id", pa.int64()),
-                      ("sample_index", pa.int32()), ("input_ids", pa.list_(pa.int32())),
-                      ("loss_mask", pa.list_(pa.int8())), ("num_prompt_tokens", pa.int32()),
-                      ("num_response_tokens", pa.int32()), ("stopped_at_eos", pa.bool_())])
-
-
-def _rows_table(samples: Sequence[Sample], responses: Sequence[Sequence[int]], eos_ids):
-    cols: dict[str, list] = {f.name: [] for f in _schema()}
-    for s, r in sorted(zip(samples, responses), key=lambda x: x[0].sample_id):
-        cols["sample_id"].append(s.sample_id)
-        cols["prompt_id"].append(s.prompt_id)
-        cols["sample_index"].append(s.sample_index)
-        cols["input_ids"].append(list(s.prompt_ids) + list(r))
-        cols["loss_mask"].append([0] * len(s.prompt_ids) + [1] * len(r))
-        cols["num_prompt_tokens"].append(len(s.prompt_ids))
-        cols["num_response_tokens"].append(len(r))
-        cols["stopped_at_eos"].append(bool(r) and r[-1] in eos_ids)
-    return pa.Table.from_pydict(cols, schema=_schema())
-
-
-# ---------------------------------------------------------------------------------------------
-# shards (resume)
-# ---------------------------------------------------------------------------------------------
-def shard_path(shard_dir: Path, chunk: int) -> Path:
-    return shard_dir / f"part-{chunk:05d}.parquet"
-
-
-def _prepare_shards(shard_dir: Path, meta: dict, chunks: list[list[Sample]]) -> set[int]:
-    """Keep shards made from exactly these inputs; return the sample ids they already hold."""
-    meta_path = shard_dir / SHARD_META
-    existing = sorted(shard_dir.glob("part-*.parquet")) if shard_dir.is_dir() else []
-    old = None
-    if meta_path.is_file():
-        try:
-            old = json.loads(meta_path.read_text())
-        except ValueError:
-            old = None
-    if existing and old != meta:
-        why = "no shard record" if old is None else ", ".join(
-            (f"made by other code: the data stage's code changed ({old.get(k)} -> {v}); "
-             f"generating them again" if k == "code" else f"{k} {old.get(k)!r} -> {v!r}")
-            for k, v in meta.items() if old.get(k) != v)
-        log(f"discarding {len(existing)} shard(s) made from other inputs ({why})")
-        shutil.rmtree(shard_dir)
-        existing = []
-    shard_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(meta_path, meta)
-    for tmp in shard_dir.glob(".part-*.tmp"):  # leftovers of a killed atomic write
-        tmp.unlink(missing_ok=True)
-    done: set[int] = set()
-    for path in existing:
-        try:
-            chunk = int(path.stem.split("-")[1])
-            shards.verify_shard(path)  # every column, by content
-            ids = pq.read_table(path, columns=["sample_id"])["sample_id"].to_pylist()
-            want = sorted(s.sample_id for s in chunks[chunk])
-            if sorted(ids) != want:  # a chunk is regenerated whole, as one batch
-                raise ValueError(f"does not hold exactly the samples of chunk {chunk}")
-        except Exception as e:  # unreadable / foreign shard: regenerate it
-            log(f"discarding shard {path.name} ({e}); regenerating it")
-            shards.remove_shard(path)
-            continue
-        done.update(ids)
-    return done
-
-
-# ---------------------------------------------------------------------------------------------
-# the stage
-# ---------------------------------------------------------------------------------------------
 def _stats(values: list[int]) -> dict:
     return {"mean": round(sum(values) / len(values), 3) if values else 0.0,
             "min": min(values, default=0), "max": max(values, default=0), "total": sum(values)}
@@ -171,7 +84,7 @@ def run(ctx: StageContext) -> dict:
          f"{len(samples)} samples in "
          f"{len(chunks)} chunks of <= {d.gen_batch_size}")
 
-    done = _prepare_shards(shard_dir, meta, chunks)
+    done = keep_shards(shard_dir, meta, chunks)
     todo = [(i, c) for i, c in enumerate(chunks) if c[0].sample_id not in done]
     resumed = len(chunks) - len(todo)
     if resumed:
@@ -179,7 +92,7 @@ def run(ctx: StageContext) -> dict:
              f"{sum(len(c) for _, c in todo)} samples in {len(todo)} chunk(s) to generate")
     gen = _generate(spec, todo, shard_dir, len(chunks), resumed)
 
-    table = _merge(shard_dir, chunks, samples)
+    table = merge_shards(shard_dir, chunks, samples)
     manifest = _write(spec, data_dir, table, fingerprints, plan_fp, report, prompts, chunks,
                       resumed, gen, time.time() - t0, per_source, ctx.drift)
     log(f"wrote {data_dir / DATASET}: {table.num_rows} samples, "
@@ -195,7 +108,7 @@ def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int) -> dict:
     if spec.data.source == SYNTHETIC:
         for chunk, samples in todo:
             responses, eos = synthetic_responses(spec, samples)
-            _write_shard(shard_dir, chunk, samples, responses, {eos})
+            write_chunk(shard_dir, chunk, samples, responses, {eos})
         log(f"synthetic responses for {sum(len(c) for _, c in todo)} samples")
         info["engine"] = SYNTHETIC
         return info
@@ -222,7 +135,7 @@ def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int) -> dict:
 
     def on_chunk(dev: str, chunk: int, responses: list, tc: float) -> None:
         samples = by_chunk[chunk]
-        path = _write_shard(shard_dir, chunk, samples, responses, set(eos))
+        path = write_chunk(shard_dir, chunk, samples, responses, set(eos))
         progress.done(dev, len(samples), sum(len(r) for r in responses), tc)
         faults.shard_written(chunk, path)
 
@@ -237,36 +150,6 @@ def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int) -> dict:
     info["seconds"] = time.time() - progress.t0 - setup  # compile + capture apart
     info["new_tokens"] = progress.new_tokens
     return info
-
-
-def _write_shard(shard_dir: Path, chunk: int, samples, responses, eos: set) -> Path:
-    path = shard_path(shard_dir, chunk)
-    shards.write_shard(path, _rows_table(samples, responses, eos))  # checksummed, every column
-    return path
-
-
-def _merge(shard_dir: Path, chunks, samples):
-    paths = [shard_path(shard_dir, i) for i in range(len(chunks))
-             if shard_path(shard_dir, i).is_file()]
-    for p in paths:  # by content again: a shard damaged since the resume check is not merged
-        try:
-            shards.verify_shard(p)
-        except ValueError as e:
-            shards.remove_shard(p)
-            raise DFlashError(f"{p}: {e}; removed it: rerun the same snakemake command "
-                              f"(`snakemake --cores all bench_{p.parents[2].name}`) and the "
-                              f"data stage generates it again") from None
-    tables = [pq.read_table(p, schema=_schema()) for p in paths]
-    table = pa.concat_tables(tables).sort_by("sample_id").combine_chunks()
-    got = table["sample_id"].to_pylist()
-    want = sorted(s.sample_id for s in samples)
-    if got != want:
-        missing = sorted(set(want) - set(got))[:10]
-        dup = sorted({x for x in got if got.count(x) > 1})[:10]
-        raise DFlashError(f"{shard_dir}: shards do not hold every sample exactly once "
-                          f"(missing {missing}, duplicated {dup}); delete the folder and "
-                          f"rerun the data stage: `{rerun_command('data', shard_dir)}`")
-    return table
 
 
 def _write(spec, data_dir: Path, table, fingerprints, plan_fp, report, prompts, chunks,

@@ -1,0 +1,39 @@
+"""The speculative decoder's own step pieces (:mod:`dflash.eval.decoder`), beside the layer
+pieces it shares with the data engine (:mod:`dflash.models.decoder`): the greedy head with its
+top-2 margin, the drafter's RoPE in the shared pieces' calling convention, and the drafter's
+context K/V of verified positions.
+
+Owns those functions only; the decoder compiles each as one region and captures them in its
+step. Imports ``models.drafter``.
+"""
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+from ..models.drafter import apply_rope
+
+
+def drafter_rope(q, k, cos, sin):
+    """The drafter's RoPE (:func:`dflash.models.drafter.apply_rope`) in the shared pieces'
+    calling convention: cos/sin [B, L, D]."""
+    cos, sin = cos[:, None], sin[:, None]
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+def greedy_head(norm, lm_w, x):
+    """final norm + lm_head -> greedy token and top-2 margin per position (logits never leave
+    the device). ``topk``, not a second masked max: torch 2.11's inductor fails to fuse
+    argmax + amax + masked amax (an assertion in its scheduler; bench/results/h200/
+    COMMANDS.md, decode step probe run 2)."""
+    logits = F.linear(norm(x), lm_w)
+    top = logits.topk(2, dim=-1).values.float()
+    return logits.argmax(-1), top[..., 0] - top[..., 1]
+
+
+def context_kv(drafter, feats, cos, sin):
+    """The drafter's context K/V of verified positions, every layer: fc + hidden_norm + each
+    layer's k/v projection, k_norm and RoPE, compiled as one region (eager it is ~100 small
+    kernels per step: by estimate a quarter to a third of what the speculative step costs
+    over a one-token step on the H200)."""
+    ctx = drafter.hidden_norm(drafter.fc(feats))
+    return [layer.self_attn.context_kv(ctx, (cos, sin)) for layer in drafter.layers]
