@@ -20,7 +20,7 @@ from dflash.data.self_written import (
     write_prompts,
 )
 from dflash.data.sources import tokenizer_for
-from dflash.errors import SpecError
+from dflash.errors import DFlashError, SpecError
 from dflash.eval.evalsets import eval_overlap
 from dflash.spec import load_spec, parse_spec, schema, section_spec
 from dflash.stages import StageContext
@@ -159,18 +159,18 @@ def test_bad_category_names_the_field():
         check_data(parse_spec(raw, "t.yaml"), read_files=False)
 
 
-def test_steered_data_stage_on_the_real_target(tmp_path):
-    """SmolLM2 on CPU writes 4 steered prompts through the data stage's real engine."""
+def test_steered_rounds_run_through_the_data_stage_engine(tmp_path):
+    """The data stage's real engine samples steered candidates (prefixes of several lengths in
+    one continuous batch; a random-weight target, so fast, and none is kept: the clear error
+    after max_rounds, with the round file written first)."""
     raw = yaml.safe_load((ROOT / "specs" / "tiny.yaml").read_text())
-    raw["data"].update(source="self-written", max_prompts=4, max_new_tokens=4,
-                       self_written={"max_tokens": 40, "oversample": 2.0,
-                                     "categories": ["math", "writing"]})
-    spec = parse_spec(raw, "specs/steer.yaml")
-    m = data_stage.run(StageContext(spec=spec, results=tmp_path))
-    sw = m["sources"]["self-written"]
-    assert sw["kept"] == 4 == m["counts"]["samples"]
-    assert set(sw["categories"]) == {"math", "writing"}
-    cands = [v["candidates"] for v in sw["categories"].values()]
-    assert sum(cands) == sw["candidates"] and max(cands) - min(cands) <= 1
-    saved = json.loads((tmp_path / "data" / "self_written" / CATEGORIES_FILE).read_text())
-    assert len(saved["categories"]) == 4 and set(saved["categories"]) <= {"math", "writing"}
+    raw["data"].update(source="self-written", max_prompts=3,
+                       self_written={"max_tokens": 8, "max_rounds": 1,
+                                     "categories": ["math", "writing", "extraction"]})
+    raw["target"].update(model="llama-micro", init="random")
+    spec = parse_spec(raw, "specs/t.yaml")
+    with pytest.raises(DFlashError, match=r"data.self_written: only 0 of 3 prompts after 1 "):
+        data_stage.run(StageContext(spec=spec, results=tmp_path))
+    saved = json.loads((tmp_path / "data" / "self_written" / "round-0000.json").read_text())
+    assert saved["meta"]["start"] == 0 and saved["meta"]["n"] == 4 == len(saved["tokens"])
+    assert all(1 <= len(t) <= 8 for t in saved["tokens"])
