@@ -174,3 +174,18 @@ def test_steered_rounds_run_through_the_data_stage_engine(tmp_path):
     saved = json.loads((tmp_path / "data" / "self_written" / "round-0000.json").read_text())
     assert saved["meta"]["start"] == 0 and saved["meta"]["n"] == 4 == len(saved["tokens"])
     assert all(1 <= len(t) <= 8 for t in saved["tokens"])
+
+
+def test_data_sweep_arms():
+    from dflash.sweeps import load_sweep
+
+    arms = {a.arm: a.spec for a in load_sweep(ROOT / "sweeps" / "smollm2-data.yaml").arms}
+    base = load_spec(ROOT / "specs" / "smollm2-quality.yaml")
+    ref, fresh = arms["ref"], arms["fresh-steered"]
+    assert ref.fingerprint("data") == base.fingerprint("data") != fresh.fingerprint("data")
+    assert ref.fingerprint("warmup") == fresh.fingerprint("warmup")  # one shared warm-up
+    assert (ref.optim.epochs, fresh.optim.epochs) == (3, 1)
+    assert fresh.data.self_written.categories == tuple(CATEGORIES)
+    assert fresh.data.max_new_tokens == 512 and fresh.data.samples_per_prompt == 1
+    for s in (ref, fresh):
+        assert s.bench.protocols == ("dflash",) and s.bench.decode_batches == ()
