@@ -83,6 +83,9 @@ class SelfWrittenSpec:
     max_chars: int
     oversample: float
     max_rounds: int
+    # MT-Bench-style categories whose cues steer the writer (dflash/data/self_written.py);
+    # empty: unsteered, and the data fingerprint as it was before the field existed
+    categories: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -289,7 +292,7 @@ def stage_fields(spec: Spec) -> dict[str, dict[str, Any]]:
                    "drafter": _shape_only(spec.drafter),
                    "batching": spec.batching, "topology.drafters": spec.topology.drafters,
                    "compile": spec.compile, "seed": spec.seed},
-        "data": {**target_identity, "data": spec.data, "seed": spec.seed},
+        "data": {**target_identity, "data": _data_identity(spec.data), "seed": spec.seed},
         # features, when a cache is on: a cached epoch >= 1 row holds its samples' epoch-0
         # features (float8 storage rounds them), so the weights depend on it; off leaves the
         # fingerprint as it was before the field existed
@@ -302,6 +305,16 @@ def stage_fields(spec: Spec) -> dict[str, dict[str, Any]]:
                      else {})},
         "bench": {"bench": spec.bench},
     }
+
+
+def _data_identity(data: DataSpec) -> dict:
+    """The data section as its fingerprint sees it: unsteered self-written prompts (no
+    ``data.self_written.categories``) leave it as it was before the field existed."""
+    plain = _plain(data)
+    if not data.self_written.categories:
+        plain["self_written"] = {k: v for k, v in plain["self_written"].items()
+                                 if k != "categories"}
+    return plain
 
 
 def _shape_only(drafter: DrafterSpec) -> dict:

@@ -120,6 +120,9 @@ def check_data(spec, read_files: bool = True) -> None:
     except SpecError as e:  # "data.sources[i]: ..." -> with the spec file and the field quoted
         field, _, msg = str(e).partition(": ")
         raise SpecError(f"{file}: field '{field}': {msg}") from None
+    if d.self_written.categories and SELF_WRITTEN not in (s for _, s in source_fields(d)):
+        raise SpecError(f"{file}: field 'data.self_written.categories': steers self-written "
+                        f"prompts, but no data source is '{SELF_WRITTEN}'")
     for field, source in source_fields(d):
         if d.sources and source == SYNTHETIC:
             continue  # refused by source_quotas above

@@ -23,7 +23,7 @@ from ..models.target import hf_config, load_target, target_fingerprint, tokenize
 from .check import SELF_WRITTEN, SYNTHETIC, source_quotas
 from .generate import eos_ids_of, open_generator, resolve_engine, sample_seed
 from .prompts import BadReport, Prompt, load_prompts, normalize, render_prompt
-from .self_written import write_prompts
+from .self_written import prefixes, write_prompts
 
 
 def log(msg: str) -> None:
@@ -162,17 +162,22 @@ def _self_written(spec, tokenizer, count: int, reject, seen: set[str], data_dir:
     engine = resolve_engine(d.engine, tgt.model)
     gen = None
 
-    def sample(prefix: list[int], seeds: list[int]) -> list[list[int]]:
+    # the longest prefix (a category cue's system turn) sizes the cache for every round
+    longest = max(len(p) for p in prefixes(tokenizer, sw.categories).values())
+
+    def sample(prompts: list[list[int]], seeds: list[int]) -> list[list[int]]:
         nonlocal gen
         if gen is None:  # one generator (one compile/capture) for every round
             gen = open_generator(engine, tgt, slots=d.gen_batch_size, items=len(seeds),
-                                 max_len=len(prefix) + sw.max_tokens,
+                                 max_len=longest + sw.max_tokens,
                                  max_new_tokens=sw.max_tokens, temperature=sw.temperature,
                                  compile=engine_compile(spec, dev))
-        return gen.generate([prefix] * len(seeds), seeds)
+        return gen.generate(prompts, seeds)
 
+    # unsteered: the identity (and so the round files) as before the categories existed
+    settings = {k: v for k, v in asdict(sw).items() if k != "categories" or v}
     ident = fingerprint({"target": target_fingerprint(spec.target), "engine": engine,
-                         "settings": asdict(sw), "eos": eos})
+                         "settings": settings, "eos": eos})
     if data_dir is None:
         raise DFlashError("self-written prompts need the data stage's folder (data_dir)")
     round_dir = Path(data_dir) / "self_written"

@@ -1,0 +1,191 @@
+"""Self-written prompts steered toward the evaluation categories (data.self_written.categories)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dflash.data.check import check_data
+from dflash.data.prompts import CHATTERBOT
+from dflash.data.self_written import (
+    CATEGORIES,
+    CATEGORIES_FILE,
+    assign_categories,
+    prefixes,
+    user_turn_prefix,
+    write_prompts,
+)
+from dflash.data.sources import tokenizer_for
+from dflash.errors import DFlashError, SpecError
+from dflash.eval.evalsets import eval_overlap
+from dflash.spec import load_spec, parse_spec, schema, section_spec
+from dflash.stages import StageContext
+from dflash.stages import data as data_stage
+
+ROOT = Path(__file__).resolve().parents[1]
+SW = section_spec("data", {"source": CHATTERBOT}).self_written
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tokenizer_for("smollm2-135m-instruct")
+
+
+def test_steered_prefix_carries_the_cue_and_ends_where_the_user_text_begins(tok):
+    plain = tok.decode(user_turn_prefix(tok))
+    for cat, cue in CATEGORIES.items():
+        text = tok.decode(user_turn_prefix(tok, cue))
+        assert text == f"<|im_start|>system\n{cue}<|im_end|>\n<|im_start|>user\n", cat
+        assert text != plain
+    # unsteered: the one default prefix, as before the categories existed
+    assert prefixes(tok, ()) == {None: user_turn_prefix(tok)}
+    assert tok.decode(prefixes(tok, ("math",))["math"]).count(CATEGORIES["math"]) == 1
+
+
+def test_cues_name_the_schema_categories_and_hold_no_eval_text():
+    enum = schema()["properties"]["data"]["properties"]["self_written"]["properties"][
+        "categories"]["items"]["enum"]
+    assert enum == list(CATEGORIES)
+    for cat, cue in CATEGORIES.items():  # no MT-Bench / HumanEval n-gram in a cue
+        assert eval_overlap([{"role": "user", "content": cue}], 8) is None, cat
+
+
+def test_categories_are_assigned_evenly_and_reproducibly():
+    cats = ("writing", "math", "coding")
+    start, seen = 0, Counter()
+    rounds = []
+    for rnd, n in enumerate([13, 5, 4]):  # rounds shrink as prompts are kept
+        got = assign_categories(cats, 7, rnd, start, n)
+        assert len(got) == n and set(got) <= set(cats)
+        assert max(Counter(got).values()) - min(Counter(got).get(c, 0) for c in cats) <= 1
+        seen.update(got)
+        rounds.append(got)
+        start += n
+    assert sorted(seen.values()) == [7, 7, 8]  # even over all rounds: 22 = 8 + 7 + 7
+    again = [assign_categories(cats, 7, r, s, n) for r, s, n in [(0, 0, 13), (1, 13, 5), (2, 18, 4)]]
+    assert again == rounds
+    other = assign_categories(cats, 8, 0, 0, 13)
+    assert other != rounds[0] and Counter(other) == Counter(rounds[0])  # seeded order only
+    assert assign_categories((), 7, 0, 0, 3) == [None, None, None]
+
+
+def _writer(tok):
+    """Stands in for the target's sampler: writes a request naming the category whose cue it
+    was given (so a kept prompt's recorded category can be checked against its text); a
+    'coding' cue gets an unterminated turn on even seeds (filtered: kept counts differ)."""
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    by_prefix = {tuple(p): c for c, p in prefixes(tok, tuple(CATEGORIES)).items()}
+
+    def sample(prompts, seeds):
+        out = []
+        for p, s in zip(prompts, seeds):
+            cat = by_prefix[tuple(p)]
+            ids = tok(f"Please help me with this {cat} request number {s}.",
+                      add_special_tokens=False)["input_ids"]
+            out.append(ids if cat == "coding" and s % 2 == 0 else ids + [eos])
+        return out
+    return sample, eos
+
+
+def test_kept_prompts_record_their_category(tok, tmp_path):
+    sample, eos = _writer(tok)
+    settings = dataclasses.replace(SW, categories=("writing", "coding", "stem"), oversample=1.0)
+    kept, rep = write_prompts(12, sample=sample, tokenizer=tok, eos_ids=[eos], settings=settings,
+                              seed=3, ident="t", round_dir=tmp_path, seen=set(), log=lambda m: None)
+    saved = json.loads((tmp_path / CATEGORIES_FILE).read_text())
+    assert len(saved["categories"]) == len(kept) == 12
+    for p, cat in zip(kept, saved["categories"]):
+        assert f" {cat} request" in p.user_text and p.where.startswith(f"self-written:{cat}:")
+        assert p.messages == [{"role": "user", "content": p.user_text}]  # no cue in the prompt
+    counts = rep["categories"]
+    assert saved["counts"] == counts
+    assert {c: v["kept"] for c, v in counts.items()} == dict(Counter(saved["categories"]))
+    assert sum(v["candidates"] for v in counts.values()) == rep["candidates"]
+    assert rep["filtered"].get("unterminated", 0) >= 1 and counts["coding"]["kept"] < \
+        counts["writing"]["kept"]
+    # the round files record where each round's assignment started; a rerun reuses them
+    meta = json.loads((tmp_path / "round-0000.json").read_text())["meta"]
+    assert meta["start"] == 0 and meta["n"] == 12
+    again, rep2 = write_prompts(12, sample=None, tokenizer=tok, eos_ids=[eos], settings=settings,
+                                seed=3, ident="t", round_dir=tmp_path, seen=set(),
+                                log=lambda m: None)
+    assert rep2["rounds_reused"] == rep["rounds"] and [p.messages for p in again] == \
+        [p.messages for p in kept]
+
+
+def test_unsteered_writes_as_before(tok, tmp_path):
+    sample, eos = _writer(tok)
+    plain = tuple(user_turn_prefix(tok))
+
+    def default_only(prompts, seeds):  # every candidate gets the one default prefix
+        assert {tuple(p) for p in prompts} == {plain}
+        return [tok("Tell me a fact about owls, please.", add_special_tokens=False)["input_ids"]
+                + [eos] for _ in seeds]
+    kept, rep = write_prompts(1, sample=default_only, tokenizer=tok, eos_ids=[eos], settings=SW,
+                              seed=0, ident="t", round_dir=tmp_path, seen=set(),
+                              log=lambda m: None)
+    assert "categories" not in rep and kept[0].where == "self-written:round 0:0"
+    assert not (tmp_path / CATEGORIES_FILE).exists()
+    assert json.loads((tmp_path / "round-0000.json").read_text())["meta"] == \
+        {"ident": "t", "seed": 0, "round": 0, "n": 2}
+
+
+def test_unsteered_spec_fingerprints_are_unchanged():
+    # the data-stage fingerprints before data.self_written.categories existed (main at e88395f)
+    assert load_spec(ROOT / "specs" / "tiny.yaml").fingerprint("data") == "eb4c7ba94552789d"
+    assert load_spec(ROOT / "specs" / "smollm2-quality.yaml").fingerprint("data") == \
+        "daeb6f5b066a72cd"
+    raw = yaml.safe_load((ROOT / "specs" / "smollm2-quality.yaml").read_text())
+    raw["data"]["self_written"] = {"categories": ["math"]}
+    assert parse_spec(raw, "q.yaml").fingerprint("data") != "daeb6f5b066a72cd"
+
+
+def test_bad_category_names_the_field():
+    raw = yaml.safe_load((ROOT / "specs" / "tiny.yaml").read_text())
+    raw["data"]["self_written"] = {"categories": ["writing", "poetry"]}
+    with pytest.raises(SpecError, match=r"t.yaml: field 'data.self_written.categories\[1\]': "
+                                        r"'poetry' is not one of"):
+        parse_spec(raw, "t.yaml")
+    raw["data"]["self_written"] = {"categories": ["math", "math"]}
+    with pytest.raises(SpecError, match="data.self_written.categories.*non-unique"):
+        parse_spec(raw, "t.yaml")
+    raw["data"]["self_written"] = {"categories": ["math"]}  # tiny's one source is chatterbot
+    with pytest.raises(SpecError, match="field 'data.self_written.categories': steers "
+                                        "self-written prompts, but no data source"):
+        check_data(parse_spec(raw, "t.yaml"), read_files=False)
+
+
+def test_steered_rounds_run_through_the_data_stage_engine(tmp_path):
+    """The data stage's real engine samples steered candidates (prefixes of several lengths in
+    one continuous batch; a random-weight target, so fast, and none is kept: the clear error
+    after max_rounds, with the round file written first)."""
+    raw = yaml.safe_load((ROOT / "specs" / "tiny.yaml").read_text())
+    raw["data"].update(source="self-written", max_prompts=3,
+                       self_written={"max_tokens": 8, "max_rounds": 1,
+                                     "categories": ["math", "writing", "extraction"]})
+    raw["target"].update(model="llama-micro", init="random")
+    spec = parse_spec(raw, "specs/t.yaml")
+    with pytest.raises(DFlashError, match=r"data.self_written: only 0 of 3 prompts after 1 "):
+        data_stage.run(StageContext(spec=spec, results=tmp_path))
+    saved = json.loads((tmp_path / "data" / "self_written" / "round-0000.json").read_text())
+    assert saved["meta"]["start"] == 0 and saved["meta"]["n"] == 4 == len(saved["tokens"])
+    assert all(1 <= len(t) <= 8 for t in saved["tokens"])
+
+
+def test_data_sweep_arms():
+    from dflash.sweeps import load_sweep
+
+    arms = {a.arm: a.spec for a in load_sweep(ROOT / "sweeps" / "smollm2-data.yaml").arms}
+    base = load_spec(ROOT / "specs" / "smollm2-quality.yaml")
+    ref, fresh = arms["ref"], arms["fresh-steered"]
+    assert ref.fingerprint("data") == base.fingerprint("data") != fresh.fingerprint("data")
+    assert ref.fingerprint("warmup") == fresh.fingerprint("warmup")  # one shared warm-up
+    assert (ref.optim.epochs, fresh.optim.epochs) == (3, 1)
+    assert fresh.data.self_written.categories == tuple(CATEGORIES)
+    assert fresh.data.max_new_tokens == 512 and fresh.data.samples_per_prompt == 1
+    for s in (ref, fresh):
+        assert s.bench.protocols == ("dflash",) and s.bench.decode_batches == ()
