@@ -381,6 +381,7 @@ def test_rule_params_are_derived_not_raw_config():
     assert re.findall(r"\bconfig(?:\[|\.get)\S*", common) == [
         'config["default_spec"]', 'config["results"]', 'config["logs"]', 'config["benchmarks"]',
         'config["slurm"]',  # a boolean (config.schema.yaml): jobs go to a SLURM cluster
+        'config["gpu_jobs"]',  # an integer 1..16 (config.schema.yaml): a resource's capacity
     ], common
 
 
