@@ -10,8 +10,8 @@ import yaml
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
 from dflash.data.generate import eos_ids_of
-from dflash.errors import DFlashError
-from dflash.eval.evalsets import heldout_prompts, load_eval_sets
+from dflash.errors import DFlashError, SpecError
+from dflash.eval.evalsets import heldout_prompts, load_eval_sets, user_prompt
 from dflash.eval.report import fmt, write_plots
 from dflash.eval.speculative import speculative_generate
 from dflash.eval.tau import TauMonitor, simulate, summarize
@@ -19,11 +19,8 @@ from dflash.models.drafter import DFlashDrafter, export_drafter
 from dflash.models.masks import PackedRow, sample_anchors
 from dflash.models.target import load_target
 from dflash.spec import load_spec
-from dflash.stages.bench import evaluate_tau
+from dflash.stages.bench import decode_speed, evaluate_tau
 from dflash.train.workers import drafter_config, initial_state, make_replicas
-from dflash.eval.evalsets import user_prompt
-from dflash.errors import SpecError
-from dflash.stages.bench import decode_speed
 
 REPO = Path(__file__).resolve().parents[1]
 

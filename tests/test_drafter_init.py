@@ -9,9 +9,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 from dflash.errors import SpecError
 from dflash.models.drafter import DFlashConfig, DFlashDrafter
 from dflash.models.drafter_init import target_layers_state
-from dflash.spec import load_spec
 from dflash.models.masks import PackedRow
 from dflash.models.target import load_target
+from dflash.spec import load_spec
 from dflash.train.workers import drafter_config, initial_state, make_replicas
 
 REPO = Path(__file__).resolve().parents[1]

@@ -8,26 +8,24 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
+import dflash.runtime.gate as gate_mod
 from dflash.errors import SpecError
-from dflash.models.masks import IGNORE_INDEX, PackedRow, loss_weights, sample_anchors
 from dflash.models.features import FeatureExtractor
+from dflash.models.masks import IGNORE_INDEX, PackedRow, loss_weights, sample_anchors
 from dflash.models.target import load_target
 from dflash.models.target_output import SoftLabels, TargetOutput, soft_positions
 from dflash.spec import parse_spec, section_spec
+from dflash.train.head_loss import balanced_chunk, head_backend, head_cross_entropy
 from dflash.train.objective import Objective
+from dflash.train.warm import synthetic_output, synthetic_row, warm_replica
 from dflash.train.workers import (
     drafter_config,
     initial_state,
     make_replicas,
     make_target_workers,
 )
-from torch._dynamo.utils import counters
-from dflash.train.head_loss import balanced_chunk
-from dflash.train.head_loss import head_backend
-import dflash.runtime.gate as gate_mod
-from dflash.train.warm import synthetic_output, synthetic_row, warm_replica
-from dflash.train.head_loss import head_cross_entropy
 
 H, V, MASK = 32, 96, 95
 

@@ -3,22 +3,19 @@ on the real SmolLM2 target (CPU, float32): the second turn's prompt, the context
 per-prompt mean by hand, and the train eval set."""
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 
-from dflash.eval.budget import budget_hits
-from dflash.eval.tau import summarize, walk_chain
-from dflash.spec import load_spec
-from dflash.data.generate import eos_ids_of
-from dflash.models.target import load_target
-from dflash.eval.evalsets import user_prompt
-from dflash.eval.reference import reference_questions, second_turn_prompt
-from dflash.eval.tau import greedy_continuations
 from dflash.data.engine import Engine
-import pyarrow as pa
-import pyarrow.parquet as pq
-from dflash.eval.evalsets import load_eval_sets, train_prompts
-from dflash.eval.tau import target_features
+from dflash.data.generate import eos_ids_of
+from dflash.eval.budget import budget_hits
+from dflash.eval.evalsets import load_eval_sets, train_prompts, user_prompt
+from dflash.eval.reference import reference_questions, second_turn_prompt
+from dflash.eval.tau import greedy_continuations, summarize, target_features, walk_chain
+from dflash.models.target import load_target
+from dflash.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
+
 from dflash.eval.decoder import Decoded
 
 REPO = Path(__file__).resolve().parents[1]

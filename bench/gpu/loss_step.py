@@ -35,9 +35,11 @@ import importlib.util
 import json
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 from torch.utils.checkpoint import checkpoint
 
 from dflash.models.dtypes import dtype_of
@@ -48,8 +50,6 @@ from dflash.train.flops import measure_peak_flops
 from dflash.train.objective import Objective
 from dflash.train.warm import synthetic_row
 from dflash.train.workers import buckets, drafter_config, objective
-from torch.profiler import ProfilerActivity, profile
-import traceback
 
 SMOLLM2_135M = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=576,
                     intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,

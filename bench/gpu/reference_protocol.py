@@ -24,7 +24,9 @@ import json
 import sys
 import time
 from pathlib import Path
+
 import torch
+
 from dflash.data.generate import eos_ids_of
 from dflash.eval.evalsets import load_eval_sets
 from dflash.eval.reference import evaluate_reference, reference_questions

@@ -50,15 +50,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_speed import real_models  # noqa: E402  (bench/gpu/, beside this script)
+from packaging.version import Version
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.cache_utils import Cache
 
 from dflash.errors import DFlashError  # noqa: E402
-from dflash.models.drafter import extract_features
-from transformers.cache_utils import Cache
-from packaging.version import Version
-from dflash.eval.serving import timed_decode
 from dflash.eval.decoder import Decoder
-from transformers import LlamaConfig, LlamaForCausalLM
-from dflash.models.drafter import DFlashConfig, DFlashDrafter, export_drafter
+from dflash.eval.serving import timed_decode
+from dflash.models.drafter import DFlashConfig, DFlashDrafter, export_drafter, extract_features
 
 
 def load_reference(ref_dir: str):

@@ -66,7 +66,7 @@ from ..models.decoder import out_mlp as _out_mlp
 from ..models.decoder import qkv as _qkv
 from ..models.decoder import unsupported_reason as _layers_unsupported
 from ..runtime.gate import get_gate
-from ..models.graphs import capture, capture_or_warn
+from ..models.graphs import capture, capture_or_warn, replay_or_run
 from .decode_step import M32, DECODE_ATTENTION, mix32, pick_token, seed_keys
 from .prefill import Prefill
 
@@ -303,11 +303,7 @@ class Engine:
 
     def _replay(self, n: int) -> None:
         with self.gate.shared():
-            for _ in range(n):
-                if self._graph is not None:
-                    self._graph.replay()
-                else:
-                    self._decode_step()
+            replay_or_run(self._graph, self._decode_step, n)
         self.stats["decode_steps"] += n
 
     # -------------------------------------------------------------------------------------

@@ -57,7 +57,7 @@ from ..errors import DFlashError
 from ..models.decoder import attend_cache, compile_region, qkv, rope_of
 from ..models.decoder import unsupported_reason as _layers_unsupported
 from ..models.drafter import rope_cos_sin
-from ..models.graphs import capture, capture_or_warn
+from ..models.graphs import capture, capture_or_warn, replay_or_run
 from .decoded import Decoded
 from .decoder_step import context_kv, drafter_rope, greedy_head
 from ..runtime.gate import get_gate
@@ -382,11 +382,7 @@ class Decoder:
 
     def _run_steps(self, n: int) -> None:
         with self.gate.shared():
-            for _ in range(n):
-                if self._graph is not None:
-                    self._graph.replay()
-                else:
-                    self._step()
+            replay_or_run(self._graph, self._step, n)
         self.stats["steps"] += n
 
     # -------------------------------------------------------------------------------------

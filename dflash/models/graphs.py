@@ -1,10 +1,11 @@
 """CUDA-graph capture, the one way the package does it: :func:`capture` (a callable's kernels as
 one graph, in thread-local capture mode, so other threads' eager work does not abort it) and
 :func:`capture_or_warn` (a capture whose failure is recorded and printed, after which the caller
-runs the same work uncaptured). Used by the generation engine, the speculative decoder and the
+runs the same work uncaptured), and :func:`replay_or_run` (n steps through the graph, or
+through the uncaptured step when there is none). Used by the generation engine, the speculative decoder and the
 target's captured feature forward.
 
-Owns the capture calls only; what is captured, its static buffers and when it replays belong to
+Owns the capture and replay calls only; what is captured, its static buffers and when it replays belong to
 the callers (each under the compile gate's exclusive side).
 """
 from __future__ import annotations
@@ -40,3 +41,13 @@ def capture_or_warn(run: Callable[[], T], stats: dict, tag: str) -> T | None:
         return None
     finally:
         stats["capture_seconds"] = round(time.time() - t0, 3)
+
+
+def replay_or_run(graph: torch.cuda.CUDAGraph | None, step: Callable[[], Any], n: int) -> None:
+    """``n`` steps: the captured graph's replays, or ``step()`` eagerly where capture failed or
+    never ran (CPU). The caller holds the compile gate's shared side around it."""
+    for _ in range(n):
+        if graph is not None:
+            graph.replay()
+        else:
+            step()
