@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import random
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -208,8 +209,8 @@ def cache_ab(dev: str, model: str, L: int, n: int, out: Path, name: str) -> dict
     to = lambda r: (r.input_ids.to(dev), r.doc_ids.to(dev), r.position_ids.to(dev))  # noqa
     fx(*to(packed[0][0]))  # flex attention compiles here
     sync(dev)
-    res = {"device": dev, "model": name, "row_tokens": L, "rows_epoch0": n,
-           "rows_epoch1": len(ep1), "feature_layers": N, "hidden": H,
+    res = {"command": " ".join(sys.argv), "device": dev, "model": name, "row_tokens": L,
+           "rows_epoch0": n, "rows_epoch1": len(ep1), "feature_layers": N, "hidden": H,
            "load_s": round(time.perf_counter() - t0, 2),
            "real_tokens": sum(len(s[1]) for s in samples)}
     ids = [s[0] for s in samples]
