@@ -160,3 +160,36 @@ def test_front_door_serves_both_engines_and_the_chunk_pool(smol, prompts, refs):
     with pytest.raises(RuntimeError, match="disk full"):  # a failing chunk stops the pool
         generate_chunks(["cpu"], lambda dev: open_generator("hf", smol, **kw), chunks,
                         lambda dev, c, a, t: (_ for _ in ()).throw(RuntimeError("disk full")))
+
+
+class _ScalarIndexWrites(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records index_put_ calls whose values are a 0-dim tensor: a Python scalar written
+    through a tensor index (``t[idx] = 1``). On CUDA that scalar is a CPU tensor copied to the
+    device, which CUDA-graph capture refuses, so a captured body must not do it."""
+
+    def __init__(self):
+        super().__init__()
+        self.hits = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.index_put_, torch.ops.aten.index_put,
+                                   torch.ops.aten._index_put_impl_):
+            values = args[2] if len(args) > 2 else (kwargs or {}).get("values")
+            if isinstance(values, torch.Tensor) and values.dim() == 0:
+                self.hits.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_captured_bodies_write_no_python_scalar_through_a_tensor_index(smol, prompts, refs):
+    """The padded prefill and the decode step are CUDA-graph captured on the GPU: the round-3
+    data stages ran every prefill uncaptured because ``rows["gen"][idx] = 1`` copied a CPU
+    scalar during capture. The same bodies, on CPU, under a mode that sees each index write."""
+    eng = Engine(smol.model, slots=3, max_len=max(map(len, prompts)) + 20, max_new_tokens=20,
+                 eos_ids=eos_ids_of(smol), sync_every=4, refill_at=2, prefill_batch=3,
+                 padded_prefill=True)
+    mode = _ScalarIndexWrites()
+    with mode:
+        got = eng.generate(prompts)
+    assert got == refs
+    assert eng.stats["prefill_calls"] >= 2 and eng.stats["decode_steps"] > 0
+    assert mode.hits == []

@@ -252,7 +252,10 @@ class Engine:
                     torch.zeros(n, dtype=torch.long, device=ids.device), self.vocab_hash)
         rows["tok"][idx] = nxt
         rows["pos"][idx] = lens
-        rows["gen"][idx] = 1
+        # index_fill_, not `rows["gen"][idx] = 1`: a Python scalar written through a tensor index
+        # becomes a CPU tensor copied to the device, which CUDA-graph capture refuses (it kept
+        # every padded prefill uncaptured on the H200 through round 3)
+        rows["gen"].index_fill_(0, idx, 1)
         rows["keys"][idx] = kt
         self.out_rows[idx, 0] = nxt
         rows["active"][idx] = ~(self._is_eos(nxt) | (self.max_new <= 1))
