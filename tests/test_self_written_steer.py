@@ -190,3 +190,21 @@ def test_data_sweep_arms():
     assert fresh.data.max_new_tokens == 512 and fresh.data.samples_per_prompt == 1
     for s in (ref, fresh):
         assert s.bench.protocols == ("dflash",) and s.bench.decode_batches == ()
+
+
+def test_recipe_1ep_data_arm_is_one_fresh_pass_at_the_ref_arms_budget():
+    arms = {a.arm: a.spec for a in load_sweep(ROOT / "sweeps" / "smollm2-recipe-1ep.yaml").arms}
+    ref, fresh = arms["ref"], arms["data-steered"]
+    assert ref.fingerprint("data") != fresh.fingerprint("data")      # its own data stage
+    assert ref.fingerprint("warmup") == fresh.fingerprint("warmup")  # the base's warm-up
+    # every other arm but depth8 trains on the base's data stage
+    assert {a for a, s in arms.items() if s.fingerprint("data") == ref.fingerprint("data")} == \
+        set(arms) - {"data-steered"}
+    assert (ref.optim.epochs, fresh.optim.epochs) == (1, 1)
+    assert fresh.data.self_written.categories == tuple(CATEGORIES)
+    assert (fresh.data.max_new_tokens, fresh.data.samples_per_prompt) == (512, 1)
+    # ~ref's 10.70M target tokens at ~364 tokens a sample (the sweep's arithmetic), with the
+    # base's 600 chatterbot prompts (the same held-out set as ref's)
+    assert fresh.data.max_prompts == 29_400 and abs(29_400 * 364 - 10.70e6) < 0.02 * 10.70e6
+    assert [(e.source, e.count) for e in fresh.data.sources] == [
+        ("self-written", 28_800), ("chatterbot-corpus", 600)]
