@@ -89,6 +89,20 @@ def metrics_of(report: Path) -> list[dict]:
     raise DFlashError(f"{sibling(report, 'train', 'metrics.jsonl[.gz]')}: missing")
 
 
+def timeline(metrics: list[dict]) -> dict[int, tuple[float, int]]:
+    """step -> (training seconds so far, target tokens so far). ``t`` restarts at 0 when a
+    train stage resumes from a checkpoint: each segment's seconds add up (a step logged twice,
+    replayed after the resume, keeps its last figures)."""
+    out, before, prev, tokens = {}, 0.0, 0.0, 0
+    for m in metrics:
+        if m["t"] < prev:  # a new segment (resumed)
+            before += prev
+        prev = m["t"]
+        tokens += m["tokens"]
+        out[m["step"]] = (before + m["t"], tokens)
+    return out
+
+
 def taus(sets: dict) -> dict:
     return {s: round(sets[s]["tau"], 4) if sets.get(s, {}).get("tau") is not None else None
             for s in SETS}
@@ -122,20 +136,21 @@ def arm_rows(folder: Path, sweeps: list[str]) -> list[dict]:
             continue
         train = read_json(sibling(rep_path, "train", "manifest.json"))
         data = read_json(sibling(rep_path, "data", "manifest.json"))
-        metrics = metrics_of(rep_path)
+        line = timeline(metrics_of(rep_path))
+        last = line[max(line)]
         arm = spec[len(sweep) + 1:]
         spans[arm] = (train["created_unix"] - train["wall_s"], train["created_unix"])
         acc = rep["acceptance"]
         rows.append({
             "arm": arm, "sweep": sweep, "folder": _rel(folder),
-            "target_tokens": sum(m["tokens"] for m in metrics),
-            "steps": len(metrics), "train_step_seconds": round(metrics[-1]["t"], 2),
+            "target_tokens": train.get("counters", {}).get("tokens", last[1]),
+            "steps": len(line), "train_step_seconds": round(last[0], 2),
             "data_seconds": data["seconds"], "data_checksum": data["checksum"],
             "tau": taus(acc["sets"]),
             "mtbench_by_category": _by_category(acc["sets"], "mtbench"),
             "train_by_category": _by_category(acc["sets"], "train"),
-            "while_training": [{"step": p["step"], "t": metrics[p["step"]]["t"],
-                                "target_tokens": sum(m["tokens"] for m in metrics[:p["step"] + 1]),
+            "while_training": [{"step": p["step"], "t": line[p["step"]][0],
+                                "target_tokens": line[p["step"]][1],
                                 "tau_heldout": round(p["tau"], 4)}
                                for p in rep.get("tau_while_training", [])],
         })
@@ -225,10 +240,9 @@ def curve(arms: list[dict]) -> dict:
     alone: GPU-minutes = their metrics' seconds at that step) and the arms' monitor points."""
     series = {}
     for name, pts in read_json(H200 / "tau_curve.json").items():
-        metrics = read_metrics(H200 / name / "metrics.jsonl")
-        t = {m["step"]: m["t"] for m in metrics}
+        line = timeline(read_metrics(H200 / name / "metrics.jsonl"))
         series[name] = [{"step": p["step"], "target_tokens": p["target_tokens"],
-                         "gpu_minutes": round(t[p["step"]] / 60, 3),
+                         "gpu_minutes": round(line[p["step"]][0] / 60, 3),
                          "tau_heldout": p["tau_heldout"]} for p in pts]
     for a in arms:
         series[f"{a['folder'].rsplit('/', 2)[-2]}/{a['arm']}"] = a["while_training"]

@@ -97,3 +97,9 @@ def test_a_missing_arm_file_is_one_clear_error(at, tmp_path):
     md.write_text("no markers")
     with pytest.raises(DFlashError, match="x.md: needs exactly one"):
         at.splice(md.read_text(), "t", str(md))
+
+
+def test_timeline_adds_up_the_segments_of_a_resumed_train(at):
+    steps = [{"step": 0, "t": 1.0, "tokens": 10}, {"step": 1, "t": 2.0, "tokens": 10},
+             {"step": 1, "t": 0.5, "tokens": 10}, {"step": 2, "t": 1.5, "tokens": 10}]
+    assert at.timeline(steps) == {0: (1.0, 10), 1: (2.5, 30), 2: (3.5, 40)}
