@@ -21,7 +21,7 @@ The data stage's seconds are listed apart (``shared by`` = arms reading that one
 The verdict (:func:`verdict`): an arm **wins** when its MT-Bench τ is at least
 :data:`WIN_MTBENCH` above its ref's AND its HumanEval τ is not below its ref's; it **loses** when
 MT-Bench is :data:`WIN_MTBENCH` or more below; anything between is **no change**. The threshold
-is ~2-3× the run-to-run spread of the committed 3-epoch runs 1 and 2 (same recipe, same data:
+is ~2-3× the run-to-run spread of the committed 3-epoch runs 1 and 2 (one spec, two code versions:
 0.015 MT-Bench, 0.032 HumanEval). A winner's fields (the sweep arm's overrides) are printed as
 what to apply; this script changes no default.
 """
