@@ -90,6 +90,7 @@ def test_evaluate_tau_report_and_markdown(tmp_path, exported):
     assert real["tau"] == real["tau_simulated_same_prompts"]
     # 2 of 80 questions: one from each of the first two categories, not the file's first two
     assert set(tau["sets"]["mtbench"]["tau_by_category"]) == {"writing", "roleplay"}
+    assert tau["sets"]["mtbench"]["prompts_by_category"] == {"roleplay": 1, "writing": 1}
     assert tau["lossless"] is True
     report = {"acceptance": tau}
     # every declared plot is written (a report output of the bench rule); without training
@@ -124,13 +125,23 @@ def test_reference_protocol_and_train_set_in_the_report(tmp_path, exported):
                      reference_max_new_tokens=8)
     tok = load_target(spec.target, "cpu").tokenizer
     trained = [user_prompt(tok, t) for t in ("Hello there.", "What is a cat?", "Tell a joke.")]
-    (tmp_path / "data").mkdir()
-    pq.write_table(pa.table({"input_ids": [p + [2] for p in trained],
+    (tmp_path / "data" / "self_written").mkdir(parents=True)
+    pq.write_table(pa.table({"prompt_id": [0, 1, 2], "input_ids": [p + [2] for p in trained],
                              "num_prompt_tokens": [len(p) for p in trained]}),
                    tmp_path / "data" / "dataset.parquet")
+    # prompt 0 from the corpus, 1-2 self-written (steered: math, then writing)
+    (tmp_path / "data" / "self_written" / "categories.json").write_text(
+        json.dumps({"categories": ["math", "writing"]}))
+    (tmp_path / "data" / "manifest.json").write_text(json.dumps(
+        {"sources": {"chatterbot-corpus": {}, "self-written": {"first_prompt_id": 1}}}))
     tau = evaluate_tau(spec, exported, "cpu", tmp_path)
-    assert tau["sets"]["train"]["prompts"] == 2 and "of the 3 distinct" in tau["sets"]["train"][
-        "note"]
+    train = tau["sets"]["train"]
+    assert train["prompts"] == 2 and "of the 3 distinct" in train["note"]
+    # τ per self-written category of the sampled prompts; the corpus prompt counts in none
+    picked = load_eval_sets(spec, tmp_path, tok, ["train"], 2)[0].categories
+    want = {c: picked.count(c) for c in ("math", "writing") if c in picked}
+    assert train["prompts_by_category"] == want and set(train["tau_by_category"]) == set(want)
+    assert all(1.0 <= t <= 16.0 for t in train["tau_by_category"].values())
     ref, ours = tau["protocols"]["reference"], tau["protocols"]["dflash"]
     assert ours["tau"] == tau["sets"]["mtbench"]["tau"] and ours["max_new_tokens"] == 6
     assert ref["questions"] == 2 and ref["prompts"] == 4 and ref["max_new_tokens"] == 8
@@ -151,6 +162,10 @@ def test_reference_protocol_and_train_set_in_the_report(tmp_path, exported):
     assert f"| dflash (ours) | first | 6 | 2 | {fmt(ours['tau'])} |" in md
     assert f"| reference | both | 8 | 4 | {fmt(ref['tau'])} | **{fmt(ref['tau_prompt_mean'])}** |" in md
     assert "| reference, turn2 only | turn2 | 8 | 2 |" in md and "| train | 2 |" in md
+    line = "τ per train category (prompts): " + ", ".join(
+        f"{c} {fmt(t)} ({train['prompts_by_category'][c]})"
+        for c, t in train["tau_by_category"].items())
+    assert line in md and "τ per mtbench category (prompts): " in md
 
 
 def test_bench_failure_is_one_message_naming_the_file(tmp_path, exported):

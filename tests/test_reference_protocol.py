@@ -1,6 +1,7 @@
 """The reference harness's τ protocol (dflash/eval/reference.py) and the two aggregation rules,
 on the real SmolLM2 target (CPU, float32): the second turn's prompt, the context cap, pooled vs
 per-prompt mean by hand, and the train eval set."""
+import json
 from pathlib import Path
 
 import pyarrow as pa
@@ -114,6 +115,33 @@ def test_train_set_is_a_seeded_sample_of_the_distinct_training_prompts(tmp_path)
     assert sorted(train_prompts(spec, tmp_path, 100)[0]) == prompts   # all, once each
     (es,) = load_eval_sets(spec, tmp_path, None, ["train"], 4)
     assert es.name == "train" and es.prompts == got
+
+
+def test_train_set_carries_the_self_written_category_of_each_prompt(tmp_path):
+    """prompt_id 0-1 from the corpus (no category), 2-5 self-written and steered (the data
+    manifest says they start at 2): each sampled prompt gets its own row's category."""
+    spec = load_spec(REPO / "specs" / "tiny.yaml")
+    prompts = [[1, 2, i] for i in range(6)]
+    cats = ["math", "coding", "math", "writing"]              # prompt_ids 2..5, kept order
+    rows = [(pid, p + [7, 8]) for pid, p in enumerate(prompts) for _ in range(2)]
+    data = tmp_path / "data"
+    (data / "self_written").mkdir(parents=True)
+    pq.write_table(pa.table({"prompt_id": [pid for pid, _ in rows],
+                             "input_ids": [r for _, r in rows],
+                             "num_prompt_tokens": [3] * len(rows)}), data / "dataset.parquet")
+    (data / "self_written" / "categories.json").write_text(json.dumps({"categories": cats}))
+    (data / "manifest.json").write_text(json.dumps({"sources": {
+        "chatterbot-corpus": {"taken": 2}, "self-written": {"kept": 4, "first_prompt_id": 2}}}))
+    (es,) = load_eval_sets(spec, tmp_path, None, ["train"], 6)
+    assert sorted(es.prompts) == prompts and es.prompts == train_prompts(spec, tmp_path, 6)[0]
+    want = {(1, 2, 0): None, (1, 2, 1): None, (1, 2, 2): "math", (1, 2, 3): "coding",
+            (1, 2, 4): "math", (1, 2, 5): "writing"}
+    assert es.categories == [want[tuple(p)] for p in es.prompts]
+    assert "4 carry a self-written category" in es.note
+    # unsteered (no categories.json): no categories at all, as before
+    (data / "self_written" / "categories.json").unlink()
+    (es,) = load_eval_sets(spec, tmp_path, None, ["train"], 6)
+    assert es.categories is None
 
 
 def test_feature_batches_by_tokens_give_the_same_features(target):

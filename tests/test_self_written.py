@@ -145,6 +145,7 @@ def test_mix_counts_and_no_eval_overlap(mixed):
     assert sw["requested"] == sw["kept"] == 6 and sw["candidates"] >= 9
     assert sw["candidates"] - sw["kept"] >= sum(sw["filtered"].values()) + sw["duplicates"] - 0
     assert sw["engine"] == "fast" and sw["rounds"] >= 1
+    assert sw["first_prompt_id"] == 8  # after the corpus's 4 and the file's 4 (data.sources order)
     # the produced training set shares no n-gram with either evaluation set
 
     tok = tokenizer_for("smollm2-135m-instruct")

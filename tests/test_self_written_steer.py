@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dflash.data import sources
 from dflash.data.check import check_data
 from dflash.data.prompts import CHATTERBOT
 from dflash.data.self_written import (
@@ -16,10 +17,10 @@ from dflash.data.self_written import (
     CATEGORIES_FILE,
     assign_categories,
     prefixes,
+    prompt_categories,
     user_turn_prefix,
     write_prompts,
 )
-from dflash.data.sources import tokenizer_for
 from dflash.errors import DFlashError, SpecError
 from dflash.eval.evalsets import eval_overlap
 from dflash.spec import load_spec, parse_spec, schema, section_spec
@@ -33,7 +34,7 @@ SW = section_spec("data", {"source": CHATTERBOT}).self_written
 
 @pytest.fixture(scope="module")
 def tok():
-    return tokenizer_for("smollm2-135m-instruct")
+    return sources.tokenizer_for("smollm2-135m-instruct")
 
 
 def test_steered_prefix_carries_the_cue_and_ends_where_the_user_text_begins(tok):
@@ -190,3 +191,59 @@ def test_data_sweep_arms():
     assert fresh.data.max_new_tokens == 512 and fresh.data.samples_per_prompt == 1
     for s in (ref, fresh):
         assert s.bench.protocols == ("dflash",) and s.bench.decode_batches == ()
+
+
+def test_recipe_1ep_data_arm_is_one_fresh_pass_at_the_ref_arms_budget():
+    arms = {a.arm: a.spec for a in load_sweep(ROOT / "sweeps" / "smollm2-recipe-1ep.yaml").arms}
+    ref, fresh = arms["ref"], arms["data-steered"]
+    assert ref.fingerprint("data") != fresh.fingerprint("data")      # its own data stage
+    assert ref.fingerprint("warmup") == fresh.fingerprint("warmup")  # the base's warm-up
+    # every other arm but depth8 trains on the base's data stage
+    assert {a for a, s in arms.items() if s.fingerprint("data") == ref.fingerprint("data")} == \
+        set(arms) - {"data-steered"}
+    assert (ref.optim.epochs, fresh.optim.epochs) == (1, 1)
+    assert fresh.data.self_written.categories == tuple(CATEGORIES)
+    assert (fresh.data.max_new_tokens, fresh.data.samples_per_prompt) == (512, 1)
+    # ~ref's 10.70M target tokens at ~364 tokens a sample (the sweep's arithmetic), with the
+    # base's 600 chatterbot prompts (the same held-out set as ref's)
+    assert fresh.data.max_prompts == 29_400 and abs(29_400 * 364 - 10.70e6) < 0.02 * 10.70e6
+    assert [(e.source, e.count) for e in fresh.data.sources] == [
+        ("self-written", 28_800), ("chatterbot-corpus", 600)]
+
+
+def test_dataset_prompt_ids_map_to_their_steered_category(tok, tmp_path, monkeypatch):
+    """A mix with the corpus first: the self-written prompts start at prompt_id 3, the data
+    manifest records it, and prompt_categories maps every self-written prompt_id (none of the
+    corpus's) to the category its text was written for."""
+    sample, eos = _writer(tok)
+    settings = dataclasses.replace(SW, categories=("math", "writing"), oversample=1.0)
+
+    def writer(spec, tokenizer, count, reject, seen, data_dir):  # the target's sampler stood in
+        return write_prompts(count, sample=sample, tokenizer=tokenizer, eos_ids=[eos],
+                             settings=settings, seed=spec.seed, ident="t",
+                             round_dir=Path(data_dir) / "self_written", seen=seen, reject=reject,
+                             log=lambda m: None)
+    monkeypatch.setattr(sources, "_self_written", writer)
+    raw = yaml.safe_load((ROOT / "specs" / "tiny.yaml").read_text())
+    del raw["data"]["source"]
+    raw["data"].update(max_prompts=7, samples_per_prompt=2, sources=[
+        {"source": CHATTERBOT, "count": 3}, {"source": "self-written", "count": 4}])
+    spec = parse_spec(raw, "specs/t.yaml")
+    samples, _, prompts, per_source = sources.build_samples(spec, tok, tmp_path,
+                                                            overlap=eval_overlap)
+    assert per_source["self-written"]["first_prompt_id"] == 3
+    (tmp_path / "manifest.json").write_text(json.dumps({"sources": per_source}))
+    by_id = prompt_categories(tmp_path)
+    assert sorted(by_id) == [3, 4, 5, 6]
+    for p in prompts:
+        want = by_id.get(p.prompt_id)
+        assert (want is None) == (p.prompt_id < 3)
+        assert want is None or f" {want} request" in p.user_text
+    assert {s.prompt_id for s in samples} == set(range(7))
+    # unsteered, or a manifest from before first_prompt_id: no categories, no error
+    del per_source["self-written"]["first_prompt_id"]
+    (tmp_path / "manifest.json").write_text(json.dumps({"sources": per_source}))
+    assert prompt_categories(tmp_path) == {}
+    (tmp_path / "manifest.json").write_text("{not json")
+    with pytest.raises(DFlashError, match="unreadable data manifest"):
+        prompt_categories(tmp_path)

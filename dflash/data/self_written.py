@@ -35,7 +35,10 @@ prompt is the user turn alone: its answer is generated under the default system 
 evaluation prompts are. The cues are our own words (a test checks none shares an n-gram with
 MT-Bench or HumanEval), and every kept prompt still goes through the caller's decontamination.
 The category of every kept prompt is recorded in ``<data>/self_written/categories.json`` (in
-kept order) and counted in the report. Unsteered, prefixes, round files and report are as before.
+kept order) and counted in the report; the data manifest's ``sources.self-written.first_prompt_id``
+says where those prompts start among the dataset's ``prompt_id`` s, so
+:func:`prompt_categories` maps a dataset row to its category (the bench's τ per category on the
+drafter's own training prompts). Unsteered, prefixes, round files and report are as before.
 """
 from __future__ import annotations
 
@@ -54,6 +57,7 @@ SOURCE = "self-written"
 _MARK = "\u2063MAGPIE-USER-TURN\u2063"
 _RUN = re.compile(r"(.)\1{15}", re.S)
 CATEGORIES_FILE = "categories.json"  # the category of each kept prompt, in kept order
+FOLDER = "self_written"  # <data>/self_written/: the round files and CATEGORIES_FILE
 
 
 # data.self_written.categories -> the system turn that steers the writer (MT-Bench's eight
@@ -259,3 +263,24 @@ def write_prompts(count: int, *, sample: Callable[[list[list[int]], list[int]], 
         atomic_write_json(round_dir / CATEGORIES_FILE, {"categories": kept_cats,
                                                         "counts": per_cat})
     return kept, report
+
+
+def prompt_categories(data_dir: Path) -> dict[int, str]:
+    """``prompt_id`` -> category of every steered self-written prompt of a data stage's folder
+    (its ``manifest.json`` and ``self_written/categories.json``); empty when none was steered
+    (no categories file) or the manifest predates ``first_prompt_id``."""
+    data_dir = Path(data_dir)
+    path = data_dir / FOLDER / CATEGORIES_FILE
+    if not path.is_file():
+        return {}
+    try:
+        sources = json.loads((data_dir / "manifest.json").read_text()).get("sources") or {}
+        cats = json.loads(path.read_text())["categories"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DFlashError(f"{data_dir}: unreadable data manifest or {path.name} "
+                          f"({type(e).__name__}: {e})") from None
+    first = [v.get("first_prompt_id") for k, v in sources.items()
+             if k.split("#")[0] == SOURCE and isinstance(v, dict)]
+    if not cats or len(first) != 1 or first[0] is None:
+        return {}
+    return {first[0] + j: c for j, c in enumerate(cats) if c is not None}

@@ -23,7 +23,7 @@ from ..models.target import hf_config, load_target, target_fingerprint, tokenize
 from .check import SELF_WRITTEN, SYNTHETIC, source_quotas
 from .generate import eos_ids_of, open_generator, resolve_engine, sample_seed
 from .prompts import BadReport, Prompt, load_prompts, normalize, render_prompt
-from .self_written import prefixes, write_prompts
+from .self_written import FOLDER, prefixes, write_prompts
 
 
 def log(msg: str) -> None:
@@ -133,12 +133,15 @@ def _mix(spec, tokenizer, reject, data_dir: Path | None):
         _merge_report(combined, rep)
         per_source[_name(src, i, per_source)] = {"requested": want, "taken": len(take),
                                                  **rep.to_dict()}
+    written: dict[int, dict] = {}
     for i, (src, want) in enumerate(quotas):
         if src == SELF_WRITTEN and want:
             picked[i], rep = _self_written(spec, tokenizer, want, reject, seen, data_dir)
-            per_source[_name(src, i, per_source)] = rep
+            per_source[_name(src, i, per_source)] = written[i] = rep
     prompts = []
     for i in sorted(picked):
+        if i in written:  # where its prompts start: prompt_id -> self_written/categories.json
+            written[i]["first_prompt_id"] = len(prompts)
         for p in picked[i]:
             prompts.append(Prompt(prompt_id=len(prompts), messages=p.messages, where=p.where))
     if not prompts:
@@ -180,7 +183,7 @@ def _self_written(spec, tokenizer, count: int, reject, seen: set[str], data_dir:
                          "settings": settings, "eos": eos})
     if data_dir is None:
         raise DFlashError("self-written prompts need the data stage's folder (data_dir)")
-    round_dir = Path(data_dir) / "self_written"
+    round_dir = Path(data_dir) / FOLDER
     prompts, rep = write_prompts(count, sample=sample, tokenizer=tokenizer, eos_ids=eos,
                                  settings=sw, seed=spec.seed, ident=ident,
                                  round_dir=round_dir, seen=seen, reject=reject, log=log)

@@ -8,7 +8,8 @@ benchmark's instruction: an instruct model is served through its chat template, 
 reference DFlash numbers are measured that way), ``heldout`` (prompts of the training source
 that the data stage did not use; :func:`heldout_prompts`), ``train`` (a seeded sample of the
 prompts the drafter was trained on, read from the data stage's dataset: τ there against τ on
-held-out prompts tells a data limit from a capacity limit; :func:`train_prompts`). The
+held-out prompts tells a data limit from a capacity limit; :func:`train_prompts`; τ per
+self-written category where the data stage steered its writer, :func:`train_set`). The
 reference protocol's MT-Bench conversations (both turns) are :func:`mtbench_conversations`.
 Every prompt is rendered by the one chat-template helper, :func:`dflash.data.prompts.render_prompt`.
 
@@ -17,8 +18,8 @@ word n-gram with an MT-Bench or HumanEval prompt (:class:`NgramIndex`); :func:`i
 the exact-text check. The data stage hands it to :func:`dflash.data.sources.build_samples`
 (data/ sits below eval/ and does not import it).
 
-Owns: the eval sets, their readers, the decontamination index. Imports the top-level modules
-and ``data.prompts``.
+Owns: the eval sets, their readers, the decontamination index. Imports the top-level modules,
+``data.prompts`` and ``data.self_written`` (the training prompts' categories).
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from typing import Sequence
 import pyarrow.parquet as pq
 
 from ..data.prompts import CHATTERBOT, load_prompts, normalize, package_dir, render_prompt
+from ..data.self_written import prompt_categories
 from ..errors import DFlashError
 
 SETS = ("mtbench", "humaneval", "heldout", "train")
@@ -46,7 +48,8 @@ HUMANEVAL_FORMAT = ("Write a solution to the following problem and make sure tha
 class EvalSet:
     name: str
     prompts: list[list[int]]                  # rendered prompt token ids
-    categories: list[str] | None = None       # per prompt (MT-Bench), else None
+    # per prompt (MT-Bench; train: the self-written category, None for other sources), else None
+    categories: list[str | None] | None = None
     note: str = ""
 
 
@@ -238,18 +241,41 @@ def train_prompts(spec, results_dir: Path | None, n: int) -> tuple[list[list[int
     stage's ``dataset.parquet`` (what training reads), a sample seeded by ``spec.seed`` (the
     same prompts run after run). Returns (prompts, note); empty, with the reason, without a
     dataset (e.g. τ of a drafter evaluated outside the DAG)."""
+    prompts, _, note = _train_sample(spec, results_dir, n)
+    return prompts, note
+
+
+def _train_sample(spec, results_dir: Path | None, n: int):
+    """:func:`train_prompts` and each picked prompt's ``prompt_id`` (None where the dataset has
+    no such column)."""
     path = Path(results_dir) / "data" / "dataset.parquet" if results_dir else None
     if path is None or not path.is_file():
-        return [], f"no training dataset ({path or 'no results folder'})"
-
-    t = pq.read_table(path, columns=["input_ids", "num_prompt_tokens"])
-    distinct: dict[tuple[int, ...], None] = {}       # first-seen order: deterministic
-    for ids, npt in zip(t["input_ids"].to_pylist(), t["num_prompt_tokens"].to_pylist()):
-        distinct.setdefault(tuple(ids[:npt]), None)
+        return [], [], f"no training dataset ({path or 'no results folder'})"
+    names = pq.read_schema(path).names
+    cols = ["input_ids", "num_prompt_tokens"] + (["prompt_id"] if "prompt_id" in names else [])
+    t = pq.read_table(path, columns=cols)
+    pids = t["prompt_id"].to_pylist() if "prompt_id" in names else [None] * t.num_rows
+    distinct: dict[tuple[int, ...], int | None] = {}       # first-seen order: deterministic
+    for ids, npt, pid in zip(t["input_ids"].to_pylist(), t["num_prompt_tokens"].to_pylist(),
+                             pids):
+        distinct.setdefault(tuple(ids[:npt]), pid)
     pool = list(distinct)
     picked = random.Random(f"train:{spec.seed}").sample(pool, min(n, len(pool)))
-    return [list(p) for p in picked], (f"{len(picked)} of the {len(pool)} distinct training "
-                                      f"prompts of {path}, seeded sample")
+    return [list(p) for p in picked], [distinct[p] for p in picked], (
+        f"{len(picked)} of the {len(pool)} distinct training prompts of {path}, seeded sample")
+
+
+def train_set(spec, results_dir: Path | None, n: int) -> EvalSet:
+    """The ``train`` eval set; each prompt's self-written category where the data stage steered
+    its writer (``data.self_written.categories``: :func:`dflash.data.self_written.
+    prompt_categories`), None for the other sources' prompts; no categories when none has one."""
+    prompts, pids, note = _train_sample(spec, results_dir, n)
+    by_id = prompt_categories(Path(results_dir) / "data") if prompts else {}
+    cats = [by_id.get(p) for p in pids]
+    if not any(cats):
+        return EvalSet("train", prompts, note=note)
+    return EvalSet("train", prompts, cats, note + f"; {sum(c is not None for c in cats)} carry "
+                   "a self-written category")
 
 
 def across_categories(questions: list[dict], n: int, seed: int) -> list[dict]:
@@ -291,8 +317,7 @@ def load_eval_sets(spec, results_dir: Path | None, tokenizer, names: Sequence[st
             ps, note = heldout_prompts(spec, results_dir, tokenizer, n)
             sets.append(EvalSet(name, ps, note=note))
         elif name == "train":
-            ps, note = train_prompts(spec, results_dir, n)
-            sets.append(EvalSet(name, ps, note=note))
+            sets.append(train_set(spec, results_dir, n))
         else:
             raise DFlashError(f"bench.eval_sets: unknown set {name!r} (known: "
                               f"{', '.join(SETS)})")

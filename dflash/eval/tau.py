@@ -345,11 +345,13 @@ def evaluate_sets(target_model, drafter, embed, lm_head, sets: Sequence[EvalSet]
             sim["drafts"], sim["continuations"])
         rep["hit_cap"] = budget_hits(es.prompts, sim["continuations"], max_new, eos)
         rep["note"] = es.note
-        if es.categories:
+        if es.categories:  # a prompt without one (train: not self-written) counts in no row
             cats: dict[str, list[Chain]] = {}
             for c, ch in zip(es.categories, sim["chains"]):
-                cats.setdefault(c, []).append(ch)
+                if c is not None:
+                    cats.setdefault(c, []).append(ch)
             rep["tau_by_category"] = {c: summarize(v, B)["tau"] for c, v in sorted(cats.items())}
+            rep["prompts_by_category"] = {c: len(v) for c, v in sorted(cats.items())}
         n_real = min(real_prompts, len(es.prompts)) if n_set == 0 else 0
         if n_real:
             t1 = time.perf_counter()

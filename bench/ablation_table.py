@@ -1,0 +1,395 @@
+"""The recipe ablations of issue #26 as one table, one verdict per arm and one τ-vs-GPU-minutes
+curve, rendered from the committed H200 files (never copied by hand):
+
+    python bench/ablation_table.py                              # print the table + verdicts
+    python bench/ablation_table.py --write docs/benchmarks.md   # + ablation.json, the plot
+    python bench/ablation_table.py --check docs/benchmarks.md   # exit 1 if md or JSON is stale
+
+Arms: every ``<arm>__bench__report.json`` under bench/results/h200/ whose ``spec`` is
+``<sweep>-<arm>`` of a sweep in sweeps/ (bench/gpu/session.sh's naming), with the
+``<arm>__train__manifest.json``, ``__train__metrics.jsonl[.gz]`` and ``__data__manifest.json``
+beside it; Δ is against the ``ref`` arm of the SAME folder (the same lease and code). Runs:
+the full-budget runs of :data:`RUNS`. The curve: ``tau_curve.json``'s series and every arm's
+τ-while-training points, against GPU-minutes.
+
+GPU-minutes of training: the seconds of the run's training steps (``t`` of its last logged step,
+metrics.jsonl) × its share of the GPU. A run alone has share 1; arms trained at once on one GPU
+(``--config gpu_jobs=N``) split each second evenly between the train stages running at that
+moment (each stage's span: its train manifest's ``created_unix - wall_s`` to ``created_unix``).
+The data stage's seconds are listed apart (``shared by`` = arms reading that one stage).
+
+The verdict (:func:`verdict`): an arm **wins** when its MT-Bench τ is at least
+:data:`WIN_MTBENCH` above its ref's AND its HumanEval τ is not below its ref's; it **loses** when
+MT-Bench is :data:`WIN_MTBENCH` or more below; anything between is **no change**. The threshold
+is ~2-3× the run-to-run spread of the committed 3-epoch runs 1 and 2 (one spec, two code versions:
+0.015 MT-Bench, 0.032 HumanEval). A winner's fields (the sweep arm's overrides) are printed as
+what to apply; this script changes no default.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from dflash.errors import DFlashError  # noqa: E402
+
+H200 = REPO / "bench" / "results" / "h200"
+OUT_JSON = H200 / "ablation.json"
+OUT_PNG = H200 / "tau_vs_gpu_minutes.png"
+BEGIN, END = "<!-- ours:ablation:begin -->", "<!-- ours:ablation:end -->"
+SETS = ("mtbench", "humaneval", "heldout", "train")
+MTBENCH_ORDER = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
+                 "humanities")  # question.jsonl's order
+WIN_MTBENCH = 0.05
+CHECKPOINT_EVERY = 500  # checkpoint.every_steps of specs/smollm2-quality.yaml (run 2 resumed)
+# the full-budget runs beside the arms: folder under H200, label, epochs (their README says 3)
+RUNS = ({"folder": "smollm2-quality-run1", "label": "3 epochs (run 1)", "epochs": 3},
+        {"folder": "smollm2-quality-run2", "label": "3 epochs (run 2)", "epochs": 3})
+
+
+def _rel(path: Path) -> str:
+    p = Path(path).resolve()
+    return str(p.relative_to(REPO)) if p.is_relative_to(REPO) else str(p)
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise DFlashError(f"{path}: not readable JSON ({type(e).__name__}: {e})") from None
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """metrics.jsonl or .jsonl.gz: one dict per logged step."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt") as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except (OSError, ValueError) as e:
+        raise DFlashError(f"{path}: not a metrics.jsonl ({type(e).__name__}: {e})") from None
+
+
+def sibling(report: Path, stage: str, name: str) -> Path:
+    """``<arm>__<stage>__<name>`` beside ``<arm>__bench__report.json``."""
+    return report.with_name(report.name.replace("__bench__report.json", f"__{stage}__{name}"))
+
+
+def metrics_of(report: Path) -> list[dict]:
+    for name in ("metrics.jsonl.gz", "metrics.jsonl"):
+        if (p := sibling(report, "train", name)).is_file():
+            return read_metrics(p)
+    raise DFlashError(f"{sibling(report, 'train', 'metrics.jsonl[.gz]')}: missing")
+
+
+def timeline(metrics: list[dict]) -> dict[int, tuple[float, int]]:
+    """step -> (training seconds so far, target tokens so far). ``t`` restarts at 0 when a
+    train stage resumes from a checkpoint: each segment's seconds add up (a step logged twice,
+    replayed after the resume, keeps its last figures)."""
+    out, before, prev, tokens = {}, 0.0, 0.0, 0
+    for m in metrics:
+        if m["t"] < prev:  # a new segment (resumed)
+            before += prev
+        prev = m["t"]
+        tokens += m["tokens"]
+        out[m["step"]] = (before + m["t"], tokens)
+    return out
+
+
+def taus(sets: dict) -> dict:
+    return {s: round(sets[s]["tau"], 4) if sets.get(s, {}).get("tau") is not None else None
+            for s in SETS}
+
+
+def _by_category(sets: dict, name: str) -> dict:
+    return {c: round(t, 4) for c, t in (sets.get(name, {}).get("tau_by_category") or {}).items()}
+
+
+def gpu_shares(spans: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """Each span's share of the GPU: ∫ 1 / (spans open at t) dt over the span, / its length."""
+    cuts = sorted({x for span in spans.values() for x in span})
+    out = {}
+    for arm, (a, b) in spans.items():
+        got = 0.0
+        for lo, hi in zip(cuts, cuts[1:]):
+            if a <= lo and hi <= b:
+                got += (hi - lo) / sum(s <= lo and hi <= e for s, e in spans.values())
+        out[arm] = got / (b - a) if b > a else 1.0
+    return out
+
+
+def arm_rows(folder: Path, sweeps: list[str]) -> list[dict]:
+    """One row per arm of one results folder (one lease), with its GPU share among them."""
+    rows, spans = [], {}
+    for rep_path in sorted(folder.glob("*__bench__report.json")):
+        rep = read_json(rep_path)
+        spec = rep.get("spec", "")
+        sweep = max((s for s in sweeps if spec.startswith(s + "-")), key=len, default=None)
+        if sweep is None:
+            continue
+        train = read_json(sibling(rep_path, "train", "manifest.json"))
+        data = read_json(sibling(rep_path, "data", "manifest.json"))
+        line = timeline(metrics_of(rep_path))
+        last = line[max(line)]
+        arm = spec[len(sweep) + 1:]
+        spans[arm] = (train["created_unix"] - train["wall_s"], train["created_unix"])
+        acc = rep["acceptance"]
+        rows.append({
+            "arm": arm, "sweep": sweep, "folder": _rel(folder),
+            "target_tokens": train.get("counters", {}).get("tokens", last[1]),
+            "steps": len(line), "train_step_seconds": round(last[0], 2),
+            "data_seconds": data["seconds"], "data_checksum": data["checksum"],
+            "tau": taus(acc["sets"]),
+            "mtbench_by_category": _by_category(acc["sets"], "mtbench"),
+            "train_by_category": _by_category(acc["sets"], "train"),
+            "while_training": [{"step": p["step"], "t": line[p["step"]][0],
+                                "target_tokens": line[p["step"]][1],
+                                "tau_heldout": round(p["tau"], 4)}
+                               for p in rep.get("tau_while_training", [])],
+        })
+    order = {sw: list(_arms(sw)) for sw in {r["sweep"] for r in rows}}
+    rows.sort(key=lambda r: (r["sweep"], order[r["sweep"]].index(r["arm"])
+                             if r["arm"] in order[r["sweep"]] else len(order[r["sweep"]])))
+    shares = gpu_shares(spans)
+    for r in rows:
+        r["gpu_share"] = round(shares[r["arm"]], 4)
+        r["gpu_minutes"] = round(r["train_step_seconds"] * r["gpu_share"] / 60, 3)
+        r["data_shared_by"] = sum(o["data_checksum"] == r["data_checksum"] for o in rows)
+        for p in r["while_training"]:
+            p["gpu_minutes"] = round(p.pop("t") * r["gpu_share"] / 60, 3)
+    return rows
+
+
+def run_row(run: dict) -> dict:
+    """A full-budget run alone on the GPU: τ from report.json or, where the call's limit cut the
+    report, figures.json; training seconds from metrics.jsonl (+ the resumed call's seconds)."""
+    folder = H200 / run["folder"]
+    metrics = read_metrics(folder / "metrics.jsonl")
+    if (folder / "report.json").is_file():
+        rep = read_json(folder / "report.json")
+        tau, seconds = taus(rep["acceptance"]["sets"]), metrics[-1]["t"]
+        tokens = sum(m["tokens"] for m in metrics)
+        cats = _by_category(rep["acceptance"]["sets"], "mtbench")
+    else:  # run 2: call 2 logged steps 0..k; call 3 resumed from the last checkpoint <= k
+        fig = read_json(folder / "figures.json")
+        tau = {s: fig["tau"].get(s, {}).get("tau_simulated") for s in SETS}
+        resumed_from = metrics[-1]["step"] // CHECKPOINT_EVERY * CHECKPOINT_EVERY
+        seconds = metrics[resumed_from - 1]["t"] + fig["train_done"]["seconds"]
+        # every sample once an epoch (the train stage's exactly-once check)
+        tokens = read_json(folder / "data__manifest.json")["tokens"]["total_tokens"] * run[
+            "epochs"]
+        cats = {}
+    return {"arm": run["label"], "folder": _rel(folder), "target_tokens": tokens,
+            "train_step_seconds": round(seconds, 2), "gpu_share": 1.0,
+            "gpu_minutes": round(seconds / 60, 3), "tau": tau,
+            "mtbench_by_category": cats}
+
+
+def _arms(sweep: str) -> dict:
+    """sweeps/<sweep>.yaml's arms (name -> overrides), in file order."""
+    path = REPO / "sweeps" / f"{sweep}.yaml"
+    try:
+        return (yaml.safe_load(path.read_text()) or {}).get("arms") or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise DFlashError(f"{path}: not a readable sweep ({type(e).__name__}: {e})") from None
+
+
+def overrides(sweep: str, arm: str) -> dict:
+    """The arm's fields in sweeps/<sweep>.yaml, flattened (``loss.kind: kd``): what a winner
+    would apply to the defaults or the quality spec."""
+    arms = _arms(sweep)
+    out: dict = {}
+
+    def flat(prefix: str, v) -> None:
+        if isinstance(v, dict):
+            for k, x in v.items():
+                flat(f"{prefix}.{k}" if prefix else k, x)
+        else:
+            out[prefix] = v
+    flat("", (arms or {}).get(arm) or {})
+    out.pop("bench.protocols", None)  # how the ref arm is measured, not a recipe change
+    return out
+
+
+def verdict(row: dict, ref: dict | None) -> tuple[dict, str]:
+    """(Δ τ per set against ``ref``, the verdict): see the module docstring's rule."""
+    if ref is None:
+        return {}, "no ref arm in this folder"
+    if row is ref:
+        return {}, "reference"
+    d = {s: round(row["tau"][s] - ref["tau"][s], 4)
+         if row["tau"][s] is not None and ref["tau"][s] is not None else None for s in SETS}
+    if d["mtbench"] is None or d["humaneval"] is None:
+        return d, "no MT-Bench or HumanEval τ"
+    if d["mtbench"] >= WIN_MTBENCH and d["humaneval"] >= 0:
+        return d, "wins"
+    if d["mtbench"] <= -WIN_MTBENCH:
+        return d, "loses"
+    return d, "no change"
+
+
+def curve(arms: list[dict]) -> dict:
+    """τ (held-out, the monitor's) against training GPU-minutes: tau_curve.json's series (runs
+    alone: GPU-minutes = their metrics' seconds at that step) and the arms' monitor points."""
+    series = {}
+    for name, pts in read_json(H200 / "tau_curve.json").items():
+        line = timeline(read_metrics(H200 / name / "metrics.jsonl"))
+        series[name] = [{"step": p["step"], "target_tokens": p["target_tokens"],
+                         "gpu_minutes": round(line[p["step"]][0] / 60, 3),
+                         "tau_heldout": p["tau_heldout"]} for p in pts]
+    for a in arms:
+        series[f"{a['folder'].rsplit('/', 2)[-2]}/{a['arm']}"] = a["while_training"]
+    return series
+
+
+def collect() -> dict:
+    sweeps = sorted(p.stem for p in (REPO / "sweeps").glob("*.yaml"))
+    arms = []
+    for folder in sorted({p.parent for p in H200.rglob("*__bench__report.json")}):
+        rows = arm_rows(folder, sweeps)
+        for r in rows:  # against the ref arm of the same lease and sweep
+            ref = next((o for o in rows if o["arm"] == "ref" and o["sweep"] == r["sweep"]),
+                       None)
+            r["delta"], r["verdict"] = verdict(r, ref)
+            r["apply"] = overrides(r["sweep"], r["arm"]) if r["verdict"] == "wins" else {}
+        arms += rows
+    return {"command": "python bench/ablation_table.py --write docs/benchmarks.md",
+            "rule": f"wins: Δτ MT-Bench >= +{WIN_MTBENCH} and Δτ HumanEval >= 0 against the ref "
+                    f"arm of the same folder; loses: Δτ MT-Bench <= -{WIN_MTBENCH}; else no "
+                    "change",
+            "gpu_minutes": "training steps' seconds x the run's share of the GPU (arms trained "
+                           "at once split each second evenly); the data stage apart",
+            "arms": arms, "runs": [run_row(r) for r in RUNS], "curve": curve(arms)}
+
+
+def _f(x, fmt="{:.3f}") -> str:
+    return "n/a" if x is None else fmt.format(x)
+
+
+def _d(x) -> str:
+    return "" if x is None else f"{x:+.3f}"
+
+
+def render(data: dict) -> str:
+    """The markdown block: the ablation table, τ per MT-Bench category, the verdicts."""
+    head = ("| arm | folder | target tokens | train GPU-min (GPU share) | data stage s (arms "
+            "sharing it) | τ MT-Bench | τ HumanEval | τ held-out | τ own training prompts | "
+            "Δ MT-Bench | Δ HumanEval | Δ held-out | verdict |\n" + "|---" * 13 + "|")
+    lines = [head]
+    for r in data["arms"] + data["runs"]:
+        t, d = r["tau"], r.get("delta") or {}
+        data_s = (f"{r['data_seconds']:.0f} ({r['data_shared_by']})" if "data_seconds" in r
+                  else "n/a")
+        lines.append(
+            f"| {r['arm']} | `{r['folder'].removeprefix('bench/results/h200/')}` | "
+            f"{r['target_tokens'] / 1e6:.2f}M | {r['gpu_minutes']:.2f} ({r['gpu_share']:.2f}) | "
+            f"{data_s} | {_f(t['mtbench'])} | {_f(t['humaneval'])} | {_f(t['heldout'])} | "
+            f"{_f(t['train'])} | {_d(d.get('mtbench'))} | {_d(d.get('humaneval'))} | "
+            f"{_d(d.get('heldout'))} | {r.get('verdict', 'full budget, not an arm')} |")
+    rows = [r for r in data["arms"] + data["runs"] if r["mtbench_by_category"]]
+    cats = [c for c in MTBENCH_ORDER if any(c in r["mtbench_by_category"] for r in rows)]
+    lines += ["", "τ per MT-Bench category (first turns, simulated, pooled):", "",
+              "| arm | folder | " + " | ".join(cats) + " |", "|---|---|" + "---|" * len(cats)]
+    for r in rows:
+        lines.append(f"| {r['arm']} | `{r['folder'].removeprefix('bench/results/h200/')}` | "
+                     + " | ".join(_f(r["mtbench_by_category"].get(c)) for c in cats) + " |")
+    own = [r for r in data["arms"] if r.get("train_by_category")]
+    for r in own:
+        lines += ["", f"τ per self-written category on {r['arm']}'s own training prompts: "
+                  + ", ".join(f"{c} {t:.3f}" for c, t in r["train_by_category"].items())]
+    lines += ["", f"Verdict rule: {data['rule']}.", ""]
+    for r in data["arms"]:
+        if r["verdict"] == "reference":
+            continue
+        ref = next((o for o in data["arms"] if o["folder"] == r["folder"] and o["arm"] == "ref"
+                    and o["sweep"] == r["sweep"]), None)
+        cost = (f", train GPU-minutes ×{r['gpu_minutes'] / ref['gpu_minutes']:.2f} of ref's"
+                if ref else "")
+        fields = ", ".join(f"`{k}: {v}`" for k, v in r["apply"].items())
+        lines.append(f"- {r['arm']} (`{r['folder'].removeprefix('bench/results/h200/')}`): "
+                     f"**{r['verdict']}** (Δ MT-Bench {_d(r['delta'].get('mtbench'))}, "
+                     f"HumanEval {_d(r['delta'].get('humaneval'))}{cost})"
+                     + (f"; to apply: {fields}" if fields else ""))
+    return "\n".join(lines)
+
+
+def plot(data: dict, png: Path) -> None:
+    import matplotlib  # noqa: PLC0415 - the backend is chosen before pyplot loads
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, pts in data["curve"].items():
+        ax.plot([p["gpu_minutes"] for p in pts], [p["tau_heldout"] for p in pts], marker=".",
+                label=f"{name} (held-out, monitor)")
+    for r in data["arms"] + data["runs"]:
+        if r["tau"]["mtbench"] is not None:
+            ax.scatter([r["gpu_minutes"]], [r["tau"]["mtbench"]], marker="*", s=80, zorder=3,
+                       color="k")
+            ax.annotate(r["arm"], (r["gpu_minutes"], r["tau"]["mtbench"]), fontsize=7,
+                        xytext=(3, -9), textcoords="offset points")
+    ax.set(xlabel="training GPU-minutes (H200; share of the GPU when arms trained at once)",
+           ylabel="τ (simulated, greedy, block 16)",
+           title="τ vs GPU-minutes: lines held-out while training, stars MT-Bench at the end")
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
+def splice(text: str, block: str, name: str) -> str:
+    pat = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
+    if len(pat.findall(text)) != 1:
+        raise DFlashError(f"{name}: needs exactly one {BEGIN} ... {END} block")
+    return pat.sub(lambda _: f"{BEGIN}\n{block}\n{END}", text)
+
+
+def dumps(data: dict) -> str:
+    return json.dumps(data, indent=1, ensure_ascii=False) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", type=Path, default=OUT_JSON)
+    ap.add_argument("--png", type=Path, default=OUT_PNG)
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--write", nargs="+", type=Path, metavar="MD")
+    g.add_argument("--check", nargs="+", type=Path, metavar="MD")
+    a = ap.parse_args(argv)
+    data = collect()
+    block = render(data)
+    if not (a.write or a.check):
+        print(block)
+        return 0
+    stale = []
+    if a.write:
+        a.json.write_text(dumps(data))
+        plot(data, a.png)
+    elif not a.json.is_file() or a.json.read_text() != dumps(data):
+        stale.append(str(a.json))
+    for md in a.write or a.check:
+        old = md.read_text()
+        new = splice(old, block, str(md))
+        if a.write and new != old:
+            md.write_text(new)
+        stale += [str(md)] if a.check and new != old else []
+    if stale:
+        print(f"stale (rerun with --write): {', '.join(stale)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except DFlashError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,105 @@
+"""bench/ablation_table.py: the ablation table, its JSON and the verdicts come from the committed
+H200 files; a table or JSON that disagrees with them is caught; bad input is one clear error."""
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dflash.errors import DFlashError
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "benchmarks.md"
+ROUND3 = REPO / "bench" / "results" / "h200" / "round3-2026-12-01" / "smollm2-recipe-1ep"
+
+
+@pytest.fixture(scope="module")
+def at():
+    spec = importlib.util.spec_from_file_location("ablation_table", REPO / "bench" /
+                                                  "ablation_table.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def data(at):
+    return at.collect()
+
+
+def test_committed_table_and_json_are_current(at):
+    assert at.main(["--check", str(DOC)]) == 0
+
+
+def test_a_json_or_table_that_disagrees_is_stale(at, tmp_path):
+    js = json.loads(at.OUT_JSON.read_text())
+    kd = next(r for r in js["arms"] if r["arm"] == "kd")
+    kd["tau"]["mtbench"] += 0.01                                     # the JSON edited by hand
+    bad_json = tmp_path / "ablation.json"
+    bad_json.write_text(json.dumps(js, indent=1))
+    assert at.main(["--json", str(bad_json), "--check", str(DOC)]) == 1
+    md = tmp_path / "benchmarks.md"
+    shutil.copy(DOC, md)
+    md.write_text(md.read_text().replace("| 1.670 |", "| 1.700 |", 1))  # the table edited
+    assert at.main(["--check", str(md)]) == 1
+    assert at.main(["--json", str(tmp_path / "none.json"), "--check", str(DOC)]) == 1
+
+
+def test_rows_carry_the_reports_figures_and_deltas(at, data):
+    arms = {r["arm"]: r for r in data["arms"] if r["folder"].endswith("round3-2026-12-01/"
+                                                                       "smollm2-recipe-1ep")}
+    assert list(arms) == ["ref", "init-target", "kd"]                 # the sweep's order
+    rep = {a: json.loads((ROUND3 / f"{a}__bench__report.json").read_text())["acceptance"][
+        "sets"] for a in arms}
+    for a, r in arms.items():
+        for s in ("mtbench", "humaneval", "heldout", "train"):
+            assert r["tau"][s] == round(rep[a][s]["tau"], 4)
+        assert r["target_tokens"] == 10_704_967 and r["data_shared_by"] == 3
+    d = arms["kd"]["delta"]
+    assert d["mtbench"] == round(arms["kd"]["tau"]["mtbench"] - arms["ref"]["tau"]["mtbench"], 4)
+    assert (arms["kd"]["verdict"], arms["init-target"]["verdict"]) == ("wins", "loses")
+    assert arms["kd"]["apply"] == {"loss.kind": "kd"} and arms["init-target"]["apply"] == {}
+    # three trained at once: each about a third of the GPU; kd ran on alone at the end
+    assert all(0.33 <= r["gpu_share"] < 0.4 for r in arms.values())
+    assert sum(r["gpu_share"] for r in arms.values()) == pytest.approx(1.0, abs=0.1)
+    runs = {r["arm"]: r for r in data["runs"]}
+    assert runs["3 epochs (run 2)"]["target_tokens"] == 3 * 10_704_967
+    line = next(ln for ln in at.render(data).splitlines() if ln.startswith("| kd |"))
+    assert "| 1.670 | 1.588 | 1.891 | 1.935 | +0.055 | +0.047 | +0.063 | wins |" in line
+
+
+def test_gpu_shares_split_each_second_between_the_runs_then(at):
+    sh = at.gpu_shares({"a": (0, 10), "b": (0, 10), "c": (0, 20)})
+    assert sh["a"] == sh["b"] == pytest.approx(1 / 3) and sh["c"] == pytest.approx(2 / 3)
+    assert at.gpu_shares({"alone": (5, 9)}) == {"alone": 1.0}
+
+
+def test_the_verdict_rule(at):
+    ref = {"tau": {"mtbench": 1.6, "humaneval": 1.5, "heldout": 1.8, "train": None}}
+
+    def arm(mt, he):
+        return {"tau": {"mtbench": mt, "humaneval": he, "heldout": 1.8, "train": None}}
+    assert at.verdict(arm(1.66, 1.5), ref)[1] == "wins"
+    assert at.verdict(arm(1.70, 1.49), ref)[1] == "no change"      # HumanEval worse: no win
+    assert at.verdict(arm(1.64, 1.6), ref)[1] == "no change"       # under the threshold
+    assert at.verdict(arm(1.55, 1.6), ref)[1] == "loses"
+    assert at.verdict(ref, ref)[1] == "reference"
+    assert at.verdict(arm(1.7, 1.6), None)[1] == "no ref arm in this folder"
+
+
+def test_a_missing_arm_file_is_one_clear_error(at, tmp_path):
+    (tmp_path / "x__bench__report.json").write_text(json.dumps(
+        {"spec": "smollm2-recipe-1ep-x", "acceptance": {"sets": {}}}))
+    with pytest.raises(DFlashError, match=r"x__train__manifest.json: not readable JSON"):
+        at.arm_rows(tmp_path, ["smollm2-recipe-1ep"])
+    md = tmp_path / "x.md"
+    md.write_text("no markers")
+    with pytest.raises(DFlashError, match="x.md: needs exactly one"):
+        at.splice(md.read_text(), "t", str(md))
+
+
+def test_timeline_adds_up_the_segments_of_a_resumed_train(at):
+    steps = [{"step": 0, "t": 1.0, "tokens": 10}, {"step": 1, "t": 2.0, "tokens": 10},
+             {"step": 1, "t": 0.5, "tokens": 10}, {"step": 2, "t": 1.5, "tokens": 10}]
+    assert at.timeline(steps) == {0: (1.0, 10), 1: (2.5, 30), 2: (3.5, 40)}
