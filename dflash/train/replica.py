@@ -47,6 +47,23 @@ def lr_lambda(total_steps: int, warmup_ratio: float):
     return f
 
 
+def make_optimizer(params: list, optim: OptimSpec, device: str, total_steps: int,
+                   capturable: bool = False):
+    """(AdamW, LambdaLR) of a replica. CUDA: the fused AdamW kernel (a launch or two for all
+    parameters instead of a foreach chain per update term); CPU keeps foreach, so CPU runs stay
+    bit-identical to before. ``capturable``: the step count and the learning rate live on the
+    device (lr a 0-d tensor the scheduler fills in place), so the optimizer step can be
+    captured in a CUDA graph and replayed with each step's lr; on CPU, where torch has no
+    capturable AdamW, the same tensor lr with the single-tensor AdamW (the test's stand-in)."""
+    o, fused = optim, device.startswith("cuda")
+    lr = torch.tensor(o.lr, dtype=torch.float32, device=device) if capturable else o.lr
+    kw = (dict(fused=fused or None, foreach=False, capturable=fused) if capturable
+          else dict(foreach=not fused, fused=fused or None))
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, o.beta2), weight_decay=o.weight_decay,
+                            **kw)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total_steps, o.warmup_ratio))
+
+
 class DrafterReplica:
     """One replica. It takes its own config sections: the drafter config, the objective (block
     size, anchors, loss), the optimizer section, the compute dtype, the compile backend and
@@ -72,15 +89,7 @@ class DrafterReplica:
         self.lm_head = (self.embed if lm_head_weight is embed_weight
                         else lm_head_weight.to(device=device, dtype=self.compute_dtype))
         self.params = [p for p in self.model.parameters()]
-        o = optim
-        # CUDA: the fused AdamW kernel (a launch or two for all parameters instead of a foreach
-        # chain per update term); CPU keeps foreach, so CPU runs stay bit-identical to before
-        fused = device.startswith("cuda")
-        self.opt = torch.optim.AdamW(self.params, lr=o.lr, betas=(0.9, o.beta2),
-                                     weight_decay=o.weight_decay, foreach=not fused,
-                                     fused=fused or None)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, lr_lambda(total_steps, o.warmup_ratio))
+        self.opt, self.sched = make_optimizer(self.params, optim, device, total_steps)
         self.forward = (self.model.forward if backend == "eager" else
                         torch.compile(self.model.forward, backend=backend, dynamic=False))
 
@@ -112,17 +121,11 @@ class DrafterReplica:
         doc = row.doc_ids.to(dev, non_blocking=True)
         blocks_d = Blocks(**{k: (v.to(dev, non_blocking=True) if torch.is_tensor(v) else v)
                              for k, v in vars(blocks).items()})
-        if self.attention == "flex":
-            mask = flex_block_mask(doc, blocks_d, device=dev, _compile=True)
-        else:
-            mask = dense_mask(doc, blocks_d)[None]
-        block_embeds = torch.nn.functional.embedding(blocks_d.block_input_ids, self.embed)[None]
         ctx_pos = row.position_ids.to(dev, non_blocking=True)[None]
-        with self._autocast():
-            hidden = self.forward(block_embeds, out.features, blocks_d.block_position_ids[None],
-                                  ctx_pos, mask)
-            loss, hits = self.objective.loss(hidden, self.lm_head, blocks_d, out.soft,
-                                             row_len=row.input_ids.shape[0], host=blocks)
+        loss, hits = self.forward_loss(
+            doc, blocks_d, out.features, ctx_pos,
+            lambda hidden: self.objective.loss(hidden, self.lm_head, blocks_d, out.soft,
+                                               row_len=row.input_ids.shape[0], host=blocks))
         loss.backward()
         # counts from the host copies, and loss/hits stay device tensors: no host-device sync
         # here, so this thread goes on queueing work while the GPU runs the backward
@@ -131,6 +134,21 @@ class DrafterReplica:
         return StepResult(loss=loss.detach(), labelled=int(supervised.sum()), tokens=tokens,
                           sample_ids=list(row.sample_ids), hits=hits,
                           counts=supervised.sum(0).tolist())
+
+    def forward_loss(self, doc: torch.Tensor, blocks_d: Blocks, features: torch.Tensor,
+                     ctx_pos: torch.Tensor, loss_fn) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mask, the drafter's forward and ``loss_fn(hidden)`` -> (loss, hits) on tensors
+        already on the device: the body both today's step and the captured step
+        (:mod:`dflash.train.graph_step`) run."""
+        if self.attention == "flex":
+            mask = flex_block_mask(doc, blocks_d, device=self.device, _compile=True)
+        else:
+            mask = dense_mask(doc, blocks_d)[None]
+        block_embeds = torch.nn.functional.embedding(blocks_d.block_input_ids, self.embed)[None]
+        with self._autocast():
+            hidden = self.forward(block_embeds, features, blocks_d.block_position_ids[None],
+                                  ctx_pos, mask)
+            return loss_fn(hidden)
 
     def zero_grad(self) -> None:
         for p in self.params:
