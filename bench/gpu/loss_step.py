@@ -36,6 +36,7 @@ import json
 import sys
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -45,11 +46,15 @@ from torch.utils.checkpoint import checkpoint
 from dflash.models.dtypes import dtype_of
 from dflash.models.masks import block_loss_weights
 from dflash.models.target import target_embeddings
+from dflash.runtime.gate import get_gate
+from dflash.runtime.tracing import worker_thread_setup
 from dflash.spec import load_spec
-from dflash.train.flops import measure_peak_flops
+from dflash.train.flops import drafter_useful_flops, measure_peak_flops
+from dflash.train.graph_step import GraphStep, restore, snapshot
 from dflash.train.objective import Objective
-from dflash.train.warm import synthetic_row
-from dflash.train.workers import buckets, drafter_config, objective
+from dflash.train.replica import make_optimizer
+from dflash.train.warm import synthetic_output, synthetic_row, warm_replica
+from dflash.train.workers import buckets, drafter_config, initial_state, make_replicas, objective
 
 SMOLLM2_135M = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=576,
                     intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -254,6 +259,142 @@ def step_whole(spec, device: str, arm: str, cap, steps: int, peak: float | None,
             **r}
 
 
+# ---- the ``graph`` arm: the whole step as one CUDA graph (dflash.train.graph_step) ----------
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64 (0 when both are 0)."""
+    a, b = a.double(), b.double()
+    d, n = float((a - b).norm()), float(b.norm())
+    return d / n if n else d
+
+
+def _flat(rep) -> torch.Tensor:
+    return rep.flat_grad().detach().clone()
+
+
+def _params(rep) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in rep.params]).clone()
+
+
+def graph_check(rep, gs_make, row, feats, blocks, cuda: bool) -> dict:
+    """The captured step against the uncaptured ones, on one row loaded into buffers made for
+    ANOTHER row (so a graph that baked the first row's mask or labels in fails): loss, hits
+    and gradients of today's step, the static body uncaptured and (CUDA) the fwd+bwd graph;
+    then the whole-step graph's parameter update against the uncaptured body's, from the same
+    snapshot. Relative norms; bf16 on the GPU."""
+    today = rep.forward_backward(row, feats, blocks)
+    g_today = _flat(rep)
+    rep.zero_grad()
+    gs = gs_make()
+    gs.load(row, feats, blocks)
+    loss_s, hits_s, _ = gs.body(optimizer=False)
+    g_static = _flat(rep)
+    rep.zero_grad()
+    r = {"supervised": today.labelled,
+         "static_vs_today": {"loss_rel": _rel(loss_s, today.loss),
+                             "grad_rel": _rel(g_static, g_today),
+                             "hits_max_abs": float((hits_s - today.hits).abs().max())}}
+    if not cuda:
+        return r
+    fb = gs_make()
+    fb.capture(optimizer=False)
+    fb.load(row, feats, blocks)
+    loss_g, hits_g, _ = fb.replay()
+    g_graph = _flat(rep)
+    rep.zero_grad()
+    r["graph_vs_today"] = {"loss_rel": _rel(loss_g, today.loss),
+                           "grad_rel": _rel(g_graph, g_today),
+                           "hits_max_abs": float((hits_g - today.hits).abs().max())}
+    return r
+
+
+def graph_update_check(rep, gs, row, feats, blocks) -> dict:
+    """One whole step from the same snapshot, uncaptured body vs the graph: the parameter
+    updates and the pre-clip norms (then the snapshot's state is put back in place)."""
+    snap = snapshot(rep)
+    p0 = _params(rep)
+    gs.load(row, feats, blocks)
+    loss_e, _, norm_e = gs.body(optimizer=True)
+    d_eager = _params(rep) - p0
+    restore(rep, snap)
+    loss_r, _, norm_r = gs.replay()
+    d_graph = _params(rep) - p0
+    restore(rep, snap)
+    return {"loss_rel": _rel(loss_r, loss_e), "norm_rel": _rel(norm_r, norm_e),
+            "update_rel": _rel(d_graph, d_eager), "update_norm": float(d_eager.norm())}
+
+
+def _graph_work(spec, device: str, cap, steps: int, peak, profile: bool) -> dict:
+    """The graph arm's measurement in a training-like worker thread (see step_graph)."""
+    gate, cuda = get_gate(), device.startswith("cuda")
+    cfg = drafter_config(spec)
+    L, fdt = buckets(spec)[-1], dtype_of(spec.target.dtype)
+    width = len(cfg.target_layer_ids) * cfg.hidden_size
+    rep = make_replicas(spec, cfg, initial_state(cfg, spec.seed), total_steps=1000)[0]
+    rep.objective = arm_objective(rep.objective, "compiled", cap)
+    rep.opt, rep.sched = make_optimizer(rep.params, spec.optim, device, 1000, capturable=True)
+    t0 = time.perf_counter()
+    warm_replica(rep, L, width, fdt, optimizer_step=False)
+    wrow = synthetic_row(L, cfg.vocab_size, seed=11, docs=3)   # the buffers' first row
+    wout, wblocks = synthetic_output(rep, wrow, width, fdt, seed=11), rep.anchors(wrow, 11)
+    row = synthetic_row(L, cfg.vocab_size, seed=3, docs=8)     # the measured row
+    feats, blocks = synthetic_output(rep, row, width, fdt), rep.anchors(row, 5)
+    make = lambda: GraphStep(rep, wrow, wout, wblocks)  # noqa: E731
+    r: dict = {"arm": "graph", "max_position": cap, "head_backend": rep.objective.head_backend,
+               "adamw": "fused capturable" if cuda else "single-tensor, tensor lr"}
+    with gate.exclusive("loss_step:graph"):   # may compile (the static loss's first run)
+        r["check"] = graph_check(rep, make, row, feats, blocks, cuda)
+        gs = make()
+        if cuda:
+            try:
+                t1 = time.perf_counter()
+                gs.capture(optimizer=True)
+                r["capture_s"] = round(time.perf_counter() - t1, 2)
+                r["check"]["update"] = graph_update_check(rep, gs, row, feats, blocks)
+            except Exception as e:  # noqa: BLE001 - recorded; the uncaptured body is timed
+                traceback.print_exc()
+                r["capture_error"], gs.graph = f"{type(e).__name__}: {e}"[:2000], None
+    r["compile_s"] = round(time.perf_counter() - t0, 1)
+
+    def uncaptured():
+        gs.load(row, feats, blocks)
+        gs.body(optimizer=True)
+        rep.sched.step()
+
+    def replayed():
+        gs.load(row, feats, blocks)
+        gs.replay()
+        rep.sched.step()
+
+    with gate.shared():
+        r["uncaptured_s_per_step"] = round(_time(uncaptured, device, steps), 4)
+        step = replayed if gs.graph is not None else uncaptured
+        r["captured"] = gs.graph is not None
+        r["s_per_step"] = round(_time(step, device, steps), 4)
+        if profile:
+            try:
+                r.update(profile_steps(step, device))
+            except Exception as e:  # noqa: BLE001 - the arm keeps its timing
+                r["profile"] = {"error": f"{type(e).__name__}: {e}"[:500]}
+    flops = drafter_useful_flops(cfg, int((row.doc_ids >= 0).sum()), r["check"]["supervised"])
+    r.update(bucket=L, num_slots=rep.num_slots(L), steps=steps, flops_per_step=flops,
+             labelled=r["check"]["supervised"],
+             mfu_while_busy=round(flops / r["s_per_step"] / peak, 4) if peak else None)
+    return r
+
+
+def step_graph(spec, device: str, arm: str, cap, steps: int, peak: float | None,
+               profile: bool = False) -> dict:
+    """The ``graph`` arm: the replica's whole step (forward, fixed-shape loss, backward, clip,
+    capturable fused AdamW, zero) captured once per bucket and replayed, each step copying its
+    row into the static buffers first; beside it the same body uncaptured, and the check that
+    the graph's loss, grads and update equal the uncaptured step's. CPU (``--smoke``): no
+    capture, the static-shape body timed and checked against today's step."""
+    spec = spec.replace(topology={"targets": [device], "drafters": [device],
+                                  "allow_shared_devices": True})
+    with ThreadPoolExecutor(1, initializer=worker_thread_setup) as pool:
+        return pool.submit(_graph_work, spec, device, cap, steps, peak, profile).result()
+
+
 def _guarded(fn, spec, device, arm, cap, *args) -> dict:
     """``fn``'s record, or the arm's error as a record: one failing arm does not cost the
     others their measurement (the GPU gets one call)."""
@@ -270,7 +411,8 @@ def main() -> None:
     ap.add_argument("--spec")
     ap.add_argument("--smollm2-shape", action="store_true")
     ap.add_argument("--caps", default="none,8", help="fused and compiled arms: none or K")
-    ap.add_argument("--arms", default="main,fused,compiled,nohead", help="comma list of arms")
+    ap.add_argument("--arms", default="main,fused,compiled,graph,nohead",
+                    help="comma list of arms")
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--steps", type=int, default=10)
@@ -297,7 +439,8 @@ def main() -> None:
     names = a.arms.split(",")
     arms = ([("main", None)] if "main" in names else []) + [
         (n, c) for n in ("fused", "compiled") if n in names for c in caps]
-    step_arms = arms + ([("nohead", None)] if "nohead" in names else [])
+    step_arms = (arms + [("graph", c) for c in caps if "graph" in names]
+                 + ([("nohead", None)] if "nohead" in names else []))
     out = {"spec": spec.name, "target_shape": "smollm2-135m" if a.smollm2_shape else
            spec.target.model, "device": torch.cuda.get_device_name(a.device)
            if a.device.startswith("cuda") else "cpu",
@@ -319,10 +462,10 @@ def main() -> None:
                        if a.device.startswith("cuda") else {"flops_per_s": None})
         # today's step first: the first arm also pays the drafter's compile (about a minute
         # on the H200), and a run cut short by its time limit keeps what it measured
-        order = {"compiled": 0, "nohead": 1, "fused": 2, "main": 3}
+        order = {"compiled": 0, "graph": 1, "nohead": 2, "fused": 3, "main": 4}
         for arm, cap in sorted(step_arms, key=lambda ac: order[ac[0]]):
-            r = _guarded(step_whole, spec, a.device, arm, cap, a.steps,
-                         out["peak"]["flops_per_s"], a.profile)
+            r = _guarded(step_graph if arm == "graph" else step_whole, spec, a.device, arm,
+                         cap, a.steps, out["peak"]["flops_per_s"], a.profile)
             if "error" in r:
                 print(f"[loss_step] whole step {arm} cap {cap}: {r['error']}", flush=True)
                 out["step"].append(r)
@@ -330,6 +473,9 @@ def main() -> None:
                 continue
             print(f"[loss_step] whole step {arm} cap {cap}: {r['s_per_step']} s/step, MFU "
                   f"{r['mfu_while_busy']}, compile {r['compile_s']} s", flush=True)
+            if arm == "graph":
+                print(f"  captured {r['captured']} (uncaptured {r['uncaptured_s_per_step']} "
+                      f"s/step) {r.get('capture_error', '')}\n  check {r['check']}", flush=True)
             if "busy_ms_per_step" in r.get("profile", {}):
                 print(f"  profile: {r['profile']['busy_ms_per_step']} ms busy, "
                       f"{r['profile']['launches_per_step']} launches per step", flush=True)
