@@ -140,6 +140,7 @@ class FeaturesSpec:
 class CompileSpec:
     backend: str
     head_loss: str
+    cuda_graph_step: str
 
 
 @dataclass(frozen=True)

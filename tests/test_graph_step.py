@@ -10,12 +10,15 @@ import dataclasses
 import pytest
 import torch
 
+import dflash.train.checkpoint as ckpt
+from dflash.errors import SpecError
 from dflash.models.masks import IGNORE_INDEX, PackedRow
 from dflash.models.target_output import TargetOutput
 from dflash.spec import parse_spec
-from dflash.train.graph_step import GraphStep, restore, snapshot
+from dflash.train.graph_step import GraphStep, graph_step_on, restore, snapshot
 from dflash.train.objective import Objective
-from dflash.train.replica import make_optimizer
+from dflash.train.replica import lr_lambda, make_optimizer
+from dflash.train.warm import warm_replica
 from dflash.train.workers import drafter_config, initial_state, make_replicas
 
 H, V, MASK, L = 32, 96, 95, 64
@@ -171,3 +174,82 @@ def test_device_lr_optimizer_gives_today_s_parameters_after_steps():
     assert any(not torch.equal(m, p) for m, p in zip(moved, b.params))
     for p, v in zip(b.params, snap["params"]):
         assert torch.equal(p, v)
+
+
+# ---------------------------------------------------------------------------------------------
+# the production path's CPU-visible parts: the spec field, the capturable optimizer in a
+# checkpoint, a failed capture that falls back, in-place gradients
+# ---------------------------------------------------------------------------------------------
+def test_spec_field_defaults_off_resolves_per_device_and_refuses_what_cannot_apply():
+    assert parse_spec(SPEC, "graph.yaml").compile.cuda_graph_step == "off"
+    assert graph_step_on("auto", "cuda:0", "ce", 1, 1) and graph_step_on(True, "cuda:1", "ce", 1, 1)
+    assert not graph_step_on("auto", "cpu", "ce", 1, 1)
+    assert not graph_step_on("auto", "cuda:0", "kd", 1, 1)
+    assert not graph_step_on("auto", "cuda:0", "ce", 2, 1)
+    assert not graph_step_on("auto", "cuda:0", "ce", 1, 2)
+    assert not graph_step_on("off", "cuda:0", "ce", 1, 1)
+    kd = {**SPEC, "loss": {"gamma": 4, "kind": "kd"}}
+    assert parse_spec({**kd, "compile": {"cuda_graph_step": "auto"}}, "graph.yaml")
+    with pytest.raises(SpecError, match="compile.cuda_graph_step"):
+        parse_spec({**kd, "compile": {"cuda_graph_step": "on"}}, "graph.yaml")
+    with pytest.raises(SpecError, match="compile.cuda_graph_step"):
+        parse_spec({**SPEC, "compile": {"cuda_graph_step": "always"}}, "graph.yaml")
+    [rep] = make_replicas(parse_spec({**SPEC, "compile": {"cuda_graph_step": "on",
+                                                           "backend": "eager"}}, "graph.yaml"),
+                          drafter_config(parse_spec(SPEC, "graph.yaml")),
+                          initial_state(drafter_config(parse_spec(SPEC, "graph.yaml")), 0), 4)
+    assert not rep.graph_step   # a CPU drafter: never captured
+
+
+def test_checkpoint_of_a_capturable_optimizer_resumes_its_lr_in_place(tmp_path):
+    """The device-side lr is saved as a number (state.json is JSON) and loaded back into the
+    very tensor a captured step reads; the state equals the saved one; lr() is the schedule's."""
+    a, width = _replica(capturable=True, total=6)
+    gs = GraphStep(a, packed_row(0, 20), TargetOutput(torch.randn(1, L, width)),
+                   a.anchors(packed_row(0, 20), 0))
+    for _ in range(3):
+        gs.body(optimizer=True)
+        a.sched.step()
+    path = ckpt.save(tmp_path, 3, a, {}, keep=1, run_fingerprint={})
+    b, _ = _replica(capturable=True, total=6)
+    lr_tensor = b.opt.param_groups[0]["lr"]
+    ckpt.load_into(path, ckpt.latest_good(tmp_path)[1], [b])
+    assert b.opt.param_groups[0]["lr"] is lr_tensor
+    assert float(lr_tensor) == pytest.approx(float(a.opt.param_groups[0]["lr"]), rel=1e-6)
+    assert b.lr() == pytest.approx(a.lr(), rel=1e-6) and isinstance(b.lr(), float)
+    assert b.lr() == pytest.approx(1e-2 * lr_lambda(6, 0.3)(3), rel=1e-7)  # today's rule
+    for pa, pb in zip(a.params, b.params):
+        assert torch.equal(pa, pb)
+        for k, v in a.opt.state[pa].items():
+            assert torch.equal(torch.as_tensor(b.opt.state[pb][k]), torch.as_tensor(v))
+
+
+def test_a_failed_capture_is_recorded_and_the_bucket_trains_uncaptured(capsys):
+    """No CUDA here: the warm-up's capture fails loudly, the record says so, the weights and
+    the optimizer are as before it (warm start), and the step is today's."""
+    rep, width = _replica(capturable=True)
+    ref, _ = _replica(capturable=True)
+    rep.graph_step = True
+    rec = warm_replica(rep, L, width, torch.float32, optimizer_step=False)
+    assert rec["cuda_graph"]["captured"] is False and rec["cuda_graph"]["graph_error"]
+    assert "CUDA-graph capture failed" in capsys.readouterr().err
+    assert rep.graphs == {L: None}
+    for p, q in zip(rep.params, ref.params):
+        assert torch.equal(p, q) and float(p.grad.abs().sum()) == 0
+    r = packed_row(3, 20)
+    f = torch.randn(1, L, width)
+    for x in (rep, ref):
+        x.forward_backward(r, f, x.anchors(r, 3))
+    for p, q in zip(rep.params, ref.params):
+        torch.testing.assert_close(p.grad, q.grad, atol=0, rtol=0)
+
+
+def test_set_flat_grad_keeps_the_gradient_tensors():
+    rep, width = _replica()
+    r = packed_row(0, 20)
+    rep.forward_backward(r, torch.randn(1, L, width), rep.anchors(r, 0))
+    ids = [id(p.grad) for p in rep.params]
+    flat = rep.flat_grad() * 0.5
+    rep.set_flat_grad(flat)
+    assert [id(p.grad) for p in rep.params] == ids
+    assert torch.equal(rep.flat_grad(), flat)

@@ -24,8 +24,6 @@ multi-replica gradient averaging keeps the uncaptured step.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from ..models.graphs import capture
@@ -82,7 +80,7 @@ class GraphStep:
         rep.zero_grad()
         return loss, hits, norm.detach()
 
-    def capture(self, optimizer: bool = True, warm: int = 2) -> None:
+    def capture(self, optimizer: bool = True, warm: int = 2, pool=None) -> None:
         """Run :meth:`body` ``warm`` times on a side stream (compiles, autograd's and the
         optimizer's lazy state, as torch asks before a capture), then capture it. The warm
         runs step the optimizer when ``optimizer``: the caller snapshots what must not move."""
@@ -96,13 +94,22 @@ class GraphStep:
                     if not optimizer:
                         self.rep.zero_grad()
             torch.cuda.current_stream(dev).wait_stream(side)
-            self.graph, self.out = capture(lambda: self.body(optimizer))
+            self.graph, self.out = capture(lambda: self.body(optimizer), pool=pool)
 
     def replay(self) -> tuple[torch.Tensor, ...]:
         """One replay; (loss, hits, norm) copied out of the graph's static outputs (the next
         replay overwrites them)."""
         self.graph.replay()
         return tuple(t.clone() if t is not None else None for t in self.out)
+
+
+def graph_step_on(mode, device: str, kind: str, drafters: int, nodes: int) -> bool:
+    """``compile.cuda_graph_step`` resolved for one drafter device: whether its step is
+    captured. ``on`` (the spec check refused it where it cannot apply) and ``auto`` both need
+    a CUDA device, hard labels, one drafter device and one node; ``off``: never."""
+    mode = {True: "on", False: "off"}.get(mode, mode)  # YAML reads a bare on/off as a bool
+    return (mode in ("on", "auto") and device.startswith("cuda") and kind == "ce"
+            and drafters == 1 and nodes == 1)
 
 
 def snapshot(rep) -> dict:
@@ -113,19 +120,17 @@ def snapshot(rep) -> dict:
 
 
 def restore(rep, snap: dict) -> None:
-    """Write ``snap`` back IN PLACE (a captured graph holds the tensors' addresses)."""
+    """Write ``snap`` back IN PLACE (a captured graph holds the tensors' addresses); optimizer
+    state made after the snapshot (AdamW's lazy first step) goes back to its fresh zeros."""
     with torch.no_grad():
         for p, v in zip(rep.params, snap["params"]):
             p.copy_(v)
         for p, saved in zip(rep.params, snap["state"]):
-            for k, v in saved.items():
-                if torch.is_tensor(v):
-                    rep.opt.state[p][k].copy_(v)
+            for k, v in rep.opt.state[p].items():
+                if torch.is_tensor(v) and k in saved:
+                    v.copy_(saved[k])
+                elif torch.is_tensor(v):
+                    v.zero_()
 
 
-def as_blocks(blocks: Blocks, device) -> Blocks:
-    """``blocks`` with its tensors on ``device``."""
-    return dataclasses.replace(blocks, **{n: getattr(blocks, n).to(device) for n in _BLOCKS})
-
-
-__all__ = ["GraphStep", "snapshot", "restore", "as_blocks"]
+__all__ = ["GraphStep", "graph_step_on", "snapshot", "restore"]

@@ -14,8 +14,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..models.drafter import DFlashConfig, DFlashDrafter
+from ..models.graphs import capture_or_warn
 from ..models.masks import Blocks, PackedRow, attention_backend, dense_mask, flex_block_mask
 from ..models.target_output import TargetOutput
+from .graph_step import GraphStep, restore, snapshot
 from .head_loss import head_backend
 from .objective import Objective
 
@@ -72,7 +74,8 @@ class DrafterReplica:
     def __init__(self, index: int, device: str, cfg: DFlashConfig, objective: Objective,
                  optim: OptimSpec, dtype: torch.dtype, backend: str,
                  embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
-                 init_state: dict | None, total_steps: int, head_loss="auto"):
+                 init_state: dict | None, total_steps: int, head_loss="auto",
+                 graph_step: bool = False):
         self.index, self.device, self.cfg = index, device, cfg
         self.objective = dataclasses.replace(
             objective, head_backend=head_backend(head_loss, backend, device))
@@ -89,7 +92,14 @@ class DrafterReplica:
         self.lm_head = (self.embed if lm_head_weight is embed_weight
                         else lm_head_weight.to(device=device, dtype=self.compute_dtype))
         self.params = [p for p in self.model.parameters()]
-        self.opt, self.sched = make_optimizer(self.params, optim, device, total_steps)
+        # graph_step (compile.cuda_graph_step resolved): the whole step of each warmed bucket
+        # is one CUDA graph (capture_step), so the optimizer keeps its lr and step on the device
+        self.graph_step = graph_step
+        self.graphs: dict[int, GraphStep | None] = {}
+        self._graph_norm: torch.Tensor | None = None  # the last replay's norm, for clip_and_step
+        self._pool = None                             # one memory pool for every bucket's graph
+        self.opt, self.sched = make_optimizer(self.params, optim, device, total_steps,
+                                              capturable=graph_step)
         self.forward = (self.model.forward if backend == "eager" else
                         torch.compile(self.model.forward, backend=backend, dynamic=False))
 
@@ -117,6 +127,8 @@ class DrafterReplica:
         the objective distils); a bare feature tensor stands for features alone."""
         dev = self.device
         out = target if isinstance(target, TargetOutput) else TargetOutput(target)
+        if self.graphs.get(row.input_ids.shape[0]) is not None:
+            return self._replay(row, out, blocks)
         out = out.to(dev, non_blocking=True)
         doc = row.doc_ids.to(dev, non_blocking=True)
         blocks_d = Blocks(**{k: (v.to(dev, non_blocking=True) if torch.is_tensor(v) else v)
@@ -134,6 +146,42 @@ class DrafterReplica:
         return StepResult(loss=loss.detach(), labelled=int(supervised.sum()), tokens=tokens,
                           sample_ids=list(row.sample_ids), hits=hits,
                           counts=supervised.sum(0).tolist())
+
+    # ---- the captured step (compile.cuda_graph_step; dflash.train.graph_step) ---------------
+    def capture_step(self, row: PackedRow, target: TargetOutput, blocks: Blocks) -> dict:
+        """Capture the whole step of ``row``'s bucket as one CUDA graph (the caller holds the
+        gate's exclusive side: the warm runs before the capture may compile). The weights and
+        the optimizer state are put back in place afterwards, so a warm start trains from
+        exactly the initial or checkpoint state. Returns the warm-up record's ``cuda_graph``
+        entry; a failed capture is printed and recorded, and the bucket runs uncaptured."""
+        L = row.input_ids.shape[0]
+        stats: dict = {}
+
+        def run() -> GraphStep:
+            snap = snapshot(self)
+            try:
+                gs = GraphStep(self, row, target, blocks)
+                if self._pool is None:
+                    self._pool = torch.cuda.graph_pool_handle()
+                gs.capture(optimizer=True, pool=self._pool)
+                return gs
+            finally:
+                restore(self, snap)
+                self.zero_grad()
+
+        self.graphs[L] = capture_or_warn(run, stats, f"drafter {self.device} bucket {L}")
+        return {"captured": self.graphs[L] is not None, **stats}
+
+    def _replay(self, row: PackedRow, out: TargetOutput, blocks: Blocks) -> StepResult:
+        """The captured step: the row into the bucket's buffers, one replay (forward, backward,
+        clip, AdamW, zero); clip_and_step then only advances the schedule."""
+        gs = self.graphs[row.input_ids.shape[0]]
+        gs.load(row, out, blocks)
+        loss, hits, self._graph_norm = gs.replay()
+        supervised = self.objective.supervised(blocks)
+        return StepResult(loss=loss, labelled=int(supervised.sum()),
+                          tokens=int((row.doc_ids >= 0).sum()), sample_ids=list(row.sample_ids),
+                          hits=hits, counts=supervised.sum(0).tolist())
 
     def forward_loss(self, doc: torch.Tensor, blocks_d: Blocks, features: torch.Tensor,
                      ctx_pos: torch.Tensor, loss_fn) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,11 +213,19 @@ class DrafterReplica:
         offset = 0
         for p in self.params:
             n = p.numel()
-            p.grad = flat[offset:offset + n].view_as(p).clone()
+            if p.grad is not None:  # in place: a captured step holds the gradients' addresses
+                p.grad.copy_(flat[offset:offset + n].view_as(p))
+            else:
+                p.grad = flat[offset:offset + n].view_as(p).clone()
             offset += n
 
     def clip_and_step(self) -> torch.Tensor:
-        """Clip, step, zero; returns the pre-clip grad norm as a 0-d device tensor (no sync)."""
+        """Clip, step, zero; returns the pre-clip grad norm as a 0-d device tensor (no sync).
+        After a replay the graph did all three: only the schedule advances here."""
+        if self._graph_norm is not None:
+            norm, self._graph_norm = self._graph_norm, None
+            self.sched.step()
+            return norm
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.optim.grad_clip,
                                               foreach=True)
         self.opt.step()
@@ -178,4 +234,8 @@ class DrafterReplica:
         return norm.detach()
 
     def lr(self) -> float:
-        return self.sched.get_last_lr()[0]
+        lr = self.sched.get_last_lr()[0]
+        if torch.is_tensor(lr):  # the capturable lr lives on the device: its value from the
+            # schedule on the host (what LambdaLR filled in), not a device read
+            return self.optim.lr * self.sched.lr_lambdas[0](self.sched.last_epoch)
+        return lr
