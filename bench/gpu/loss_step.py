@@ -16,6 +16,15 @@ drafter step (issue #24 item 1), at a spec's shapes with random weights.
   over the hidden states, fused AdamW: what the rest of the step (drafter forward + backward,
   mask, optimizer) costs.
 
+* ``graph`` (whole step only): the replica's whole step (forward, the fixed-shape loss
+  ``Objective.static_loss``, backward, clip, fused capturable AdamW, zero) captured once as a
+  CUDA graph (:mod:`dflash.train.graph_step`) and replayed, each step copying its row into the
+  static buffers first; beside it the same body uncaptured (``uncaptured_s_per_step``). Its
+  ``check``: on one row loaded into buffers made for another row, today's step vs the static
+  body uncaptured vs a forward+backward graph (loss, grads, hits), then the whole-step
+  graph's parameter update vs the uncaptured body's from the same snapshot (relative norms,
+  bf16). A failed capture is recorded (``capture_error``) and the uncaptured body timed.
+
 ``--profile`` adds, per arm, the top CUDA kernels of the whole step by total time
 (torch.profiler over a few steps; on CPU the top ops) and the kernel count per step.
 ``--smoke`` runs every arm on CPU at tests/specs/micro.yaml's tiny shapes (the script's check).
@@ -25,6 +34,8 @@ SmolLM2-135M's shape without its package: ``--smollm2-shape`` writes its public 
 
     python bench/gpu/loss_step.py --spec specs/smollm2-quality.yaml --smollm2-shape \
         --caps none,8 --profile --out loss_step2.json
+    python bench/gpu/loss_step.py --spec specs/smollm2-quality.yaml --smollm2-shape \
+        --arms compiled,graph --caps none,8 --iters 10 --steps 8 --profile --out loss_step3.json
     python bench/gpu/loss_step.py --smoke --profile --out /tmp/loss_step_smoke.json
 """
 from __future__ import annotations
