@@ -24,6 +24,8 @@ multi-replica gradient averaging keeps the uncaptured step.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..models.graphs import capture
@@ -52,11 +54,12 @@ class GraphStep:
         """Copy one row's tensors into the static buffers (non-blocking; shapes must be the
         bucket's)."""
         feats = target.features if isinstance(target, TargetOutput) else target
-        self.features.copy_(feats, non_blocking=True)
-        for n in _ROW:
-            self.row[n].copy_(getattr(row, n), non_blocking=True)
-        for n in _BLOCKS:
-            getattr(self.blocks, n).copy_(getattr(blocks, n), non_blocking=True)
+        with _on(self.features.device):  # the copies queue on the stream the replay uses
+            self.features.copy_(feats, non_blocking=True)
+            for n in _ROW:
+                self.row[n].copy_(getattr(row, n), non_blocking=True)
+            for n in _BLOCKS:
+                getattr(self.blocks, n).copy_(getattr(blocks, n), non_blocking=True)
 
     def forward_backward(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss, hits) of the static buffers' row, the gradients accumulated in ``.grad``."""
@@ -99,8 +102,14 @@ class GraphStep:
     def replay(self) -> tuple[torch.Tensor, ...]:
         """One replay; (loss, hits, norm) copied out of the graph's static outputs (the next
         replay overwrites them)."""
-        self.graph.replay()
-        return tuple(t.clone() if t is not None else None for t in self.out)
+        with _on(self.features.device):  # a replay runs on the current device's stream
+            self.graph.replay()
+            return tuple(t.clone() if t is not None else None for t in self.out)
+
+
+def _on(device: torch.device):
+    """The CUDA device context of ``device`` (nothing on the CPU)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def graph_step_on(mode, device: str, kind: str, drafters: int, nodes: int) -> bool:
