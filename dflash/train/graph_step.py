@@ -49,6 +49,7 @@ class GraphStep:
         self.row = {n: getattr(row, n).to(dev).clone() for n in _ROW}
         self.blocks = Blocks(**{n: getattr(blocks, n).to(dev).clone() for n in _BLOCKS},
                              block_size=blocks.block_size)
+        self.position_weights = rep.objective.position_weights(dev)  # no host copy in-graph
 
     def load(self, row: PackedRow, target: TargetOutput | torch.Tensor, blocks: Blocks) -> None:
         """Copy one row's tensors into the static buffers (non-blocking; shapes must be the
@@ -66,7 +67,8 @@ class GraphStep:
         rep, b = self.rep, self.blocks
         loss, hits = rep.forward_loss(
             self.row["doc_ids"], b, self.features, self.row["position_ids"][None],
-            lambda hidden: rep.objective.static_loss(hidden, rep.lm_head, b))
+            lambda hidden: rep.objective.static_loss(hidden, rep.lm_head, b,
+                                                     position_weights=self.position_weights))
         loss.backward()
         return loss.detach(), hits
 
