@@ -16,6 +16,9 @@ drafter step (issue #24 item 1), at a spec's shapes with random weights.
   over the hidden states, fused AdamW: what the rest of the step (drafter forward + backward,
   mask, optimizer) costs.
 
+* ``prodgraph`` (whole step only): the training path itself with ``compile.cuda_graph_step:
+  on``: the replica captures each bucket in ``warm_replica`` (DrafterReplica.capture_step) and
+  ``forward_backward`` replays it; ``captured`` says whether it did.
 * ``graph`` (whole step only): the replica's whole step (forward, the fixed-shape loss
   ``Objective.static_loss``, backward, clip, fused capturable AdamW, zero) captured once as a
   CUDA graph (:mod:`dflash.train.graph_step`) and replayed, each step copying its row into the
@@ -248,10 +251,16 @@ def profile_steps(step, device: str, steps: int = 3, top: int = 15) -> dict:
 def step_whole(spec, device: str, arm: str, cap, steps: int, peak: float | None,
                profile: bool = False) -> dict:
     measure = _drafter_step().measure
+    prod = arm == "prodgraph"   # the training path with compile.cuda_graph_step: on
+    if prod:
+        spec = spec.replace(compile={"cuda_graph_step": "on"})
+    fused = arm in ("compiled", "nohead", "prodgraph") and device.startswith("cuda")
+    reps = []
 
     def prepare(rep):
-        rep.objective = arm_objective(rep.objective, arm, cap)
-        _optimizer(rep, fused=arm in ("compiled", "nohead") and device.startswith("cuda"))
+        rep.objective = arm_objective(rep.objective, "compiled" if prod else arm, cap)
+        _optimizer(rep, fused=fused)
+        reps.append(rep)
 
     def after(step) -> dict:
         try:  # the arm keeps its timing even where the profiler cannot run
@@ -263,11 +272,13 @@ def step_whole(spec, device: str, arm: str, cap, steps: int, peak: float | None,
                 after=after if profile else None)
     if arm == "nohead":  # its FLOPs count the head it does not run: no MFU for it
         r["mfu_while_busy"] = None
+    if prod:  # warm_replica captured through DrafterReplica.capture_step (or said why not)
+        r["graph_step"], r["graph_records"] = reps[0].graph_step, reps[0].graph_records
+        r["captured"] = bool(reps[0].graphs) and all(g is not None
+                                                     for g in reps[0].graphs.values())
     return {"arm": arm, "max_position": cap,
-            "head_backend": "inductor" if arm == "compiled" else None,
-            "adamw": ("fused" if arm in ("compiled", "nohead") and device.startswith("cuda")
-                      else "foreach"),
-            **r}
+            "head_backend": "inductor" if arm in ("compiled", "prodgraph") else None,
+            "adamw": "fused" if fused else "foreach", **r}
 
 
 # ---- the ``graph`` arm: the whole step as one CUDA graph (dflash.train.graph_step) ----------
@@ -442,7 +453,7 @@ def main() -> None:
     ap.add_argument("--spec")
     ap.add_argument("--smollm2-shape", action="store_true")
     ap.add_argument("--caps", default="none,8", help="fused and compiled arms: none or K")
-    ap.add_argument("--arms", default="main,fused,compiled,graph,nohead",
+    ap.add_argument("--arms", default="main,fused,compiled,graph,prodgraph,nohead",
                     help="comma list of arms")
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--iters", type=int, default=10)
@@ -470,7 +481,7 @@ def main() -> None:
     names = a.arms.split(",")
     arms = ([("main", None)] if "main" in names else []) + [
         (n, c) for n in ("fused", "compiled") if n in names for c in caps]
-    step_arms = (arms + [("graph", c) for c in caps if "graph" in names]
+    step_arms = (arms + [(n, c) for n in ("graph", "prodgraph") if n in names for c in caps]
                  + ([("nohead", None)] if "nohead" in names else []))
     out = {"spec": spec.name, "target_shape": "smollm2-135m" if a.smollm2_shape else
            spec.target.model, "device": torch.cuda.get_device_name(a.device)
@@ -493,7 +504,7 @@ def main() -> None:
                        if a.device.startswith("cuda") else {"flops_per_s": None})
         # today's step first: the first arm also pays the drafter's compile (about a minute
         # on the H200), and a run cut short by its time limit keeps what it measured
-        order = {"compiled": 0, "graph": 1, "nohead": 2, "fused": 3, "main": 4}
+        order = {"compiled": 0, "graph": 1, "prodgraph": 2, "nohead": 3, "fused": 4, "main": 5}
         for arm, cap in sorted(step_arms, key=lambda ac: order[ac[0]]):
             r = _guarded(step_graph if arm == "graph" else step_whole, spec, a.device, arm,
                          cap, a.steps, out["peak"]["flops_per_s"], a.profile)

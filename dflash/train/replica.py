@@ -96,6 +96,7 @@ class DrafterReplica:
         # is one CUDA graph (capture_step), so the optimizer keeps its lr and step on the device
         self.graph_step = graph_step
         self.graphs: dict[int, GraphStep | None] = {}
+        self.graph_records: dict[int, dict] = {}      # bucket -> capture_step's record
         self._graph_norm: torch.Tensor | None = None  # the last replay's norm, for clip_and_step
         self._pool = None                             # one memory pool for every bucket's graph
         self.opt, self.sched = make_optimizer(self.params, optim, device, total_steps,
@@ -170,7 +171,8 @@ class DrafterReplica:
                 self.zero_grad()
 
         self.graphs[L] = capture_or_warn(run, stats, f"drafter {self.device} bucket {L}")
-        return {"captured": self.graphs[L] is not None, **stats}
+        self.graph_records[L] = {"captured": self.graphs[L] is not None, **stats}
+        return self.graph_records[L]
 
     def _replay(self, row: PackedRow, out: TargetOutput, blocks: Blocks) -> StepResult:
         """The captured step: the row into the bucket's buffers, one replay (forward, backward,
