@@ -253,3 +253,12 @@ def test_set_flat_grad_keeps_the_gradient_tensors():
     rep.set_flat_grad(flat)
     assert [id(p.grad) for p in rep.params] == ids
     assert torch.equal(rep.flat_grad(), flat)
+
+
+def test_the_field_off_leaves_the_warmup_fingerprint_as_before():
+    """Off (the default) is the step of before: existing warm-ups stay valid; on reruns them."""
+    off = parse_spec(SPEC, "graph.yaml")
+    on = parse_spec({**SPEC, "compile": {"cuda_graph_step": "auto"}}, "graph.yaml")
+    assert "cuda_graph_step" not in off.section("warmup")["compile"]
+    assert off.section("warmup")["compile"] == {"backend": "eager", "head_loss": "auto"}
+    assert on.fingerprint("warmup") != off.fingerprint("warmup")
