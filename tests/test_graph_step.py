@@ -65,7 +65,8 @@ def _loss_case(B, cap, response, seed=0):
 
 @pytest.mark.parametrize("B,cap,response,backend", [
     (4, None, 20, None), (16, None, 20, None), (16, 8, 20, None), (8, 1, 20, None),
-    (8, None, 2, None), (16, 3, 3, None), (16, 5, 20, "aot_eager"), (8, None, 2, "aot_eager")])
+    (8, None, 2, None), (16, 3, 3, None), (16, 5, 20, "aot_eager"), (8, None, 2, "aot_eager"),
+    (4, 9, 20, None)])  # a cap above the block: no cap
 def test_static_loss_equals_the_host_selected_loss(B, cap, response, backend):
     obj, blocks, hidden, head = _loss_case(B, cap, response)
     obj = dataclasses.replace(obj, head_backend=backend)

@@ -129,7 +129,7 @@ class Objective:
             raise ValueError(f"loss.kind {self.kind!r}: the fixed-shape (CUDA-graph) loss "
                              f"has hard labels only (soft labels vary in count per row)")
         B, Hd = self.block_size, hidden.shape[-1]
-        K = B - 1 if self.max_position is None else self.max_position
+        K = B - 1 if self.max_position is None else min(self.max_position, B - 1)
 
         def sel(t):  # [A*B, ...] -> the rows k = 1..K of every slot, [A*K, ...]
             return t.reshape(-1, B, *t.shape[1:])[:, 1:K + 1].reshape(-1, *t.shape[1:])
