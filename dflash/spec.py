@@ -217,6 +217,12 @@ def _check_cross_fields(spec: Spec, file: str) -> None:
         fail("features.cache", f"a feature cache needs topology.nodes 1 (each node would cache "
              f"only its own share of epoch 0, and an epoch >= 1 row is served only when every "
              f"sample in it is cached); this spec has {topo.nodes} nodes")
+    graph = {True: "on", False: "off"}.get(spec.compile.cuda_graph_step,
+                                           spec.compile.cuda_graph_step)
+    if graph == "on" and (spec.loss.kind != "ce" or len(topo.drafters) != 1 or topo.nodes != 1):
+        fail("compile.cuda_graph_step", f"'on' needs loss.kind ce, one drafter device and "
+             f"topology.nodes 1 (this spec: {spec.loss.kind}, {len(topo.drafters)} drafter "
+             f"device(s), {topo.nodes} node(s)); use auto to capture only where it applies")
     if spec.env.lock.startswith("/") or ".." in Path(spec.env.lock).parts:
         fail("env.lock", "must be a path inside the repository (e.g. envs/cpu-py311.lock)")
 

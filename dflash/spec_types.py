@@ -140,6 +140,7 @@ class FeaturesSpec:
 class CompileSpec:
     backend: str
     head_loss: str
+    cuda_graph_step: str
 
 
 @dataclass(frozen=True)
@@ -291,7 +292,7 @@ def stage_fields(spec: Spec) -> dict[str, dict[str, Any]]:
                    "target.layer_ids": t.layer_ids, "target.compile": t.compile,
                    "drafter": _shape_only(spec.drafter),
                    "batching": spec.batching, "topology.drafters": spec.topology.drafters,
-                   "compile": spec.compile, "seed": spec.seed},
+                   "compile": _compile_identity(spec.compile), "seed": spec.seed},
         "data": {**target_identity, "data": _data_identity(spec.data), "seed": spec.seed},
         # features, when a cache is on: a cached epoch >= 1 row holds its samples' epoch-0
         # features (float8 storage rounds them), so the weights depend on it; off leaves the
@@ -305,6 +306,15 @@ def stage_fields(spec: Spec) -> dict[str, dict[str, Any]]:
                      else {})},
         "bench": {"bench": spec.bench},
     }
+
+
+def _compile_identity(c: CompileSpec) -> dict:
+    """The compile section as its fingerprint sees it: ``cuda_graph_step`` off (the default)
+    leaves it as it was before the field existed."""
+    plain = _plain(c)
+    if c.cuda_graph_step in ("off", False):
+        del plain["cuda_graph_step"]
+    return plain
 
 
 def _data_identity(data: DataSpec) -> dict:

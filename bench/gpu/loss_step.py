@@ -16,6 +16,18 @@ drafter step (issue #24 item 1), at a spec's shapes with random weights.
   over the hidden states, fused AdamW: what the rest of the step (drafter forward + backward,
   mask, optimizer) costs.
 
+* ``prodgraph`` (whole step only): the training path itself with ``compile.cuda_graph_step:
+  on``: the replica captures each bucket in ``warm_replica`` (DrafterReplica.capture_step) and
+  ``forward_backward`` replays it; ``captured`` says whether it did.
+* ``graph`` (whole step only): the replica's whole step (forward, the fixed-shape loss
+  ``Objective.static_loss``, backward, clip, fused capturable AdamW, zero) captured once as a
+  CUDA graph (:mod:`dflash.train.graph_step`) and replayed, each step copying its row into the
+  static buffers first; beside it the same body uncaptured (``uncaptured_s_per_step``). Its
+  ``check``: on one row loaded into buffers made for another row, today's step vs the static
+  body uncaptured vs a forward+backward graph (loss, grads, hits), then the whole-step
+  graph's parameter update vs the uncaptured body's from the same snapshot (relative norms,
+  bf16). A failed capture is recorded (``capture_error``) and the uncaptured body timed.
+
 ``--profile`` adds, per arm, the top CUDA kernels of the whole step by total time
 (torch.profiler over a few steps; on CPU the top ops) and the kernel count per step.
 ``--smoke`` runs every arm on CPU at tests/specs/micro.yaml's tiny shapes (the script's check).
@@ -25,6 +37,8 @@ SmolLM2-135M's shape without its package: ``--smollm2-shape`` writes its public 
 
     python bench/gpu/loss_step.py --spec specs/smollm2-quality.yaml --smollm2-shape \
         --caps none,8 --profile --out loss_step2.json
+    python bench/gpu/loss_step.py --spec specs/smollm2-quality.yaml --smollm2-shape \
+        --arms compiled,graph --caps none,8 --iters 10 --steps 8 --profile --out loss_step3.json
     python bench/gpu/loss_step.py --smoke --profile --out /tmp/loss_step_smoke.json
 """
 from __future__ import annotations
@@ -36,6 +50,7 @@ import json
 import sys
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -45,11 +60,15 @@ from torch.utils.checkpoint import checkpoint
 from dflash.models.dtypes import dtype_of
 from dflash.models.masks import block_loss_weights
 from dflash.models.target import target_embeddings
+from dflash.runtime.gate import get_gate
+from dflash.runtime.tracing import worker_thread_setup
 from dflash.spec import load_spec
-from dflash.train.flops import measure_peak_flops
+from dflash.train.flops import drafter_useful_flops, measure_peak_flops
+from dflash.train.graph_step import GraphStep, restore, snapshot
 from dflash.train.objective import Objective
-from dflash.train.warm import synthetic_row
-from dflash.train.workers import buckets, drafter_config, objective
+from dflash.train.replica import make_optimizer
+from dflash.train.warm import synthetic_output, synthetic_row, warm_replica
+from dflash.train.workers import buckets, drafter_config, initial_state, make_replicas, objective
 
 SMOLLM2_135M = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=576,
                     intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -232,10 +251,16 @@ def profile_steps(step, device: str, steps: int = 3, top: int = 15) -> dict:
 def step_whole(spec, device: str, arm: str, cap, steps: int, peak: float | None,
                profile: bool = False) -> dict:
     measure = _drafter_step().measure
+    prod = arm == "prodgraph"   # the training path with compile.cuda_graph_step: on
+    if prod:
+        spec = spec.replace(compile={"cuda_graph_step": "on"})
+    fused = arm in ("compiled", "nohead", "prodgraph") and device.startswith("cuda")
+    reps = []
 
     def prepare(rep):
-        rep.objective = arm_objective(rep.objective, arm, cap)
-        _optimizer(rep, fused=arm in ("compiled", "nohead") and device.startswith("cuda"))
+        rep.objective = arm_objective(rep.objective, "compiled" if prod else arm, cap)
+        _optimizer(rep, fused=fused)
+        reps.append(rep)
 
     def after(step) -> dict:
         try:  # the arm keeps its timing even where the profiler cannot run
@@ -247,11 +272,169 @@ def step_whole(spec, device: str, arm: str, cap, steps: int, peak: float | None,
                 after=after if profile else None)
     if arm == "nohead":  # its FLOPs count the head it does not run: no MFU for it
         r["mfu_while_busy"] = None
+    if prod:  # warm_replica captured through DrafterReplica.capture_step (or said why not)
+        r["graph_step"], r["graph_records"] = reps[0].graph_step, reps[0].graph_records
+        r["captured"] = bool(reps[0].graphs) and all(g is not None
+                                                     for g in reps[0].graphs.values())
     return {"arm": arm, "max_position": cap,
-            "head_backend": "inductor" if arm == "compiled" else None,
-            "adamw": ("fused" if arm in ("compiled", "nohead") and device.startswith("cuda")
-                      else "foreach"),
-            **r}
+            "head_backend": "inductor" if arm in ("compiled", "prodgraph") else None,
+            "adamw": "fused" if fused else "foreach", **r}
+
+
+# ---- the ``graph`` arm: the whole step as one CUDA graph (dflash.train.graph_step) ----------
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64 (0 when both are 0)."""
+    a, b = a.double(), b.double()
+    d, n = float((a - b).norm()), float(b.norm())
+    return d / n if n else d
+
+
+def _flat(rep) -> torch.Tensor:
+    return rep.flat_grad().detach().clone()
+
+
+def _params(rep) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in rep.params]).clone()
+
+
+def graph_check(rep, gs_make, row, feats, blocks, cuda: bool) -> dict:
+    """The captured step against the uncaptured ones, on one row loaded into buffers made for
+    ANOTHER row (so a graph that baked the first row's mask or labels in fails): loss, hits
+    and gradients of today's step, the static body uncaptured and (CUDA) the fwd+bwd graph;
+    then the whole-step graph's parameter update against the uncaptured body's, from the same
+    snapshot. Relative norms; bf16 on the GPU."""
+    today = rep.forward_backward(row, feats, blocks)
+    g_today = _flat(rep)
+    rep.zero_grad()
+    gs = gs_make()
+    gs.load(row, feats, blocks)
+    loss_s, hits_s, _ = gs.body(optimizer=False)
+    g_static = _flat(rep)
+    rep.zero_grad()
+    r = {"supervised": today.labelled,
+         "static_vs_today": {"loss_rel": _rel(loss_s, today.loss),
+                             "grad_rel": _rel(g_static, g_today),
+                             "hits_max_abs": float((hits_s - today.hits).abs().max())}}
+    if not cuda:
+        return r
+    try:
+        fb = gs_make()
+        fb.capture(optimizer=False)
+        fb.load(row, feats, blocks)
+        loss_g, hits_g, _ = fb.replay()
+    except Exception as e:  # noqa: BLE001 - recorded; the arm goes on (and says so)
+        traceback.print_exc()
+        r["capture_error"] = f"{type(e).__name__}: {e}"[:2000]
+        return r
+    g_graph = _flat(rep)
+    rep.zero_grad()
+    r["graph_vs_today"] = {"loss_rel": _rel(loss_g, today.loss),
+                           "grad_rel": _rel(g_graph, g_today),
+                           "hits_max_abs": float((hits_g - today.hits).abs().max())}
+    return r
+
+
+# bf16 tolerances, relative norms: the graph replays the uncaptured body's kernels (equal up to
+# atomics' order); the static loss sums the same rows in another order and adds zero rows
+TOL = {"loss_rel": 1e-2, "grad_rel": 2e-2, "norm_rel": 2e-2, "update_rel": 5e-2,
+       "hits_max_abs": 8.0}
+
+
+def check_ok(check: dict) -> bool:
+    """Every comparison in ``check`` within :data:`TOL`."""
+    parts = [v for k, v in check.items() if isinstance(v, dict)]
+    return all(v[k] <= TOL[k] for v in parts for k in v if k in TOL)
+
+
+def graph_update_check(rep, gs, row, feats, blocks) -> dict:
+    """One whole step from the same snapshot, uncaptured body vs the graph: the parameter
+    updates and the pre-clip norms (then the snapshot's state is put back in place)."""
+    snap = snapshot(rep)
+    p0 = _params(rep)
+    gs.load(row, feats, blocks)
+    loss_e, _, norm_e = gs.body(optimizer=True)
+    d_eager = _params(rep) - p0
+    restore(rep, snap)
+    loss_r, _, norm_r = gs.replay()
+    d_graph = _params(rep) - p0
+    restore(rep, snap)
+    return {"loss_rel": _rel(loss_r, loss_e), "norm_rel": _rel(norm_r, norm_e),
+            "update_rel": _rel(d_graph, d_eager), "update_norm": float(d_eager.norm())}
+
+
+def _graph_work(spec, device: str, cap, steps: int, peak, profile: bool) -> dict:
+    """The graph arm's measurement in a training-like worker thread (see step_graph)."""
+    gate, cuda = get_gate(), device.startswith("cuda")
+    cfg = drafter_config(spec)
+    L, fdt = buckets(spec)[-1], dtype_of(spec.target.dtype)
+    width = len(cfg.target_layer_ids) * cfg.hidden_size
+    rep = make_replicas(spec, cfg, initial_state(cfg, spec.seed), total_steps=1000)[0]
+    rep.objective = arm_objective(rep.objective, "compiled", cap)
+    rep.opt, rep.sched = make_optimizer(rep.params, spec.optim, device, 1000, capturable=True)
+    t0 = time.perf_counter()
+    warm_replica(rep, L, width, fdt, optimizer_step=False)
+    wrow = synthetic_row(L, cfg.vocab_size, seed=11, docs=3)   # the buffers' first row
+    wout, wblocks = synthetic_output(rep, wrow, width, fdt, seed=11), rep.anchors(wrow, 11)
+    row = synthetic_row(L, cfg.vocab_size, seed=3, docs=8)     # the measured row
+    feats, blocks = synthetic_output(rep, row, width, fdt), rep.anchors(row, 5)
+    make = lambda: GraphStep(rep, wrow, wout, wblocks)  # noqa: E731
+    r: dict = {"arm": "graph", "max_position": cap, "head_backend": rep.objective.head_backend,
+               "adamw": "fused capturable" if cuda else "single-tensor, tensor lr"}
+    with gate.exclusive("loss_step:graph"):   # may compile (the static loss's first run)
+        r["check"] = graph_check(rep, make, row, feats, blocks, cuda)
+        gs = make()
+        if cuda and "capture_error" not in r["check"]:
+            try:
+                t1 = time.perf_counter()
+                gs.capture(optimizer=True)
+                r["capture_s"] = round(time.perf_counter() - t1, 2)
+                r["check"]["update"] = graph_update_check(rep, gs, row, feats, blocks)
+            except Exception as e:  # noqa: BLE001 - recorded; the uncaptured body is timed
+                traceback.print_exc()
+                r["capture_error"], gs.graph = f"{type(e).__name__}: {e}"[:2000], None
+        elif cuda:
+            r["capture_error"] = r["check"]["capture_error"]
+    r["compile_s"] = round(time.perf_counter() - t0, 1)
+    r["check"]["ok"] = check_ok(r["check"])
+
+    def uncaptured():
+        gs.load(row, feats, blocks)
+        gs.body(optimizer=True)
+        rep.sched.step()
+
+    def replayed():
+        gs.load(row, feats, blocks)
+        gs.replay()
+        rep.sched.step()
+
+    with gate.shared():
+        r["uncaptured_s_per_step"] = round(_time(uncaptured, device, steps), 4)
+        step = replayed if gs.graph is not None else uncaptured
+        r["captured"] = gs.graph is not None
+        r["s_per_step"] = round(_time(step, device, steps), 4)
+        if profile:
+            try:
+                r.update(profile_steps(step, device))
+            except Exception as e:  # noqa: BLE001 - the arm keeps its timing
+                r["profile"] = {"error": f"{type(e).__name__}: {e}"[:500]}
+    flops = drafter_useful_flops(cfg, int((row.doc_ids >= 0).sum()), r["check"]["supervised"])
+    r.update(bucket=L, num_slots=rep.num_slots(L), steps=steps, flops_per_step=flops,
+             labelled=r["check"]["supervised"],
+             mfu_while_busy=round(flops / r["s_per_step"] / peak, 4) if peak else None)
+    return r
+
+
+def step_graph(spec, device: str, arm: str, cap, steps: int, peak: float | None,
+               profile: bool = False) -> dict:
+    """The ``graph`` arm: the replica's whole step (forward, fixed-shape loss, backward, clip,
+    capturable fused AdamW, zero) captured once per bucket and replayed, each step copying its
+    row into the static buffers first; beside it the same body uncaptured, and the check that
+    the graph's loss, grads and update equal the uncaptured step's. CPU (``--smoke``): no
+    capture, the static-shape body timed and checked against today's step."""
+    spec = spec.replace(topology={"targets": [device], "drafters": [device],
+                                  "allow_shared_devices": True})
+    with ThreadPoolExecutor(1, initializer=worker_thread_setup) as pool:
+        return pool.submit(_graph_work, spec, device, cap, steps, peak, profile).result()
 
 
 def _guarded(fn, spec, device, arm, cap, *args) -> dict:
@@ -270,7 +453,8 @@ def main() -> None:
     ap.add_argument("--spec")
     ap.add_argument("--smollm2-shape", action="store_true")
     ap.add_argument("--caps", default="none,8", help="fused and compiled arms: none or K")
-    ap.add_argument("--arms", default="main,fused,compiled,nohead", help="comma list of arms")
+    ap.add_argument("--arms", default="main,fused,compiled,graph,prodgraph,nohead",
+                    help="comma list of arms")
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--steps", type=int, default=10)
@@ -297,7 +481,8 @@ def main() -> None:
     names = a.arms.split(",")
     arms = ([("main", None)] if "main" in names else []) + [
         (n, c) for n in ("fused", "compiled") if n in names for c in caps]
-    step_arms = arms + ([("nohead", None)] if "nohead" in names else [])
+    step_arms = (arms + [(n, c) for n in ("graph", "prodgraph") if n in names for c in caps]
+                 + ([("nohead", None)] if "nohead" in names else []))
     out = {"spec": spec.name, "target_shape": "smollm2-135m" if a.smollm2_shape else
            spec.target.model, "device": torch.cuda.get_device_name(a.device)
            if a.device.startswith("cuda") else "cpu",
@@ -319,10 +504,10 @@ def main() -> None:
                        if a.device.startswith("cuda") else {"flops_per_s": None})
         # today's step first: the first arm also pays the drafter's compile (about a minute
         # on the H200), and a run cut short by its time limit keeps what it measured
-        order = {"compiled": 0, "nohead": 1, "fused": 2, "main": 3}
+        order = {"compiled": 0, "graph": 1, "prodgraph": 2, "nohead": 3, "fused": 4, "main": 5}
         for arm, cap in sorted(step_arms, key=lambda ac: order[ac[0]]):
-            r = _guarded(step_whole, spec, a.device, arm, cap, a.steps,
-                         out["peak"]["flops_per_s"], a.profile)
+            r = _guarded(step_graph if arm == "graph" else step_whole, spec, a.device, arm,
+                         cap, a.steps, out["peak"]["flops_per_s"], a.profile)
             if "error" in r:
                 print(f"[loss_step] whole step {arm} cap {cap}: {r['error']}", flush=True)
                 out["step"].append(r)
@@ -330,6 +515,9 @@ def main() -> None:
                 continue
             print(f"[loss_step] whole step {arm} cap {cap}: {r['s_per_step']} s/step, MFU "
                   f"{r['mfu_while_busy']}, compile {r['compile_s']} s", flush=True)
+            if arm == "graph":
+                print(f"  captured {r['captured']} (uncaptured {r['uncaptured_s_per_step']} "
+                      f"s/step) {r.get('capture_error', '')}\n  check {r['check']}", flush=True)
             if "busy_ms_per_step" in r.get("profile", {}):
                 print(f"  profile: {r['profile']['busy_ms_per_step']} ms busy, "
                       f"{r['profile']['launches_per_step']} launches per step", flush=True)

@@ -40,6 +40,29 @@ def _optim_tensors(opt: torch.optim.Optimizer, params: list) -> tuple[dict, dict
     return tensors, scalars
 
 
+def _plain(v):
+    """``v`` with its 0-d tensors as numbers, for JSON: a capturable optimizer
+    (compile.cuda_graph_step) keeps its lr as a device tensor, and its schedule's base and
+    last lrs follow it."""
+    if torch.is_tensor(v):
+        return v.item()
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return type(v)(_plain(x) for x in v)
+    return v
+
+
+def _load_group(group: dict, saved: dict) -> None:
+    """A saved param group into ``group``; a tensor hyper-parameter (the capturable lr) is
+    filled in place, since a captured step reads that very tensor."""
+    for k, v in saved.items():
+        if torch.is_tensor(group.get(k)):
+            group[k].fill_(v)
+        else:
+            group[k] = v
+
+
 def save(ckpt_dir: Path, step: int, replica, counters: dict, keep: int,
          run_fingerprint: dict, epochs_seen: dict | None = None, nodes: int = 1) -> Path:
     """Write ``ckpt_dir/step-XXXXXXXX`` atomically; prune to the newest ``keep``.
@@ -60,8 +83,8 @@ def save(ckpt_dir: Path, step: int, replica, counters: dict, keep: int,
             os.fsync(fh.fileno())
     state = {"version": CKPT_VERSION, "step": step, "counters": counters, "nodes": nodes,
              "run_fingerprint": run_fingerprint, "epochs_seen": epochs_seen or {},
-             "optim_scalars": oscalars, "sched": replica.sched.state_dict(),
-             "param_groups": [{k: v for k, v in g.items() if k != "params"}
+             "optim_scalars": oscalars, "sched": _plain(replica.sched.state_dict()),
+             "param_groups": [{k: _plain(v) for k, v in g.items() if k != "params"}
                               for g in replica.opt.param_groups],
              "sha256": {f: sha256_file(tmp / f) for f in ("model.safetensors",
                                                           "optim.safetensors")}}
@@ -111,8 +134,10 @@ def load_into(path: Path, state: dict, replicas: list) -> None:
                 if int(pi) == i:
                     # a copy per replica: .to() on the same device returns the very tensor,
                     # and replicas sharing exp_avg/exp_avg_sq would each update it in place
-                    # ("step" stays on the CPU, where non-capturable AdamW wants it)
-                    st[name] = v.to(p.device, copy=True) if name != "step" else v.clone()
+                    # ("step" stays on the CPU, where non-capturable AdamW wants it; a
+                    # capturable one, compile.cuda_graph_step, keeps it on the device)
+                    on_dev = name != "step" or rep.opt.param_groups[0].get("capturable")
+                    st[name] = v.to(p.device, copy=True) if on_dev else v.clone()
             for key, v in state["optim_scalars"].items():
                 pi, name = key.split(".", 1)
                 if int(pi) == i:
@@ -120,7 +145,7 @@ def load_into(path: Path, state: dict, replicas: list) -> None:
             if st:
                 rep.opt.state[p] = st
         for g, saved in zip(rep.opt.param_groups, state["param_groups"]):
-            g.update(saved)
+            _load_group(g, saved)
         rep.sched.load_state_dict(state["sched"])
 
 

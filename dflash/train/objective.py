@@ -113,6 +113,47 @@ class Objective:
                                          self.head_backend)
         return (total + (const * w).sum()) / w.sum(), hits
 
+    def static_loss(self, hidden: torch.Tensor, lm_head: torch.Tensor, blocks: Blocks,
+                    chunk: int = 2048, position_weights: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`loss` (kind ``ce``) over a fixed set of block tokens: every slot's positions
+        k = 1..K (K = ``max_position``, else B−1), weight 0 where there is no label. Nothing
+        depends on which tokens carry a label (no host-side selection, no data-dependent
+        shape), so one bucket's step has one shape and a CUDA graph can hold it
+        (:mod:`dflash.train.graph_step`). Its rows are :meth:`max_supervised`'s, the ones the
+        compiled head pads to, so it costs what a full row costs there; the loss, hits and
+        gradient equal :meth:`loss`'s (the unlabelled rows add zero to each).
+        ``position_weights``: :meth:`position_weights` already on the device (inside a CUDA
+        graph nothing may be copied from the host)."""
+        if self.kind != "ce":
+            raise ValueError(f"loss.kind {self.kind!r}: the fixed-shape (CUDA-graph) loss "
+                             f"has hard labels only (soft labels vary in count per row)")
+        B, Hd = self.block_size, hidden.shape[-1]
+        K = B - 1 if self.max_position is None else min(self.max_position, B - 1)
+
+        def sel(t):  # [A*B, ...] -> the rows k = 1..K of every slot, [A*K, ...]
+            return t.reshape(-1, B, *t.shape[1:])[:, 1:K + 1].reshape(-1, *t.shape[1:])
+
+        h = sel(hidden.reshape(-1, Hd))
+        y = sel(blocks.labels.reshape(-1))
+        wk = (position_weights if position_weights is not None
+              else self.position_weights(h.device))[1:K + 1]
+        A = h.shape[0] // max(K, 1)
+        w = torch.where(y != IGNORE_INDEX, wk.repeat(A), torch.zeros_like(wk).repeat(A))
+        k = torch.arange(1, K + 1, device=h.device).repeat(A)
+        ids = y.clamp(min=0)[:, None]   # unlabelled rows: any id, weight 0 (label stays −100)
+        ones = torch.ones(y.shape[0], 1, device=h.device)
+        if self.head_backend is not None:
+            chunk = balanced_chunk(h.shape[0], chunk)   # the compiled path's chunk, = loss()'s
+        total, hits = head_cross_entropy(h, lm_head, ids, ones, w, y, k, B, chunk,
+                                         self.head_backend)
+        # no labelled token at all: 0 / tiny = 0, as loss() gives, with a zero gradient
+        return total / w.sum().clamp(min=torch.finfo(torch.float32).tiny), hits
+
+    def position_weights(self, device=None) -> torch.Tensor:
+        """Float [B]: the loss weight of each block position (0 at k = 0 and above the cap)."""
+        return loss_weights(self.block_size, self.gamma, self.max_position).to(device)
+
     def max_supervised(self, block_tokens: int) -> int:
         """The most supervised positions ``block_tokens`` (A·B) can hold: every block full."""
         per_block = int((loss_weights(self.block_size, self.gamma, self.max_position) > 0).sum())

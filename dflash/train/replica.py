@@ -14,8 +14,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..models.drafter import DFlashConfig, DFlashDrafter
+from ..models.graphs import capture_or_warn
 from ..models.masks import Blocks, PackedRow, attention_backend, dense_mask, flex_block_mask
 from ..models.target_output import TargetOutput
+from .graph_step import GraphStep, restore, snapshot
 from .head_loss import head_backend
 from .objective import Objective
 
@@ -47,6 +49,23 @@ def lr_lambda(total_steps: int, warmup_ratio: float):
     return f
 
 
+def make_optimizer(params: list, optim: OptimSpec, device: str, total_steps: int,
+                   capturable: bool = False):
+    """(AdamW, LambdaLR) of a replica. CUDA: the fused AdamW kernel (a launch or two for all
+    parameters instead of a foreach chain per update term); CPU keeps foreach, so CPU runs stay
+    bit-identical to before. ``capturable``: the step count and the learning rate live on the
+    device (lr a 0-d tensor the scheduler fills in place), so the optimizer step can be
+    captured in a CUDA graph and replayed with each step's lr; on CPU, where torch has no
+    capturable AdamW, the same tensor lr with the single-tensor AdamW (the test's stand-in)."""
+    o, fused = optim, device.startswith("cuda")
+    lr = torch.tensor(o.lr, dtype=torch.float32, device=device) if capturable else o.lr
+    kw = (dict(fused=fused or None, foreach=False, capturable=fused) if capturable
+          else dict(foreach=not fused, fused=fused or None))
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, o.beta2), weight_decay=o.weight_decay,
+                            **kw)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total_steps, o.warmup_ratio))
+
+
 class DrafterReplica:
     """One replica. It takes its own config sections: the drafter config, the objective (block
     size, anchors, loss), the optimizer section, the compute dtype, the compile backend and
@@ -55,7 +74,8 @@ class DrafterReplica:
     def __init__(self, index: int, device: str, cfg: DFlashConfig, objective: Objective,
                  optim: OptimSpec, dtype: torch.dtype, backend: str,
                  embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
-                 init_state: dict | None, total_steps: int, head_loss="auto"):
+                 init_state: dict | None, total_steps: int, head_loss="auto",
+                 graph_step: bool = False):
         self.index, self.device, self.cfg = index, device, cfg
         self.objective = dataclasses.replace(
             objective, head_backend=head_backend(head_loss, backend, device))
@@ -72,15 +92,15 @@ class DrafterReplica:
         self.lm_head = (self.embed if lm_head_weight is embed_weight
                         else lm_head_weight.to(device=device, dtype=self.compute_dtype))
         self.params = [p for p in self.model.parameters()]
-        o = optim
-        # CUDA: the fused AdamW kernel (a launch or two for all parameters instead of a foreach
-        # chain per update term); CPU keeps foreach, so CPU runs stay bit-identical to before
-        fused = device.startswith("cuda")
-        self.opt = torch.optim.AdamW(self.params, lr=o.lr, betas=(0.9, o.beta2),
-                                     weight_decay=o.weight_decay, foreach=not fused,
-                                     fused=fused or None)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, lr_lambda(total_steps, o.warmup_ratio))
+        # graph_step (compile.cuda_graph_step resolved): the whole step of each warmed bucket
+        # is one CUDA graph (capture_step), so the optimizer keeps its lr and step on the device
+        self.graph_step = graph_step
+        self.graphs: dict[int, GraphStep | None] = {}
+        self.graph_records: dict[int, dict] = {}      # bucket -> capture_step's record
+        self._graph_norm: torch.Tensor | None = None  # the last replay's norm, for clip_and_step
+        self._pool = None                             # one memory pool for every bucket's graph
+        self.opt, self.sched = make_optimizer(self.params, optim, device, total_steps,
+                                              capturable=graph_step)
         self.forward = (self.model.forward if backend == "eager" else
                         torch.compile(self.model.forward, backend=backend, dynamic=False))
 
@@ -108,21 +128,17 @@ class DrafterReplica:
         the objective distils); a bare feature tensor stands for features alone."""
         dev = self.device
         out = target if isinstance(target, TargetOutput) else TargetOutput(target)
+        if self.graphs.get(row.input_ids.shape[0]) is not None:
+            return self._replay(row, out, blocks)
         out = out.to(dev, non_blocking=True)
         doc = row.doc_ids.to(dev, non_blocking=True)
         blocks_d = Blocks(**{k: (v.to(dev, non_blocking=True) if torch.is_tensor(v) else v)
                              for k, v in vars(blocks).items()})
-        if self.attention == "flex":
-            mask = flex_block_mask(doc, blocks_d, device=dev, _compile=True)
-        else:
-            mask = dense_mask(doc, blocks_d)[None]
-        block_embeds = torch.nn.functional.embedding(blocks_d.block_input_ids, self.embed)[None]
         ctx_pos = row.position_ids.to(dev, non_blocking=True)[None]
-        with self._autocast():
-            hidden = self.forward(block_embeds, out.features, blocks_d.block_position_ids[None],
-                                  ctx_pos, mask)
-            loss, hits = self.objective.loss(hidden, self.lm_head, blocks_d, out.soft,
-                                             row_len=row.input_ids.shape[0], host=blocks)
+        loss, hits = self.forward_loss(
+            doc, blocks_d, out.features, ctx_pos,
+            lambda hidden: self.objective.loss(hidden, self.lm_head, blocks_d, out.soft,
+                                               row_len=row.input_ids.shape[0], host=blocks))
         loss.backward()
         # counts from the host copies, and loss/hits stay device tensors: no host-device sync
         # here, so this thread goes on queueing work while the GPU runs the backward
@@ -131,6 +147,58 @@ class DrafterReplica:
         return StepResult(loss=loss.detach(), labelled=int(supervised.sum()), tokens=tokens,
                           sample_ids=list(row.sample_ids), hits=hits,
                           counts=supervised.sum(0).tolist())
+
+    # ---- the captured step (compile.cuda_graph_step; dflash.train.graph_step) ---------------
+    def capture_step(self, row: PackedRow, target: TargetOutput, blocks: Blocks) -> dict:
+        """Capture the whole step of ``row``'s bucket as one CUDA graph (the caller holds the
+        gate's exclusive side: the warm runs before the capture may compile). The weights and
+        the optimizer state are put back in place afterwards, so a warm start trains from
+        exactly the initial or checkpoint state. Returns the warm-up record's ``cuda_graph``
+        entry; a failed capture is printed and recorded, and the bucket runs uncaptured."""
+        L = row.input_ids.shape[0]
+        stats: dict = {}
+
+        def run() -> GraphStep:
+            snap = snapshot(self)
+            try:
+                gs = GraphStep(self, row, target, blocks)
+                if self._pool is None:
+                    self._pool = torch.cuda.graph_pool_handle()
+                gs.capture(optimizer=True, pool=self._pool)
+                return gs
+            finally:
+                restore(self, snap)
+                self.zero_grad()
+
+        self.graphs[L] = capture_or_warn(run, stats, f"drafter {self.device} bucket {L}")
+        self.graph_records[L] = {"captured": self.graphs[L] is not None, **stats}
+        return self.graph_records[L]
+
+    def _replay(self, row: PackedRow, out: TargetOutput, blocks: Blocks) -> StepResult:
+        """The captured step: the row into the bucket's buffers, one replay (forward, backward,
+        clip, AdamW, zero); clip_and_step then only advances the schedule."""
+        gs = self.graphs[row.input_ids.shape[0]]
+        gs.load(row, out, blocks)
+        loss, hits, self._graph_norm = gs.replay()
+        supervised = self.objective.supervised(blocks)
+        return StepResult(loss=loss, labelled=int(supervised.sum()),
+                          tokens=int((row.doc_ids >= 0).sum()), sample_ids=list(row.sample_ids),
+                          hits=hits, counts=supervised.sum(0).tolist())
+
+    def forward_loss(self, doc: torch.Tensor, blocks_d: Blocks, features: torch.Tensor,
+                     ctx_pos: torch.Tensor, loss_fn) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mask, the drafter's forward and ``loss_fn(hidden)`` -> (loss, hits) on tensors
+        already on the device: the body both today's step and the captured step
+        (:mod:`dflash.train.graph_step`) run."""
+        if self.attention == "flex":
+            mask = flex_block_mask(doc, blocks_d, device=self.device, _compile=True)
+        else:
+            mask = dense_mask(doc, blocks_d)[None]
+        block_embeds = torch.nn.functional.embedding(blocks_d.block_input_ids, self.embed)[None]
+        with self._autocast():
+            hidden = self.forward(block_embeds, features, blocks_d.block_position_ids[None],
+                                  ctx_pos, mask)
+            return loss_fn(hidden)
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -147,11 +215,19 @@ class DrafterReplica:
         offset = 0
         for p in self.params:
             n = p.numel()
-            p.grad = flat[offset:offset + n].view_as(p).clone()
+            if p.grad is not None:  # in place: a captured step holds the gradients' addresses
+                p.grad.copy_(flat[offset:offset + n].view_as(p))
+            else:
+                p.grad = flat[offset:offset + n].view_as(p).clone()
             offset += n
 
     def clip_and_step(self) -> torch.Tensor:
-        """Clip, step, zero; returns the pre-clip grad norm as a 0-d device tensor (no sync)."""
+        """Clip, step, zero; returns the pre-clip grad norm as a 0-d device tensor (no sync).
+        After a replay the graph did all three: only the schedule advances here."""
+        if self._graph_norm is not None:
+            norm, self._graph_norm = self._graph_norm, None
+            self.sched.step()
+            return norm
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.optim.grad_clip,
                                               foreach=True)
         self.opt.step()
@@ -160,4 +236,8 @@ class DrafterReplica:
         return norm.detach()
 
     def lr(self) -> float:
-        return self.sched.get_last_lr()[0]
+        lr = self.sched.get_last_lr()[0]
+        if torch.is_tensor(lr):  # the capturable lr lives on the device: its value from the
+            # schedule on the host (what LambdaLR filled in), not a device read
+            return self.optim.lr * self.sched.lr_lambdas[0](self.sched.last_epoch)
+        return lr

@@ -308,6 +308,8 @@ class Pipeline:
             rep.set_flat_grad(mean)
 
     def _average_grads(self, results: list) -> None:
+        if len(self.replicas) == 1:
+            return  # one replica: its gradient is the mean (and a captured step holds it)
         total, n = self._local_sum(results)
         if n:
             self._set_mean(total / n)

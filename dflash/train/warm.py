@@ -78,10 +78,14 @@ def warm_replica(rep: DrafterReplica, bucket_len: int, feat_width: int, feat_dty
             rep.clip_and_step()
         else:
             rep.zero_grad()
+    graph = {}
+    if rep.graph_step:  # compile.cuda_graph_step: the whole step as one graph from here on
+        with gate.exclusive(f"capture:{sig!r}"):  # its warm runs may compile
+            graph = {"cuda_graph": rep.capture_step(row, out, blocks)}
     return _warm_record("drafter_step(fwd+bwd" + ("+optim" if optimizer_step else "") + ")",
                         rep.device, bucket_len, t0, replica=rep.index,
                         num_slots=rep.num_slots(bucket_len),
-                        feature_shape=[1, bucket_len, feat_width])
+                        feature_shape=[1, bucket_len, feat_width], **graph)
 
 
 def _warm_record(name: str, dev: str, bucket: int, t0: float, **extra) -> dict:

@@ -17,6 +17,7 @@ from ..models.features import FeatureExtractor, compile_backend
 from ..models.target import hf_config, layer_ids, load_target, target_embeddings
 from ..models.target_graph import CapturedFeatures
 from ..models.target_output import TargetOutput
+from .graph_step import graph_step_on
 from .objective import SOFT_KINDS, Objective
 from .packing import bucket_lengths
 from .replica import DrafterReplica
@@ -63,8 +64,11 @@ def make_replicas(spec, cfg: DFlashConfig, init_state: dict, total_steps: int
                   ) -> list[DrafterReplica]:
     embed, head = target_embeddings(spec.target, spec.seed)
     obj, dtype = objective(spec, cfg), dtype_of(spec.drafter.dtype)
+    n, nodes = len(spec.topology.drafters), spec.topology.nodes
     return [DrafterReplica(i, dev, cfg, obj, spec.optim, dtype, spec.compile.backend, embed,
-                           head, init_state, total_steps, head_loss=spec.compile.head_loss)
+                           head, init_state, total_steps, head_loss=spec.compile.head_loss,
+                           graph_step=graph_step_on(spec.compile.cuda_graph_step, dev,
+                                                    spec.loss.kind, n, nodes))
             for i, dev in enumerate(spec.topology.drafters)]
 
 
