@@ -42,6 +42,7 @@ flex-alone,megacache --parallel 3 --out $OUT/cold_compile.json --torch-trace $OU
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -62,7 +63,7 @@ from torch.nn.attention.flex_attention import flex_attention
 from transformers import Qwen3Config
 
 from dflash import settings
-from dflash.manifest import atomic_write_json
+from dflash.manifest import atomic_write_json, file_lock
 from dflash.models.drafter import head_dim_of
 from dflash.models.features import FeatureExtractor
 from dflash.models.masks import document_block_mask, document_dense_mask
@@ -192,6 +193,12 @@ def best_ms(fn, sync, iters: int) -> float:
     return round(best * 1e3, 3)
 
 
+def gpu_alone(a):
+    """Held while an arm times its steady state: concurrent arms share one GPU, so only one
+    times at a time (their compiles still overlap)."""
+    return file_lock(a.gpu_lock) if a.gpu_lock else contextlib.nullcontext()
+
+
 # ---------------------------------------------------------------------------------------------
 # what an arm measures
 # ---------------------------------------------------------------------------------------------
@@ -234,7 +241,9 @@ def probe_target(a, dev: str, sync) -> dict:
         lambda: gate.run(("target_forward", dev, L), lambda: fx(xi, di, pi)), sync)
     with gate.exclusive("settle"):  # the warm-up's second call: another document layout
         _, res["settle"] = timed_first(lambda: fx(x2, d2, p2), sync)
-    fwd, mask_ms = best_ms(lambda: fx(xi, di, pi), sync, a.iters), best_ms(mask, sync, a.iters)
+    with gpu_alone(a):
+        fwd, mask_ms = (best_ms(lambda: fx(xi, di, pi), sync, a.iters),
+                        best_ms(mask, sync, a.iters))
     per_layer = (fwd - mask_ms) / a.layers
     res["steady"] = {"forward_ms": fwd, "mask_ms": mask_ms, "per_layer_ms": round(per_layer, 3),
                      "layers": a.layers,
@@ -264,9 +273,10 @@ def probe_flex(a, dev: str, sync) -> dict:
                     kernel_options=opts)
 
     _, first = timed_first(fn, sync)
+    with gpu_alone(a):
+        steady = {"flex_ms": best_ms(fn, sync, a.iters)}
     return {"tokens": L, "flex_options": opts, "flex_first": first,
-            "first_call_s": first["seconds"],
-            "steady": {"flex_ms": best_ms(fn, sync, a.iters)}}
+            "first_call_s": first["seconds"], "steady": steady}
 
 
 def cache_counts(root: str) -> dict:
@@ -351,7 +361,7 @@ def run_arm(name: str, a, producers: dict[str, Future], work: Path) -> dict:
         env["TORCH_TRACE"] = str(Path(a.torch_trace, name))
     out, log = work / f"{name}.json", work / f"{name}.log"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name,
-           "--child-out", str(out)]
+           "--child-out", str(out), "--gpu-lock", str(work / "gpu.lock")]
     for k in SHARED_ARGS:
         if getattr(a, k) is not None:
             cmd += [f"--{k}", str(getattr(a, k))]
@@ -401,6 +411,8 @@ def schedule(a, names: list[str], work: Path, save) -> dict[str, dict]:
     deadline = time.time() + a.budget_s
 
     def job(name: str) -> dict:
+        if name in a.skip:
+            return {"skipped": a.skip[name]}
         if time.time() > deadline:
             return {"skipped": f"--budget-s {a.budget_s} spent before this arm started"}
         return run_arm(name, a, producers, work)
@@ -454,7 +466,7 @@ def parse(argv=None):
                    help="no arm starts after this many seconds")
     p.add_argument("--torch-trace", help="a folder: each arm's TORCH_TRACE log goes under it")
     p.add_argument("--keep-caches", action="store_true")
-    for k in ("--child", "--child-out", "--save-artifacts", "--load-artifacts"):
+    for k in ("--child", "--child-out", "--save-artifacts", "--load-artifacts", "--gpu-lock"):
         p.add_argument(k, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     for k, v in (SMOKE if a.smoke else GPU).items():
@@ -472,7 +484,21 @@ def arm_names(p, a) -> list[str]:
         if ARMS[n].needs and ARMS[n].needs not in names:
             names.insert(0, ARMS[n].needs)
     a.producers = sorted({ARMS[n].needs for n in names if ARMS[n].needs})
+    a.skip = {}
+    if "threads-cores" in names and default_compile_threads() == usable_cores():
+        a.skip["threads-cores"] = (f"torch's default compile_threads is already "
+                                   f"{usable_cores()}, the usable cores: the same as 'today'")
     return names
+
+
+def default_compile_threads() -> int:
+    """inductor's compile_threads in a child (which never inherits the env override)."""
+    saved = os.environ.pop("TORCHINDUCTOR_COMPILE_THREADS", None)
+    try:
+        return inductor_config.decide_compile_threads()
+    finally:
+        if saved is not None:
+            os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = saved
 
 
 def main(argv=None) -> None:
@@ -487,7 +513,8 @@ def main(argv=None) -> None:
     work = Path(tempfile.mkdtemp(prefix="cold-compile-", dir="/tmp"))
     doc = {"command": shlex.join(["python3", "bench/gpu/cold_compile.py", *(argv or sys.argv[1:])]),
            "arms_requested": names, "parallel": a.parallel, "smoke": a.smoke,
-           "usable_cores": usable_cores(), "config": {k: getattr(a, k) for k in SHARED_ARGS},
+           "usable_cores": usable_cores(), "default_compile_threads": default_compile_threads(),
+           "config": {k: getattr(a, k) for k in SHARED_ARGS},
            "arm_meaning": {n: ARMS[n].what for n in names}}
 
     def save(results: dict) -> None:
