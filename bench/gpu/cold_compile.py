@@ -35,8 +35,8 @@ blob the ``today`` arm saved with ``save_cache_artifacts``: a shipped warm cache
 compile). Arms run ``--parallel N`` at a time (concurrent arms share the CPU cores: their
 compile seconds are then upper bounds; the JSON records each arm's start/end and overlap).
 
-    python3 bench/gpu/cold_compile.py --arms today,eager-mask,fixed-flex,threads-cores,\
-flex-alone,megacache --parallel 3 --out $OUT/cold_compile.json --torch-trace $OUT/trace
+    PYTHONPATH=$PWD python3 bench/gpu/cold_compile.py --arms today,eager-mask,fixed-flex,threads-cores,\
+flex-alone,megacache --parallel 6 --out $OUT/cold_compile.json --torch-trace $OUT/trace
     python3 bench/gpu/cold_compile.py --smoke --out /tmp/cold_smoke.json   # CPU, seconds
 """
 from __future__ import annotations
@@ -359,6 +359,7 @@ def run_arm(name: str, a, producers: dict[str, Future], work: Path) -> dict:
                 "TRITON_CACHE_DIR": f"{cache}/triton", **dict(arm.env)})
     if a.torch_trace:
         env["TORCH_TRACE"] = str(Path(a.torch_trace, name))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     out, log = work / f"{name}.json", work / f"{name}.log"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name,
            "--child-out", str(out), "--gpu-lock", str(work / "gpu.lock")]
@@ -454,15 +455,16 @@ def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arms", default="today,eager-mask,fixed-flex,threads-cores,flex-alone,"
                    "megacache", help=f"comma-separated, of: {', '.join(ARMS)}")
-    p.add_argument("--parallel", type=int, default=4, help="arms running at once")
+    p.add_argument("--parallel", type=int, default=6, help="arms running at once (an arm "
+                   "waiting for another's artifacts holds a slot)")
     p.add_argument("--out", help="the JSON to write (required unless --child)")
     p.add_argument("--smoke", action="store_true", help="CPU, a tiny random Qwen3, aot_eager: "
                    "the harness in seconds (the timings mean nothing)")
     for k, v in GPU.items():
         p.add_argument(f"--{k}", type=type(v) if v is not None else str, default=None,
                        help=f"default {v!r} ({SMOKE[k]!r} with --smoke)")
-    p.add_argument("--arm-timeout", type=float, default=300.0, help="seconds per arm")
-    p.add_argument("--budget-s", type=float, default=300.0,
+    p.add_argument("--arm-timeout", type=float, default=330.0, help="seconds per arm")
+    p.add_argument("--budget-s", type=float, default=240.0,
                    help="no arm starts after this many seconds")
     p.add_argument("--torch-trace", help="a folder: each arm's TORCH_TRACE log goes under it")
     p.add_argument("--keep-caches", action="store_true")
