@@ -130,7 +130,8 @@ class FeatureExtractor:
         self._captured: dict[int, Any] = {}
         # compiled layers: the BlockMask is built by a compiled kernel too by default (a compile
         # per row length, like the layers; eager code materialises [L, L] intermediates)
-        self.mask_compiled = bool(compile) and settings.target_mask() == "compiled"
+        self.mask_compiled = (bool(compile) and target.attention == "flex"
+                              and settings.target_mask() == "compiled")
         self.flex_options = settings.flex_kernel_options()
         if compile:
             self._layer = compiled_packed_layer(compile)
