@@ -77,6 +77,10 @@ def test_smoke_runs_each_arm_cold_in_its_own_process(tmp_path):
     assert "artifacts_saved" in arms["today"] and "artifacts_loaded" in arms["megacache"]
     assert arms["megacache"]["start_unix"] >= arms["today"]["end_unix"]  # waited for its blob
     assert arms["today"]["ran_with"] == []  # a consumer never overlaps its producer
+    summ = doc["summary"]
+    assert summ["goal_s"] == 90.0 and set(summ["arms"]) == {"today", "megacache"}
+    assert summ["arms"]["today"]["first_call_s"] == arms["today"]["first_call_s"]
+    assert summ["arms"]["today"]["under_goal"] is True  # a tiny CPU model compiles in seconds
 
 
 def test_overlaps_names_the_arms_that_shared_the_machine():
