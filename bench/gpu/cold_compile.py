@@ -14,7 +14,9 @@ row of ``--batch`` documents of ``--seq`` tokens. Measured, each call ending in 
 * ``settle_s`` / ``settle_new_graphs``: the warm-up's second call with another document layout
   (a recompile here would be one more graph per bucket);
 * ``steady``: ms per forward (best of ``--iters``) of the loaded layers, the mask build alone,
-  per layer, and the extrapolation to the 34 layers training runs (``est_34_layers_ms``).
+  per layer, and the extrapolation to the 34 layers training runs (``est_34_layers_ms``);
+  ``captured`` (CUDA): the same forward as training runs it there, one CUDA graph per row
+  length (the capture's seconds, whether it fell back, ms per forward).
 
 The breakdown is torch's own: every ``dynamo_timed`` key of
 ``torch._dynamo.utils.compilation_time_metrics`` summed over the call (``keys``), folded into
@@ -68,6 +70,7 @@ from dflash.models.drafter import head_dim_of
 from dflash.models.features import FeatureExtractor
 from dflash.models.masks import document_block_mask, document_dense_mask
 from dflash.models.target import hf_config, load_target
+from dflash.models.target_graph import CapturedFeatures
 from dflash.runtime.gate import get_gate
 from dflash.runtime.tracing import worker_thread_setup
 from dflash.spec import section_spec
@@ -256,7 +259,26 @@ def probe_target(a, dev: str, sync) -> dict:
                      "est_34_layers_ms": round(fwd + per_layer * (34 - a.layers), 2)}
     res["first_call_s"] = round(res["mask_first"]["seconds"] + res["layers_first"]["seconds"],
                                 3)
+    if dev.startswith("cuda"):
+        try:
+            res["captured"] = captured_steady(fx, dev, (xi, di, pi), sync, a)
+        except Exception as e:  # noqa: BLE001 - the compile figures above must survive
+            res["captured"] = {"error": f"{type(e).__name__}: {e}"[:500]}
     return res
+
+
+def captured_steady(fx, dev: str, row, sync, a) -> dict:
+    """The extractor as training runs it on CUDA (``target.cuda_graph`` auto: one CUDA graph per
+    row length, :class:`dflash.models.target_graph.CapturedFeatures`): the capture's seconds,
+    whether it fell back to the uncaptured forward (an eager BlockMask build may not capture),
+    and ms per forward."""
+    said: list[str] = []
+    cf = CapturedFeatures(fx, dev, log=said.append)
+    _, first = timed_first(lambda: cf(*row), sync)
+    with gpu_alone(a):
+        ms = best_ms(lambda: cf(*row), sync, a.iters)
+    return {"capture_s": first["seconds"], "capture_new_graphs": first["new_graphs"],
+            "fell_back": bool(said), "log": said[:1], "forward_ms": ms}
 
 
 def probe_flex(a, dev: str, sync) -> dict:
@@ -461,7 +483,8 @@ def summary(results: dict[str, dict]) -> dict:
               if k not in ("frame_compile_s", "inductor_total_s")}
         out[n] = {"first_call_s": r["first_call_s"], "under_goal": r["first_call_s"] < GOAL_S,
                   "largest_phase": max(ph, key=ph.get) if ph else None,
-                  "steady": r.get("steady")}
+                  "steady": r.get("steady"),
+                  "captured_forward_ms": (r.get("captured") or {}).get("forward_ms")}
     return {"goal_s": GOAL_S, "arms": out}
 
 
