@@ -405,7 +405,10 @@ def run_arm(name: str, a, producers: dict[str, Future], work: Path) -> dict:
         if blob is None:
             return {"error": f"arm {arm.needs!r} failed or saved no cache artifacts file"}
         cmd += ["--load-artifacts", blob]
-    res = _spawn(cmd, env, log, a.arm_timeout)
+    left = a.t0 + a.total_s - time.time()  # the whole run stays inside one device call
+    if left < 10:
+        return {"skipped": f"--total-s {a.total_s} spent before this arm could start"}
+    res = _spawn(cmd, env, log, min(a.arm_timeout, left))
     if out.is_file():
         res.update(json.loads(out.read_text()))
     res["caches"] = cache_counts(cache)
@@ -516,6 +519,8 @@ def parse(argv=None):
     p.add_argument("--arm-timeout", type=float, default=330.0, help="seconds per arm")
     p.add_argument("--budget-s", type=float, default=240.0,
                    help="no arm starts after this many seconds")
+    p.add_argument("--total-s", type=float, default=480.0,
+                   help="every arm is killed by then (seconds after the start)")
     p.add_argument("--torch-trace", help="a folder: each arm's TORCH_TRACE log goes under it")
     p.add_argument("--keep-caches", action="store_true")
     for k in ("--child", "--child-out", "--save-artifacts", "--load-artifacts", "--gpu-lock"):
@@ -563,7 +568,7 @@ def main(argv=None) -> None:
     if not a.out or a.parallel < 1:
         p.error("--out is required and --parallel must be >= 1")
     names = arm_names(p, a)
-    t0 = time.time()
+    t0 = a.t0 = time.time()
     work = Path(tempfile.mkdtemp(prefix="cold-compile-", dir="/tmp"))
     doc = {"command": shlex.join(["python3", "bench/gpu/cold_compile.py", *(argv or sys.argv[1:])]),
            "arms_requested": names, "parallel": a.parallel, "smoke": a.smoke,
