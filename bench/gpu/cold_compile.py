@@ -227,7 +227,6 @@ def target_spec(a):
 
 def probe_target(a, dev: str, sync) -> dict:
     """The extractor's first calls (mask, layers, the warm-up's settle) and its steady state."""
-
     t0 = time.perf_counter()
     t = load_target(target_spec(a), dev, need_tokenizer=False, num_layers=a.layers,
                     attention=a.attention)
@@ -284,8 +283,6 @@ def captured_steady(fx, dev: str, row, sync, a) -> dict:
 def probe_flex(a, dev: str, sync) -> dict:
     """flex_attention alone on one layer's q/k/v (the packed row, document BlockMask built
     eagerly): the attention kernel's own compile and time."""
-
-
     cfg = hf_config(target_spec(a))
     hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, head_dim_of(cfg)
     L = a.batch * a.seq
@@ -320,8 +317,6 @@ def cache_counts(root: str) -> dict:
 
 def child(a) -> None:
     """One arm in this process (its caches are empty: the parent made them)."""
-
-
     t_child = time.perf_counter()
     dev = a.device
     cuda = dev.startswith("cuda")
