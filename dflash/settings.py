@@ -49,6 +49,12 @@ SETTINGS = (
             "collective (the watchdog acts first)"),
     Setting("DFLASH_SLOW_TESTS", "", "1: also run the slow tests (cold CPU flex_attention "
             "compiles; tests only)"),
+    Setting("DFLASH_TARGET_MASK", "compiled", "compiled/eager: how the compiled target builds "
+            "its document BlockMask; eager skips one compile per row length and costs 6.2 vs "
+            "1.7 ms per build on the H200 (dflash.models.features; bench/gpu/cold_compile.py)"),
+    Setting("DFLASH_FLEX_KERNEL_OPTIONS", "", "KEY=INT,...: fixed flex_attention kernel options "
+            "for the target's layers, e.g. BLOCK_M=128,BLOCK_N=64,num_stages=3,num_warps=8; "
+            "unset: inductor's own choice (dflash.models.features; bench/gpu/cold_compile.py)"),
 )
 _DEFAULTS = {s.name: s.default for s in SETTINGS}
 
@@ -125,3 +131,30 @@ def collective_timeout_s() -> float:
 
 def slow_tests() -> bool:
     return bool(get("DFLASH_SLOW_TESTS"))
+
+
+TARGET_MASKS = ("compiled", "eager")
+
+
+def target_mask() -> str:
+    """``DFLASH_TARGET_MASK``: 'compiled' (default) or 'eager'."""
+    v = get("DFLASH_TARGET_MASK").strip().lower()
+    if v not in TARGET_MASKS:
+        raise ValueError(f"DFLASH_TARGET_MASK={v!r}: expected one of {', '.join(TARGET_MASKS)}")
+    return v
+
+
+def flex_kernel_options() -> dict[str, int] | None:
+    """``DFLASH_FLEX_KERNEL_OPTIONS`` as a dict of ints (true/false read as 1/0), or None."""
+    raw = get("DFLASH_FLEX_KERNEL_OPTIONS").strip()
+    if not raw:
+        return None
+    out: dict[str, int] = {}
+    for item in raw.split(","):
+        key, _, val = (p.strip() for p in item.partition("="))
+        val = {"true": "1", "false": "0"}.get(val.lower(), val)
+        if not key or not val.lstrip("-").isdigit():
+            raise ValueError(f"DFLASH_FLEX_KERNEL_OPTIONS: {item.strip()!r} is not KEY=INT "
+                             f"(e.g. BLOCK_M=128,BLOCK_N=64,num_stages=3,num_warps=8)")
+        out[key] = int(val)
+    return out

@@ -219,3 +219,28 @@ def test_warmup_compiles_the_target_layers_when_on(micro_spec, monkeypatch):
         ("target_forward", "cpu", L) for L in buckets(on)]
     assert [c["sig"] for c in gate.stats().compiles] == [
         ("target_forward", "cpu", L) for L in buckets(on)]
+
+
+def test_mask_and_flex_option_switches_keep_the_features(monkeypatch):
+    """DFLASH_TARGET_MASK=eager: the compiled layers' BlockMask is built eagerly (the only new
+    graph is the layer's); DFLASH_FLEX_KERNEL_OPTIONS reaches every layer call; the features
+    stay the SDPA reference's. The defaults are today's path (compiled mask, no options)."""
+    ids, doc, pos = packed()
+    ref = FeatureExtractor(load_target(TARGET, "cpu", need_tokenizer=False))(ids, doc, pos)
+    tgt = load_target(TARGET, "cpu", need_tokenizer=False, attention="flex")
+    default = FeatureExtractor(tgt, compile="aot_eager")
+    assert default.mask_compiled and default.flex_options is None
+    assert not FeatureExtractor(tgt).mask_compiled  # eager layers: the eager mask, as before
+    monkeypatch.setenv("DFLASH_TARGET_MASK", "eager")
+    monkeypatch.setenv("DFLASH_FLEX_KERNEL_OPTIONS", "BLOCK_M=64,BLOCK_N=64")
+    fx = FeatureExtractor(tgt, compile="aot_eager")
+    assert not fx.mask_compiled and fx.flex_options == {"BLOCK_M": 64, "BLOCK_N": 64}
+    graphs = counters["stats"]["unique_graphs"]
+    got = fx(ids, doc, pos)
+    assert counters["stats"]["unique_graphs"] - graphs == 1  # the layer graph, no mask graph
+    real = doc >= 0
+    torch.testing.assert_close(got[:, real], ref[:, real], atol=1e-4, rtol=1e-4)
+    seen, compiled = [], fx._layer
+    fx._layer = lambda *args: seen.append(args[-1]) or compiled(*args)
+    fx(ids, doc, pos)
+    assert seen == [{"BLOCK_M": 64, "BLOCK_N": 64}] * len(tgt.model.model.layers)

@@ -116,7 +116,7 @@ def smollm2_profile(dev: str, cfg: dict, L: int, n: int, out: Path) -> dict:
         ids, doc, pos = to(r)
         sync(dev)
         b = time.perf_counter()
-        mask = (document_block_mask(doc, _compile=bool(fx.compile)) if fx.target.attention ==
+        mask = (document_block_mask(doc, _compile=fx.mask_compiled) if fx.target.attention ==
                 "flex" else document_dense_mask(doc))
         hb = time.perf_counter()
         sync(dev)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 from transformers import AttentionInterface
 
+from .. import settings
 from ..errors import SpecError
 from ..spec_types import TargetSpec
 from .decoder import compile_region, out_mlp, qkv, rope_of, unsupported_reason
@@ -30,7 +31,8 @@ def _flex_attention_forward(module, query, key, value, attention_mask, scaling=N
                             dropout=0.0, **_kwargs):
     """transformers attention interface: q/k/v [B, heads, L, D] -> ([B, L, heads, D], None)."""
     out = compiled_flex_attention()(query, key, value, block_mask=attention_mask,
-                                    scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+                                    scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
+                                    kernel_options=settings.flex_kernel_options())
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -39,17 +41,18 @@ def register_flex() -> str:
     return FLEX_IMPL
 
 
-def packed_layer(layer, x, cos, sin, rope, mask):
+def packed_layer(layer, x, cos, sin, rope, mask, kernel_options=None):
     """One decoder layer on a packed row: the layer math of :mod:`dflash.models.decoder` with the
     document mask as a FlexAttention BlockMask (CUDA) or a dense boolean mask (SDPA). Compiled
-    once per process (:func:`dflash.models.decoder.compile_region`), shared by every layer."""
+    once per process (:func:`dflash.models.decoder.compile_region`), shared by every layer.
+    ``kernel_options``: flex_attention's (``DFLASH_FLEX_KERNEL_OPTIONS``; None: inductor's)."""
     q, k, v = qkv(layer, x, cos, sin, rope)
     scale, gqa = layer.self_attn.scaling, q.shape[1] != k.shape[1]
     if isinstance(mask, torch.Tensor):  # the dense boolean mask
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     else:  # a BlockMask: flex attention traced into the layer's graph
-
-        o = flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
+        o = flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa,
+                           kernel_options=kernel_options)
     B, L = x.shape[:2]
     return out_mlp(layer, x, o.transpose(1, 2).reshape(B, L, -1))
 
@@ -108,6 +111,9 @@ class FeatureExtractor:
     name: the layers run one by one through :func:`compiled_packed_layer` (regional compilation;
     the same math on the same modules, so the same features up to summation order). Every call
     must then run inside the compile gate (its first call per row length compiles).
+
+    Read once here: ``DFLASH_TARGET_MASK`` (``mask_compiled``: the compiled layers' BlockMask
+    built by a compiled kernel, the default, or eagerly) and ``DFLASH_FLEX_KERNEL_OPTIONS``.
     """
 
     SOFT_CHUNK = 2048
@@ -122,6 +128,11 @@ class FeatureExtractor:
         if soft_top_k is not None and len(self.base.layers) < target.config.num_hidden_layers:
             raise ValueError("soft labels need the whole target (load_target num_layers=None)")
         self._captured: dict[int, Any] = {}
+        # compiled layers: the BlockMask is built by a compiled kernel too by default (a compile
+        # per row length, like the layers; eager code materialises [L, L] intermediates)
+        self.mask_compiled = (bool(compile) and target.attention == "flex"
+                              and settings.target_mask() == "compiled")
+        self.flex_options = settings.flex_kernel_options()
         if compile:
             self._layer = compiled_packed_layer(compile)
             self._rope = rope_of(self.base.layers[0])
@@ -150,9 +161,7 @@ class FeatureExtractor:
     def _run(self, input_ids, doc_ids, position_ids, final: bool):
         """(features, the final-norm hidden states [1, L, H] or None) of one forward."""
         self._captured.clear()
-        # compiled layers: the BlockMask is built by a compiled kernel too (a compile per row
-        # length, like the layers; eager code materialises [L, L] intermediates)
-        mask = (document_block_mask(doc_ids, _compile=bool(self.compile))
+        mask = (document_block_mask(doc_ids, _compile=self.mask_compiled)
                 if self.target.attention == "flex" else document_dense_mask(doc_ids))
         # no_grad, not inference_mode: the drafter saves these features for its backward.
         with torch.no_grad():
@@ -185,7 +194,7 @@ class FeatureExtractor:
         cos, sin = self.base.rotary_emb(x, position_ids)  # the model's own rope, once per row
         want = set(self.target.layer_ids)
         for i, layer in enumerate(self.base.layers):
-            x = self._layer(layer, x, cos, sin, self._rope, mask)
+            x = self._layer(layer, x, cos, sin, self._rope, mask, self.flex_options)
             if i in want:
                 self._captured[i] = x
         return x
