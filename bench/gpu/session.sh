@@ -10,10 +10,11 @@
 # in its own process session (it outlives the call), then watches it; `watch` watches until
 # WATCH_S and collects. Run state lives in /tmp (a carried folder is replaced by the next call);
 # what comes back is one archive, results.tgz (at most 8 files come back).
-# The plan: the recipe's arms at one epoch (sweeps/smollm2-recipe-1ep.yaml), the decoding sweep
-# and the reference model's τ on the best of the first three, then the other arms.
-#   call 1:  bash bench/gpu/session.sh probes     (carry .whl)
-#   call k:  bash bench/gpu/session.sh stash      (carry .whlk)
+# The plan (round 4): the recipe's remaining arms at one epoch, all at once on the GPU, with the
+# 8B cold-compile probe beside them; then, each alone on the GPU, the decoding sweep with the best
+# arm's drafter, the drafter-step A/B (captured whole step) and the reference model's τ.
+#   calls 1, 2:  bash bench/gpu/session.sh stash   (carry .whl, then .whl2)
+#   (or call 1: `probes`, which also installs the small wheels and runs the probes alone)
 #   last:    bash bench/gpu/session.sh launch     (carry the last .whlN, .zlab; watches WATCH_S)
 #   then:    bash bench/gpu/session.sh watch      (WATCH_S seconds at most)
 set -uo pipefail
@@ -53,39 +54,51 @@ pack() {  # one archive back (and, with FETCH=1, the quality drafter in 15 MB pa
   fi
 }
 
-plan() {  # the round's GPU work, in the order the issues need it (what the lease cuts is last)
-  cd /tmp/repo
-  stamp "start"
-  # the recipe's first arms at one epoch, 3 at once on the GPU (they share ONE data + warm-up)
-  local first="bench_smollm2-recipe-1ep-ref bench_smollm2-recipe-1ep-init-target bench_smollm2-recipe-1ep-kd"
-  timeout 1000 $SNAKE $first --config $CONF gpu_jobs=3 > "$RES/dag_arms1.log" 2>&1
-  stamp "first arms rc=$?"
-  # the decoding sweep, alone on the GPU, with the best of them (MT-Bench τ, pooled)
-  D=$(python3 - <<'PY'
-import glob, json, os
+best_drafter() {  # the best arm's drafter by MT-Bench τ (pooled) among $1 (a glob of arms)
+  python3 - "$1" <<'PY'
+import glob, json, os, sys
 best = (0, "")
-for p in glob.glob("/tmp/r/smollm2-recipe-1ep-*/bench/report.json"):
+for p in glob.glob(f"/tmp/r/{sys.argv[1]}/bench/report.json"):
     t = json.load(open(p)).get("tau") or 0
     best = max(best, (t, os.path.join(os.path.dirname(os.path.dirname(p)), "train", "drafter")))
 print(best[1])
 PY
-)
+}
+
+plan() {  # the round's GPU work, in the order the issues need it (what the lease cuts is last)
+  cd /tmp/repo
+  stamp "start"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$RES/gpu.txt" 2>&1
+  # 1. the recipe's remaining arms at one epoch, all at once on the GPU (timing-insensitive: τ
+  #    only); the 8B cold-compile probe beside them (CPU-bound; contention recorded in its JSON)
+  local arms="${ARMS:-ref lr12e-4-beta2-0999 depth8 data-steered}"
+  local targets=""; for a in $arms; do targets="$targets bench_smollm2-recipe-1ep-$a"; done
+  ( timeout 420 python3 bench/gpu/cold_compile.py ${COLD_ARGS:---arms today,eager-mask,megacache --parallel 2} \
+      --out "$RES/cold_compile.json" > "$RES/cold_compile.log" 2>&1; stamp "cold_compile rc=$?" ) &
+  timeout 900 $SNAKE $targets --config $CONF gpu_jobs=$(echo $arms | wc -w) \
+    > "$RES/dag_arms.log" 2>&1
+  stamp "arms rc=$?"
+  wait
+  # 2. alone on the GPU: the decoding sweep with the best arm's drafter (compile-scope A/B)
+  D=$(best_drafter "smollm2-recipe-1ep-*")
   stamp "decoding with $D"
   if [ -n "$D" ] && [ -d "$D" ]; then
-    timeout 330 python3 bench/gpu/decode_speed.py --spec specs/smollm2-quality.yaml --drafter "$D" \
-      --batches 1,4,16,64 --hf-batches 1,4,16,64 --budget-s 280 --out "$RES/decode_speed.json" \
-      > "$RES/decode_speed.log" 2>&1
+    timeout 360 python3 bench/gpu/decode_speed.py --spec specs/smollm2-quality.yaml --drafter "$D" \
+      ${DECODE_ARGS:---batches 1,4,16,64 --hf-batches 1,4,16,64 --budget-s 300} \
+      --out "$RES/decode_speed.json" > "$RES/decode_speed.log" 2>&1
     stamp "decode_speed rc=$?"
-    if [ -d .zlab ]; then  # z-lab/dflash's dflash/model.py, carried (never committed here)
-      timeout 150 python3 bench/gpu/reference_tau.py --ref-dir .zlab --spec specs/smollm2-quality.yaml \
-        --drafter "$D" --prompts 8 --max-new 256 --out "$RES/reference_tau.json" \
-        > "$RES/reference_tau.log" 2>&1
-      stamp "reference_tau rc=$?"
-    fi
   fi
-  # the other arms and the sweep report, 4 at once
-  timeout 1500 $SNAKE bench_smollm2-recipe-1ep --config $CONF gpu_jobs=4 > "$RES/dag_arms2.log" 2>&1
-  stamp "bench_smollm2-recipe-1ep rc=$?"
+  # 3. alone: the drafter step A/B (#24): compiled vs captured whole step
+  timeout 240 python3 bench/gpu/loss_step.py ${LOSS_ARGS:---spec specs/smollm2-quality.yaml --smollm2-shape --arms compiled,graph,prodgraph --caps none,8 --iters 10 --steps 8 --profile} \
+    --out "$RES/loss_step3.json" > "$RES/loss_step3.log" 2>&1
+  stamp "loss_step rc=$?"
+  # 4. the reference model's τ and the float32 parity through both attention paths
+  if [ -n "$D" ] && [ -d "$D" ] && [ -d .zlab ]; then
+    timeout 150 python3 bench/gpu/reference_tau.py --ref-dir .zlab --spec specs/smollm2-quality.yaml \
+      --drafter "$D" --prompts 8 --max-new 256 --out "$RES/reference_tau.json" \
+      > "$RES/reference_tau.log" 2>&1
+    stamp "reference_tau rc=$?"
+  fi
   stamp "done"
 }
 
