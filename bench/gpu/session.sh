@@ -23,7 +23,7 @@ export PYTHONPATH=/tmp/site:/tmp/repo PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=
 export DFLASH_CACHE=/tmp/dflash-cache
 FINAL=${OUT:-/tmp/out}; RES=/tmp/res; mkdir -p "$RES" "$FINAL" /tmp/whl
 CONF="results=/tmp/r logs=/tmp/l benchmarks=/tmp/b"
-SNAKE="python3 -m snakemake --cores all --keep-going"
+SNAKE="python3 -m snakemake --cores all --scheduler greedy --keep-going"
 
 stash() {  # this call's wheel folders into /tmp/whl (a later call's carry replaces them here)
   for d in .whl .whl[0-9]*; do [ -d "$d" ] && cp "$d"/* /tmp/whl/; done; ls /tmp/whl | wc -l
