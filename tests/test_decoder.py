@@ -8,7 +8,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from dflash.errors import DFlashError
 from dflash.eval.decoder import Decoder
-from dflash.eval.decoder_step import context_kv
 from dflash.eval.report import fmt, write_plots
 from dflash.eval.serving import goal, sweep
 from dflash.eval.speculative import target_greedy
@@ -112,14 +111,40 @@ def test_prompt_that_does_not_fit_is_one_clear_error(world):
         make(target, drafter, 1).decode([[1, 2], list(range(60))])
 
 
-def test_compiled_regions_give_the_same_tokens(world):
-    """The compile path (every region through dynamo + AOTAutograd, as on CUDA) on CPU."""
-    target, drafter, cfg, ps, greedy = world
-    dec = make(target, drafter, 2, compile="aot_eager")
-    assert [r.tokens for r in dec.decode(ps[:2])] == greedy[:2]
+# graphs per scope, (speculative, target-only): regions = qkv + attend_cache per model, the
+# two heads, the drafter context; layer = the whole layer per model, the two heads, the verify
+# and draft prologues, acceptance, the context; step = one
+SCOPE_GRAPHS = {"regions": (7, 3), "layer": (8, 4), "step": (1, 1)}
 
-    assert dec._ctx is not context_kv and "context_compile_error" not in dec.stats
-    assert dec.stats["mismatches"] == 0
+
+@pytest.mark.parametrize("scope", sorted(SCOPE_GRAPHS))
+def test_every_compile_scope_gives_the_same_tokens_in_a_fixed_set_of_graphs(world, scope):
+    """Each scope through dynamo + AOTAutograd (the cache writes as mutated inputs, as on CUDA)
+    on CPU: the tokens of target greedy, batch 2 with sequences finishing apart (an early eos
+    for one prompt), exactly the scope's graphs (one per piece and shape, every layer of a
+    model sharing one), and none more on a second decode (no recompile across steps)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    target, drafter, cfg, ps, greedy = world
+    eos = greedy[1][6]
+    want = [g[:g.index(eos) + 1] if eos in g else g for g in greedy]
+    for model, n_graphs in zip((drafter, None), SCOPE_GRAPHS[scope]):
+        torch._dynamo.reset()
+        cc = CompileCounterWithBackend("aot_eager")
+        dec = make(target, model, 2, compile=cc, compile_scope=scope, eos=[eos])
+        assert [r.tokens for r in dec.decode(ps)] == want
+        assert cc.frame_count == n_graphs == dec.stats["graphs_compiled"]
+        assert [r.tokens for r in dec.decode(ps[::-1])] == want[::-1]
+        assert cc.frame_count == n_graphs                       # no recompile
+        assert dec.stats["mismatches"] == 0 and "context_compile_error" not in dec.stats
+        assert dec.stats["compile_scope"] == scope
+    assert len(want[1]) == 7 < len(want[0])                      # prompt 1 ended early
+
+
+def test_unknown_compile_scope_is_one_clear_error(world):
+    target, drafter, *_ = world
+    with pytest.raises(DFlashError, match="compile_scope 'graph'"):
+        make(target, drafter, 1, compile_scope="graph")
 
 
 def test_sweep_rows_and_their_report_section(world, tmp_path):

@@ -37,3 +37,8 @@ def context_kv(drafter, feats, cos, sin):
     over a one-token step on the H200)."""
     ctx = drafter.hidden_norm(drafter.fc(feats))
     return [layer.self_attn.context_kv(ctx, (cos, sin)) for layer in drafter.layers]
+
+
+def argmax_head(norm, lm_w, x):
+    """final norm + lm_head -> greedy token per position (the drafter's head: no margin)."""
+    return F.linear(norm(x), lm_w).argmax(-1)

@@ -66,17 +66,36 @@ def qkv(layer, x, cos, sin, rope):
     return q, k, v
 
 
+def write_kv(k_cache, v_cache, rows, qpos, k, v) -> None:
+    """k/v [B,kvh,L,D] into the static caches [B,kvh,S,D] at positions ``qpos`` [B,L] of
+    ``rows`` [B,1], in place (inside a compiled region: one scatter kernel each, fused with the
+    rotary that produces ``k``; inductor writes the mutated input buffer, no cache copy)."""
+    k_cache[rows, :, qpos] = k.transpose(1, 2)
+    v_cache[rows, :, qpos] = v.transpose(1, 2)
+
+
+def cached_layer(layer, x, cos, sin, rope, k_cache, v_cache, rows, qpos, mask):
+    """One whole layer over a static KV cache: :func:`qkv`, the K/V write at ``qpos``
+    (:func:`write_kv`, mutating the caches) and :func:`attend_cache`. Compiled as ONE region it
+    is one graph for every layer of a model (the caches are inputs like the weights) and a
+    third fewer kernels than the three pieces apart (the writes and the norms fuse)."""
+    q, k, v = qkv(layer, x, cos, sin, rope)
+    write_kv(k_cache, v_cache, rows, qpos, k, v)
+    return attend_cache(layer, x, q, k_cache, v_cache, mask)
+
+
 def out_mlp(layer, x, o):
     """o_proj + residual, post_attention_layernorm + mlp + residual (o: [B, L, nh*D])."""
     x = x + layer.self_attn.o_proj(o)
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
-def compile_region(fn: Callable, backend: str) -> Callable:
-    """The one regional compile: ``fn`` takes a layer module first and is compiled once with
-    static shapes (a graph per shape, shared by every layer). Call the result only inside the
-    compile gate (:mod:`dflash.runtime.gate`): its first call per shape compiles."""
-    return torch.compile(fn, backend=backend, dynamic=False)
+def compile_region(fn: Callable, backend, fullgraph: bool = False) -> Callable:
+    """The one regional compile: ``fn`` (a layer module first, for a per-layer region) is
+    compiled once with static shapes (a graph per shape, shared by every layer). Call the
+    result only inside the compile gate (:mod:`dflash.runtime.gate`): its first call per shape
+    compiles. ``fullgraph``: a graph break is an error (a region meant as one graph)."""
+    return torch.compile(fn, backend=backend, dynamic=False, fullgraph=fullgraph)
 
 
 def attend_cache(layer, x, q, k_cache, v_cache, mask):
