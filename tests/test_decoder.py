@@ -3,6 +3,7 @@ speculative path with a real (briefly trained) drafter and for the target-only p
 with per-sequence acceptance, lengths and eos; the on-device lossless counters."""
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -123,8 +124,6 @@ def test_every_compile_scope_gives_the_same_tokens_in_a_fixed_set_of_graphs(worl
     on CPU: the tokens of target greedy, batch 2 with sequences finishing apart (an early eos
     for one prompt), exactly the scope's graphs (one per piece and shape, every layer of a
     model sharing one), and none more on a second decode (no recompile across steps)."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-
     target, drafter, cfg, ps, greedy = world
     eos = greedy[1][6]
     want = [g[:g.index(eos) + 1] if eos in g else g for g in greedy]

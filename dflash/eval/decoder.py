@@ -100,7 +100,9 @@ class Decoder:
     ``compile_scope``: what one compiled region spans (:data:`COMPILE_SCOPES`; default
     :data:`DEFAULT_COMPILE_SCOPE`, "layer": about a third fewer kernels per step than
     "regions" for a compile of the same size; "step" has fewer still but compiles the unrolled
-    step once per batch size). ``gate``: the compile gate (default: the process's)."""
+    step once per batch size). ``compile_mode``: torch.compile's mode for every region (None:
+    the default; "max-autotune-no-cudagraphs" autotunes the GEMMs: small-M Triton templates
+    with fused epilogues vs cuBLAS). ``gate``: the compile gate (default: the process's)."""
 
     def __init__(self, target, drafter=None, *, batch: int, max_len: int, max_new_tokens: int,
                  eos_ids: Sequence[int], embed: torch.Tensor | None = None,
@@ -108,13 +110,13 @@ class Decoder:
                  cuda_graph: bool | None = None, sync_every: int | None = None,
                  draft_hook: DraftHook | None = None, block_size: int | None = None,
                  verify_tokens: int | None = None, compile_scope: str | None = None,
-                 gate=None):
+                 compile_mode: str | None = None, gate=None):
         why = _layers_unsupported(target) or (None if hasattr(target, "lm_head") else "no lm_head")
         if why:
             raise DFlashError(f"decoder: unsupported target: {why}")
         if batch < 1 or max_new_tokens < 1:
             raise DFlashError("decoder: batch and max_new_tokens must be >= 1")
-        self.scope = compile_scope or DEFAULT_COMPILE_SCOPE
+        self.scope, self.compile_mode = compile_scope or DEFAULT_COMPILE_SCOPE, compile_mode
         if self.scope not in COMPILE_SCOPES:
             raise DFlashError(f"decoder: compile_scope {self.scope!r} (one of "
                               f"{', '.join(COMPILE_SCOPES)})")
@@ -150,7 +152,8 @@ class Decoder:
         self._ready = False
         self.stats: dict[str, Any] = {"compile_seconds": 0.0, "capture_seconds": 0.0,
                                       "steps": 0, "syncs": 0, "graph": False,
-                                      "compile_scope": self.scope}
+                                      "compile_scope": self.scope,
+                                      "compile_mode": compile_mode}
         with torch.inference_mode():
             self._alloc_target()
             if drafter is not None:
@@ -409,7 +412,7 @@ class Decoder:
         """Each piece of the scope one compiled region (static shapes: a graph per shape; the
         per-layer ones shared by every layer of a model, the weights and caches inputs)."""
         def c(fn, **kw):
-            return compile_region(fn, backend, **kw)
+            return compile_region(fn, backend, mode=self.compile_mode, **kw)
 
         if self.scope == "step":  # one graph or an error, never silently split
             self._step_fn = c(self._step_body, fullgraph=True)

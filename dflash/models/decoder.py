@@ -90,12 +90,16 @@ def out_mlp(layer, x, o):
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
-def compile_region(fn: Callable, backend, fullgraph: bool = False) -> Callable:
+def compile_region(fn: Callable, backend, fullgraph: bool = False,
+                   mode: str | None = None) -> Callable:
     """The one regional compile: ``fn`` (a layer module first, for a per-layer region) is
     compiled once with static shapes (a graph per shape, shared by every layer). Call the
     result only inside the compile gate (:mod:`dflash.runtime.gate`): its first call per shape
-    compiles. ``fullgraph``: a graph break is an error (a region meant as one graph)."""
-    return torch.compile(fn, backend=backend, dynamic=False, fullgraph=fullgraph)
+    compiles. ``fullgraph``: a graph break is an error (a region meant as one graph); ``mode``:
+    torch.compile's (e.g. "max-autotune-no-cudagraphs": Triton GEMM templates tried against
+    cuBLAS per shape, epilogues fused; a longer compile)."""
+    kw = {"mode": mode} if mode else {}
+    return torch.compile(fn, backend=backend, dynamic=False, fullgraph=fullgraph, **kw)
 
 
 def attend_cache(layer, x, q, k_cache, v_cache, mask):
