@@ -140,6 +140,23 @@ def test_every_compile_scope_gives_the_same_tokens_in_a_fixed_set_of_graphs(worl
     assert len(want[1]) == 7 < len(want[0])                      # prompt 1 ended early
 
 
+def test_inductor_layer_scope_writes_the_caches_in_place(world):
+    """The default scope through inductor on CPU (its reinplacing of the cache writes: the
+    whole-layer region mutates the cache inputs, never copies them): the tokens of target
+    greedy, batch 2, in the scope's graphs; the caches hold exactly the verified positions'
+    K/V of the eager decoder."""
+    target, drafter, cfg, ps, greedy = world
+    torch._dynamo.reset()
+    dec = make(target, drafter, 2, compile="inductor", compile_scope="layer")
+    eager = make(target, drafter, 2)
+    assert [r.tokens for r in dec.decode(ps[:2])] == greedy[:2] == \
+        [r.tokens for r in eager.decode(ps[:2])]
+    assert dec.stats["graphs_compiled"] == SCOPE_GRAPHS["layer"][0]
+    valid = int(min(dec.pos.min(), eager.pos.min()))
+    for a, b in zip(dec.k_cache + dec.dv_cache, eager.k_cache + eager.dv_cache):
+        torch.testing.assert_close(a[:, :, :valid], b[:, :, :valid], rtol=1e-4, atol=1e-5)
+
+
 def test_unknown_compile_scope_is_one_clear_error(world):
     target, drafter, *_ = world
     with pytest.raises(DFlashError, match="compile_scope 'graph'"):
