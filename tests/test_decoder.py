@@ -113,9 +113,9 @@ def test_prompt_that_does_not_fit_is_one_clear_error(world):
 
 
 # graphs per scope, (speculative, target-only): regions = qkv + attend_cache per model, the
-# two heads, the drafter context; layer = the whole layer per model, the two heads, the verify
-# and draft prologues, acceptance, the context; step = one
-SCOPE_GRAPHS = {"regions": (7, 3), "layer": (8, 4), "step": (1, 1)}
+# two heads, the drafter context; layer (and fused) = the whole layer per model, the two heads,
+# the verify and draft prologues, acceptance, the context; step = one
+SCOPE_GRAPHS = {"regions": (7, 3), "layer": (8, 4), "fused": (8, 4), "step": (1, 1)}
 
 
 @pytest.mark.parametrize("scope", sorted(SCOPE_GRAPHS))
@@ -140,18 +140,18 @@ def test_every_compile_scope_gives_the_same_tokens_in_a_fixed_set_of_graphs(worl
     assert len(want[1]) == 7 < len(want[0])                      # prompt 1 ended early
 
 
-def test_inductor_layer_scope_writes_the_caches_in_place(world):
+def test_inductor_default_scope_writes_the_caches_in_place(world):
     """The default scope through inductor on CPU (its reinplacing of the cache writes: the
     whole-layer region mutates the cache inputs, never copies them): the tokens of target
     greedy, batch 2, in the scope's graphs; the caches hold exactly the verified positions'
     K/V of the eager decoder."""
     target, drafter, cfg, ps, greedy = world
     torch._dynamo.reset()
-    dec = make(target, drafter, 2, compile="inductor", compile_scope="layer")
+    dec = make(target, drafter, 2, compile="inductor", compile_scope="fused")
     eager = make(target, drafter, 2)
     assert [r.tokens for r in dec.decode(ps[:2])] == greedy[:2] == \
         [r.tokens for r in eager.decode(ps[:2])]
-    assert dec.stats["graphs_compiled"] == SCOPE_GRAPHS["layer"][0]
+    assert dec.stats["graphs_compiled"] == SCOPE_GRAPHS["fused"][0]
     valid = int(min(dec.pos.min(), eager.pos.min()))
     for a, b in zip(dec.k_cache + dec.dv_cache, eager.k_cache + eager.dv_cache):
         torch.testing.assert_close(a[:, :, :valid], b[:, :, :valid], rtol=1e-4, atol=1e-5)

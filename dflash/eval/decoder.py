@@ -54,7 +54,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import DFlashError
-from ..models.decoder import attend_cache, cached_layer, compile_region, qkv, rope_of, write_kv
+from ..models.decoder import (attend_cache, cached_layer, compile_region, fused_weights, qkv,
+                              rope_of, write_kv)
 from ..models.decoder import unsupported_reason as _layers_unsupported
 from ..models.drafter import rope_cos_sin
 from ..models.graphs import capture, capture_or_warn, replay_or_run
@@ -81,10 +82,13 @@ COMPILE_SCOPES = {
     "layer": "each whole layer one region (qkv + K/V cache write + attention + MLP; one graph "
              "per model and shape), and the step's glue as regions: verify and draft "
              "prologues, acceptance, drafter context with its cache writes",
-    "step": "the whole step one inductor graph (every layer unrolled: fewest kernels, "
-            "longest compile, one per batch size)",
+    "fused": "layer, and each layer's q/k/v and gate/up projections one GEMM each "
+             "(concatenated copies of those weights: 4 GEMMs per layer instead of 7)",
+    "step": "fused, and the whole step one inductor graph (every layer unrolled: fewest "
+            "kernels, longest compile, one per batch size)",
 }
-DEFAULT_COMPILE_SCOPE = "layer"
+DEFAULT_COMPILE_SCOPE = "fused"
+FUSED_GEMM_SCOPES = ("fused", "step")
 
 DraftHook = Callable[[int, int, int], Sequence[int]]  # (prompt index, anchor, anchor_pos)
 
@@ -98,9 +102,10 @@ class Decoder:
     (eager only: tests inject perfect or corrupted drafts through it); ``block_size`` is then
     required. ``verify_tokens``: tokens per verify (anchor + drafts; default the whole block).
     ``compile_scope``: what one compiled region spans (:data:`COMPILE_SCOPES`; default
-    :data:`DEFAULT_COMPILE_SCOPE`, "layer": about a third fewer kernels per step than
-    "regions" for a compile of the same size; "step" has fewer still but compiles the unrolled
-    step once per batch size). ``compile_mode``: torch.compile's mode for every region (None:
+    :data:`DEFAULT_COMPILE_SCOPE`, "fused": by count a quarter fewer kernels per step than
+    "regions" for a compile of the same size; "step" has a few fewer still but compiles the
+    unrolled step once per batch size; "fused" and "step" hold a copy of the q/k/v and gate/up
+    weights, concatenated). ``compile_mode``: torch.compile's mode for every region (None:
     the default; "max-autotune-no-cudagraphs" autotunes the GEMMs: small-M Triton templates
     with fused epilogues vs cuBLAS). ``gate``: the compile gate (default: the process's)."""
 
@@ -180,6 +185,12 @@ class Decoder:
         self.pos_ar = pos
         self.lm_w = self.target.lm_head.weight
         self.feature_ids = set()
+        self.t_fused = self._fused_of(self.layers)
+
+    def _fused_of(self, layers) -> list:
+        """Per layer its concatenated GEMM weights (:func:`fused_weights`) in the scopes that
+        use them, else None."""
+        return [fused_weights(lay) if self.scope in FUSED_GEMM_SCOPES else None for lay in layers]
 
     def _alloc_drafter(self, embed, lm_head) -> None:
         d, dev, N, S = self.drafter, self.device, self.N, self.S
@@ -188,6 +199,7 @@ class Decoder:
         self.d_dtype = dt
         self.feature_ids = set(c.target_layer_ids)
         self.d_layers = list(d.layers)
+        self.d_fused = self._fused_of(self.d_layers)
         self.dk_cache = [torch.zeros(N, c.num_key_value_heads, S, c.head_dim, device=dev,
                                      dtype=dt) for _ in self.d_layers]
         self.dv_cache = [torch.zeros_like(t) for t in self.dk_cache]
@@ -231,18 +243,19 @@ class Decoder:
         self._accept_fn, self._context_fn = self._accept_all, self._context
         self._step_fn = self._step_body
 
-    def _split_layer(self, layer, x, cos, sin, rope, kc, vc, rows, qpos, mask):
+    def _split_layer(self, layer, x, cos, sin, rope, kc, vc, rows, qpos, mask, fused=None):
         """The "regions" layer: compiled qkv, eager K/V writes, compiled attention + MLP."""
-        q, k, v = self._pre(layer, x, cos, sin, rope)
+        q, k, v = self._pre(layer, x, cos, sin, rope, fused)
         write_kv(kc, vc, rows, qpos, k, v)
-        return self._attn(layer, x, q, kc, vc, mask)
+        return self._attn(layer, x, q, kc, vc, mask, fused)
 
     def _layers_over(self, layers, kcs, vcs, rope, x, cos, sin, qpos, mask, layer, feature_ids):
         """``layers`` over their caches; -> last hidden states, the feature layers' states."""
         rows = self.slot_ar[:, None]
+        fused = self.t_fused if layers is self.layers else self.d_fused
         feats = []
-        for i, (lay, kc, vc) in enumerate(zip(layers, kcs, vcs)):
-            x = layer(lay, x, cos, sin, rope, kc, vc, rows, qpos, mask)
+        for i, (lay, kc, vc, fw) in enumerate(zip(layers, kcs, vcs, fused)):
+            x = layer(lay, x, cos, sin, rope, kc, vc, rows, qpos, mask, fw)
             if i in feature_ids:
                 feats.append(x)
         return x, feats
@@ -424,7 +437,7 @@ class Decoder:
             if self.drafter is not None:
                 self._ctx = c(context_kv)
             return
-        self._layer, self._dhead = c(cached_layer), c(argmax_head)
+        self._layer, self._dhead = c(cached_layer), c(argmax_head)  # "layer", "fused"
         self._verify_in_fn, self._draft_in_fn = c(self._verify_in), c(self._draft_in)
         self._accept_fn = c(self._accept_all)
         if self.drafter is not None:
