@@ -7,7 +7,15 @@ vs simulated per prompt; the lossless counts and margins. Prints the table, writ
     PYTHONPATH=$PWD python bench/gpu/decode_speed.py --spec specs/smollm2-quality.yaml \\
         --drafter results/smollm2-quality/train/drafter --batches 1,4,16,64 \\
         --hf-batches 1,4,16,64 --budget-s 420 --out bench/results/h200/decode_speed.json
-    # CPU smoke: a 4-layer stack of the same shapes, 8 new tokens
+    # the compile scopes side by side (dflash.eval.decoder.COMPILE_SCOPES; "scope:mode" adds a
+    # torch.compile mode), same prompts, same drafter: per scope ms per step (wall and one
+    # captured replay), compile seconds, kernels per step (CUDA profiler), the goal ratios
+    PYTHONPATH=$PWD python bench/gpu/decode_speed.py --spec specs/smollm2-quality.yaml \\
+        --drafter results/smollm2-quality/train/drafter --batches 1,16 --hf-batches "" \\
+        --compile-scopes fused,step --no-simulated --budget-s 420 --out /tmp/scopes.json
+    # CPU smoke: random 2-layer target, 1-layer drafter, every scope (dynamo + AOTAutograd)
+    PYTHONPATH=$PWD python bench/gpu/decode_speed.py --smoke --out /tmp/decode_speed.json
+    # CPU: a 4-layer stack of the same shapes, 8 new tokens (eager)
     PYTHONPATH=$PWD python bench/gpu/decode_speed.py --random --target-layers 4 --batches 1,4 \\
         --hf-batches 1,4 --max-new 8 --min-prompts 4 --prompts 8 --out /tmp/decode_speed.json
     # development without weights: random SmolLM2-135M-shaped target and drafter, random prompts

@@ -5,7 +5,9 @@
   no prefill, no host sync; on CPU one uncaptured step);
 - ``kernels``: what one uncaptured step launches. CUDA: the profiler's device events (kernels,
   memcpy, memset), exactly what the graph replays. CPU (``kernels_cpu_proxy``): inductor's
-  kernels plus the top-level ATen ops that are not views (about what each launches on CUDA;
+  kernels (profiled only when ``torch._inductor.config.cpp.enable_kernel_profile`` was set
+  before the compile: bench/decode_kernels_cpu.py sets it) plus the top-level ATen ops that
+  are not views (about what each launches on CUDA;
   a GEMM, SDPA or topk there may be one to a few kernels);
 - ``kernel_device_ms`` and ``top_kernels``: their summed device time and the costliest names.
 

@@ -28,12 +28,14 @@ One step for every sequence of the batch at once, device tensors only:
 The target-only baseline is the same step with K = 1 and no drafter. The prompt's prefill is the
 same target forward with L = prompt length at position 0 (eager, right-padded).
 
-On CUDA the per-layer pieces are the ones the data engine compiles
-(:mod:`dflash.models.decoder`: ``qkv``, ``attend_cache``, ``out_mlp``; one graph per shape
-serves every layer of a model) and the whole step is captured once as a CUDA graph, compile
-and capture under the compile gate's exclusive side, replays under its shared side, as in
-:class:`dflash.data.engine.Engine`. The host syncs once every ``sync_every`` steps (to see
-whether any sequence is still running). On CPU the same code runs eagerly.
+On CUDA the step's pieces are compiled regions (``compile_scope``, :data:`COMPILE_SCOPES`: the
+data engine's per-layer pieces apart, each whole layer with its cache write, the same with
+concatenated GEMMs, or the whole step; a per-layer graph per shape serves every layer of a
+model) and the whole step is captured once as a CUDA graph, compile and capture under the
+compile gate's exclusive side, replays under its shared side, as in
+:class:`dflash.data.engine.Engine`. Inside one graph every kernel still costs a few µs on the
+H200, so the scopes differ by how many kernels the step launches. The host syncs once every
+``sync_every`` steps. On CPU the same code runs eagerly.
 
 Lossless: every emitted token is the target's greedy token in the verify forward that produced
 it. That equals plain one-token greedy decoding up to floating-point summation order (a verify
