@@ -137,6 +137,7 @@ def test_every_compile_scope_gives_the_same_tokens_in_a_fixed_set_of_graphs(worl
         assert cc.frame_count == n_graphs                       # no recompile
         assert dec.stats["mismatches"] == 0 and "context_compile_error" not in dec.stats
         assert dec.stats["compile_scope"] == scope
+        assert (dec.stats["fused_weight_bytes"] > 0) == (scope in ("fused", "step"))
     assert len(want[1]) == 7 < len(want[0])                      # prompt 1 ended early
 
 

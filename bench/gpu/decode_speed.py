@@ -130,6 +130,8 @@ def parse(argv):
     ap.add_argument("--compile-backend", default=None,
                     help="torch.compile backend (default: inductor on CUDA, eager on CPU; "
                          "--smoke: aot_eager on CPU)")
+    ap.add_argument("--no-kernel-profile", action="store_true",
+                    help="skip the profiler's kernel count of one step (replay ms stays)")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU smoke: random 2-layer target, 1-layer drafter, batches 1,2, "
                          "8 new tokens, every scope")
@@ -201,7 +203,7 @@ def _pair(a, target, drafter, ps, b, scope, mode) -> dict:
                             ("compile", a.compile_backend), ("compile_mode", mode)) if v}
     t0 = time.time()
     r = pair(target, drafter, ps, b, a.max_new, a.eos, compile_scope=scope,
-             inspect=step_profile, **kw)
+             inspect=lambda dec: step_profile(dec, kernels=not a.no_kernel_profile), **kw)
     r["wall_s"] = {"pair": time.time() - t0}
     for name in ("target_only", "speculative"):
         steps = r["engine"][name]["steps"]

@@ -63,11 +63,14 @@ def replay_ms(dec, n: int = 50) -> float:
     return 1e3 * (time.perf_counter() - t) / n
 
 
-def step_profile(dec) -> dict:
+def step_profile(dec, kernels: bool = True) -> dict:
     """``{"replay_ms", "kernels", "kernel_device_ms", "top_kernels"[, "kernels_cpu_proxy"]}``
-    of one step of ``dec`` (prepared); a profiler failure is recorded, not raised."""
+    of one step of ``dec`` (prepared; ``kernels=False``: replay ms only); a profiler failure
+    is recorded, not raised."""
     res: dict = {"replay_ms": round(replay_ms(dec), 4)}
     cuda = dec.device.type == "cuda"
+    if not kernels:
+        return res
     try:
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with torch.inference_mode(), dec.gate.shared(), profile(activities=acts) as prof:

@@ -166,6 +166,10 @@ class Decoder:
             if drafter is not None:
                 self._alloc_drafter(embed, lm_head)
             self._alloc_state()
+        # the concatenated GEMM weights' copy ("fused", "step"): memory the scope costs
+        self.stats["fused_weight_bytes"] = sum(
+            t.numel() * t.element_size() for fw in self.t_fused + getattr(self, "d_fused", [])
+            if fw is not None for t in fw if t is not None)
 
     # -------------------------------------------------------------------------------------
     # static buffers (the captured step reads and writes these addresses)
