@@ -44,9 +44,10 @@ def test_smoke_is_a_small_cpu_run_of_every_scope(ds):
 
 def test_budget_skips_a_piece_by_its_own_last_wall_time(ds):
     b = ds.Budget(100.0, time.time() - 50)                       # 50 s spent
-    assert b.refuse(("pair", "step")) is None                    # never timed: it runs
-    b.last[("pair", "step")], b.last[("pair", "fused")] = 40.0, 20.0
-    why = b.refuse(("pair", "step"))                             # 50 + 60 > 100
-    assert why.startswith("budget: 50 s spent + 1.5 x 40 s") and "--budget-s 100" in why
-    assert b.refuse(("pair", "fused")) is None                   # 50 + 30 <= 100
-    assert ds.Budget(None, 0.0).refuse(("pair", "step")) is None  # no budget: never skipped
+    assert b.refuse("scope step") is None                        # never timed: it runs
+    b.last["scope step"], b.last["scope fused"] = 40.0, 20.0
+    why = b.refuse("scope step")                                 # 50 + 60 > 100
+    assert why.startswith("budget: 50 s spent + 1.5 x 40 s (scope step at the last batch")
+    assert "--budget-s 100" in why
+    assert b.refuse("scope fused") is None                       # 50 + 30 <= 100
+    assert ds.Budget(None, 0.0).refuse("scope step") is None     # no budget: never skipped

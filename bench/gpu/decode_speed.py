@@ -178,7 +178,7 @@ class Budget:
         est = 1.5 * self.last.get(key, 0.0)
         if self.seconds and spent + est > self.seconds:
             return (f"budget: {spent:.0f} s spent + 1.5 x {self.last[key]:.0f} s ({key} at the "
-                    f"last batch size) > --budget-s {self.seconds:.0f}")
+                    f"last batch size) > --budget-s {self.seconds:.0f}")  # key: "scope X" / "HF"
         return None
 
 
@@ -217,9 +217,10 @@ def one_batch(a, target, drafter, ps, b, hf_b, sim, budget) -> dict | str:
     why the batch size was skipped."""
     t0, base, scopes, skipped = time.time(), None, {}, []
     for label, (scope, mode) in a.scopes.items():
-        why = budget.refuse(("pair", label))
+        why = budget.refuse(f"scope {label}")
         if why:
             skipped.append({"scope": label, "reason": why})
+            print(f"batch {b:3d} [{label}]: skipped ({why})", flush=True)
             continue
         t1 = time.time()
         try:
@@ -229,7 +230,7 @@ def one_batch(a, target, drafter, ps, b, hf_b, sim, budget) -> dict | str:
             print(f"batch {b:3d}: scope {label} FAILED: {scopes[label]['error']}", flush=True)
             continue
         finally:
-            budget.last[("pair", label)] = time.time() - t1
+            budget.last[f"scope {label}"] = time.time() - t1
         scopes[label] = _scope_row(r)
         print(_scope_line(b, label, scopes[label]), flush=True)
         base = base or r
@@ -238,13 +239,14 @@ def one_batch(a, target, drafter, ps, b, hf_b, sim, budget) -> dict | str:
     r = base
     r["compile_scope"], r["compile_scopes"], r["skipped_parts"] = \
         next(k for k in scopes if "error" not in scopes[k]), scopes, skipped
-    why = budget.refuse("hf_static") if b in hf_b else "not in --hf-batches"
+    why = budget.refuse("HF static") if b in hf_b else "not in --hf-batches"
     if why is None:
         t1 = time.time()
         r["hf_static"] = hf_static_generate(target, ps, b, a.max_new, a.eos, a.pad)
-        budget.last["hf_static"] = r["wall_s"]["hf_static"] = time.time() - t1
+        budget.last["HF static"] = r["wall_s"]["hf_static"] = time.time() - t1
     elif b in hf_b:
         skipped.append({"hf_static": True, "reason": why})
+        print(f"batch {b:3d} [HF static]: skipped ({why})", flush=True)
     if sim is not None:
         r["tau_gap"] = tau_gap(r["results"], sim[:len(ps)])
     r["tau_per_prompt"] = [x.tau for x in r["results"]]
