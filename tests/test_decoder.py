@@ -9,11 +9,13 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from dflash.errors import DFlashError
 from dflash.eval.decoder import Decoder
+from dflash.eval.decoder_step import context_kv, context_kv_weights
 from dflash.eval.report import fmt, write_plots
 from dflash.eval.serving import goal, sweep
 from dflash.eval.speculative import target_greedy
 from dflash.eval.tau import greedy_continuations
-from dflash.models.drafter import DFlashConfig, DFlashDrafter
+from dflash.models.decoder import fused_weights, out_mlp
+from dflash.models.drafter import DFlashConfig, DFlashDrafter, rope_cos_sin
 from tests.test_bench_tau import REPO
 from tests.test_evaluate import train_briefly
 
@@ -156,6 +158,28 @@ def test_inductor_default_scope_writes_the_caches_in_place(world):
     valid = int(min(dec.pos.min(), eager.pos.min()))
     for a, b in zip(dec.k_cache + dec.dv_cache, eager.k_cache + eager.dv_cache):
         torch.testing.assert_close(a[:, :, :valid], b[:, :, :valid], rtol=1e-4, atol=1e-5)
+
+
+def test_fused_gemm_pieces_equal_the_modules(world):
+    """The fused scopes' GEMMs (q/k/v and gate/up concatenated; every drafter layer's context
+    k/v as one GEMM) give what the modules give, for a 3-layer drafter (the layers' slices of
+    the stacked context weights in order)."""
+    target, _, cfg, *_ = world
+    torch.manual_seed(1)
+    d = DFlashDrafter(DFlashConfig.from_target_config(target.config, 3, B, MASK,
+                                                      layer_ids=[0, 2])).eval()
+    feats, pos = torch.randn(2, 4, 2 * 64), torch.arange(4)[None].expand(2, 4)
+    cos, sin = rope_cos_sin(pos, d.cfg.head_dim, d.cfg.rope_theta, torch.float32)
+    with torch.no_grad():
+        want = context_kv(d, feats, cos, sin)
+        got = context_kv(d, feats, cos, sin, context_kv_weights(d))
+        for (k1, v1), (k2, v2) in zip(want, got):
+            torch.testing.assert_close(k2, k1, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(v2, v1, rtol=1e-5, atol=1e-6)
+        lay, x = target.model.layers[1], torch.randn(2, 4, 64)
+        o = torch.randn(2, 4, 64)
+        torch.testing.assert_close(out_mlp(lay, x, o, fused_weights(lay)), out_mlp(lay, x, o),
+                                   rtol=1e-5, atol=1e-6)
 
 
 def test_unknown_compile_scope_is_one_clear_error(world):

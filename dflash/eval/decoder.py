@@ -62,7 +62,7 @@ from ..models.decoder import unsupported_reason as _layers_unsupported
 from ..models.drafter import rope_cos_sin
 from ..models.graphs import capture, capture_or_warn, replay_or_run
 from .decoded import Decoded
-from .decoder_step import argmax_head, context_kv, drafter_rope, greedy_head
+from .decoder_step import argmax_head, context_kv, context_kv_weights, drafter_rope, greedy_head
 from ..runtime.gate import get_gate
 from ..runtime.tracing import worker_thread_setup
 
@@ -85,7 +85,8 @@ COMPILE_SCOPES = {
              "per model and shape), and the step's glue as regions: verify and draft "
              "prologues, acceptance, drafter context with its cache writes",
     "fused": "layer, and each layer's q/k/v and gate/up projections one GEMM each "
-             "(concatenated copies of those weights: 4 GEMMs per layer instead of 7)",
+             "(concatenated copies of those weights: 4 GEMMs per layer instead of 7), the "
+             "drafter context's k/v projections of every layer one GEMM",
     "step": "fused, and the whole step one inductor graph (every layer unrolled: fewest "
             "kernels, longest compile, one per batch size)",
 }
@@ -169,7 +170,9 @@ class Decoder:
         # the concatenated GEMM weights' copy ("fused", "step"): memory the scope costs
         self.stats["fused_weight_bytes"] = sum(
             t.numel() * t.element_size() for fw in self.t_fused + getattr(self, "d_fused", [])
-            if fw is not None for t in fw if t is not None)
+            if fw is not None for t in fw if t is not None) + (
+            0 if getattr(self, "d_ctx_w", None) is None else
+            self.d_ctx_w.numel() * self.d_ctx_w.element_size())
 
     # -------------------------------------------------------------------------------------
     # static buffers (the captured step reads and writes these addresses)
@@ -206,6 +209,7 @@ class Decoder:
         self.feature_ids = set(c.target_layer_ids)
         self.d_layers = list(d.layers)
         self.d_fused = self._fused_of(self.d_layers)
+        self.d_ctx_w = context_kv_weights(d) if self.scope in FUSED_GEMM_SCOPES else None
         self.dk_cache = [torch.zeros(N, c.num_key_value_heads, S, c.head_dim, device=dev,
                                      dtype=dt) for _ in self.d_layers]
         self.dv_cache = [torch.zeros_like(t) for t in self.dk_cache]
@@ -289,7 +293,8 @@ class Decoder:
         """The drafter's context K/V of these verified positions into its cache."""
         rows = self.slot_ar[:, None]
         cos, sin = self.d_cos[qpos][:, None], self.d_sin[qpos][:, None]
-        kv = (fn or self._ctx)(self.drafter, torch.cat(feats, dim=-1).to(self.d_dtype), cos, sin)
+        kv = (fn or self._ctx)(self.drafter, torch.cat(feats, dim=-1).to(self.d_dtype), cos, sin,
+                               self.d_ctx_w)
         for (k, v), kc, vc in zip(kv, self.dk_cache, self.dv_cache):
             write_kv(kc, vc, rows, qpos, k, v)
 
