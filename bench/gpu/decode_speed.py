@@ -211,10 +211,11 @@ def _pair(a, target, drafter, ps, b, scope, mode) -> dict:
     return r
 
 
-def one_batch(a, target, drafter, ps, b, hf_b, sim, budget) -> dict | str:
+def one_batch(a, target, drafter, ps, b, hf_b, sim, budget, save=None) -> dict | str:
     """Target-only vs speculative at batch ``b`` for every compile scope (+ HF static, + τ real
     vs simulated); the first scope that ran gives the row's top-level figures. -> the row, or
-    why the batch size was skipped."""
+    why the batch size was skipped. ``save(partial)`` after every scope: a call cut by its
+    time limit keeps what it measured."""
     t0, base, scopes, skipped = time.time(), None, {}, []
     for label, (scope, mode) in a.scopes.items():
         why = budget.refuse(f"scope {label}")
@@ -234,6 +235,8 @@ def one_batch(a, target, drafter, ps, b, hf_b, sim, budget) -> dict | str:
         scopes[label] = _scope_row(r)
         print(_scope_line(b, label, scopes[label]), flush=True)
         base = base or r
+        if save is not None:
+            save({"batch": b, "compile_scopes": scopes, "skipped_parts": skipped})
     if base is None:
         return "; ".join(f"{s['scope']}: {s['reason']}" for s in skipped) or "every scope failed"
     r = base
@@ -314,8 +317,12 @@ def main(argv=None) -> int:
     out["wall_s"]["simulated"], out["simulated_skipped"] = time.time() - t1, why
     budget = Budget(a.budget_s, t_start)
     out["compile_scopes"] = list(a.scopes)
+
+    def save(partial):  # mid-batch: the scopes measured so far
+        path.write_text(json.dumps({**out, "in_progress": partial}, indent=1, default=str))
+
     for b in batches:
-        r = one_batch(a, target, drafter, prompts[:n_of[b]], b, hf_b, sim, budget)
+        r = one_batch(a, target, drafter, prompts[:n_of[b]], b, hf_b, sim, budget, save)
         if isinstance(r, str):
             out["skipped"].append({"batch": b, "reason": r})
             print(f"batch {b:3d}: skipped ({r})", flush=True)
