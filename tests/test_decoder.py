@@ -160,6 +160,25 @@ def test_inductor_default_scope_writes_the_caches_in_place(world):
         torch.testing.assert_close(a[:, :, :valid], b[:, :, :valid], rtol=1e-4, atol=1e-5)
 
 
+def test_a_scope_that_fails_to_compile_falls_back_to_regions(world, capsys):
+    """A backend that refuses any graph with a cache write (setitem) fails the default scope;
+    the decoder falls back to "regions" (whose writes are eager), loudly and recorded, and
+    decodes the same tokens."""
+    target, drafter, cfg, ps, greedy = world
+
+    def no_cache_writes(gm, inputs):
+        if any(t in str(n.target) for n in gm.graph.nodes for t in ("setitem", "index_put")):
+            raise RuntimeError("refused: a cache write in the graph")
+        return gm.forward
+
+    torch._dynamo.reset()
+    dec = make(target, drafter, 2, compile=no_cache_writes)
+    assert [r.tokens for r in dec.decode(ps[:2])] == greedy[:2]
+    assert dec.stats["compile_scope"] == dec.scope == "regions"
+    assert "refused: a cache write" in dec.stats["scope_compile_error"]
+    assert "falling back to 'regions'" in capsys.readouterr().err
+
+
 def test_fused_gemm_pieces_equal_the_modules(world):
     """The fused scopes' GEMMs (q/k/v and gate/up concatenated; every drafter layer's context
     k/v as one GEMM) give what the modules give, for a 3-layer drafter (the layers' slices of

@@ -417,13 +417,8 @@ class Decoder:
             worker_thread_setup()  # recompile limit: one graph per (model, batch, block) shape
             t0 = time.time()
             graphs0 = _graph_count()
-            if self.compile:
-                self._compile_pieces(self.compile if not isinstance(self.compile, bool)
-                                     else "inductor")
             with torch.inference_mode():
-                for t in self._buffers:
-                    t.zero_()
-                self._warm_up()
+                self._compile_and_warm_up()
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 self.stats["compile_seconds"] = round(time.time() - t0, 3)
@@ -431,6 +426,33 @@ class Decoder:
                 if self.cuda_graph:
                     self._capture()
         self._ready = True
+
+    def _compile_and_warm_up(self) -> None:
+        """Compile the scope's pieces and run the warm-up steps. A scope other than "regions"
+        whose compile fails falls back to "regions" (the pieces first run compiled on the
+        H200), loudly and recorded (``scope_compile_error``): slower, never wrong."""
+        backend = self.compile if not isinstance(self.compile, bool) else "inductor"
+        try:
+            if self.compile:
+                self._compile_pieces(backend)
+            for t in self._buffers:
+                t.zero_()
+            self._warm_up()
+        except Exception as e:  # noqa: BLE001 - loud, recorded; "regions" is the fallback
+            if self.scope == "regions" or not self.compile:
+                raise
+            self.stats["scope_compile_error"] = f"{self.scope}: {type(e).__name__}: {e}"[:500]
+            print(f"[decoder] WARNING: compile scope {self.scope!r} failed, falling back to "
+                  f"'regions': {self.stats['scope_compile_error']}", file=sys.stderr, flush=True)
+            self.scope = self.stats["compile_scope"] = "regions"
+            self.t_fused, self.stats["fused_weight_bytes"] = [None] * len(self.layers), 0
+            if self.drafter is not None and self.hook is None:
+                self.d_fused, self.d_ctx_w = [None] * len(self.d_layers), None
+            self._eager_pieces()
+            self._compile_pieces(backend)
+            for t in self._buffers:
+                t.zero_()
+            self._warm_up()
 
     def _compile_pieces(self, backend) -> None:
         """Each piece of the scope one compiled region (static shapes: a graph per shape; the
