@@ -3,17 +3,19 @@ speculative path with a real (briefly trained) drafter and for the target-only p
 with per-sequence acceptance, lengths and eos; the on-device lossless counters."""
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dflash.errors import DFlashError
 from dflash.eval.decoder import Decoder
-from dflash.eval.decoder_step import context_kv
+from dflash.eval.decoder_step import context_kv, context_kv_weights
 from dflash.eval.report import fmt, write_plots
 from dflash.eval.serving import goal, sweep
 from dflash.eval.speculative import target_greedy
 from dflash.eval.tau import greedy_continuations
-from dflash.models.drafter import DFlashConfig, DFlashDrafter
+from dflash.models.decoder import fused_weights, out_mlp
+from dflash.models.drafter import DFlashConfig, DFlashDrafter, rope_cos_sin
 from tests.test_bench_tau import REPO
 from tests.test_evaluate import train_briefly
 
@@ -112,14 +114,97 @@ def test_prompt_that_does_not_fit_is_one_clear_error(world):
         make(target, drafter, 1).decode([[1, 2], list(range(60))])
 
 
-def test_compiled_regions_give_the_same_tokens(world):
-    """The compile path (every region through dynamo + AOTAutograd, as on CUDA) on CPU."""
-    target, drafter, cfg, ps, greedy = world
-    dec = make(target, drafter, 2, compile="aot_eager")
-    assert [r.tokens for r in dec.decode(ps[:2])] == greedy[:2]
+# graphs per scope, (speculative, target-only): regions = qkv + attend_cache per model, the
+# two heads, the drafter context; layer (and fused) = the whole layer per model, the two heads,
+# the verify and draft prologues, acceptance, the context; step = one
+SCOPE_GRAPHS = {"regions": (7, 3), "layer": (8, 4), "fused": (8, 4), "step": (1, 1)}
 
-    assert dec._ctx is not context_kv and "context_compile_error" not in dec.stats
-    assert dec.stats["mismatches"] == 0
+
+@pytest.mark.parametrize("scope", sorted(SCOPE_GRAPHS))
+def test_every_compile_scope_gives_the_same_tokens_in_a_fixed_set_of_graphs(world, scope):
+    """Each scope through dynamo + AOTAutograd (the cache writes as mutated inputs, as on CUDA)
+    on CPU: the tokens of target greedy, batch 2 with sequences finishing apart (an early eos
+    for one prompt), exactly the scope's graphs (one per piece and shape, every layer of a
+    model sharing one), and none more on a second decode (no recompile across steps)."""
+    target, drafter, cfg, ps, greedy = world
+    eos = greedy[1][6]
+    want = [g[:g.index(eos) + 1] if eos in g else g for g in greedy]
+    for model, n_graphs in zip((drafter, None), SCOPE_GRAPHS[scope]):
+        torch._dynamo.reset()
+        cc = CompileCounterWithBackend("aot_eager")
+        dec = make(target, model, 2, compile=cc, compile_scope=scope, eos=[eos])
+        assert [r.tokens for r in dec.decode(ps)] == want
+        assert cc.frame_count == n_graphs == dec.stats["graphs_compiled"]
+        assert [r.tokens for r in dec.decode(ps[::-1])] == want[::-1]
+        assert cc.frame_count == n_graphs                       # no recompile
+        assert dec.stats["mismatches"] == 0 and "context_compile_error" not in dec.stats
+        assert dec.stats["compile_scope"] == scope
+        assert (dec.stats["fused_weight_bytes"] > 0) == (scope in ("fused", "step"))
+    assert len(want[1]) == 7 < len(want[0])                      # prompt 1 ended early
+
+
+def test_inductor_default_scope_writes_the_caches_in_place(world):
+    """The default scope through inductor on CPU (its reinplacing of the cache writes: the
+    whole-layer region mutates the cache inputs, never copies them): the tokens of target
+    greedy, batch 2, in the scope's graphs; the caches hold exactly the verified positions'
+    K/V of the eager decoder."""
+    target, drafter, cfg, ps, greedy = world
+    torch._dynamo.reset()
+    dec = make(target, drafter, 2, compile="inductor", compile_scope="fused")
+    eager = make(target, drafter, 2)
+    assert [r.tokens for r in dec.decode(ps[:2])] == greedy[:2] == \
+        [r.tokens for r in eager.decode(ps[:2])]
+    assert dec.stats["graphs_compiled"] == SCOPE_GRAPHS["fused"][0]
+    valid = int(min(dec.pos.min(), eager.pos.min()))
+    for a, b in zip(dec.k_cache + dec.dv_cache, eager.k_cache + eager.dv_cache):
+        torch.testing.assert_close(a[:, :, :valid], b[:, :, :valid], rtol=1e-4, atol=1e-5)
+
+
+def test_a_scope_that_fails_to_compile_falls_back_to_regions(world, capsys):
+    """A backend that refuses any graph with a cache write (setitem) fails the default scope;
+    the decoder falls back to "regions" (whose writes are eager), loudly and recorded, and
+    decodes the same tokens."""
+    target, drafter, cfg, ps, greedy = world
+
+    def no_cache_writes(gm, inputs):
+        if any(t in str(n.target) for n in gm.graph.nodes for t in ("setitem", "index_put")):
+            raise RuntimeError("refused: a cache write in the graph")
+        return gm.forward
+
+    torch._dynamo.reset()
+    dec = make(target, drafter, 2, compile=no_cache_writes)
+    assert [r.tokens for r in dec.decode(ps[:2])] == greedy[:2]
+    assert dec.stats["compile_scope"] == dec.scope == "regions"
+    assert "refused: a cache write" in dec.stats["scope_compile_error"]
+    assert "falling back to 'regions'" in capsys.readouterr().err
+
+
+def test_fused_gemm_pieces_equal_the_modules(world):
+    """The fused scopes' GEMMs (q/k/v and gate/up concatenated; every drafter layer's context
+    k/v as one GEMM) give what the modules give, for a 3-layer drafter (the layers' slices of
+    the stacked context weights in order)."""
+    target, _, cfg, *_ = world
+    torch.manual_seed(1)
+    d = DFlashDrafter(DFlashConfig.from_target_config(target.config, 3, B, MASK,
+                                                      layer_ids=[0, 2])).eval()
+    feats, pos = torch.randn(2, 4, 2 * 64), torch.arange(4)[None].expand(2, 4)
+    cos, sin = rope_cos_sin(pos, d.cfg.head_dim, d.cfg.rope_theta, torch.float32)
+    with torch.no_grad():
+        want = context_kv(d, feats, cos, sin)
+        got = context_kv(d, feats, cos, sin, context_kv_weights(d))
+        for (k1, v1), (k2, v2) in zip(want, got):
+            torch.testing.assert_close(k2, k1, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(v2, v1, rtol=1e-5, atol=1e-6)
+        lay, x = target.model.layers[1], torch.randn(2, 4, 64)
+        o = torch.randn(2, 4, 64)
+        torch.testing.assert_close(out_mlp(lay, x, o, fused_weights(lay)), out_mlp(lay, x, o),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_unknown_compile_scope_is_one_clear_error(world):
+    target, drafter, *_ = world
+    with pytest.raises(DFlashError, match="compile_scope 'graph'"):
+        make(target, drafter, 1, compile_scope="graph")
 
 
 def test_sweep_rows_and_their_report_section(world, tmp_path):

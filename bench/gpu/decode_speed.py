@@ -7,7 +7,15 @@ vs simulated per prompt; the lossless counts and margins. Prints the table, writ
     PYTHONPATH=$PWD python bench/gpu/decode_speed.py --spec specs/smollm2-quality.yaml \\
         --drafter results/smollm2-quality/train/drafter --batches 1,4,16,64 \\
         --hf-batches 1,4,16,64 --budget-s 420 --out bench/results/h200/decode_speed.json
-    # CPU smoke: a 4-layer stack of the same shapes, 8 new tokens
+    # the compile scopes side by side (dflash.eval.decoder.COMPILE_SCOPES; "scope:mode" adds a
+    # torch.compile mode), same prompts, same drafter: per scope ms per step (wall and one
+    # captured replay), compile seconds, kernels per step (CUDA profiler), the goal ratios
+    PYTHONPATH=$PWD python bench/gpu/decode_speed.py --spec specs/smollm2-quality.yaml \\
+        --drafter results/smollm2-quality/train/drafter --batches 1,16 --hf-batches "" \\
+        --compile-scopes fused,step --no-simulated --budget-s 420 --out /tmp/scopes.json
+    # CPU smoke: random 2-layer target, 1-layer drafter, every scope (dynamo + AOTAutograd)
+    PYTHONPATH=$PWD python bench/gpu/decode_speed.py --smoke --out /tmp/decode_speed.json
+    # CPU: a 4-layer stack of the same shapes, 8 new tokens (eager)
     PYTHONPATH=$PWD python bench/gpu/decode_speed.py --random --target-layers 4 --batches 1,4 \\
         --hf-batches 1,4 --max-new 8 --min-prompts 4 --prompts 8 --out /tmp/decode_speed.json
     # development without weights: random SmolLM2-135M-shaped target and drafter, random prompts
@@ -15,6 +23,11 @@ vs simulated per prompt; the lossless counts and margins. Prints the table, writ
 
 With random weights acceptance is ~0 (τ ≈ 1): the figures then time the steps (ms per verify
 step vs per one-token step), not a speed-up.
+
+JSON: the top-level figures of each batch size are the first compile scope's (the layout
+bench/speedup_table.py reads); ``compile_scopes`` holds every scope's. ``--budget-s`` skips,
+and records why, any piece (a batch size, a scope at it, HF's static path) whose estimate (1.5
+x its wall time at the previous batch size) would pass the budget.
 """
 from __future__ import annotations
 
@@ -30,6 +43,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from dflash.data.generate import eos_ids_of
 from dflash.eval.evalsets import load_eval_sets
+from dflash.eval.decoder import COMPILE_SCOPES, DEFAULT_COMPILE_SCOPE
 from dflash.eval.serving import goal, hf_static_generate, pair, tau_gap
 from dflash.eval.tau import simulate, summarize
 from dflash.models.drafter import DFlashConfig, DFlashDrafter, load_drafter
@@ -37,13 +51,16 @@ from dflash.models.dtypes import dtype_of
 from dflash.models.target import default_layer_ids, load_target
 from dflash.spec import load_spec
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_profile import step_profile  # noqa: E402  (bench/gpu/, beside this script)
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-def random_models(device: str, drafter_layers: int, block: int, target_layers: int = 30):
+def random_models(device: str, drafter_layers: int, block: int, target_layers: int = 30,
+                  dtype=torch.bfloat16):
     """SmolLM2-135M's architecture with random weights (bf16), and a random drafter
     (``target_layers`` < 30: a shallower stack of the same layers, for a CPU smoke run)."""
-
 
     torch.manual_seed(0)
     tc = LlamaConfig(hidden_size=576, num_hidden_layers=target_layers, num_attention_heads=9,
@@ -51,11 +68,11 @@ def random_models(device: str, drafter_layers: int, block: int, target_layers: i
                      tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=100000.0,
                      max_position_embeddings=8192, bos_token_id=1, eos_token_id=2,
                      pad_token_id=2)
-    target = LlamaForCausalLM(tc).to(device=device, dtype=torch.bfloat16).eval()
+    target = LlamaForCausalLM(tc).to(device=device, dtype=dtype).eval()
 
     cfg = DFlashConfig.from_target_config(tc, drafter_layers, block, 49151,
                                           default_layer_ids(target_layers, drafter_layers))
-    drafter = DFlashDrafter(cfg).to(device=device, dtype=torch.bfloat16).eval()
+    drafter = DFlashDrafter(cfg).to(device=device, dtype=dtype).eval()
     return target, drafter, [2], 2
 
 
@@ -106,10 +123,34 @@ def parse(argv):
     ap.add_argument("--budget-s", type=float, default=None,
                     help="skip a batch size (recorded in the JSON) when the run so far plus the "
                          "last batch size's wall time x 1.5 would pass this many seconds")
+    ap.add_argument("--compile-scopes", default=None,
+                    help="comma list of scope[:torch.compile mode], measured side by side "
+                         f"({', '.join(COMPILE_SCOPES)}; default {DEFAULT_COMPILE_SCOPE}; "
+                         "--smoke: all)")
+    ap.add_argument("--compile-backend", default=None,
+                    help="torch.compile backend (default: inductor on CUDA, eager on CPU; "
+                         "--smoke: aot_eager on CPU)")
+    ap.add_argument("--no-kernel-profile", action="store_true",
+                    help="skip the profiler's kernel count of one step (replay ms stays)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU smoke: random 2-layer target, 1-layer drafter, batches 1,2, "
+                         "8 new tokens, every scope")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
+    if a.smoke:
+        a.random, a.target_layers, a.drafter_layers, a.block = True, 2, 1, 4
+        a.batches, a.hf_batches, a.max_new, a.min_prompts, a.prompts = "1,2", "1", 8, 2, 4
+        a.compile_scopes = a.compile_scopes or ",".join(COMPILE_SCOPES)
+        if not torch.cuda.is_available():
+            a.compile_backend = a.compile_backend or "aot_eager"
     if not a.random and not (a.spec and a.drafter):
         ap.error("give --random, or --spec and --drafter")
+    a.scopes = {}
+    for item in (a.compile_scopes or DEFAULT_COMPILE_SCOPE).split(","):
+        scope, _, mode = item.strip().partition(":")
+        if scope not in COMPILE_SCOPES:
+            ap.error(f"--compile-scopes: {scope!r} is not one of {', '.join(COMPILE_SCOPES)}")
+        a.scopes[item.strip()] = (scope, mode or None)
     return a
 
 
@@ -125,21 +166,90 @@ def simulated_for(a, target, drafter, prompts, n: int) -> tuple[list | None, str
     return simulated_tau(target, drafter, prompts[:n], a.max_new, a.eos), None
 
 
-def one_batch(a, target, drafter, ps, b, hf_b, sim) -> dict:
-    """Target-only vs speculative at batch ``b`` (+ HF static, + τ real vs simulated)."""
+class Budget:
+    """``--budget-s``: a piece is skipped when the time spent plus 1.5 x its own wall time at
+    the previous batch size would pass the budget (a piece never timed yet always runs)."""
 
-    kw = {k: v for k, v in (("sync_every", a.sync_every), ("verify_tokens", a.verify_tokens))
-          if v}
+    def __init__(self, seconds, t_start):
+        self.seconds, self.t_start, self.last = seconds, t_start, {}
+
+    def refuse(self, key) -> str | None:
+        spent = time.time() - self.t_start
+        est = 1.5 * self.last.get(key, 0.0)
+        if self.seconds and spent + est > self.seconds:
+            return (f"budget: {spent:.0f} s spent + 1.5 x {self.last[key]:.0f} s ({key} at the "
+                    f"last batch size) > --budget-s {self.seconds:.0f}")  # key: "scope X" / "HF"
+        return None
+
+
+def _scope_row(r) -> dict:
+    """One scope's figures at one batch size: per engine ms per step (wall: decode seconds /
+    steps; replay: one captured step), compile seconds, kernels; the goal ratios."""
+    eng = r["engine"]
+    to, sp = eng["target_only"], eng["speculative"]
+    row = {"target_only": to, "speculative": sp, "tau": r["tau"], "speedup": r["speedup"],
+           "target_only_tokens_per_s": r["target_only_tokens_per_s"],
+           "speculative_tokens_per_s": r["speculative_tokens_per_s"], "goal": goal(r),
+           "lossless": r["lossless_evidence"]["lossless"],
+           "spec_step_over_target_step": {"wall": sp["ms_per_step"] / to["ms_per_step"],
+                                          "goal_at_most": 1 / 0.75}}
+    if to.get("replay_ms") and sp.get("replay_ms"):
+        row["spec_step_over_target_step"]["replay"] = sp["replay_ms"] / to["replay_ms"]
+    return row
+
+
+def _pair(a, target, drafter, ps, b, scope, mode) -> dict:
+    kw = {k: v for k, v in (("sync_every", a.sync_every), ("verify_tokens", a.verify_tokens),
+                            ("compile", a.compile_backend), ("compile_mode", mode)) if v}
     t0 = time.time()
-    r = pair(target, drafter, ps, b, a.max_new, a.eos, **kw)
+    r = pair(target, drafter, ps, b, a.max_new, a.eos, compile_scope=scope,
+             inspect=lambda dec: step_profile(dec, kernels=not a.no_kernel_profile), **kw)
     r["wall_s"] = {"pair": time.time() - t0}
     for name in ("target_only", "speculative"):
         steps = r["engine"][name]["steps"]
         r["engine"][name]["ms_per_step"] = 1e3 * r[f"{name}_s"] / max(1, steps)
-    if b in hf_b:
+    return r
+
+
+def one_batch(a, target, drafter, ps, b, hf_b, sim, budget, save=None) -> dict | str:
+    """Target-only vs speculative at batch ``b`` for every compile scope (+ HF static, + τ real
+    vs simulated); the first scope that ran gives the row's top-level figures. -> the row, or
+    why the batch size was skipped. ``save(partial)`` after every scope: a call cut by its
+    time limit keeps what it measured."""
+    t0, base, scopes, skipped = time.time(), None, {}, []
+    for label, (scope, mode) in a.scopes.items():
+        why = budget.refuse(f"scope {label}")
+        if why:
+            skipped.append({"scope": label, "reason": why})
+            print(f"batch {b:3d} [{label}]: skipped ({why})", flush=True)
+            continue
+        t1 = time.time()
+        try:
+            r = _pair(a, target, drafter, ps, b, scope, mode)
+        except Exception as e:  # noqa: BLE001 - one scope's failure is a result, not the end
+            scopes[label] = {"error": f"{type(e).__name__}: {e}"[:1000]}
+            print(f"batch {b:3d}: scope {label} FAILED: {scopes[label]['error']}", flush=True)
+            continue
+        finally:
+            budget.last[f"scope {label}"] = time.time() - t1
+        scopes[label] = _scope_row(r)
+        print(_scope_line(b, label, scopes[label]), flush=True)
+        base = base or r
+        if save is not None:
+            save({"batch": b, "compile_scopes": scopes, "skipped_parts": skipped})
+    if base is None:
+        return "; ".join(f"{s['scope']}: {s['reason']}" for s in skipped) or "every scope failed"
+    r = base
+    r["compile_scope"], r["compile_scopes"], r["skipped_parts"] = \
+        next(k for k in scopes if "error" not in scopes[k]), scopes, skipped
+    why = budget.refuse("HF static") if b in hf_b else "not in --hf-batches"
+    if why is None:
         t1 = time.time()
         r["hf_static"] = hf_static_generate(target, ps, b, a.max_new, a.eos, a.pad)
-        r["wall_s"]["hf_static"] = time.time() - t1
+        budget.last["HF static"] = r["wall_s"]["hf_static"] = time.time() - t1
+    elif b in hf_b:
+        skipped.append({"hf_static": True, "reason": why})
+        print(f"batch {b:3d} [HF static]: skipped ({why})", flush=True)
     if sim is not None:
         r["tau_gap"] = tau_gap(r["results"], sim[:len(ps)])
     r["tau_per_prompt"] = [x.tau for x in r["results"]]
@@ -148,6 +258,18 @@ def one_batch(a, target, drafter, ps, b, hf_b, sim) -> dict:
     r["goal"] = goal(r)
     r["wall_s"]["total"] = time.time() - t0
     return r
+
+
+def _scope_line(b, label, s) -> str:
+    to, sp = s["target_only"], s["speculative"]
+    ratio = s["spec_step_over_target_step"]
+    return (f"batch {b:3d} [{label}]: ms/step target-only {to['ms_per_step']:.3f} (replay "
+            f"{to.get('replay_ms') or float('nan'):.3f}, {to.get('kernels', '?')} kernels, "
+            f"compile {to.get('compile_seconds')} s), speculative {sp['ms_per_step']:.3f} "
+            f"(replay {sp.get('replay_ms') or float('nan'):.3f}, {sp.get('kernels', '?')} "
+            f"kernels, compile {sp.get('compile_seconds')} s); spec/target step wall "
+            f"{ratio['wall']:.3f}, replay {ratio.get('replay', float('nan')):.3f} (goal <= "
+            f"1.333); speed-up {s['speedup'] or float('nan'):.3f}")
 
 
 def _line(r) -> str:
@@ -170,8 +292,9 @@ def main(argv=None) -> int:
     t_start = time.time()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if a.random:
-        target, drafter, a.eos, a.pad = random_models(dev, a.drafter_layers, a.block,
-                                                      a.target_layers)
+        target, drafter, a.eos, a.pad = random_models(
+            dev, a.drafter_layers, a.block, a.target_layers,
+            torch.float32 if a.smoke and dev == "cpu" else torch.bfloat16)
         prompts = random_prompts(max(a.prompts, 64))
     else:
         target, drafter, a.eos, a.pad, prompts = real_models(a.spec, a.drafter, dev, a.prompts)
@@ -192,16 +315,18 @@ def main(argv=None) -> int:
     t1 = time.time()
     sim, why = simulated_for(a, target, drafter, prompts, max(n_of.values(), default=0))
     out["wall_s"]["simulated"], out["simulated_skipped"] = time.time() - t1, why
-    last = 0.0
+    budget = Budget(a.budget_s, t_start)
+    out["compile_scopes"] = list(a.scopes)
+
+    def save(partial):  # mid-batch: the scopes measured so far
+        path.write_text(json.dumps({**out, "in_progress": partial}, indent=1, default=str))
+
     for b in batches:
-        spent = time.time() - t_start
-        if a.budget_s and spent + 1.5 * last > a.budget_s:
-            out["skipped"].append({"batch": b, "reason": f"budget: {spent:.0f} s spent + 1.5 x "
-                                   f"{last:.0f} s (last batch) > --budget-s {a.budget_s:.0f}"})
-            print(f"batch {b:3d}: skipped ({out['skipped'][-1]['reason']})", flush=True)
+        r = one_batch(a, target, drafter, prompts[:n_of[b]], b, hf_b, sim, budget, save)
+        if isinstance(r, str):
+            out["skipped"].append({"batch": b, "reason": r})
+            print(f"batch {b:3d}: skipped ({r})", flush=True)
             continue
-        r = one_batch(a, target, drafter, prompts[:n_of[b]], b, hf_b, sim)
-        last = r["wall_s"]["total"]
         out["batches"].append(r)
         print(_line(r), flush=True)
         path.write_text(json.dumps(out, indent=1, default=str))  # after every batch size

@@ -28,12 +28,14 @@ One step for every sequence of the batch at once, device tensors only:
 The target-only baseline is the same step with K = 1 and no drafter. The prompt's prefill is the
 same target forward with L = prompt length at position 0 (eager, right-padded).
 
-On CUDA the per-layer pieces are the ones the data engine compiles
-(:mod:`dflash.models.decoder`: ``qkv``, ``attend_cache``, ``out_mlp``; one graph per shape
-serves every layer of a model) and the whole step is captured once as a CUDA graph, compile
-and capture under the compile gate's exclusive side, replays under its shared side, as in
-:class:`dflash.data.engine.Engine`. The host syncs once every ``sync_every`` steps (to see
-whether any sequence is still running). On CPU the same code runs eagerly.
+On CUDA the step's pieces are compiled regions (``compile_scope``, :data:`COMPILE_SCOPES`: the
+data engine's per-layer pieces apart, each whole layer with its cache write, the same with
+concatenated GEMMs, or the whole step; a per-layer graph per shape serves every layer of a
+model) and the whole step is captured once as a CUDA graph, compile and capture under the
+compile gate's exclusive side, replays under its shared side, as in
+:class:`dflash.data.engine.Engine`. Inside one graph every kernel still costs a few µs on the
+H200, so the scopes differ by how many kernels the step launches. The host syncs once every
+``sync_every`` steps. On CPU the same code runs eagerly.
 
 Lossless: every emitted token is the target's greedy token in the verify forward that produced
 it. That equals plain one-token greedy decoding up to floating-point summation order (a verify
@@ -54,19 +56,42 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import DFlashError
-from ..models.decoder import attend_cache, compile_region, qkv, rope_of
+from ..models.decoder import (attend_cache, cached_layer, compile_region, fused_weights, qkv,
+                              rope_of, write_kv)
 from ..models.decoder import unsupported_reason as _layers_unsupported
 from ..models.drafter import rope_cos_sin
 from ..models.graphs import capture, capture_or_warn, replay_or_run
 from .decoded import Decoded
-from .decoder_step import context_kv, drafter_rope, greedy_head
+from .decoder_step import argmax_head, context_kv, context_kv_weights, drafter_rope, greedy_head
 from ..runtime.gate import get_gate
 from ..runtime.tracing import worker_thread_setup
+
+
+def _graph_count() -> int:
+    """Graphs dynamo has compiled in this process (stats only: the decoder compiles under the
+    gate's exclusive side, so no other thread adds to it meanwhile)."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
+
+# what is one compiled region on CUDA (``compile_scope``); the step is captured whole either way
+COMPILE_SCOPES = {
+    "regions": "qkv, attend_cache, the heads and the drafter's context K/V compiled apart; the "
+               "K/V writes, prologues and acceptance eager ATen ops captured into the graph",
+    "layer": "each whole layer one region (qkv + K/V cache write + attention + MLP; one graph "
+             "per model and shape), and the step's glue as regions: verify and draft "
+             "prologues, acceptance, drafter context with its cache writes",
+    "fused": "layer, and each layer's q/k/v and gate/up projections one GEMM each "
+             "(concatenated copies of those weights: 4 GEMMs per layer instead of 7), the "
+             "drafter context's k/v projections of every layer one GEMM",
+    "step": "fused, and the whole step one inductor graph (every layer unrolled: fewest "
+            "kernels, longest compile, one per batch size)",
+}
+DEFAULT_COMPILE_SCOPE = "fused"
+FUSED_GEMM_SCOPES = ("fused", "step")
 
 DraftHook = Callable[[int, int, int], Sequence[int]]  # (prompt index, anchor, anchor_pos)
 
@@ -79,19 +104,30 @@ class Decoder:
     CUDA, off for CPU. ``draft_hook(prompt_index, anchor, anchor_pos) -> K-1 tokens`` replaces the drafter
     (eager only: tests inject perfect or corrupted drafts through it); ``block_size`` is then
     required. ``verify_tokens``: tokens per verify (anchor + drafts; default the whole block).
-    ``gate``: the compile gate (default: the process's)."""
+    ``compile_scope``: what one compiled region spans (:data:`COMPILE_SCOPES`; default
+    :data:`DEFAULT_COMPILE_SCOPE`, "fused": by count a quarter fewer kernels per step than
+    "regions" for a compile of the same size; "step" has a few fewer still but compiles the
+    unrolled step once per batch size; "fused" and "step" hold a copy of the q/k/v and gate/up
+    weights, concatenated). ``compile_mode``: torch.compile's mode for every region (None:
+    the default; "max-autotune-no-cudagraphs" autotunes the GEMMs: small-M Triton templates
+    with fused epilogues vs cuBLAS). ``gate``: the compile gate (default: the process's)."""
 
     def __init__(self, target, drafter=None, *, batch: int, max_len: int, max_new_tokens: int,
                  eos_ids: Sequence[int], embed: torch.Tensor | None = None,
                  lm_head: torch.Tensor | None = None, compile: bool | str | None = None,
                  cuda_graph: bool | None = None, sync_every: int | None = None,
                  draft_hook: DraftHook | None = None, block_size: int | None = None,
-                 verify_tokens: int | None = None, gate=None):
+                 verify_tokens: int | None = None, compile_scope: str | None = None,
+                 compile_mode: str | None = None, gate=None):
         why = _layers_unsupported(target) or (None if hasattr(target, "lm_head") else "no lm_head")
         if why:
             raise DFlashError(f"decoder: unsupported target: {why}")
         if batch < 1 or max_new_tokens < 1:
             raise DFlashError("decoder: batch and max_new_tokens must be >= 1")
+        self.scope, self.compile_mode = compile_scope or DEFAULT_COMPILE_SCOPE, compile_mode
+        if self.scope not in COMPILE_SCOPES:
+            raise DFlashError(f"decoder: compile_scope {self.scope!r} (one of "
+                              f"{', '.join(COMPILE_SCOPES)})")
 
         self.target, self.drafter, self.hook = target, drafter, draft_hook
         self.layers = list(target.model.layers)
@@ -119,16 +155,24 @@ class Decoder:
         self.sync_every = int(sync_every or (4 if self.cuda_graph else 1))
         self.gate = gate or get_gate()
         self.rope = rope_of(self.layers[0])
-        self._pre, self._attn, self._head, self._ctx = qkv, attend_cache, greedy_head, context_kv
+        self._eager_pieces()
         self._graph, self._wave = None, 0
         self._ready = False
         self.stats: dict[str, Any] = {"compile_seconds": 0.0, "capture_seconds": 0.0,
-                                      "steps": 0, "syncs": 0, "graph": False}
+                                      "steps": 0, "syncs": 0, "graph": False,
+                                      "compile_scope": self.scope,
+                                      "compile_mode": compile_mode}
         with torch.inference_mode():
             self._alloc_target()
             if drafter is not None:
                 self._alloc_drafter(embed, lm_head)
             self._alloc_state()
+        # the concatenated GEMM weights' copy ("fused", "step"): memory the scope costs
+        self.stats["fused_weight_bytes"] = sum(
+            t.numel() * t.element_size() for fw in self.t_fused + getattr(self, "d_fused", [])
+            if fw is not None for t in fw if t is not None) + (
+            0 if getattr(self, "d_ctx_w", None) is None else
+            self.d_ctx_w.numel() * self.d_ctx_w.element_size())
 
     # -------------------------------------------------------------------------------------
     # static buffers (the captured step reads and writes these addresses)
@@ -150,6 +194,12 @@ class Decoder:
         self.pos_ar = pos
         self.lm_w = self.target.lm_head.weight
         self.feature_ids = set()
+        self.t_fused = self._fused_of(self.layers)
+
+    def _fused_of(self, layers) -> list:
+        """Per layer its concatenated GEMM weights (:func:`fused_weights`) in the scopes that
+        use them, else None."""
+        return [fused_weights(lay) if self.scope in FUSED_GEMM_SCOPES else None for lay in layers]
 
     def _alloc_drafter(self, embed, lm_head) -> None:
         d, dev, N, S = self.drafter, self.device, self.N, self.S
@@ -158,6 +208,8 @@ class Decoder:
         self.d_dtype = dt
         self.feature_ids = set(c.target_layer_ids)
         self.d_layers = list(d.layers)
+        self.d_fused = self._fused_of(self.d_layers)
+        self.d_ctx_w = context_kv_weights(d) if self.scope in FUSED_GEMM_SCOPES else None
         self.dk_cache = [torch.zeros(N, c.num_key_value_heads, S, c.head_dim, device=dev,
                                      dtype=dt) for _ in self.d_layers]
         self.dv_cache = [torch.zeros_like(t) for t in self.dk_cache]
@@ -191,52 +243,77 @@ class Decoder:
                          self.margin, self.acc_log, self.len_log, self.checked, self.mismatches]
 
     # -------------------------------------------------------------------------------------
-    # the math
+    # the math: the step is glue + layers; which pieces are compiled regions is the scope's
     # -------------------------------------------------------------------------------------
-    def _target_forward(self, ids, qpos, pre, attn):
-        """The target over ``ids`` [N, L] at positions ``qpos`` [N, L]: K/V written into the
-        cache, causal over it. -> final hidden states [N, L, H], feature-layer states."""
+    def _eager_pieces(self) -> None:
+        """Every piece uncompiled (CPU, the prefill, the "step" scope's inside)."""
+        self._pre, self._attn, self._head, self._ctx = qkv, attend_cache, greedy_head, context_kv
+        self._layer, self._dhead = cached_layer, argmax_head
+        self._verify_in_fn, self._draft_in_fn = self._verify_in, self._draft_in
+        self._accept_fn, self._context_fn = self._accept_all, self._context
+        self._step_fn = self._step_body
+
+    def _split_layer(self, layer, x, cos, sin, rope, kc, vc, rows, qpos, mask, fused=None):
+        """The "regions" layer: compiled qkv, eager K/V writes, compiled attention + MLP."""
+        q, k, v = self._pre(layer, x, cos, sin, rope, fused)
+        write_kv(kc, vc, rows, qpos, k, v)
+        return self._attn(layer, x, q, kc, vc, mask, fused)
+
+    def _layers_over(self, layers, kcs, vcs, rope, x, cos, sin, qpos, mask, layer, feature_ids):
+        """``layers`` over their caches; -> last hidden states, the feature layers' states."""
         rows = self.slot_ar[:, None]
-        x = self.target.model.embed_tokens(ids)
-        cos, sin = self.cos[qpos], self.sin[qpos]
-        mask = (self.pos_ar[None, None, :] <= qpos[:, :, None])[:, None]      # [N, 1, L, S]
+        fused = self.t_fused if layers is self.layers else self.d_fused
         feats = []
-        for i, (layer, kc, vc) in enumerate(zip(self.layers, self.k_cache, self.v_cache)):
-            q, k, v = pre(layer, x, cos, sin, self.rope)
-            kc[rows, :, qpos] = k.transpose(1, 2)
-            vc[rows, :, qpos] = v.transpose(1, 2)
-            x = attn(layer, x, q, kc, vc, mask)
-            if i in self.feature_ids:
+        for i, (lay, kc, vc, fw) in enumerate(zip(layers, kcs, vcs, fused)):
+            x = layer(lay, x, cos, sin, rope, kc, vc, rows, qpos, mask, fw)
+            if i in feature_ids:
                 feats.append(x)
         return x, feats
+
+    def _target_in(self, ids, qpos):
+        """The target's prologue: embeddings, RoPE rows and causal cache mask [N, 1, L, S]."""
+        x = self.target.model.embed_tokens(ids)
+        mask = (self.pos_ar[None, None, :] <= qpos[:, :, None])[:, None]
+        return x, self.cos[qpos], self.sin[qpos], mask
+
+    def _verify_in(self, drafts):
+        """The verify's inputs: ids ``[anchor, drafts]``, their positions, the prologue."""
+        qpos = self.pos[:, None] + self.k_ar                                  # [N, K]
+        ids = self.tok[:, None] if drafts is None else torch.cat([self.tok[:, None], drafts], 1)
+        return (qpos, *self._target_in(ids, qpos))
+
+    def _target_forward(self, ids, qpos, layer):
+        """The target over ``ids`` [N, L] at positions ``qpos`` [N, L]: K/V written into the
+        cache, causal over it. -> final hidden states [N, L, H], feature-layer states."""
+        x, cos, sin, mask = self._target_in(ids, qpos)
+        return self._layers_over(self.layers, self.k_cache, self.v_cache, self.rope, x, cos,
+                                 sin, qpos, mask, layer, self.feature_ids)
 
     def _context(self, feats, qpos, fn=None) -> None:
         """The drafter's context K/V of these verified positions into its cache."""
         rows = self.slot_ar[:, None]
         cos, sin = self.d_cos[qpos][:, None], self.d_sin[qpos][:, None]
-        kv = (fn or self._ctx)(self.drafter, torch.cat(feats, dim=-1).to(self.d_dtype), cos, sin)
+        kv = (fn or self._ctx)(self.drafter, torch.cat(feats, dim=-1).to(self.d_dtype), cos, sin,
+                               self.d_ctx_w)
         for (k, v), kc, vc in zip(kv, self.dk_cache, self.dv_cache):
-            kc[rows, :, qpos] = k.transpose(1, 2)
-            vc[rows, :, qpos] = v.transpose(1, 2)
+            write_kv(kc, vc, rows, qpos, k, v)
 
-    def _draft(self, qpos):
-        """The drafter's greedy drafts after each anchor [N, Kd-1] (qpos: the block's
-        positions [N, Kd])."""
-        rows = self.slot_ar[:, None]
-        block = torch.full_like(qpos, self.mask_id)
-        block[:, 0] = self.tok
+    def _draft_in(self):
+        """The drafter's prologue: block ``[anchor, mask × (Kd-1)]`` embedded at positions
+        ``pos .. pos+Kd-1``, its RoPE rows, the mask over the cache up to the block's end."""
+        qpos = self.pos[:, None] + self.d_ar                                  # [N, Kd]
+        block = torch.where(self.d_ar == 0, self.tok[:, None], self.mask_id)
         x = F.embedding(block, self.d_embed)
-        cos, sin = self.d_cos[qpos], self.d_sin[qpos]
-        last = qpos[:, -1]
-        mask = (self.pos_ar[None, :] <= last[:, None])[:, None, None].expand(
+        mask = (self.pos_ar[None, :] <= qpos[:, -1:])[:, None, None].expand(
             self.N, 1, self.Kd, self.S)
-        for layer, kc, vc in zip(self.d_layers, self.dk_cache, self.dv_cache):
-            q, k, v = self._pre(layer, x, cos, sin, drafter_rope)
-            kc[rows, :, qpos] = k.transpose(1, 2)
-            vc[rows, :, qpos] = v.transpose(1, 2)
-            x = self._attn(layer, x, q, kc, vc, mask)
-        drafts, _ = self._head(self.drafter.norm, self.d_lm_w, x[:, 1:])
-        return drafts
+        return qpos, x, self.d_cos[qpos], self.d_sin[qpos], mask
+
+    def _draft(self):
+        """The drafter's greedy drafts after each anchor [N, K-1]."""
+        qpos, x, cos, sin, mask = self._draft_in_fn()
+        x, _ = self._layers_over(self.d_layers, self.dk_cache, self.dv_cache, drafter_rope, x,
+                                 cos, sin, qpos, mask, self._layer, ())
+        return self._dhead(self.drafter.norm, self.d_lm_w, x[:, 1:self.K])
 
     def _hook_drafts(self):
         """Drafts from the test hook, one sequence at a time (eager only)."""
@@ -247,25 +324,29 @@ class Decoder:
 
     def _step(self) -> None:
         """One verify step for every sequence; finished ones compute but change nothing."""
-        K = self.K
-        qpos = self.pos[:, None] + self.k_ar                                  # [N, K]
-        if K > 1:
-            drafts = self._hook_drafts() if self.hook else \
-                self._draft(self.pos[:, None] + self.d_ar)[:, :K - 1]
-            ids = torch.cat([self.tok[:, None], drafts], dim=1)
-        else:
-            ids = self.tok[:, None]
-        x, feats = self._target_forward(ids, qpos, self._pre, self._attn)
+        self._step_fn()
+
+    def _step_body(self) -> None:
+        drafts = None
+        if self.K > 1:
+            drafts = self._hook_drafts() if self.hook else self._draft()
+        qpos, x, cos, sin, mask = self._verify_in_fn(drafts)
+        x, feats = self._layers_over(self.layers, self.k_cache, self.v_cache, self.rope, x, cos,
+                                     sin, qpos, mask, self._layer, self.feature_ids)
         greedy, margin = self._head(self.target.model.norm, self.lm_w, x)     # [N, K]
-        if K > 1:
-            n_acc = (drafts == greedy[:, :-1]).long().cumprod(1).sum(1)       # [N]
-            proposed = torch.cat([drafts, greedy[:, -1:]], dim=1)
-            emitted = torch.where(self.k_ar < n_acc[:, None], proposed, greedy)
-        else:
-            n_acc, emitted = torch.zeros_like(self.pos), greedy
-        self._accept(emitted, greedy, margin, n_acc)
+        self._accept_fn(drafts, greedy, margin)
         if self.drafter is not None and self.hook is None:
-            self._context(feats, qpos)
+            self._context_fn(feats, qpos)
+
+    def _accept_all(self, drafts, greedy, margin) -> None:
+        """The accepted prefix ``n`` of the drafts (the longest equal to the target's greedy
+        tokens), what is emitted, and :meth:`_accept`."""
+        if drafts is None:
+            return self._accept(greedy, greedy, margin, torch.zeros_like(self.pos))
+        n_acc = (drafts == greedy[:, :-1]).long().cumprod(1).sum(1)           # [N]
+        proposed = torch.cat([drafts, greedy[:, -1:]], dim=1)
+        emitted = torch.where(self.k_ar < n_acc[:, None], proposed, greedy)
+        self._accept(emitted, greedy, margin, n_acc)
 
     def _accept(self, emitted, greedy, margin, n_acc) -> None:
         """Per sequence: emit the accepted drafts + bonus (up to eos / max_new), log, advance."""
@@ -304,7 +385,7 @@ class Decoder:
             lens[i] = len(p)
         ids, lens = ids.to(self.device), lens.to(self.device)
         qpos = torch.arange(P, device=self.device)[None].expand(self.N, P)
-        x, feats = self._target_forward(ids, qpos, qkv, attend_cache)
+        x, feats = self._target_forward(ids, qpos, cached_layer)
         last = x[self.slot_ar, lens - 1]
         tok, margin = greedy_head(self.target.model.norm, self.lm_w, last)
         if self.drafter is not None and self.hook is None:
@@ -335,38 +416,81 @@ class Decoder:
         with self.gate.exclusive("decoder: compile + capture the verify / draft step"):
             worker_thread_setup()  # recompile limit: one graph per (model, batch, block) shape
             t0 = time.time()
-            if self.compile:
-                backend = self.compile if isinstance(self.compile, str) else "inductor"
-                self._pre = compile_region(qkv, backend)
-                self._attn = compile_region(attend_cache, backend)
-                self._head = compile_region(greedy_head, backend)
-                if self.drafter is not None:
-                    self._ctx = compile_region(context_kv, backend)
+            graphs0 = _graph_count()
             with torch.inference_mode():
-                for t in self._buffers:
-                    t.zero_()
-                self._warm_up()
+                self._compile_and_warm_up()
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 self.stats["compile_seconds"] = round(time.time() - t0, 3)
+                self.stats["graphs_compiled"] = _graph_count() - graphs0
                 if self.cuda_graph:
                     self._capture()
         self._ready = True
 
+    def _compile_and_warm_up(self) -> None:
+        """Compile the scope's pieces and run the warm-up steps. A scope other than "regions"
+        whose compile fails falls back to "regions" (the pieces first run compiled on the
+        H200), loudly and recorded (``scope_compile_error``): slower, never wrong."""
+        backend = self.compile if not isinstance(self.compile, bool) else "inductor"
+        try:
+            if self.compile:
+                self._compile_pieces(backend)
+            for t in self._buffers:
+                t.zero_()
+            self._warm_up()
+        except Exception as e:  # noqa: BLE001 - loud, recorded; "regions" is the fallback
+            if self.scope == "regions" or not self.compile:
+                raise
+            self.stats["scope_compile_error"] = f"{self.scope}: {type(e).__name__}: {e}"[:500]
+            print(f"[decoder] WARNING: compile scope {self.scope!r} failed, falling back to "
+                  f"'regions': {self.stats['scope_compile_error']}", file=sys.stderr, flush=True)
+            self.scope = self.stats["compile_scope"] = "regions"
+            self.t_fused, self.stats["fused_weight_bytes"] = [None] * len(self.layers), 0
+            if self.drafter is not None and self.hook is None:
+                self.d_fused, self.d_ctx_w = [None] * len(self.d_layers), None
+            self._eager_pieces()
+            self._compile_pieces(backend)
+            for t in self._buffers:
+                t.zero_()
+            self._warm_up()
+
+    def _compile_pieces(self, backend) -> None:
+        """Each piece of the scope one compiled region (static shapes: a graph per shape; the
+        per-layer ones shared by every layer of a model, the weights and caches inputs)."""
+        def c(fn, **kw):
+            return compile_region(fn, backend, mode=self.compile_mode, **kw)
+
+        if self.scope == "step":  # one graph or an error, never silently split
+            self._step_fn = c(self._step_body, fullgraph=True)
+            return
+        self._head = c(greedy_head)
+        if self.scope == "regions":
+            self._pre, self._attn, self._layer = c(qkv), c(attend_cache), self._split_layer
+            self._dhead = lambda norm, w, x: self._head(norm, w, x)[0]
+            if self.drafter is not None:
+                self._ctx = c(context_kv)
+            return
+        self._layer, self._dhead = c(cached_layer), c(argmax_head)  # "layer", "fused"
+        self._verify_in_fn, self._draft_in_fn = c(self._verify_in), c(self._draft_in)
+        self._accept_fn = c(self._accept_all)
+        if self.drafter is not None:
+            self._context_fn = c(self._context)
+
     def _warm_up(self) -> None:
-        """Two steps: compile, then one warm run (autotune, lazy inits). The drafter-context
-        region is the one piece not yet run compiled on the H200 (decode step probe): if it
-        fails to compile, it runs eagerly inside the captured step, loudly and recorded."""
+        """Two steps: compile, then one warm run (autotune, lazy inits). If a drafter-context
+        region fails to compile (torch 2.11's inductor failed on a sibling head once: decode
+        step probe), the context runs eagerly inside the captured step, loudly and recorded."""
         try:
             self._step()
         except Exception as e:  # noqa: BLE001 - only the context region may fall back
-            if self._ctx is context_kv:
+            if self.scope == "step" or (self._ctx is context_kv and
+                                        self._context_fn == self._context):
                 raise
             self.stats["context_compile_error"] = f"{type(e).__name__}: {e}"[:500]
             print(f"[decoder] WARNING: the drafter-context region failed to compile, running it "
                   f"eagerly in the step: {self.stats['context_compile_error']}",
                   file=sys.stderr, flush=True)
-            self._ctx = context_kv
+            self._ctx, self._context_fn = context_kv, self._context
             self._step()
         self._step()
 

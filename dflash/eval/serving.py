@@ -29,8 +29,13 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_decode(dec: Decoder, prompts: Sequence[Sequence[int]]):
+def timed_decode(dec: Decoder, prompts: Sequence[Sequence[int]], inspect=None):
+    """(results, seconds) of decoding ``prompts`` after the (untimed) compile + capture;
+    ``inspect(dec) -> dict``, run between the two, adds to ``dec.stats`` (e.g. a kernel count
+    of one step)."""
     dec.prepare()
+    if inspect is not None:
+        dec.stats.update(inspect(dec))
     _sync(dec.device)
     t = time.perf_counter()
     res = dec.decode(prompts)
@@ -39,17 +44,17 @@ def timed_decode(dec: Decoder, prompts: Sequence[Sequence[int]]):
 
 
 def pair(target, drafter, prompts: Sequence[Sequence[int]], batch: int, max_new: int,
-         eos: Sequence[int], embed=None, lm_head=None, **kw) -> dict:
+         eos: Sequence[int], embed=None, lm_head=None, inspect=None, **kw) -> dict:
     """Target-only and speculative decoding of ``prompts`` at one batch size, timed; the
-    per-prompt results and the lossless evidence."""
+    per-prompt results and the lossless evidence (``inspect``: :func:`timed_decode`'s)."""
     max_len = max(len(p) for p in prompts) + max_new
     common = dict(batch=batch, max_len=max_len, max_new_tokens=max_new, eos_ids=eos, **kw)
     base = Decoder(target, None, **{k: v for k, v in common.items() if k != "verify_tokens"})
-    rb, tb = timed_decode(base, prompts)
+    rb, tb = timed_decode(base, prompts, inspect)
     stats_base = dict(base.stats)
     del base
     spec = Decoder(target, drafter, embed=embed, lm_head=lm_head, **common)
-    rs, ts = timed_decode(spec, prompts)
+    rs, ts = timed_decode(spec, prompts, inspect)
     st = dict(spec.stats)
     del spec
     nb, ns = sum(len(r.tokens) for r in rb), sum(len(r.tokens) for r in rs)
@@ -67,7 +72,12 @@ def pair(target, drafter, prompts: Sequence[Sequence[int]], batch: int, max_new:
 
 
 def _engine(stats: dict) -> dict:
-    keep = ("compile_seconds", "capture_seconds", "steps", "syncs", "graph", "graph_error")
+    keep = ("compile_scope", "compile_mode", "compile_seconds", "capture_seconds", "graphs_compiled", "steps",
+            "syncs", "graph", "graph_error", "context_compile_error", "scope_compile_error",
+            "fused_weight_bytes",
+            # what an inspect hook measured (bench/gpu/step_profile.py)
+            "replay_ms", "kernels", "kernel_device_ms", "top_kernels", "kernels_cpu_proxy",
+            "profile_error")
     return {k: stats[k] for k in keep if k in stats}
 
 

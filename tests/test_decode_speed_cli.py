@@ -1,0 +1,53 @@
+"""bench/gpu/decode_speed.py's CPU-side logic: --compile-scopes parsing (one clear error for an
+unknown scope), --smoke's settings, and the per-piece --budget-s estimate."""
+import importlib.util
+import time
+from pathlib import Path
+
+import pytest
+
+from dflash.eval.decoder import COMPILE_SCOPES, DEFAULT_COMPILE_SCOPE
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def ds():
+    spec = importlib.util.spec_from_file_location("decode_speed", REPO / "bench" / "gpu" /
+                                                  "decode_speed.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_compile_scopes_parse_with_modes(ds):
+    a = ds.parse(["--random", "--out", "x", "--compile-scopes",
+                  "regions,fused:max-autotune-no-cudagraphs"])
+    assert a.scopes == {"regions": ("regions", None),
+                        "fused:max-autotune-no-cudagraphs": ("fused", "max-autotune-no-cudagraphs")}
+    assert ds.parse(["--random", "--out", "x"]).scopes == {
+        DEFAULT_COMPILE_SCOPE: (DEFAULT_COMPILE_SCOPE, None)}
+
+
+def test_unknown_scope_is_one_clear_error(ds, capsys):
+    with pytest.raises(SystemExit):
+        ds.parse(["--random", "--out", "x", "--compile-scopes", "fused,graph"])
+    assert "'graph' is not one of" in capsys.readouterr().err
+
+
+def test_smoke_is_a_small_cpu_run_of_every_scope(ds):
+    a = ds.parse(["--smoke", "--out", "x"])
+    assert a.random and a.target_layers == 2 and a.max_new == 8
+    assert list(a.scopes) == list(COMPILE_SCOPES)
+    assert a.batches == "1,2" and a.compile_backend in ("aot_eager", None)
+
+
+def test_budget_skips_a_piece_by_its_own_last_wall_time(ds):
+    b = ds.Budget(100.0, time.time() - 50)                       # 50 s spent
+    assert b.refuse("scope step") is None                        # never timed: it runs
+    b.last["scope step"], b.last["scope fused"] = 40.0, 20.0
+    why = b.refuse("scope step")                                 # 50 + 60 > 100
+    assert why.startswith("budget: 50 s spent + 1.5 x 40 s (scope step at the last batch")
+    assert "--budget-s 100" in why
+    assert b.refuse("scope fused") is None                       # 50 + 30 <= 100
+    assert ds.Budget(None, 0.0).refuse("scope step") is None     # no budget: never skipped
