@@ -84,7 +84,7 @@ plan() {  # the round's GPU work, in the order the issues need it (what the leas
   stamp "decoding with $D"
   if [ -n "$D" ] && [ -d "$D" ]; then
     timeout 360 python3 bench/gpu/decode_speed.py --spec specs/smollm2-quality.yaml --drafter "$D" \
-      ${DECODE_ARGS:---batches 1,4,16,64 --hf-batches 1,4,16,64 --budget-s 300} \
+      ${DECODE_ARGS:---batches 1,4,16,64 --hf-batches 1,16 --compile-scopes fused,regions --budget-s 300} \
       --out "$RES/decode_speed.json" > "$RES/decode_speed.log" 2>&1
     stamp "decode_speed rc=$?"
   fi
