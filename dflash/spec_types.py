@@ -309,8 +309,8 @@ def stage_fields(spec: Spec) -> dict[str, dict[str, Any]]:
 
 
 def _compile_identity(c: CompileSpec) -> dict:
-    """The compile section as its fingerprint sees it: ``cuda_graph_step`` off (the default)
-    leaves it as it was before the field existed."""
+    """The compile section as its fingerprint sees it: ``cuda_graph_step`` off leaves it as it
+    was before the field existed (the default, auto, captures on CUDA: a new warm-up)."""
     plain = _plain(c)
     if c.cuda_graph_step in ("off", False):
         del plain["cuda_graph_step"]

@@ -181,8 +181,8 @@ def test_device_lr_optimizer_gives_today_s_parameters_after_steps():
 # the production path's CPU-visible parts: the spec field, the capturable optimizer in a
 # checkpoint, a failed capture that falls back, in-place gradients
 # ---------------------------------------------------------------------------------------------
-def test_spec_field_defaults_off_resolves_per_device_and_refuses_what_cannot_apply():
-    assert parse_spec(SPEC, "graph.yaml").compile.cuda_graph_step == "off"
+def test_spec_field_defaults_auto_resolves_per_device_and_refuses_what_cannot_apply():
+    assert parse_spec(SPEC, "graph.yaml").compile.cuda_graph_step == "auto"
     assert graph_step_on("auto", "cuda:0", "ce", 1, 1) and graph_step_on(True, "cuda:1", "ce", 1, 1)
     assert not graph_step_on("auto", "cpu", "ce", 1, 1)
     assert not graph_step_on("auto", "cuda:0", "kd", 1, 1)
@@ -257,9 +257,10 @@ def test_set_flat_grad_keeps_the_gradient_tensors():
 
 
 def test_the_field_off_leaves_the_warmup_fingerprint_as_before():
-    """Off (the default) is the step of before: existing warm-ups stay valid; on reruns them."""
-    off = parse_spec(SPEC, "graph.yaml")
-    on = parse_spec({**SPEC, "compile": {"cuda_graph_step": "auto"}}, "graph.yaml")
+    """Off is the step of before: its warm-ups stay valid; auto (the default) reruns them."""
+    off = parse_spec({**SPEC, "compile": {"backend": "eager", "cuda_graph_step": "off"}},
+                     "graph.yaml")
+    on = parse_spec(SPEC, "graph.yaml")
     assert "cuda_graph_step" not in off.section("warmup")["compile"]
     assert off.section("warmup")["compile"] == {"backend": "eager", "head_loss": "auto"}
     assert on.fingerprint("warmup") != off.fingerprint("warmup")

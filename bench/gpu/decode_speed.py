@@ -184,7 +184,8 @@ class Budget:
 
 def _scope_row(r) -> dict:
     """One scope's figures at one batch size: per engine ms per step (wall: decode seconds /
-    steps; replay: one captured step), compile seconds, kernels; the goal ratios."""
+    steps; steps: the decoder's step phase alone, prefill and harvest apart; replay: one
+    captured step), compile seconds, kernels; the goal ratios."""
     eng = r["engine"]
     to, sp = eng["target_only"], eng["speculative"]
     row = {"target_only": to, "speculative": sp, "tau": r["tau"], "speedup": r["speedup"],
@@ -195,6 +196,9 @@ def _scope_row(r) -> dict:
                                           "goal_at_most": 1 / 0.75}}
     if to.get("replay_ms") and sp.get("replay_ms"):
         row["spec_step_over_target_step"]["replay"] = sp["replay_ms"] / to["replay_ms"]
+    if to.get("steps_ms_per_step") and sp.get("steps_ms_per_step"):  # prefill, harvest apart
+        row["spec_step_over_target_step"]["steps"] = (sp["steps_ms_per_step"]
+                                                      / to["steps_ms_per_step"])
     return row
 
 
@@ -206,8 +210,12 @@ def _pair(a, target, drafter, ps, b, scope, mode) -> dict:
              inspect=lambda dec: step_profile(dec, kernels=not a.no_kernel_profile), **kw)
     r["wall_s"] = {"pair": time.time() - t0}
     for name in ("target_only", "speculative"):
-        steps = r["engine"][name]["steps"]
-        r["engine"][name]["ms_per_step"] = 1e3 * r[f"{name}_s"] / max(1, steps)
+        e = r["engine"][name]
+        e["ms_per_step"] = 1e3 * r[f"{name}_s"] / max(1, e["steps"])
+        if e.get("waves"):  # the decoder's own per-wave clock: the wall split apart
+            e["steps_ms_per_step"] = e["steps_ms"] / max(1, e["steps"])
+            e["prefill_ms_per_wave"] = e["prefill_ms"] / e["waves"]
+            e["harvest_ms_per_wave"] = e["harvest_ms"] / e["waves"]
     return r
 
 
@@ -268,8 +276,13 @@ def _scope_line(b, label, s) -> str:
             f"compile {to.get('compile_seconds')} s), speculative {sp['ms_per_step']:.3f} "
             f"(replay {sp.get('replay_ms') or float('nan'):.3f}, {sp.get('kernels', '?')} "
             f"kernels, compile {sp.get('compile_seconds')} s); spec/target step wall "
-            f"{ratio['wall']:.3f}, replay {ratio.get('replay', float('nan')):.3f} (goal <= "
-            f"1.333); speed-up {s['speedup'] or float('nan'):.3f}")
+            f"{ratio['wall']:.3f}, steps {ratio.get('steps', float('nan')):.3f}, replay "
+            f"{ratio.get('replay', float('nan')):.3f} (goal <= 1.333); prefill ms/wave "
+            f"{to.get('prefill_ms_per_wave', float('nan')):.1f} / "
+            f"{sp.get('prefill_ms_per_wave', float('nan')):.1f}, harvest "
+            f"{to.get('harvest_ms_per_wave', float('nan')):.1f} / "
+            f"{sp.get('harvest_ms_per_wave', float('nan')):.1f}; speed-up "
+            f"{s['speedup'] or float('nan'):.3f}")
 
 
 def _line(r) -> str:

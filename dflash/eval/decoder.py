@@ -73,6 +73,34 @@ def _graph_count() -> int:
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
+class _WaveClock:
+    """Where one wave's time goes: the prefill, the steps, the harvest (``prefill_ms``,
+    ``steps_ms``, ``harvest_ms`` summed over ``waves`` in the decoder's stats). On CUDA the
+    first two are CUDA events on the device's timeline, read after the harvest (which has
+    synced anyway: no sync of their own); the harvest, and everything on CPU, is host time."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list[tuple[float, Any]] = []
+        self.mark()
+
+    def mark(self) -> None:
+        event = None
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        self.marks.append((time.perf_counter(), event))
+
+    def add_to(self, stats: dict) -> None:
+        (h0, e0), (h1, e1), (h2, e2) = self.marks
+        prefill, steps = (e0.elapsed_time(e1), e1.elapsed_time(e2)) if self.cuda else (
+            1e3 * (h1 - h0), 1e3 * (h2 - h1))
+        harvest = 1e3 * (time.perf_counter() - h2)
+        for k, v in (("prefill_ms", prefill), ("steps_ms", steps), ("harvest_ms", harvest)):
+            stats[k] = round(stats.get(k, 0.0) + v, 3)
+        stats["waves"] = stats.get("waves", 0) + 1
+
+
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
@@ -523,15 +551,19 @@ class Decoder:
         with torch.inference_mode():
             for s in range(0, len(prompts), self.N):
                 wave, self._wave = prompts[s:s + self.N], s
+                clock = _WaveClock(self.device)
                 with self.gate.shared():
                     self._prefill(wave)
+                clock.mark()
                 # every active sequence emits >= 1 token per step: at most max_new steps
                 for _ in range(0, self.max_new, self.sync_every):
                     self._run_steps(self.sync_every)
                     self.stats["syncs"] += 1
                     if not bool(self.active.any()):  # the one host sync per sync_every steps
                         break
+                clock.mark()
                 out += self._harvest(len(wave))
+                clock.add_to(self.stats)
         return out
 
     def _harvest(self, n: int) -> list[Decoded]:

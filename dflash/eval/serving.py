@@ -74,7 +74,7 @@ def pair(target, drafter, prompts: Sequence[Sequence[int]], batch: int, max_new:
 def _engine(stats: dict) -> dict:
     keep = ("compile_scope", "compile_mode", "compile_seconds", "capture_seconds", "graphs_compiled", "steps",
             "syncs", "graph", "graph_error", "context_compile_error", "scope_compile_error",
-            "fused_weight_bytes",
+            "fused_weight_bytes", "waves", "prefill_ms", "steps_ms", "harvest_ms",
             # what an inspect hook measured (bench/gpu/step_profile.py)
             "replay_ms", "kernels", "kernel_device_ms", "top_kernels", "kernels_cpu_proxy",
             "profile_error")
