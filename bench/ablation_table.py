@@ -23,13 +23,17 @@ The verdict (:func:`verdict`): an arm **wins** when its MT-Bench τ is at least
 MT-Bench is :data:`WIN_MTBENCH` or more below; anything between is **no change**. The threshold
 is ~2-3× the run-to-run spread of the committed 3-epoch runs 1 and 2 (one spec, two code versions:
 0.015 MT-Bench, 0.032 HumanEval). A winner's fields (the sweep arm's overrides) are printed as
-what to apply; this script changes no default.
+what to apply; this script changes no default. The verdict is taken again at ref's GPU-minutes
+(:func:`at_equal_gpu_minutes`: Δ less what ref gains per doubling of GPU-minutes,
+:func:`tau_per_doubling`, × log2 of the arm's cost over ref's); only an arm that wins there too
+is printed as a change to apply: an arm that costs more must buy more than the extra minutes.
 """
 from __future__ import annotations
 
 import argparse
 import gzip
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -226,13 +230,45 @@ def verdict(row: dict, ref: dict | None) -> tuple[dict, str]:
         return {}, "reference"
     d = {s: round(row["tau"][s] - ref["tau"][s], 4)
          if row["tau"][s] is not None and ref["tau"][s] is not None else None for s in SETS}
+    return d, rule(d)
+
+
+def rule(d: dict) -> str:
+    """The verdict of Δ τ per set ``d``."""
     if d["mtbench"] is None or d["humaneval"] is None:
-        return d, "no MT-Bench or HumanEval τ"
+        return "no MT-Bench or HumanEval τ"
     if d["mtbench"] >= WIN_MTBENCH and d["humaneval"] >= 0:
-        return d, "wins"
+        return "wins"
     if d["mtbench"] <= -WIN_MTBENCH:
-        return d, "loses"
-    return d, "no change"
+        return "loses"
+    return "no change"
+
+
+def tau_per_doubling(arms: list[dict], runs: list[dict]) -> dict | None:
+    """τ per doubling of training GPU-minutes (MT-Bench, HumanEval), from the committed points
+    alone: the full-budget runs' mean against the 1-epoch ref arms' mean (same recipe, 3× the
+    tokens). An estimate across leases and code versions; None without both."""
+    refs = [a for a in arms if a["arm"] == "ref"]
+    if not refs or not runs:
+        return None
+
+    def mean(rows, key):
+        vals = [r["tau"][key] if key in r["tau"] else r[key] for r in rows]
+        return None if any(v is None for v in vals) else sum(vals) / len(vals)
+
+    doublings = math.log2(mean(runs, "gpu_minutes") / mean(refs, "gpu_minutes"))
+    if doublings <= 0:
+        return None
+    slope = {s: None if mean(runs, s) is None or mean(refs, s) is None else
+             round((mean(runs, s) - mean(refs, s)) / doublings, 4) for s in SETS}
+    return {**slope, "from": "full-budget runs vs the ref arms, τ against log2 GPU-minutes"}
+
+
+def at_equal_gpu_minutes(delta: dict, cost_ratio: float, slope: dict) -> dict:
+    """Δ τ less what ref would gain from the arm's extra GPU-minutes (``cost_ratio`` × ref's),
+    by ``slope`` per doubling: what the arm buys beyond spending more."""
+    return {s: None if delta.get(s) is None or slope.get(s) is None else
+            round(delta[s] - slope[s] * math.log2(cost_ratio), 4) for s in SETS}
 
 
 def curve(arms: list[dict]) -> dict:
@@ -260,13 +296,27 @@ def collect() -> dict:
             r["delta"], r["verdict"] = verdict(r, ref)
             r["apply"] = overrides(r["sweep"], r["arm"]) if r["verdict"] == "wins" else {}
         arms += rows
+    runs = [run_row(r) for r in RUNS]
+    slope = tau_per_doubling(arms, runs)
+    for r in arms:  # the verdict again at ref's GPU-minutes: a winner must win there too
+        ref = next((o for o in arms if o["folder"] == r["folder"] and o["arm"] == "ref"
+                    and o["sweep"] == r["sweep"]), None)
+        if slope is None or ref is None or r is ref or not r["delta"]:
+            continue
+        r["gpu_minutes_ratio"] = round(r["gpu_minutes"] / ref["gpu_minutes"], 4)
+        r["delta_equal_gpu_minutes"] = at_equal_gpu_minutes(r["delta"], r["gpu_minutes_ratio"],
+                                                            slope)
+        r["verdict_equal_gpu_minutes"] = rule(r["delta_equal_gpu_minutes"])
+        if r["verdict_equal_gpu_minutes"] != "wins":
+            r["apply"] = {}
     return {"command": "python bench/ablation_table.py --write docs/benchmarks.md",
             "rule": f"wins: Δτ MT-Bench >= +{WIN_MTBENCH} and Δτ HumanEval >= 0 against the ref "
                     f"arm of the same folder; loses: Δτ MT-Bench <= -{WIN_MTBENCH}; else no "
                     "change",
             "gpu_minutes": "training steps' seconds x the run's share of the GPU (arms trained "
                            "at once split each second evenly); the data stage apart",
-            "arms": arms, "runs": [run_row(r) for r in RUNS], "curve": curve(arms)}
+            "tau_per_doubling": slope,
+            "arms": arms, "runs": runs, "curve": curve(arms)}
 
 
 def _f(x, fmt="{:.3f}") -> str:
@@ -313,10 +363,19 @@ def render(data: dict) -> str:
         cost = (f", train GPU-minutes ×{r['gpu_minutes'] / ref['gpu_minutes']:.2f} of ref's"
                 if ref else "")
         fields = ", ".join(f"`{k}: {v}`" for k, v in r["apply"].items())
+        eq = r.get("delta_equal_gpu_minutes")
+        equal = (f"; at ref's GPU-minutes Δ MT-Bench {_d(eq.get('mtbench'))}, HumanEval "
+                 f"{_d(eq.get('humaneval'))}: **{r['verdict_equal_gpu_minutes']}**" if eq else "")
         lines.append(f"- {r['arm']} (`{r['folder'].removeprefix('bench/results/h200/')}`): "
                      f"**{r['verdict']}** (Δ MT-Bench {_d(r['delta'].get('mtbench'))}, "
-                     f"HumanEval {_d(r['delta'].get('humaneval'))}{cost})"
+                     f"HumanEval {_d(r['delta'].get('humaneval'))}{cost}){equal}"
                      + (f"; to apply: {fields}" if fields else ""))
+    slope = data.get("tau_per_doubling")
+    if slope:
+        lines += ["", f"At ref's GPU-minutes: Δ less {_f(slope['mtbench'])} (MT-Bench) / "
+                  f"{_f(slope['humaneval'])} (HumanEval) τ per doubling of GPU-minutes × log2 "
+                  f"of the arm's GPU-minutes over ref's (slope from the {slope['from']}: an "
+                  "estimate across leases). A winner is applied only if it wins there too."]
     return "\n".join(lines)
 
 

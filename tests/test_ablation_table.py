@@ -59,7 +59,10 @@ def test_rows_carry_the_reports_figures_and_deltas(at, data):
     d = arms["kd"]["delta"]
     assert d["mtbench"] == round(arms["kd"]["tau"]["mtbench"] - arms["ref"]["tau"]["mtbench"], 4)
     assert (arms["kd"]["verdict"], arms["init-target"]["verdict"]) == ("wins", "loses")
-    assert arms["kd"]["apply"] == {"loss.kind": "kd"} and arms["init-target"]["apply"] == {}
+    # kd wins on τ but costs 1.29x ref's GPU-minutes: at ref's minutes it buys no more than
+    # spending them would, so nothing is applied
+    assert arms["kd"]["verdict_equal_gpu_minutes"] == "no change"
+    assert arms["kd"]["apply"] == {} and arms["init-target"]["apply"] == {}
     # three trained at once: each about a third of the GPU; kd ran on alone at the end
     assert all(0.33 <= r["gpu_share"] < 0.4 for r in arms.values())
     assert sum(r["gpu_share"] for r in arms.values()) == pytest.approx(1.0, abs=0.1)
@@ -86,6 +89,25 @@ def test_the_verdict_rule(at):
     assert at.verdict(arm(1.55, 1.6), ref)[1] == "loses"
     assert at.verdict(ref, ref)[1] == "reference"
     assert at.verdict(arm(1.7, 1.6), None)[1] == "no ref arm in this folder"
+
+
+def test_the_verdict_at_equal_gpu_minutes(at):
+    """The slope from the runs against the ref arms; an arm's Δ less what its extra minutes
+    would buy ref; no slope without both kinds of point, or when the runs cost no more."""
+    def row(arm, minutes, mt, he):
+        return {"arm": arm, "gpu_minutes": minutes,
+                "tau": {"mtbench": mt, "humaneval": he, "heldout": None, "train": None}}
+    slope = at.tau_per_doubling([row("ref", 1.0, 1.6, 1.5), row("kd", 1.3, 1.7, 1.6)],
+                                [row("run", 4.0, 2.0, 1.9), row("run2", 4.0, 2.0, 1.9)])
+    assert (slope["mtbench"], slope["humaneval"], slope["heldout"]) == (0.2, 0.2, None)
+    eq = at.at_equal_gpu_minutes({"mtbench": 0.1, "humaneval": 0.05, "heldout": None,
+                                  "train": None}, 2.0, slope)
+    assert eq["mtbench"] == pytest.approx(-0.1) and eq["humaneval"] == pytest.approx(-0.15)
+    assert at.rule(eq) == "loses"
+    assert at.at_equal_gpu_minutes({"mtbench": 0.1, "humaneval": 0.0}, 1.0, slope)[
+        "mtbench"] == 0.1                                       # same cost: Δ unchanged
+    assert at.tau_per_doubling([], [row("run", 4.0, 2.0, 1.9)]) is None
+    assert at.tau_per_doubling([row("ref", 4.0, 1.6, 1.5)], [row("run", 4.0, 2.0, 1.9)]) is None
 
 
 def test_a_missing_arm_file_is_one_clear_error(at, tmp_path):
