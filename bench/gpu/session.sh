@@ -10,9 +10,12 @@
 # in its own process session (it outlives the call), then watches it; `watch` watches until
 # WATCH_S and collects. Run state lives in /tmp (a carried folder is replaced by the next call);
 # what comes back is one archive, results.tgz (at most 8 files come back).
-# The plan (round 4): the recipe's remaining arms at one epoch, all at once on the GPU, with the
-# 8B cold-compile probe beside them; then, each alone on the GPU, the decoding sweep with the best
-# arm's drafter, the drafter-step A/B (captured whole step) and the reference model's τ.
+# The plan (round 4's, again: its results were lost with the try's machine): the recipe's
+# remaining arms at one epoch, all at once on the GPU (their train stages now capture the whole
+# drafter step, compile.cuda_graph_step: auto), with the 8B cold-compile probe beside them; then,
+# each alone on the GPU, the decoding sweep with the best arm's drafter (the decoder's per-wave
+# prefill / steps / harvest split), the uncapped captured step (round 5 measured cap 8 only) and
+# the reference model's τ.
 #   calls 1, 2:  bash bench/gpu/session.sh stash   (carry .whl, then .whl2)
 #   (or call 1: `probes`, which also installs the small wheels and runs the probes alone)
 #   last:    bash bench/gpu/session.sh launch     (carry the last .whlN, .zlab; watches WATCH_S)
@@ -88,8 +91,9 @@ plan() {  # the round's GPU work, in the order the issues need it (what the leas
       --out "$RES/decode_speed.json" > "$RES/decode_speed.log" 2>&1
     stamp "decode_speed rc=$?"
   fi
-  # 3. alone: the drafter step A/B (#24): compiled vs captured whole step
-  timeout 240 python3 bench/gpu/loss_step.py ${LOSS_ARGS:---spec specs/smollm2-quality.yaml --smollm2-shape --arms compiled,graph,prodgraph --caps none,8 --iters 10 --steps 8 --profile} \
+  # 3. alone: the drafter step A/B (#24): compiled vs captured whole step, uncapped (the
+  #    quality spec's setting; round 5 measured cap 8: 29.5 -> 21.9 ms)
+  timeout 240 python3 bench/gpu/loss_step.py ${LOSS_ARGS:---spec specs/smollm2-quality.yaml --smollm2-shape --arms compiled,prodgraph --caps none --iters 10 --steps 8 --profile} \
     --out "$RES/loss_step3.json" > "$RES/loss_step3.log" 2>&1
   stamp "loss_step rc=$?"
   # 4. the reference model's τ and the float32 parity through both attention paths
