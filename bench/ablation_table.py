@@ -34,8 +34,8 @@ import argparse
 import gzip
 import json
 import math
-import re
 import sys
+from functools import partial
 from pathlib import Path
 
 import yaml
@@ -43,6 +43,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench import md_block  # noqa: E402
 from dflash.errors import DFlashError  # noqa: E402
 
 H200 = REPO / "bench" / "results" / "h200"
@@ -404,11 +405,7 @@ def plot(data: dict, png: Path) -> None:
     plt.close(fig)
 
 
-def splice(text: str, block: str, name: str) -> str:
-    pat = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
-    if len(pat.findall(text)) != 1:
-        raise DFlashError(f"{name}: needs exactly one {BEGIN} ... {END} block")
-    return pat.sub(lambda _: f"{BEGIN}\n{block}\n{END}", text)
+splice = partial(md_block.splice, begin=BEGIN, end=END)
 
 
 def dumps(data: dict) -> str:
@@ -434,16 +431,8 @@ def main(argv=None) -> int:
         plot(data, a.png)
     elif not a.json.is_file() or a.json.read_text() != dumps(data):
         stale.append(str(a.json))
-    for md in a.write or a.check:
-        old = md.read_text()
-        new = splice(old, block, str(md))
-        if a.write and new != old:
-            md.write_text(new)
-        stale += [str(md)] if a.check and new != old else []
-    if stale:
-        print(f"stale (rerun with --write): {', '.join(stale)}", file=sys.stderr)
-        return 1
-    return 0
+    return md_block.write_or_check(a.write or a.check, block, begin=BEGIN, end=END,
+                                   write=bool(a.write), stale=stale)
 
 
 if __name__ == "__main__":

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
+from functools import partial
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench import md_block  # noqa: E402
 from dflash.errors import DFlashError  # noqa: E402
 
 DEFAULT = REPO / "bench" / "results" / "h200" / "decode_speed.json"
@@ -63,12 +64,7 @@ def render(paths: list[Path]) -> str:
     return "\n".join([HEADER] + [row for p in paths for row in rows(p)])
 
 
-def splice(text: str, table: str, name: str) -> str:
-    """``text`` with the block between the markers replaced by ``table``."""
-    pat = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
-    if len(pat.findall(text)) != 1:
-        raise DFlashError(f"{name}: needs exactly one {BEGIN} ... {END} block")
-    return pat.sub(lambda _: f"{BEGIN}\n{table}\n{END}", text)
+splice = partial(md_block.splice, begin=BEGIN, end=END)
 
 
 def main(argv=None) -> int:
@@ -82,17 +78,8 @@ def main(argv=None) -> int:
     if not (a.write or a.check):
         print(table)
         return 0
-    stale = []
-    for md in a.write or a.check:
-        old = md.read_text()
-        new = splice(old, table, str(md))
-        if a.write and new != old:
-            md.write_text(new)
-        stale += [str(md)] if a.check and new != old else []
-    if stale:
-        print(f"stale (rerun with --write): {', '.join(stale)}", file=sys.stderr)
-        return 1
-    return 0
+    return md_block.write_or_check(a.write or a.check, table, begin=BEGIN, end=END,
+                                   write=bool(a.write))
 
 
 if __name__ == "__main__":

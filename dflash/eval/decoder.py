@@ -63,6 +63,7 @@ from ..models.drafter import rope_cos_sin
 from ..models.graphs import capture, capture_or_warn, replay_or_run
 from .decoded import Decoded
 from .decoder_step import argmax_head, context_kv, context_kv_weights, drafter_rope, greedy_head
+from ..runtime.busy import DeviceBusy
 from ..runtime.gate import get_gate
 from ..runtime.tracing import worker_thread_setup
 
@@ -71,34 +72,6 @@ def _graph_count() -> int:
     """Graphs dynamo has compiled in this process (stats only: the decoder compiles under the
     gate's exclusive side, so no other thread adds to it meanwhile)."""
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-
-
-class _WaveClock:
-    """Where one wave's time goes: the prefill, the steps, the harvest (``prefill_ms``,
-    ``steps_ms``, ``harvest_ms`` summed over ``waves`` in the decoder's stats). On CUDA the
-    first two are CUDA events on the device's timeline, read after the harvest (which has
-    synced anyway: no sync of their own); the harvest, and everything on CPU, is host time."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.marks: list[tuple[float, Any]] = []
-        self.mark()
-
-    def mark(self) -> None:
-        event = None
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-        self.marks.append((time.perf_counter(), event))
-
-    def add_to(self, stats: dict) -> None:
-        (h0, e0), (h1, e1), (h2, e2) = self.marks
-        prefill, steps = (e0.elapsed_time(e1), e1.elapsed_time(e2)) if self.cuda else (
-            1e3 * (h1 - h0), 1e3 * (h2 - h1))
-        harvest = 1e3 * (time.perf_counter() - h2)
-        for k, v in (("prefill_ms", prefill), ("steps_ms", steps), ("harvest_ms", harvest)):
-            stats[k] = round(stats.get(k, 0.0) + v, 3)
-        stats["waves"] = stats.get("waves", 0) + 1
 
 
 def _round_up(n: int, m: int) -> int:
@@ -185,6 +158,7 @@ class Decoder:
         self.rope = rope_of(self.layers[0])
         self._eager_pieces()
         self._graph, self._wave = None, 0
+        self._busy = {k: DeviceBusy(str(self.device)) for k in ("prefill", "steps")}
         self._ready = False
         self.stats: dict[str, Any] = {"compile_seconds": 0.0, "capture_seconds": 0.0,
                                       "steps": 0, "syncs": 0, "graph": False,
@@ -551,20 +525,31 @@ class Decoder:
         with torch.inference_mode():
             for s in range(0, len(prompts), self.N):
                 wave, self._wave = prompts[s:s + self.N], s
-                clock = _WaveClock(self.device)
+                t = self._busy["prefill"].start()
                 with self.gate.shared():
                     self._prefill(wave)
-                clock.mark()
+                self._busy["prefill"].stop(t)
+                t = self._busy["steps"].start()
                 # every active sequence emits >= 1 token per step: at most max_new steps
                 for _ in range(0, self.max_new, self.sync_every):
                     self._run_steps(self.sync_every)
                     self.stats["syncs"] += 1
                     if not bool(self.active.any()):  # the one host sync per sync_every steps
                         break
-                clock.mark()
+                self._busy["steps"].stop(t)
+                t = time.perf_counter()
                 out += self._harvest(len(wave))
-                clock.add_to(self.stats)
+                self._time_wave(time.perf_counter() - t)
         return out
+
+    def _time_wave(self, harvest_s: float) -> None:
+        """Where the waves' time goes (the H200's wall-vs-replay gap is per wave): ``prefill_ms``
+        and ``steps_ms`` on the device (CUDA timing events, complete once the harvest has
+        synced: no sync of their own), ``harvest_ms`` on the host, summed over ``waves``."""
+        for k in ("prefill", "steps"):
+            self.stats[f"{k}_ms"] = round(1e3 * self._busy[k].collect(block=True), 3)
+        self.stats["harvest_ms"] = round(self.stats.get("harvest_ms", 0.0) + 1e3 * harvest_s, 3)
+        self.stats["waves"] = self.stats.get("waves", 0) + 1
 
     def _harvest(self, n: int) -> list[Decoded]:
         gen, steps = self.gen[:n].tolist(), self.steps[:n].tolist()
