@@ -16,6 +16,9 @@ min_version("9.0")
 configfile: "config/config.yaml"
 
 
+report: "report/workflow.rst"  # the workflow caption of `snakemake --report`
+
+
 validate(config, "config/config.schema.yaml")  # and fills its defaults
 
 
