@@ -152,6 +152,8 @@ def write_manifest(path: str | os.PathLike, stage: str, fingerprints: dict[str, 
         **fields,
     }
     atomic_write_json(path, seal(body))
+    with contextlib.suppress(FileNotFoundError):  # made again: an earlier set-aside is past
+        os.unlink(set_aside_note(path))
     return body
 
 
@@ -179,17 +181,30 @@ def rerun_command(stage: str, path: str | os.PathLike) -> str:
     return f"snakemake --cores all --forcerun {stage} bench_{spec}"
 
 
-def set_aside(manifest_path: str | os.PathLike, stage: str, spec: str | None = None) -> str:
+def set_aside_note(manifest_path: str | os.PathLike) -> Path:
+    """Where :func:`set_aside` records why it moved a manifest: the stage run by hand later finds
+    the manifest missing and says what was damaged (read_manifest), not only that it is gone."""
+    path = Path(manifest_path)
+    return path.with_name(path.name + ".set-aside.json")
+
+
+def set_aside(manifest_path: str | os.PathLike, stage: str, spec: str | None = None,
+              why: str | None = None) -> str:
     """Move a damaged manifest out of the way (kept as ``*.damaged``) so that Snakemake sees the
     producer's output missing and reruns it; returns what to tell the user. ``spec``: whose
     target reruns it (default: the spec folder the manifest is in; a copy shared by content,
-    ``results/.shared/...``, has none of its own)."""
+    ``results/.shared/...``, has none of its own). ``why`` (the damaged file, in one line) and the
+    command are recorded beside it (:func:`set_aside_note`) until the stage writes it again."""
     path = Path(manifest_path)
     with contextlib.suppress(OSError):
         os.replace(path, path.with_name(path.name + ".damaged"))
     spec = spec or path.parent.parent.name
+    command = f"snakemake --cores all bench_{spec}"
+    with contextlib.suppress(OSError):
+        atomic_write_json(set_aside_note(path), {"why": why or f"{path}: damaged",
+                                                 "command": command})
     return (f"set {path.name} aside as {path.name}.damaged, so Snakemake reruns the {stage} "
-            f"stage: `snakemake --cores all bench_{spec}`")
+            f"stage: `{command}`")
 
 
 def check_output(path: str | os.PathLike, stage: str, spec: str | None = None) -> str | None:
@@ -205,7 +220,8 @@ def check_output(path: str | os.PathLike, stage: str, spec: str | None = None) -
     except (OSError, ValueError):
         body = None
     if not is_sealed(body):
-        return f"{path}: damaged (checksum mismatch); {set_aside(path, stage, spec)}"
+        why = f"{path}: damaged (checksum mismatch)"
+        return f"{why}; {set_aside(path, stage, spec, why)}"
     try:
         verify_files(body, path, stage, spec)
     except StaleArtifact as e:
@@ -224,7 +240,7 @@ def verify_files(manifest: dict, path: str | os.PathLike, stage: str,
         if found != want:
             what = "missing" if found is None else f"damaged (sha256 {found[:12]}…, its " \
                                                    f"manifest says {want[:12]}…)"
-            raise StaleArtifact(f"{f}: {what}; {set_aside(path, stage, spec)}")
+            raise StaleArtifact(f"{f}: {what}; {set_aside(path, stage, spec, f'{f}: {what}')}")
 
 
 def read_manifest(path: str | os.PathLike, stage: str) -> dict:
@@ -232,22 +248,34 @@ def read_manifest(path: str | os.PathLike, stage: str) -> dict:
     (a damaged one is set aside, so Snakemake reruns its stage)."""
     path = Path(path)
     if not path.is_file():
-        raise StaleArtifact(f"{path}: missing {stage} manifest — run the {stage} stage first: "
-                            f"`snakemake --cores all bench_{path.parent.parent.name}`.")
+        raise StaleArtifact(_missing(path, stage))
     try:
         body = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise StaleArtifact(f"{path}: unreadable {stage} manifest ({e}); "
-                            f"{set_aside(path, stage)}") from None
+        why = f"{path}: unreadable {stage} manifest ({e})"
+        raise StaleArtifact(f"{why}; {set_aside(path, stage, why=why)}") from None
     if not isinstance(body, dict):
-        raise StaleArtifact(f"{path}: {stage} manifest is not a JSON object; "
-                            f"{set_aside(path, stage)}")
+        why = f"{path}: {stage} manifest is not a JSON object"
+        raise StaleArtifact(f"{why}; {set_aside(path, stage, why=why)}")
     if not is_sealed(body):
-        raise StaleArtifact(f"{path}: {stage} manifest was modified after it was written "
-                            f"(checksum mismatch); {set_aside(path, stage)}")
+        why = f"{path}: {stage} manifest was modified after it was written (checksum mismatch)"
+        raise StaleArtifact(f"{why}; {set_aside(path, stage, why=why)}")
     _expect_value(path, "manifest_version", MANIFEST_VERSION, body.get("manifest_version"))
     _expect_value(path, "stage", stage, body.get("stage"))
     return body
+
+
+def _missing(path: Path, stage: str) -> str:
+    """A missing manifest: what an earlier check set aside, and why (the damaged file), when it
+    did (a `snakemake -n` checks outputs before it plans), else that the stage has not run."""
+    try:
+        note = json.loads(set_aside_note(path).read_text())
+        why, command = str(note["why"]), str(note["command"])
+    except (OSError, ValueError, TypeError, KeyError):
+        return (f"{path}: missing {stage} manifest — run the {stage} stage first: "
+                f"`snakemake --cores all bench_{path.parent.parent.name}`.")
+    return (f"{why}: the {stage} manifest was set aside (as {path.name}.damaged) by an earlier "
+            f"check; recover with `{command}` (it reruns the {stage} stage)")
 
 
 def expect(manifest: dict, path: str | os.PathLike, fingerprints: dict[str, str]) -> None:
