@@ -13,8 +13,9 @@
 This module owns expanding a sweep into its arms (each a full, validated :class:`Spec` named
 ``<sweep>-<arm>``) and materialising them as merged spec files the stages read
 (``results/<sweep>.sweep/specs/<sweep>-<arm>.yaml``: a dot cannot occur in a spec name, so the
-folder never collides with one). rules/common.smk loads every sweep file and adds its arms to the
-specs the DAG knows; rules/sweeps.smk adds the ``bench_<sweep>`` target and the sweep report.
+folder never collides with one), each when a job of that arm is planned, not at every DAG
+parse. rules/common.smk loads every sweep file and adds its arms to the specs the DAG knows;
+rules/sweeps.smk adds the ``bench_<sweep>`` target and the sweep report.
 """
 from __future__ import annotations
 
@@ -178,12 +179,21 @@ def arm_spec_text(sweep: Sweep, arm: Arm) -> str:
     return head + yaml.safe_dump(arm.data, sort_keys=False)
 
 
-def materialise(sweep: Sweep, results: str | Path) -> dict[str, Path]:
+def arm_file(results: str | Path, sweep: str, name: str) -> Path:
+    """Where arm ``name``'s merged spec file goes (:func:`materialise` writes it)."""
+    return sweep_dir(results, sweep) / "specs" / f"{name}.yaml"
+
+
+def materialise(sweep: Sweep, results: str | Path, names=None) -> dict[str, Path]:
     """Write each arm's merged spec file (only when its text changed; atomically) and return
-    {spec name: file}. The stages read these files like any spec."""
+    {spec name: file}. The stages read these files like any spec. ``names``: those arms only
+    (rules/common.smk writes an arm's file when a job of that arm is planned, so a DAG parse
+    writes nothing under results/ for a sweep nobody asked for)."""
     out = {}
     for arm in sweep.arms:
-        p = sweep_dir(results, sweep.name) / "specs" / f"{arm.name}.yaml"
+        if names is not None and arm.name not in names:
+            continue
+        p = arm_file(results, sweep.name, arm.name)
         text = arm_spec_text(sweep, arm)
         if not p.is_file() or p.read_text(encoding="utf-8") != text:
             atomic_write_text(p, text)
@@ -192,8 +202,9 @@ def materialise(sweep: Sweep, results: str | Path) -> dict[str, Path]:
 
 
 def load_sweeps(folder: str | Path, results: str | Path, specs: dict) -> tuple[dict, dict]:
-    """Every ``folder/*.yaml`` sweep: ({sweep name: Sweep}, {arm spec name: materialised file}).
-    An arm named like a spec in ``specs`` (or another sweep's arm) is an error."""
+    """Every ``folder/*.yaml`` sweep: ({sweep name: Sweep}, {arm spec name: its file}), written
+    by nobody yet (:func:`materialise` writes one when it is needed). An arm named like a spec in
+    ``specs`` (or another sweep's arm) is an error."""
     sweeps, files = {}, {}
     for p in sorted(Path(folder).glob("*.yaml")):
         sw = load_sweep(p)
@@ -204,6 +215,6 @@ def load_sweeps(folder: str | Path, results: str | Path, specs: dict) -> tuple[d
             if arm.name in specs or arm.name in files:
                 raise SpecError(f"{p}: arm {arm.arm!r} makes the spec name {arm.name!r}, "
                                 f"which already exists")
-        files.update(materialise(sw, results))
+        files.update({a.name: arm_file(results, sw.name, a.name) for a in sw.arms})
         sweeps[sw.name] = sw
     return sweeps, files

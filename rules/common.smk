@@ -11,6 +11,8 @@ from pathlib import Path
 # another checkout is installed (editable) in the interpreter.
 sys.path.insert(0, workflow.basedir)
 
+from snakemake.cli import get_argument_parser
+
 from dflash.code_fingerprint import stage_code_fingerprint
 from dflash.data.check import check_data
 from dflash.errors import DFlashError
@@ -18,6 +20,7 @@ from dflash.eval.report import PLOTS
 from dflash.manifest import check_output, sha256_file
 from dflash.runtime import resources
 from dflash.spec import load_spec
+from dflash.sweeps import load_sweeps, materialise
 
 
 def _load_specs():
@@ -63,6 +66,18 @@ def refused(name):
     return f
 
 
+def command_line_targets():
+    """The targets of the `snakemake` command line, read with Snakemake's own parser (its options'
+    values never count as targets), or None where that is not known: a job sent to a cluster node
+    (--target-jobs), a workflow run through the API. Snakemake hands its DAG settings to the
+    workflow only after the parse, so this is the one way the rules see what was asked for."""
+    try:
+        args, _ = get_argument_parser().parse_known_args(sys.argv[1:])
+    except SystemExit:  # not a snakemake command line
+        return None
+    return None if args.target_jobs else list(args.targets or ())
+
+
 def refuse_requested(targets):
     """Asked for a bad spec's target by name (or a file under results/<spec>/): its one-line
     error and exit 2, before the DAG is built."""
@@ -88,10 +103,9 @@ GPU_JOBS = config["gpu_jobs"]  # jobs per CUDA device (config/config.schema.yaml
 
 
 def _load_sweep_arms():
-    """sweeps/<name>.yaml: each arm becomes a spec (dflash/sweeps.py), its merged file written
-    under results/<sweep>.sweep/specs/ for the stages to read; rules/sweeps.smk adds bench_<sweep>."""
-    from dflash.sweeps import load_sweeps
-
+    """sweeps/<name>.yaml: each arm becomes a spec (dflash/sweeps.py), its merged file (under
+    results/<sweep>.sweep/specs/, for the stages to read) written by `spec_file` when a job of
+    the arm is planned, never at parse; rules/sweeps.smk adds bench_<sweep>."""
     try:
         sweeps, files = load_sweeps(Path(workflow.basedir, "sweeps"), RESULTS, SPECS)
     except DFlashError as e:
@@ -173,7 +187,12 @@ def intact(stage):
 
 
 def spec_file(wc):
-    return SPEC_FILES.get(wc.spec, f"specs/{wc.spec}.yaml")  # a sweep arm: its merged file
+    """The spec file a job of wc.spec reads; a sweep arm's merged file is written here, when a job
+    of that arm is planned (a param function), so a parse writes nothing for unrequested arms."""
+    if wc.spec not in SPEC_FILES:
+        return f"specs/{wc.spec}.yaml"
+    sweep = next(sw for sw in SWEEPS.values() if wc.spec in sw.arm_names())
+    return str(materialise(sweep, RESULTS, names={wc.spec})[wc.spec])
 
 
 def stage_cmd(stage, launch=False):

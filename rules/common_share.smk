@@ -13,11 +13,41 @@ from dflash.sweeps import sweep_dir
 CODE = {st: code_hash(st) for st in SHARED_STAGES}
 
 
+def requested_specs():
+    """The specs the command line asks for (bench_<spec>, data_<spec>, bench_<sweep>, a file under
+    results/<spec>/ or results/<sweep>.sweep/; no target: the default spec), or None where a
+    target names none (a store entry, a job sent to a cluster node): then any spec may be."""
+    targets = command_line_targets()
+    if targets is None:
+        return None
+    if not targets or targets == ["all"]:
+        return {DEFAULT_SPEC}
+    arms = {sw.name: set(sw.arm_names()) for sw in SWEEPS.values()}
+    out = set()
+    for t in targets:
+        if t == "all":
+            out.add(DEFAULT_SPEC)
+            continue
+        stage, _, name = t.partition("_")
+        if not (stage in STAGE_TARGETS and (name in SPECS or name in arms)):  # a file?
+            under = Path(t).is_relative_to(RESULTS) and Path(t).relative_to(RESULTS).parts
+            name = under[0].removesuffix(".sweep") if len(under or ()) > 1 else None
+        if name in arms:
+            out |= arms[name]
+        elif name in SPECS:
+            out.add(name)
+        else:
+            return None
+    return out
+
+
 def _share_keys():
-    """{(stage, spec): key} and {stage: {key: the first spec that has it}}: the spec whose file
-    the shared job reads (any would do: they agree on every field the stage depends on)."""
+    """{(stage, spec): key} and {stage: {key: the spec whose file the shared job reads}}: the first
+    requested spec with that key (any would do: they agree on every field the stage depends on),
+    so the stage's log names a spec the user asked for, never another sweep's arm."""
     keys, reps = {}, {st: {} for st in SHARED_STAGES}
-    for name in sorted(SPECS):
+    asked = requested_specs()
+    for name in sorted(SPECS, key=lambda n: (asked is not None and n not in asked, n)):
         wc = SimpleNamespace(spec=name)
         for st in SHARED_STAGES:
             up = {"lock": lock_sha(wc)} if st == "env" else {"env": keys[("env", name)]}

@@ -47,4 +47,4 @@ for _name in BAD_SPECS:
                 refused(_name),
 
 
-refuse_requested(a for a in sys.argv[1:] if not a.startswith("-"))
+refuse_requested(command_line_targets())
