@@ -77,9 +77,11 @@ def test_static_loss_equals_the_host_selected_loss(B, cap, response, backend):
     (g,) = torch.autograd.grad(loss, hidden)
     s_loss, s_hits = obj.static_loss(hidden, head, blocks, chunk=7)
     (s_g,) = torch.autograd.grad(s_loss, hidden)
-    torch.testing.assert_close(s_loss, loss, atol=1e-6, rtol=1e-6)
+    # every slot, zero-weighted, vs the host-selected positions: float32 sums in another
+    # order (the loss over positions × V, each hidden gradient element V products of width H)
+    assert_f32_close(s_loss, loss, blocks.labels.numel() * V)
     torch.testing.assert_close(s_hits, hits, atol=0, rtol=0)
-    torch.testing.assert_close(s_g, g, atol=1e-7, rtol=1e-6)
+    assert_f32_close(s_g, g, V * H)
     k = torch.arange(B).repeat(blocks.labels.numel() // B)
     assert (s_g[0, (blocks.labels == IGNORE_INDEX)] == 0).all()
     if cap is not None:
