@@ -316,8 +316,11 @@ def test_compiled_head_loss_equals_the_eager_path(kind, top_k):
         if backend is None:
             assert _graphs() == before                    # eager: nothing compiled
     assert not got["inductor"][1].requires_grad and float(got[None][1].sum()) > 0
-    for a, b in zip(got[None], got["inductor"]):
-        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
+    (loss_e, hits_e, g_e), (loss_c, hits_c, g_c) = got[None], got["inductor"]
+    torch.testing.assert_close(hits_c, hits_e, atol=0, rtol=0)     # counts: exact
+    # inductor fuses the chunk's kernels: float32 sums in another order (see conftest.f32_close)
+    assert_f32_close(loss_c, loss_e, blocks.labels.numel() * V)
+    assert_f32_close(g_c, g_e, V * H)
 
 
 def test_compiled_head_loss_does_not_recompile_for_another_count():
