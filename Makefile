@@ -18,5 +18,6 @@ $(VENV)/.installed: $(LOCK) $(NODEPS) pyproject.toml
 run: setup
 	$(VENV)/bin/snakemake --cores all
 
+# --durations=20: pytest's slowest 20 printed after every run, so a test that grows shows
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20

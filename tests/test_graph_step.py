@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import dflash.train.checkpoint as ckpt
+from conftest import assert_f32_close, f32_close
 from dflash.errors import SpecError
 from dflash.models.masks import IGNORE_INDEX, PackedRow
 from dflash.models.target_output import TargetOutput
@@ -76,9 +77,11 @@ def test_static_loss_equals_the_host_selected_loss(B, cap, response, backend):
     (g,) = torch.autograd.grad(loss, hidden)
     s_loss, s_hits = obj.static_loss(hidden, head, blocks, chunk=7)
     (s_g,) = torch.autograd.grad(s_loss, hidden)
-    torch.testing.assert_close(s_loss, loss, atol=1e-6, rtol=1e-6)
+    # every slot, zero-weighted, vs the host-selected positions: float32 sums in another
+    # order (the loss over positions × V, each hidden gradient element V products of width H)
+    assert_f32_close(s_loss, loss, blocks.labels.numel() * V)
     torch.testing.assert_close(s_hits, hits, atol=0, rtol=0)
-    torch.testing.assert_close(s_g, g, atol=1e-7, rtol=1e-6)
+    assert_f32_close(s_g, g, V * H)
     k = torch.arange(B).repeat(blocks.labels.numel() // B)
     assert (s_g[0, (blocks.labels == IGNORE_INDEX)] == 0).all()
     if cap is not None:
@@ -135,8 +138,13 @@ def test_step_on_static_buffers_equals_today_s_step(cap, response):
         assert norm is None and res.labelled > 0
         torch.testing.assert_close(loss, res.loss, atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(hits, res.hits, atol=0, rtol=0)
+        # not the same kernels (the body reduces over every slot, zero-weighted where
+        # unlabelled): float32 sums in another order, each gradient element a sum over the
+        # row's tokens of products over the hidden width, so depth L * H (observed here: up to
+        # 6e-6 relative, 52 eps; a dropped position or another row is 1e-2 and more)
         for p, g, w in zip(rep.params, _grads(rep), want):
-            torch.testing.assert_close(g, w, atol=1e-7, rtol=1e-5)
+            assert_f32_close(g, w, L * H)
+        assert not f32_close(want[0] * (1 + 1e-3), want[0], L * H)  # the bound can fail
         assert sum(float(g.abs().sum()) for g in want) > 0
         rep.zero_grad()
 

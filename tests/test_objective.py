@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import dflash.runtime.gate as gate_mod
+from conftest import assert_f32_close
 from dflash.errors import SpecError
 from dflash.models.features import FeatureExtractor
 from dflash.models.masks import IGNORE_INDEX, PackedRow, loss_weights, sample_anchors
@@ -96,8 +97,11 @@ def test_ce_loss_and_gradient_equal_direct_full_softmax(B, gamma, cap):
     (g,) = torch.autograd.grad(loss, hidden)
     ref = reference(obj, blocks, hidden, head, torch.zeros(64, V), 1)
     (g_ref,) = torch.autograd.grad(ref, hidden)
-    torch.testing.assert_close(loss, ref, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(g, g_ref, atol=1e-6, rtol=1e-5)
+    # chunked vs one full softmax: the same float32 sums in another order; the loss sums
+    # every supervised position's log-sum-exp over V, each hidden gradient element sums V
+    # products of width H (see conftest.f32_close)
+    assert_f32_close(loss, ref, blocks.labels.numel() * V)
+    assert_f32_close(g, g_ref, V * H)
     # the cap: positions above it get no gradient at all, and no hits are counted there
     k = torch.arange(B).repeat(blocks.labels.numel() // B)
     if cap is not None:
@@ -134,8 +138,11 @@ def test_kd_loss_and_gradient_equal_direct_full_softmax(kind, top_k, B, cap):
     (g,) = torch.autograd.grad(loss, hidden)
     ref = reference(obj, blocks, hidden, head, tl, top_k)
     (g_ref,) = torch.autograd.grad(ref, hidden)
-    torch.testing.assert_close(loss, ref, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(g, g_ref, atol=1e-6, rtol=1e-5)
+    # chunked vs one full softmax: the same float32 sums in another order; the loss sums
+    # every supervised position's log-sum-exp over V, each hidden gradient element sums V
+    # products of width H (see conftest.f32_close)
+    assert_f32_close(loss, ref, blocks.labels.numel() * V)
+    assert_f32_close(g, g_ref, V * H)
     assert float(loss.detach()) > 0
 
 
@@ -309,8 +316,11 @@ def test_compiled_head_loss_equals_the_eager_path(kind, top_k):
         if backend is None:
             assert _graphs() == before                    # eager: nothing compiled
     assert not got["inductor"][1].requires_grad and float(got[None][1].sum()) > 0
-    for a, b in zip(got[None], got["inductor"]):
-        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
+    (loss_e, hits_e, g_e), (loss_c, hits_c, g_c) = got[None], got["inductor"]
+    torch.testing.assert_close(hits_c, hits_e, atol=0, rtol=0)     # counts: exact
+    # inductor fuses the chunk's kernels: float32 sums in another order (see conftest.f32_close)
+    assert_f32_close(loss_c, loss_e, blocks.labels.numel() * V)
+    assert_f32_close(g_c, g_e, V * H)
 
 
 def test_compiled_head_loss_does_not_recompile_for_another_count():
