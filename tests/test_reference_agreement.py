@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from dflash.eval.spread import RESAMPLES, fmt, pooled_interval, tau_interval
 
@@ -44,14 +45,14 @@ def test_the_vendored_reference_is_upstream_verbatim_with_its_license():
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    n = __import__("torch").get_num_threads()
-    __import__("torch").set_num_threads(1)  # tiny tensors; robust to a busy machine
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors; robust to a busy machine
     try:
         out = tmp_path_factory.mktemp("agree") / "reference_tau.json"
         rc = _bench("reference_tau").main(["--tiny", "--dtypes", "float32", "--kernels",
                                            "--prompts", "8", "--out", str(out)])
     finally:
-        __import__("torch").set_num_threads(n)
+        torch.set_num_threads(n)
     return rc, json.loads(out.read_text())
 
 
