@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflash.eval.decoded import Decoded
 from dflash.eval.spread import RESAMPLES, fmt, pooled_interval, tau_interval
 
 REPO = Path(__file__).resolve().parents[1]
@@ -113,3 +114,23 @@ def test_pooled_interval_weights_by_forwards_and_brackets_tau():
     assert pooled_interval([30, 2, 12, 9], [10, 2, 6, 6]) == d      # seeded: reproducible
     assert str(RESAMPLES) in d["method"] and fmt(d).startswith("2.208 [")
     assert fmt(None) == "n/a" and fmt(one) == "2.000"
+
+
+def test_agreement_counts_forks_and_drops_the_reference_extra_step():
+    ra = _bench("reference_agree")
+    # prompt 0: equal, but the reference's anchor landed on the last token (emitted 6 of
+    # max_new 7) and it took one more step; prompt 1: forks at step 1 and token 3
+    ref = [{"tokens": [1, 2, 3, 4, 5, 6, 7], "acceptance_lengths": [3, 3, 2]},
+           {"tokens": [1, 2, 3, 9, 9, 9, 9], "acceptance_lengths": [2, 5]}]
+    ours = [Decoded(tokens=[1, 2, 3, 4, 5, 6, 7], target_forwards=2, tau=3.0,
+                    accept_counts=[], accepted=[2, 2]),
+            Decoded(tokens=[1, 2, 3, 4, 5, 6, 7], target_forwards=3, tau=2.0,
+                    accept_counts=[], accepted=[1, 1, 3])]
+    g = ra.agreement(ref, ours, 7)
+    a, b = g["per_prompt"]
+    assert a["reference_extra_steps"] == 1 and a["same_acceptance"]
+    assert a["acceptance_lengths_reference"] == a["acceptance_lengths_ours"] == [3, 3]
+    assert (b["first_fork_step"], b["first_fork_token"]) == (1, 3)
+    assert g["forks"] == g["token_forks"] == 1 and (g["steps"], g["steps_equal"]) == (5, 2)
+    assert g["tau_reference"] == pytest.approx(13 / 4) and g["tau_ours"] == pytest.approx(14 / 5)
+    assert g["relative_gap"] == pytest.approx((13 / 4 - 14 / 5) / (14 / 5))
