@@ -14,7 +14,8 @@ randomly initialised). ``--kernels`` repeats that parity under each TF32 switch 
 attention kernels (:func:`reference_agree.precision_matrix`): which one makes a GPU gap.
 
     # the H200 run (issue #36): 32 prompts, float32 end to end (identical streams expected),
-    # then bf16, and the kernel matrix; about 4 min per dtype (their eager loop ~40 ms a step)
+    # then bf16, and the kernel matrix; ~8-10 min in all (est.): under a 10-min limit, one
+    # call per dtype (--dtypes float32 --kernels, then --dtypes bfloat16)
     PYTHONPATH=$PWD python bench/gpu/reference_tau.py --spec specs/smollm2-quality.yaml \\
         --drafter results/smollm2-quality/train/drafter --prompts 32 --max-new 256 \\
         --dtypes float32,bfloat16 --kernels --out bench/results/h200/reference_agreement.json
