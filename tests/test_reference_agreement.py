@@ -134,3 +134,12 @@ def test_agreement_counts_forks_and_drops_the_reference_extra_step():
     assert g["forks"] == g["token_forks"] == 1 and (g["steps"], g["steps_equal"]) == (5, 2)
     assert g["tau_reference"] == pytest.approx(13 / 4) and g["tau_ours"] == pytest.approx(14 / 5)
     assert g["relative_gap"] == pytest.approx((13 / 4 - 14 / 5) / (14 / 5))
+
+
+def test_bad_dtypes_and_ref_dir_are_one_clear_error(tmp_path, capsys):
+    rt = _bench("reference_tau")
+    with pytest.raises(SystemExit) as e:
+        rt.main(["--tiny", "--dtypes", "float32,fp8", "--out", str(tmp_path / "x.json")])
+    assert e.value.code == 2 and "--dtypes: unknown ['fp8']" in capsys.readouterr().err
+    with pytest.raises(rt.DFlashError, match="no dflash/model.py or model.py"):
+        rt.main(["--tiny", "--ref-dir", str(tmp_path), "--out", str(tmp_path / "x.json")])
