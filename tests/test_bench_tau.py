@@ -12,7 +12,7 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from dflash.data.generate import eos_ids_of
 from dflash.errors import DFlashError, SpecError
 from dflash.eval.evalsets import heldout_prompts, load_eval_sets, user_prompt
-from dflash.eval.report import fmt, write_plots
+from dflash.eval.report import ci, fmt, write_plots
 from dflash.eval.speculative import speculative_generate
 from dflash.eval.tau import TauMonitor, simulate, summarize
 from dflash.models.drafter import DFlashDrafter, export_drafter
@@ -104,8 +104,12 @@ def test_evaluate_tau_report_and_markdown(tmp_path, exported):
                       undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     src = env.loader.get_source(env, "report.md.j2")[0]
     part = src[src.index("## Acceptance length"):src.index("## Step time")]
-    md = env.from_string(part).render(r=report, fmt=fmt)
+    md = env.from_string(part).render(r=report, fmt=fmt, ci=ci)
     assert "| mtbench | 2 |" in md and "| humaneval | 2 |" in md and "writing" in md
+    # τ from 2 prompts carries its 95 % interval over prompts (dflash/eval/spread.py)
+    mt = tau["sets"]["mtbench"]
+    lo, hi = mt["tau_ci95"]
+    assert lo <= mt["tau"] <= hi and f"| {fmt(mt['tau'])} [{fmt(lo)}, {fmt(hi)}] |" in md
     # the batch sweep is CUDA-only; the lossless evidence of the real decode is reported
     assert tau["decode_speed"]["skipped"].startswith("on cpu")
     assert "Skipped: on cpu" in md and "emitted tokens checked, 0 not the verify argmax" in md
@@ -158,7 +162,7 @@ def test_reference_protocol_and_train_set_in_the_report(tmp_path, exported):
                       undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     src = env.loader.get_source(env, "report.md.j2")[0]
     md = env.from_string(src[src.index("## Acceptance length"):src.index("## Step time")]
-                         ).render(r={"acceptance": tau}, fmt=fmt)
+                         ).render(r={"acceptance": tau}, fmt=fmt, ci=ci)
     assert f"| dflash (ours) | first | 6 | 2 | {fmt(ours['tau'])} |" in md
     assert f"| reference | both | 8 | 4 | {fmt(ref['tau'])} | **{fmt(ref['tau_prompt_mean'])}** |" in md
     assert "| reference, turn2 only | turn2 | 8 | 2 |" in md and "| train | 2 |" in md

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from dflash.errors import DFlashError
 from dflash.eval.decoder import Decoder
 from dflash.eval.decoder_step import context_kv, context_kv_weights
-from dflash.eval.report import fmt, write_plots
+from dflash.eval.report import ci, fmt, write_plots
 from dflash.eval.serving import goal, sweep
 from dflash.eval.speculative import target_greedy
 from dflash.eval.tau import greedy_continuations
@@ -250,5 +250,7 @@ def test_sweep_rows_and_their_report_section(world, tmp_path):
                       undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     src = env.loader.get_source(env, "report.md.j2")[0]
     part = src[src.index("## Decoding speed"):src.index("## Step time")]
-    md = env.from_string(part).render(r={"acceptance": tau}, fmt=fmt)
+    md = env.from_string(part).render(r={"acceptance": tau}, fmt=fmt, ci=ci)
     assert md.count("| 3 | ") == 2 and "(goal ≥ 0.75)" in md and "| True |" in md
+    lo, hi = rows[0]["tau_ci95"]                  # 3 prompts: τ with its interval over them
+    assert lo <= rows[0]["tau"] <= hi and f"{fmt(rows[0]['tau'])}{ci(rows[0])} |" in md

@@ -1,6 +1,6 @@
-"""bench/gpu/reference_tau.py's own pieces (the reference code itself is not in this repository:
-the script runs against a checkout, bench/results/reference_tau_cpu.json): the crop shim that
-lets the reference loop run on transformers >= 5.18, and the τ comparison."""
+"""bench/gpu/reference_tau.py's own pieces: the crop shim that lets the reference loop run on
+transformers >= 5.18, and the τ comparison. Both loops side by side on a trained drafter:
+tests/test_reference_agreement.py (against the vendored reference, tests/reference_zlab/)."""
 import importlib.util
 import sys
 from pathlib import Path

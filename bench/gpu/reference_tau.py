@@ -1,36 +1,44 @@
 """The reference model's τ on our export: load our exported drafter folder with z-lab's own
-``DFlashDraftModel`` (their ``dflash/model.py``, from a checkout given by ``--ref-dir``; never
-copied into this repository) and decode MT-Bench first turns greedily with THEIR speculative loop
-(``dflash_generate``: DynamicCache, eager, batch 1), next to our decoder
-(:class:`dflash.eval.decoder.Decoder`, batch 1) on the same prompts and ``max_new_tokens``.
+``DFlashDraftModel`` (their ``dflash/model.py``: by default the verbatim copy vendored under
+tests/reference_zlab/, MIT, see its README; or a checkout given by ``--ref-dir``) and decode
+MT-Bench first turns greedily with THEIR speculative loop (``dflash_generate``: DynamicCache,
+eager, batch 1), next to our decoder (:class:`dflash.eval.decoder.Decoder`, batch 1) on the same
+prompts and ``max_new_tokens``.
 
 Before decoding, the export contract's real test, in float32: the target features their
 ``extract_context_feature`` picks equal ours (the layer-id offset convention), and their model's
 logits on our export equal our drafter's for one context + block (max abs diff recorded; past
 ``--parity-tol`` × max(1, max |logit|) the script still decodes, then exits 1). Loading fails at
-once on any missing or unexpected
-tensor name (their ``from_pretrained`` would otherwise leave it randomly initialised).
+once on any missing or unexpected tensor name (their ``from_pretrained`` would otherwise leave it
+randomly initialised). ``--kernels`` repeats that parity under each TF32 switch and each of our
+attention kernels (:func:`reference_agree.precision_matrix`): which one makes a GPU gap.
 
-    # on the GPU: the trained drafter, the real target, 16 MT-Bench first turns, 256 new tokens
-    PYTHONPATH=$PWD python bench/gpu/reference_tau.py --ref-dir .zlab \\
-        --spec specs/smollm2-quality.yaml --drafter results/smollm2-quality/train/drafter \\
-        --out bench/results/h200/reference_tau.json
-    # on CPU: a tiny random target + drafter exported the way tests/test_model.py exports one
-    PYTHONPATH=$PWD python bench/gpu/reference_tau.py --ref-dir /work/.mirror/zlab --tiny \\
-        --out bench/results/reference_tau_cpu.json
+    # the H200 run (issue #36): 32 prompts, float32 end to end (identical streams expected),
+    # then bf16, and the kernel matrix; ~8-10 min in all (est.): under a 10-min limit, one
+    # call per dtype (--dtypes float32 --kernels, then --dtypes bfloat16)
+    PYTHONPATH=$PWD python bench/gpu/reference_tau.py --spec specs/smollm2-quality.yaml \\
+        --drafter results/smollm2-quality/train/drafter --prompts 32 --max-new 256 \\
+        --dtypes float32,bfloat16 --kernels --out bench/results/h200/reference_agreement.json
+    # on CPU (tests/test_reference_agreement.py): a tiny random target + a drafter trained on it
+    PYTHONPATH=$PWD python bench/gpu/reference_tau.py --tiny --dtypes float32,bfloat16 \\
+        --kernels --out /tmp/reference_tau_tiny.json
 
-``--ref-dir`` holds ``dflash/model.py`` (or ``model.py``) of github.com/z-lab/dflash; only that
-file is imported (under another module name: their package is also called ``dflash``). It needs
-torch, transformers (Qwen3 modules) and typing_extensions; nothing else of theirs.
+Only the reference's model file is imported (under another module name: their package is also
+called ``dflash``). It needs torch, transformers (Qwen3 modules) and typing_extensions.
 
-τ, both sides, as the reference's benchmark defines it: per prompt the mean of per-step
-acceptance lengths (accepted drafts + 1, before any cut at eos / max_new_tokens), then the mean
-over prompts. ``tau_emitted_ours`` is ours as decode_speed.py reports it (tokens emitted per
-verify). Their loop runs one step more than ours at the end (it stops when the next anchor's
-position reaches prompt + max_new_tokens, so its last bonus token is cut); ``tau_reference_same_
-steps`` averages their first as many steps as ours took, and ``acceptance_prefix_equal`` says
-whether those steps accepted exactly what ours did (expected in float32; in bf16 a near-tie can
-fork the two streams, then the τ's stay close but the steps differ).
+``--dtypes``: one run per dtype, every model (target, drafter, reference) cast to it; ``spec``
+(the default) runs the models as the spec loads them. Per run, ``agreement``
+(:func:`reference_agree.agreement`) has the one τ definition on both sides: Σ acceptance lengths
+(accepted drafts + 1, before the cut at eos / max_new_tokens) / Σ target verify forwards, pooled
+over prompts, each loop's steps counted while its anchor lies before the budget's last token
+(this drops the reference loop's extra step: it runs while the anchor's position < prompt +
+max_new_tokens, ours while a token is left to emit), with a 95 % bootstrap interval over
+prompts; per prompt both sides' acceptance lengths and the first step / token where they fork.
+``compare`` keeps the figures earlier files carry: the reference benchmark's τ (per prompt the
+mean of per-step acceptance lengths, then the mean over prompts, its extra step included),
+``tau_reference_same_steps`` (their first as many steps as ours took) and ``tau_emitted_ours``
+(tokens emitted per verify, as decode_speed.py reports it). The top-level ``tau`` and
+``ours_seconds`` are the first run's.
 """
 from __future__ import annotations
 
@@ -50,14 +58,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_speed import real_models  # noqa: E402  (bench/gpu/, beside this script)
+from reference_agree import agreement, precision_matrix, precision_state, trained_world  # noqa: E402
 from packaging.version import Version
-from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import Cache
 
 from dflash.errors import DFlashError  # noqa: E402
 from dflash.eval.decoder import Decoder
 from dflash.eval.serving import timed_decode
-from dflash.models.drafter import DFlashConfig, DFlashDrafter, export_drafter, extract_features
+from dflash.models.drafter import extract_features
 
 
 def load_reference(ref_dir: str):
@@ -114,9 +122,8 @@ def logits_parity(mod, ref32, ours, target, prompt, seed: int = 0) -> dict:
     h_ref = ref32.float()(position_ids=pos, noise_embedding=emb, target_hidden=f_ref,
                           is_causal=False)
     h_ours = ours32(emb, f_ours, pos[:, C:], pos[:, :C], mask=None)
-    # the same forward through SDPA: on CUDA our serving path attends with flex_attention, a
-    # Triton kernel whose float32 dots may run as TF32; SDPA's float32 path does not. Equal
-    # here and apart above = the kernel's precision, not the export contract.
+    # the same forward through SDPA (load_drafter's default is SDPA already; a drafter built
+    # for flex differs here). Which kernel or TF32 switch makes a GPU gap: --kernels.
     h_sdpa = ours32(emb, f_ours, pos[:, C:], pos[:, :C], mask=None, attention="sdpa")
     lm = tgt32.lm_head
     l_ref, l_ours, l_sdpa = lm(h_ref), lm(h_ours), lm(h_sdpa)
@@ -186,33 +193,6 @@ def ours_decode(target, drafter, prompts, max_new, eos):
     return spec, greedy, ts, tg
 
 
-def tiny_models(tmp: Path):
-    """A tiny random Llama target and a 2-layer drafter exported like tests/test_model.py; a
-    16-token vocabulary, so that random drafts are sometimes accepted (τ > 1: the acceptance
-    and the drafter's context paths of both loops are exercised, not only the bonus token)."""
-    V = 16
-
-
-    torch.manual_seed(0)
-    tc = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                     num_hidden_layers=6, intermediate_size=128, vocab_size=V,
-                     rope_theta=10000.0, eos_token_id=2, bos_token_id=1, pad_token_id=0)
-    target = LlamaForCausalLM(tc).eval()
-    cfg = DFlashConfig.from_target_config(tc, 2, 8, V - 1, layer_ids=[1, 3])
-    d = DFlashDrafter(cfg).eval()
-    with torch.no_grad():  # larger than the 0.02 init, so drafts depend on the context
-        for p in d.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.2)
-    out = export_drafter(d, cfg, tmp / "drafter")
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, V - 1, (int(n),), generator=g).tolist()
-               for n in (9, 17, 30, 12, 21, 5)]
-    # ours = the in-memory drafter that was exported (not a reload): an export that writes a
-    # tensor under the wrong name, or a config field wrong, shows as a parity failure
-    return target, d, [2], out, prompts
-
-
 def _mean(xs):
     return statistics.fmean(xs) if xs else None
 
@@ -245,45 +225,96 @@ def compare(ref_res, spec, greedy) -> dict:
             "prompts": len(rows)}
 
 
-def main(argv=None) -> int:
+# the vendored copy of z-lab's model.py (tests/reference_zlab/README.md: commit, license, shims)
+VENDORED = Path(__file__).resolve().parents[2] / "tests" / "reference_zlab"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ref-dir", required=True, help="checkout of github.com/z-lab/dflash "
-                    "(needs dflash/model.py)")
-    ap.add_argument("--tiny", action="store_true", help="CPU check: tiny random target + drafter")
+    ap.add_argument("--ref-dir", default=str(VENDORED), help="checkout of github.com/z-lab/"
+                    "dflash (dflash/model.py) or a folder with model.py (default: the vendored "
+                    "copy, tests/reference_zlab)")
+    ap.add_argument("--tiny", action="store_true", help="CPU check: a tiny random target and a "
+                    "drafter trained on it (τ ≈ 2-3)")
+    ap.add_argument("--train-steps", type=int, default=300, help="--tiny: drafter steps")
     ap.add_argument("--spec", help="spec of the target (and MT-Bench prompts)")
     ap.add_argument("--drafter", help="exported drafter folder (with --spec)")
     ap.add_argument("--prompts", type=int, default=16, help="MT-Bench first turns")
     ap.add_argument("--max-new", type=int, default=256)
+    ap.add_argument("--dtypes", default="spec", help="comma list of decode dtypes, each run "
+                    "end to end (target, drafter, reference): float32, bfloat16; 'spec' = as "
+                    "loaded (the spec's dtypes)")
+    ap.add_argument("--kernels", action="store_true", help="also the float32 parity under each "
+                    "TF32 switch x each of our attention kernels (which one makes the gap)")
     ap.add_argument("--parity-tol", type=float, default=1e-4,
                     help="max abs logit diff allowed in float32, times max(1, max |logit|)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
-    mod = load_reference(a.ref_dir)
-    dev = "cuda" if torch.cuda.is_available() and not a.tiny else "cpu"
-    tmp = tempfile.TemporaryDirectory()
-    if a.tiny:
-        target, drafter, eos, ddir, prompts = tiny_models(Path(tmp.name))
-        max_new = min(a.max_new, 40)
-    elif a.spec and a.drafter:
-        target, drafter, eos, _, prompts = real_models(a.spec, a.drafter, dev, a.prompts)
-        ddir, max_new = Path(a.drafter), a.max_new
-    else:
+    bad = [d for d in a.dtypes.split(",") if d != "spec" and d not in DTYPES]
+    if bad:
+        ap.error(f"--dtypes: unknown {bad} (spec, {', '.join(DTYPES)})")
+    if not a.tiny and not (a.spec and a.drafter):
         ap.error("give --tiny, or --spec and --drafter")
-    prompts = prompts[:a.prompts]
-    out = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name() if dev == "cuda"
-           else platform.processor(), "torch": torch.__version__,
-           "transformers": __import__("transformers").__version__,
-           "reference": {"file": str(Path(mod.__file__).resolve()), "loop": "dflash_generate "
-                         "(their speculative loop: DynamicCache, eager, batch 1)",
-                         "sha256": hashlib.sha256(Path(mod.__file__).read_bytes()).hexdigest(),
-                         "crop_shim": needs_crop_shim()},
-           "drafter": str(ddir), "max_new_tokens": max_new}
-    ref = load_reference_drafter(mod, ddir, dev, torch.float32)
-    out["parity"] = par = logits_parity(mod, ref, drafter, target, prompts[0])
+    return a
+
+
+def decode_both(mod, ref32, target, drafter, prompts, max_new, eos, dtype) -> dict:
+    """Both loops on the same prompts, every model in ``dtype`` (None: as loaded)."""
+    if dtype is not None:
+        target, drafter = copy.deepcopy(target).to(dtype), copy.deepcopy(drafter).to(dtype)
+    ref = copy.deepcopy(ref32).to(drafter.dtype)
+    ref_res = reference_decode(mod, ref, target, prompts, max_new, eos)
+    spec, greedy, ts, tg = ours_decode(target, drafter, prompts, max_new, eos)
+    return {"dtype": str(drafter.dtype).removeprefix("torch."),
+            "target_dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
+            "precision": precision_state(), "compare": compare(ref_res, spec, greedy),
+            "agreement": agreement(ref_res, spec, max_new),
+            "ours_seconds": {"speculative": ts, "target_only": tg}}
+
+
+def _print_parity(par: dict) -> None:
     print(f"parity (float32): features {par['features_max_abs_diff']:.3g}, logits max abs diff "
           f"{par['logits_max_abs_diff']:.3g} ({par['our_attention']}; through SDPA "
           f"{par['logits_max_abs_diff_sdpa']:.3g}; |logits| <= {par['logits_max_abs']:.3g}), drafts "
           f"equal {par['drafts_equal']}", flush=True)
+
+
+def _print_run(run: dict, max_new: int) -> None:
+    g, c = run["agreement"], run["compare"]
+    ci = [f"[{x[0]:.3f}, {x[1]:.3f}]" if x else "" for x in (g["tau_reference_ci95"],
+                                                             g["tau_ours_ci95"])]
+    print(f"{run['dtype']}: τ reference {g['tau_reference']:.3f} {ci[0]} vs ours "
+          f"{g['tau_ours']:.3f} {ci[1]} (pooled, the reference's extra step dropped; "
+          f"{g['relative_gap']:+.1%}) on {g['prompts']} prompts ({max_new} new tokens); forks "
+          f"{g['forks']}/{g['prompts']} (token streams {g['token_forks']}); steps accepted alike "
+          f"{g['steps_equal']}/{g['steps']}; per-prompt mean as the reference reports it "
+          f"{c['tau_reference']:.3f}", flush=True)
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    mod = load_reference(a.ref_dir)
+    dev = "cuda" if torch.cuda.is_available() and not a.tiny else "cpu"
+    tmp = tempfile.TemporaryDirectory()
+    if a.tiny:
+        target, drafter, eos, ddir, prompts = trained_world(Path(tmp.name), a.train_steps)
+        max_new = min(a.max_new, 40)
+    else:
+        target, drafter, eos, _, prompts = real_models(a.spec, a.drafter, dev, a.prompts)
+        ddir, max_new = Path(a.drafter), a.max_new
+    prompts = prompts[:a.prompts]
+    out = {"command": " ".join(sys.argv if argv is None else ["reference_tau.py", *argv]),
+           "device": torch.cuda.get_device_name() if dev == "cuda" else platform.processor(),
+           "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+           "reference": {"file": str(Path(mod.__file__).resolve()), "loop": "dflash_generate "
+                         "(their speculative loop: DynamicCache, eager, batch 1)",
+                         "sha256": hashlib.sha256(Path(mod.__file__).read_bytes()).hexdigest(),
+                         "crop_shim": needs_crop_shim()},
+           "drafter": str(ddir), "max_new_tokens": max_new, "precision": precision_state()}
+    ref = load_reference_drafter(mod, ddir, dev, torch.float32)
+    out["parity"] = par = logits_parity(mod, ref, drafter, target, prompts[0])
+    _print_parity(par)
     # relative to the logits' scale: float32 kernels (their SDPA call, our attention) may sum
     # in another order on the GPU; a wrong tensor, rope or layer id is orders of magnitude more
     tol = a.parity_tol * max(1.0, par["logits_max_abs"])
@@ -293,16 +324,21 @@ def main(argv=None) -> int:
         print(f"error: export contract: the reference model disagrees with ours (logits "
               f"{par['logits_max_abs_diff']:.3g} > {tol:.3g}, features "
               f"{par['features_max_abs_diff']:.3g})", file=sys.stderr, flush=True)
-    ref = ref.to(drafter.dtype)
-    ref_res = reference_decode(mod, ref, target, prompts, max_new, eos)
-    spec, greedy, ts, tg = ours_decode(target, drafter, prompts, max_new, eos)
-    out["tau"] = c = compare(ref_res, spec, greedy)
-    out["ours_seconds"] = {"speculative": ts, "target_only": tg}
-    print(f"τ reference {c['tau_reference']:.3f} (over our steps "
-          f"{c['tau_reference_same_steps']:.3f}) vs ours {c['tau_ours']:.3f} on {c['prompts']} "
-          f"prompts ({max_new} new tokens); identical token streams "
-          f"{c['prompts_identical_tokens']}/{c['prompts']}, identical acceptance "
-          f"{c['prompts_same_acceptance']}/{c['prompts']}", flush=True)
+    if a.kernels:
+        out["kernels"] = rows = precision_matrix(mod, ref, drafter, target, prompts[0])
+        for r in rows:
+            got = (f"{r['logits_max_abs_diff']:.3g}" if r["logits_max_abs_diff"] is not None
+                   else r["error"])
+            print(f"  parity {r['precision']:>11} x sdpa {r['sdpa_backend']:<7} x ours "
+                  f"{r['attention']:<13}: logits {got}, rope tables "
+                  f"{r['rope_max_abs_diff']:.3g}", flush=True)
+    out["runs"] = []
+    for d in a.dtypes.split(","):
+        run = decode_both(mod, ref, target, drafter, prompts, max_new, eos, DTYPES.get(d))
+        out["runs"].append(run)
+        _print_run(run, max_new)
+    # the first run as the keys earlier files carry (per-prompt means, as the reference reports)
+    out["tau"], out["ours_seconds"] = out["runs"][0]["compare"], out["runs"][0]["ours_seconds"]
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1))
     return 0 if par["ok"] else 1

@@ -3,7 +3,8 @@
 
 Owns: ``PLOTS`` (the bench rule's report outputs, rules/bench.smk, and the default target's
 outputs, rules/common.smk, are read from or held to it), :func:`write_plots`,
-:func:`write_report`, :func:`render_report_md`, :func:`training_curves`, :func:`fmt`.
+:func:`write_report`, :func:`render_report_md`, :func:`training_curves`, :func:`fmt`,
+:func:`ci`.
 Imports only the top-level modules (matplotlib and jinja2 lazily: Snakemake imports ``PLOTS``
 at parse time, before any environment exists).
 """
@@ -190,7 +191,7 @@ def headline(report: dict) -> str:
 def render_report_md(report: dict) -> str:
     env = Environment(loader=FileSystemLoader(Path(__file__).parents[1] / "templates"),
                       undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-    return env.get_template("report.md.j2").render(r=report, fmt=fmt)
+    return env.get_template("report.md.j2").render(r=report, fmt=fmt, ci=ci)
 
 
 def training_curves(metrics: list[dict]) -> dict:
@@ -230,3 +231,10 @@ def fmt(x, digits: int = 3) -> str:
     if isinstance(x, (list, tuple)):
         return ", ".join(fmt(v, digits) for v in x) or "n/a"
     return str(x)
+
+
+def ci(d, digits: int = 3) -> str:
+    """`` [lo, hi]``: a τ's 95 % interval over prompts from ``d["tau_ci95"]``
+    (:mod:`dflash.eval.spread`), or "" where there is none (one prompt; an older report.json)."""
+    v = d.get("tau_ci95") if isinstance(d, dict) else None
+    return f" [{fmt(v[0], digits)}, {fmt(v[1], digits)}]" if v else ""

@@ -19,6 +19,7 @@ from transformers import GenerationConfig
 from ..runtime.gate import get_gate
 from .decoded import lossless_evidence
 from .decoder import Decoder
+from .spread import pooled_interval
 
 SWEEP_BATCHES = (1, 4, 16, 64)
 SERVING_GAP = 0.05  # warn when real and simulated τ of a prompt differ by more than this share
@@ -66,6 +67,8 @@ def pair(target, drafter, prompts: Sequence[Sequence[int]], batch: int, max_new:
             "speculative_tokens_per_s": ns / ts if ts else None,
             "speedup": (ns / ts) / (nb / tb) if ts and tb and nb else None,
             "tau": produced / fwd if fwd else None,
+            "tau_ci95": pooled_interval([sum(r.block_lengths) for r in rs],
+                                        [r.target_forwards for r in rs])["ci95"],
             "lossless_evidence": lossless_evidence(rs, rb, st.get("checked", 0),
                                                    st.get("mismatches", 0)),
             "engine": {"target_only": _engine(stats_base), "speculative": _engine(st)}}

@@ -43,6 +43,7 @@ from ..runtime.gate import get_gate
 from .budget import budget_hits, budgets
 from .evalsets import EvalSet, heldout_prompts
 from .serving import pair, tau_gap
+from .spread import pooled_interval
 
 
 @dataclass
@@ -216,7 +217,8 @@ def walk_chain(drafts: torch.Tensor, continuation: Sequence[int]) -> Chain:
 
 
 def summarize(chains: Sequence[Chain], block_size: int) -> dict:
-    """τ (tokens per verification forward, over all blocks), the reference's per-prompt mean,
+    """τ (tokens per verification forward, over all blocks) with its 95 % interval over prompts
+    (:mod:`dflash.eval.spread`; None below 2 prompts), the reference's per-prompt mean,
     the histogram of tokens per forward, and the acceptance rate by block position k: the share
     of blocks whose drafts 1..k were all accepted, among blocks with at least k tokens left."""
     produced = sum(sum(c.produced) for c in chains)
@@ -230,7 +232,9 @@ def summarize(chains: Sequence[Chain], block_size: int) -> dict:
     for c in chains:
         for p in c.produced:
             hist[p] += 1
-    return {"tau": produced / forwards if forwards else None,
+    return {"tau": produced / forwards if forwards else None,  # ci95: over prompts (spread.py)
+            "tau_ci95": pooled_interval([sum(c.produced) for c in chains],
+                                        [len(c.produced) for c in chains])["ci95"],
             "tau_prompt_mean": sum(per_prompt) / len(per_prompt) if per_prompt else None,
             "prompts": len(chains), "forwards": forwards, "tokens": produced,
             "accept_rate_by_position": rate,

@@ -92,6 +92,7 @@ def evaluate_tau(spec, drafter_dir: Path, device: str, results_dir: Path | None 
     first = per_set.get(primary, {})
     real = first.get("real") or {}
     return {"sets": per_set, "primary_set": primary, "tau": first.get("tau"),
+            "tau_ci95": first.get("tau_ci95"),
             "protocols": protocols(per_set, ref, b),
             "prompts": first.get("prompts"), "block_size": cfg.block_size,
             "max_new_tokens": b.eval_max_new_tokens, "device": device,
