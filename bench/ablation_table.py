@@ -34,17 +34,16 @@ import argparse
 import gzip
 import json
 import math
-import sys
 from functools import partial
 from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from bench import md_block
+from bench.entry import run
+from dflash.errors import DFlashError
 
-from bench import md_block  # noqa: E402
-from dflash.errors import DFlashError  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 H200 = REPO / "bench" / "results" / "h200"
 OUT_JSON = H200 / "ablation.json"
@@ -436,8 +435,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except DFlashError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run(main)

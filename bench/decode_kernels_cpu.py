@@ -20,14 +20,9 @@ from pathlib import Path
 import torch
 import torch._inductor.config
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench" / "gpu"))
-
-from decode_speed import random_models  # noqa: E402
-from step_profile import step_profile  # noqa: E402
-
-from dflash.eval.decoder import COMPILE_SCOPES, Decoder  # noqa: E402
+from bench.gpu.decode_speed import random_models
+from bench.gpu.step_profile import step_profile
+from dflash.eval.decoder import COMPILE_SCOPES, Decoder
 
 
 def count(depth: int, scope: str, with_drafter: bool) -> dict:

@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from functools import partial
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from bench import md_block
+from bench.entry import run
+from dflash.errors import DFlashError
 
-from bench import md_block  # noqa: E402
-from dflash.errors import DFlashError  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 DEFAULT = REPO / "bench" / "results" / "h200" / "decode_speed.json"
 BEGIN, END = "<!-- ours:decode_speed:begin -->", "<!-- ours:decode_speed:end -->"
@@ -83,8 +82,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except DFlashError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run(main)

@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from bench.gpu.step_profile import step_profile
 from dflash.data.generate import eos_ids_of
 from dflash.eval.evalsets import load_eval_sets
 from dflash.eval.decoder import COMPILE_SCOPES, DEFAULT_COMPILE_SCOPE
@@ -51,8 +52,6 @@ from dflash.models.dtypes import dtype_of
 from dflash.models.target import default_layer_ids, load_target
 from dflash.spec import load_spec
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_profile import step_profile  # noqa: E402  (bench/gpu/, beside this script)
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from target_side import TINY, cache_ab, config_dir  # noqa: E402
+from bench.gpu.target_side import TINY, cache_ab, config_dir
 
 
 def main(argv=None) -> int:

@@ -48,13 +48,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_speed import real_models  # noqa: E402  (bench/gpu/, beside this script)
 from packaging.version import Version
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import Cache
 
-from dflash.errors import DFlashError  # noqa: E402
+from bench.entry import run
+from bench.gpu.decode_speed import real_models
+from dflash.errors import DFlashError
 from dflash.eval.decoder import Decoder
 from dflash.eval.serving import timed_decode
 from dflash.models.drafter import DFlashConfig, DFlashDrafter, export_drafter, extract_features
@@ -309,8 +309,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except DFlashError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run(main)
