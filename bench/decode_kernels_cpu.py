@@ -4,7 +4,7 @@ stand-in here): a random SmolLM2-135M-shaped target of 2 and of 3 layers (float3
 (bench/gpu/step_profile.py's CPU proxy: inductor's kernels + top-level non-view ATen ops), and
 from the two depths the launches per target layer and outside the layers. Writes JSON.
 
-    PYTHONPATH=$PWD python bench/decode_kernels_cpu.py --out bench/results/cpu/decode_kernels.json
+    PYTHONPATH=$PWD python -m bench.decode_kernels_cpu --out bench/results/cpu/decode_kernels.json
 
 On CUDA a GEMM, SDPA or topk may launch one to a few kernels where the proxy counts one, so the
 figures compare scopes; decode_speed.py's ``kernels`` (the CUDA profiler's count) is the real one.

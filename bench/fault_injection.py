@@ -1,6 +1,6 @@
 """Fault injection: kill -9 the train stage at random moments, resume, compare with a clean run.
 
-    python bench/fault_injection.py --kills 20 --seed 0 --out bench/results/cpu/fault_injection.json
+    python -m bench.fault_injection --kills 20 --seed 0 --out bench/results/cpu/fault_injection.json
 
 What it does, for real (no mocks), in a temporary copy of the workflow:
 

@@ -9,9 +9,9 @@ the whole run stays short; their first (warm-up) batch is timed separately. The 
 compile + capture time is reported apart from its generation time.
 
     # H200 (defaults: SmolLM2-135M-Instruct bf16, 8192 prompts, <= 256 new tokens, 1024 slots)
-    PYTHONPATH=. python bench/gen_throughput.py --out bench/results/h200/gen_throughput.json
+    PYTHONPATH=. python -m bench.gen_throughput --out bench/results/h200/gen_throughput.json
     # CPU smoke
-    PYTHONPATH=. python bench/gen_throughput.py --device cpu --dtype float32 --prompts 32 \
+    PYTHONPATH=. python -m bench.gen_throughput --device cpu --dtype float32 --prompts 32 \
         --max-new 32 --slots 16 --hf-prompts 16 --hf-batch 16 --loop-prompts 16 \
         --out bench/results/cpu/gen_throughput_smoke.json
 """

@@ -2,7 +2,7 @@
 time, tokens/s and scaling efficiency, from measured per-GPU rates. Writes JSON; docs/scale-out.md
 quotes its output. CPU only, no weights (the drafter is built on the meta device).
 
-    python bench/scale_out_projection.py --spec specs/expanded.yaml --nodes 1 2 4 8 16 32 64 \
+    python -m bench.scale_out_projection --spec specs/expanded.yaml --nodes 1 2 4 8 16 32 64 \
         --out bench/results/scale_out_projection.json
 
 The step model follows dflash/train/scheduler.py with topology.nodes > 1: per node, T target workers

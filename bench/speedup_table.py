@@ -3,9 +3,9 @@
 copied by hand. The rows sit between the markers ``<!-- ours:decode_speed:begin -->`` and
 ``<!-- ours:decode_speed:end -->``; everything else in the files is left alone.
 
-    python bench/speedup_table.py                         # print the rows
-    python bench/speedup_table.py --write README.md docs/benchmarks.md
-    python bench/speedup_table.py --check README.md docs/benchmarks.md   # exit 1 if stale
+    python -m bench.speedup_table                         # print the rows
+    python -m bench.speedup_table --write README.md docs/benchmarks.md
+    python -m bench.speedup_table --check README.md docs/benchmarks.md   # exit 1 if stale
 
 ``--json`` (default bench/results/h200/decode_speed.json) may be given several times (e.g. the
 ``--verify-tokens 8`` run as well): one row per batch size per file.

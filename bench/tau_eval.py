@@ -1,6 +1,6 @@
 """τ of an exported drafter against its target: simulated on every eval set, real on a subset.
 
-    python bench/tau_eval.py --drafter results/<spec>/train/drafter --spec specs/<spec>.yaml \\
+    python -m bench.tau_eval --drafter results/<spec>/train/drafter --spec specs/<spec>.yaml \\
         --device cuda:0 --out bench/results/h200/tau_<spec>.json
 
 Standalone (no Snakemake, no manifests): the target, dtypes and held-out source come from

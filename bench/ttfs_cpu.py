@@ -1,6 +1,6 @@
 """CPU benchmark: time to first training step, cold (no compile cache) vs warm (after warmup).
 
-    python bench/ttfs_cpu.py --spec specs/tiny.yaml --out bench/results/cpu/ttfs_tiny.json
+    python -m bench.ttfs_cpu --spec specs/tiny.yaml --out bench/results/cpu/ttfs_tiny.json
 
 In a temporary copy of the workflow (dflash.runtime.harness, as the tests do) with its own DFLASH_CACHE (the
 converted SmolLM2 HF folder of the repo's cache is symlinked in, to skip the ~25 s conversion):

@@ -35,11 +35,11 @@ drafter step (issue #24 item 1), at a spec's shapes with random weights.
 SmolLM2-135M's shape without its package: ``--smollm2-shape`` writes its public config.json
 (vocab 49152 × 576, 30 layers) to a folder and runs the spec with that target, random weights.
 
-    python bench/gpu/loss_step.py --spec specs/smollm2-quality.yaml --smollm2-shape \
+    python -m bench.gpu.loss_step --spec specs/smollm2-quality.yaml --smollm2-shape \
         --caps none,8 --profile --out loss_step2.json
-    python bench/gpu/loss_step.py --spec specs/smollm2-quality.yaml --smollm2-shape \
+    python -m bench.gpu.loss_step --spec specs/smollm2-quality.yaml --smollm2-shape \
         --arms compiled,graph --caps none,8 --iters 10 --steps 8 --profile --out loss_step3.json
-    python bench/gpu/loss_step.py --smoke --profile --out /tmp/loss_step_smoke.json
+    python -m bench.gpu.loss_step --smoke --profile --out /tmp/loss_step_smoke.json
 """
 from __future__ import annotations
 

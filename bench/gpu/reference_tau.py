@@ -12,11 +12,11 @@ once on any missing or unexpected
 tensor name (their ``from_pretrained`` would otherwise leave it randomly initialised).
 
     # on the GPU: the trained drafter, the real target, 16 MT-Bench first turns, 256 new tokens
-    PYTHONPATH=$PWD python bench/gpu/reference_tau.py --ref-dir .zlab \\
+    PYTHONPATH=$PWD python -m bench.gpu.reference_tau --ref-dir .zlab \\
         --spec specs/smollm2-quality.yaml --drafter results/smollm2-quality/train/drafter \\
         --out bench/results/h200/reference_tau.json
     # on CPU: a tiny random target + drafter exported the way tests/test_model.py exports one
-    PYTHONPATH=$PWD python bench/gpu/reference_tau.py --ref-dir /work/.mirror/zlab --tiny \\
+    PYTHONPATH=$PWD python -m bench.gpu.reference_tau --ref-dir /work/.mirror/zlab --tiny \\
         --out bench/results/reference_tau_cpu.json
 
 ``--ref-dir`` holds ``dflash/model.py`` (or ``model.py``) of github.com/z-lab/dflash; only that

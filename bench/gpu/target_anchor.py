@@ -30,8 +30,8 @@ larger share.
 MFU counts useful FLOPs only (:func:`dflash.train.flops.target_flops`: causal attention inside each
 document). Ratios are taken within the run.
 
-    python bench/gpu/target_anchor.py --models qwen3-8b qwen3-32b --out $OUT/target_anchor.json
-    python bench/gpu/target_anchor.py --models qwen3-8b --out $OUT/target_anchor.json \
+    python -m bench.gpu.target_anchor --models qwen3-8b qwen3-32b --out $OUT/target_anchor.json
+    python -m bench.gpu.target_anchor --models qwen3-8b --out $OUT/target_anchor.json \
         --paths hf_plain ours_flex_truncated ours_flex_compiled_truncated   # ~2 min
 """
 from __future__ import annotations
