@@ -1,9 +1,9 @@
 """The recipe ablations of issue #26 as one table, one verdict per arm and one τ-vs-GPU-minutes
 curve, rendered from the committed H200 files (never copied by hand):
 
-    python bench/ablation_table.py                              # print the table + verdicts
-    python bench/ablation_table.py --write docs/benchmarks.md   # + ablation.json, the plot
-    python bench/ablation_table.py --check docs/benchmarks.md   # exit 1 if md or JSON is stale
+    python -m bench.ablation_table                              # print the table + verdicts
+    python -m bench.ablation_table --write docs/benchmarks.md   # + ablation.json, the plot
+    python -m bench.ablation_table --check docs/benchmarks.md   # exit 1 if md or JSON is stale
 
 Arms: every ``<arm>__bench__report.json`` under bench/results/h200/ whose ``spec`` is
 ``<sweep>-<arm>`` of a sweep in sweeps/ (bench/gpu/session.sh's naming), with the
@@ -34,17 +34,16 @@ import argparse
 import gzip
 import json
 import math
-import sys
 from functools import partial
 from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from bench import md_block
+from bench.entry import run
+from dflash.errors import DFlashError
 
-from bench import md_block  # noqa: E402
-from dflash.errors import DFlashError  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 H200 = REPO / "bench" / "results" / "h200"
 OUT_JSON = H200 / "ablation.json"
@@ -310,7 +309,7 @@ def collect() -> dict:
         r["verdict_equal_gpu_minutes"] = rule(r["delta_equal_gpu_minutes"])
         if r["verdict_equal_gpu_minutes"] != "wins":
             r["apply"] = {}
-    return {"command": "python bench/ablation_table.py --write docs/benchmarks.md",
+    return {"command": "python -m bench.ablation_table --write docs/benchmarks.md",
             "rule": f"wins: Δτ MT-Bench >= +{WIN_MTBENCH} and Δτ HumanEval >= 0 against the ref "
                     f"arm of the same folder; loses: Δτ MT-Bench <= -{WIN_MTBENCH}; else no "
                     "change",
@@ -436,8 +435,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except DFlashError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run(main)

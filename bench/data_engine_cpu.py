@@ -2,7 +2,7 @@
 process, in the order hf, fast, fast, hf (so a drifting machine load cancels); wall and CPU
 seconds of each (CPU seconds are the steadier figure on a shared box).
 
-    PYTHONPATH=. python bench/data_engine_cpu.py specs/tiny.yaml --out bench/results/cpu/data_engine_tiny.json
+    PYTHONPATH=. python -m bench.data_engine_cpu specs/tiny.yaml --out bench/results/cpu/data_engine_tiny.json
 """
 from __future__ import annotations
 

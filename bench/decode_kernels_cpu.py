@@ -4,7 +4,7 @@ stand-in here): a random SmolLM2-135M-shaped target of 2 and of 3 layers (float3
 (bench/gpu/step_profile.py's CPU proxy: inductor's kernels + top-level non-view ATen ops), and
 from the two depths the launches per target layer and outside the layers. Writes JSON.
 
-    PYTHONPATH=$PWD python bench/decode_kernels_cpu.py --out bench/results/cpu/decode_kernels.json
+    PYTHONPATH=$PWD python -m bench.decode_kernels_cpu --out bench/results/cpu/decode_kernels.json
 
 On CUDA a GEMM, SDPA or topk may launch one to a few kernels where the proxy counts one, so the
 figures compare scopes; decode_speed.py's ``kernels`` (the CUDA profiler's count) is the real one.
@@ -20,14 +20,9 @@ from pathlib import Path
 import torch
 import torch._inductor.config
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench" / "gpu"))
-
-from decode_speed import random_models  # noqa: E402
-from step_profile import step_profile  # noqa: E402
-
-from dflash.eval.decoder import COMPILE_SCOPES, Decoder  # noqa: E402
+from bench.gpu.decode_speed import random_models
+from bench.gpu.step_profile import step_profile
+from dflash.eval.decoder import COMPILE_SCOPES, Decoder
 
 
 def count(depth: int, scope: str, with_drafter: bool) -> dict:

@@ -1,6 +1,6 @@
 """Fault injection: kill -9 the train stage at random moments, resume, compare with a clean run.
 
-    python bench/fault_injection.py --kills 20 --seed 0 --out bench/results/cpu/fault_injection.json
+    python -m bench.fault_injection --kills 20 --seed 0 --out bench/results/cpu/fault_injection.json
 
 What it does, for real (no mocks), in a temporary copy of the workflow:
 
@@ -128,36 +128,48 @@ def campaign(w: Workflow, root: str, logs: Path, budget: int, ref: dict, rng: ra
                 flush=True)
             runs.append((run, None, metrics_steps(td / "metrics.jsonl")))
             break
-        t_kill = run.kill()
-        text = run.text()
-        rec.resumed_from = run.resumed_from()
-        steps = metrics_steps(td / "metrics.jsonl")
-        mine = {s: r for s, r in steps.items() if s >= rec.resumed_from} if decided(run) else {}
-        rec.step_reached = max(mine) if mine else rec.resumed_from - 1
-        ckpts = checkpoints(td)
-        rec.newest_checkpoint = ckpts[-1][0] if ckpts else 0
-        written_here = [(s, t) for s, t in ckpts if t >= run.t0]
-        rec.work_lost_s = round(t_kill - max([run.t0] + [t for _, t in written_here]), 3)
-        if written_here:
-            rec.since_checkpoint_s = round(t_kill - written_here[-1][1], 3)
-        rec.steps_lost = max(0, rec.step_reached + 1 - rec.newest_checkpoint)
-        if "[train] warm start" not in text:
-            rec.landed = "startup"
-        elif not mine:
-            rec.landed = "after warm start, before the first step"
-        elif rec.newest_checkpoint >= total:
-            rec.landed = "after the final checkpoint (export/manifest)"
-        elif written_here and rec.newest_checkpoint == rec.step_reached + 1:
-            rec.landed = "right after a checkpoint"
-        else:
-            rec.landed = "mid-training"
-        if "Traceback" in text:
-            rec.notes.append("traceback in log")
+        steps = examine_kill(run, rec, td, run.kill(), total)
         records.append(rec)
         runs.append((run, rec, steps))
         log(f"campaign {index} kill {len(records)} at {delay:5.1f}s ({rec.landed}): resumed "
             f"from {rec.resumed_from}, reached step {rec.step_reached}, newest checkpoint "
             f"{rec.newest_checkpoint}, work lost {rec.work_lost_s:.2f}s", flush=True)
+    return campaign_result(td, index, ref, runs, records, attempt, completed_before_kill, log)
+
+
+def examine_kill(run: Run, rec: KillRecord, td: Path, t_kill: float, total: int) -> dict:
+    """Fill ``rec`` for a run killed at ``t_kill``: where it resumed from, the step it reached,
+    the newest checkpoint, the work lost and where the kill landed; -> the steps' metrics."""
+    text = run.text()
+    rec.resumed_from = run.resumed_from()
+    steps = metrics_steps(td / "metrics.jsonl")
+    mine = {s: r for s, r in steps.items() if s >= rec.resumed_from} if decided(run) else {}
+    rec.step_reached = max(mine) if mine else rec.resumed_from - 1
+    ckpts = checkpoints(td)
+    rec.newest_checkpoint = ckpts[-1][0] if ckpts else 0
+    written_here = [(s, t) for s, t in ckpts if t >= run.t0]
+    rec.work_lost_s = round(t_kill - max([run.t0] + [t for _, t in written_here]), 3)
+    if written_here:
+        rec.since_checkpoint_s = round(t_kill - written_here[-1][1], 3)
+    rec.steps_lost = max(0, rec.step_reached + 1 - rec.newest_checkpoint)
+    if "[train] warm start" not in text:
+        rec.landed = "startup"
+    elif not mine:
+        rec.landed = "after warm start, before the first step"
+    elif rec.newest_checkpoint >= total:
+        rec.landed = "after the final checkpoint (export/manifest)"
+    elif written_here and rec.newest_checkpoint == rec.step_reached + 1:
+        rec.landed = "right after a checkpoint"
+    else:
+        rec.landed = "mid-training"
+    if "Traceback" in text:
+        rec.notes.append("traceback in log")
+    return steps
+
+
+def check_resumes(runs: list) -> int:
+    """Mark each kill's record: did the next run that decided resume from its newest
+    checkpoint; -> how many did."""
     resumes_ok = 0
     for i, (_, rec, _) in enumerate(runs):
         if rec is None:
@@ -166,6 +178,14 @@ def campaign(w: Workflow, root: str, logs: Path, budget: int, ref: dict, rng: ra
         ok = nxt is not None and nxt.resumed_from() == rec.newest_checkpoint
         rec.notes.append("resume ok" if ok else "RESUME MISMATCH")
         resumes_ok += ok
+    return resumes_ok
+
+
+def campaign_result(td: Path, index: int, ref: dict, runs: list, records: list, attempt: int,
+                    completed_before_kill: int, log) -> dict:
+    """The campaign's figures: resumes, final tensors against the reference, samples."""
+    total = ref["steps"]
+    resumes_ok = check_resumes(runs)
     # the steps each run contributed: [its resume step, the step the next deciding run resumed
     # from); runs that never got to their resume decision contributed nothing
     deciding = [(r, steps) for r, _, steps in runs if decided(r)]
@@ -200,7 +220,7 @@ def campaign(w: Workflow, root: str, logs: Path, budget: int, ref: dict, rng: ra
     return out
 
 
-def main(argv=None) -> int:
+def parse(argv) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kills", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
@@ -209,27 +229,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/cpu/fault_injection.json")
     ap.add_argument("--workdir", type=Path, default=None,
                     help="keep the workflow copy here (default: a temporary folder, removed)")
-    a = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    t_all = time.time()
-    base = Path(a.workdir or tempfile.mkdtemp(prefix="dflash-fault-"))
-    base.mkdir(parents=True, exist_ok=True)
-    logs = base / "fault-logs"
-    logs.mkdir(exist_ok=True)
-    spec = derived_spec("faults", a.steps, a.every)
-    print(f"preparing {base} (snakemake env, warmup, data)", flush=True)
-    w = prepare(base / "wf", spec)
-    print("reference run", flush=True)
-    ref = reference(w, "results_ref", logs)
-    print(f"reference: {ref['wall_s']:.1f}s wall, {ref['steps']} steps, "
-          f"{ref['step_s'] * 1000:.0f} ms/step, startup {ref['startup_s']:.1f}s",
-          flush=True)
-    rng = random.Random(a.seed)
-    root = w.fresh_root("results_kill")
-    campaigns = []
-    while sum(c["kills"] for c in campaigns) < a.kills:
-        left = a.kills - sum(c["kills"] for c in campaigns)
-        campaigns.append(campaign(w, root, logs, left, ref, rng, index=len(campaigns) + 1))
+
+def summary(a, argv, w, root: str, spec: dict, ref: dict, campaigns: list[dict]) -> dict:
+    """The result JSON but its wall time: the campaigns' kills, resumes, samples and tensors."""
     all_ids = sorted(dataset_ids(w))
     recs = [r for c in campaigns for r in c["records"]]
     lost = [r.work_lost_s for r in recs]
@@ -237,15 +241,10 @@ def main(argv=None) -> int:
     training = [r.work_lost_s for r in recs
                 if r.landed in ("mid-training", "right after a checkpoint")]
     since = [r.since_checkpoint_s for r in recs if r.since_checkpoint_s is not None]
-
-    def stats(xs):
-        return {"n": len(xs), "mean": round(sum(xs) / len(xs), 3) if xs else None,
-                "max": max(xs, default=None)}
-
     every_epoch_once = all(epochs_exactly_once(c["epochs"], all_ids) for c in campaigns)
-    out = {
+    return {
         "benchmark": "kill -9 fault injection, train stage",
-        "command": "python bench/fault_injection.py " + " ".join(
+        "command": "python -m bench.fault_injection " + " ".join(
             argv if argv is not None else sys.argv[1:]),
         "stage_command": " ".join(["python", "-m", "dflash", "train", w.spec_file(),
                                    "--results", root]),
@@ -292,8 +291,37 @@ def main(argv=None) -> int:
                          for c in campaigns],
         "kill_records": [dict(vars(r), campaign=c["campaign"]) for c in campaigns
                          for r in c["records"]],
-        "total_wall_s": round(time.time() - t_all, 1),
     }
+
+
+def stats(xs):
+    return {"n": len(xs), "mean": round(sum(xs) / len(xs), 3) if xs else None,
+            "max": max(xs, default=None)}
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    t_all = time.time()
+    base = Path(a.workdir or tempfile.mkdtemp(prefix="dflash-fault-"))
+    base.mkdir(parents=True, exist_ok=True)
+    logs = base / "fault-logs"
+    logs.mkdir(exist_ok=True)
+    spec = derived_spec("faults", a.steps, a.every)
+    print(f"preparing {base} (snakemake env, warmup, data)", flush=True)
+    w = prepare(base / "wf", spec)
+    print("reference run", flush=True)
+    ref = reference(w, "results_ref", logs)
+    print(f"reference: {ref['wall_s']:.1f}s wall, {ref['steps']} steps, "
+          f"{ref['step_s'] * 1000:.0f} ms/step, startup {ref['startup_s']:.1f}s",
+          flush=True)
+    rng = random.Random(a.seed)
+    root = w.fresh_root("results_kill")
+    campaigns = []
+    while sum(c["kills"] for c in campaigns) < a.kills:
+        left = a.kills - sum(c["kills"] for c in campaigns)
+        campaigns.append(campaign(w, root, logs, left, ref, rng, index=len(campaigns) + 1))
+    out = summary(a, argv, w, root, spec, ref, campaigns)
+    out["total_wall_s"] = round(time.time() - t_all, 1)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps({k: out[k] for k in ("kills", "campaigns", "resumes_succeeded",

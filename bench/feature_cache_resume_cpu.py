@@ -7,7 +7,7 @@ same stage SIGKILLed right after its checkpoint at step 6 and started again. Wri
 counters (rows read from the cache the killed run left), whether the cache folder was deleted at
 the end, and whether the final weights and optimizer state equal the reference's bit for bit.
 
-    PYTHONPATH=$PWD python bench/feature_cache_resume_cpu.py [--base /tmp/fc-resume]
+    PYTHONPATH=$PWD python -m bench.feature_cache_resume_cpu [--base /tmp/fc-resume]
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The bench and train stages' headline console lines of a DAG log as JSON, for a run whose
 report.json was never written (a device call cut the bench stage after its τ evaluation).
 
-    python bench/figures_from_log.py bench/results/h200/smollm2-quality-run2/snakemake_call3.log \
+    python -m bench.figures_from_log bench/results/h200/smollm2-quality-run2/snakemake_call3.log \
         --out bench/results/h200/smollm2-quality-run2/figures.json
 """
 from __future__ import annotations

@@ -9,9 +9,9 @@ the whole run stays short; their first (warm-up) batch is timed separately. The 
 compile + capture time is reported apart from its generation time.
 
     # H200 (defaults: SmolLM2-135M-Instruct bf16, 8192 prompts, <= 256 new tokens, 1024 slots)
-    PYTHONPATH=. python bench/gen_throughput.py --out bench/results/h200/gen_throughput.json
+    PYTHONPATH=. python -m bench.gen_throughput --out bench/results/h200/gen_throughput.json
     # CPU smoke
-    PYTHONPATH=. python bench/gen_throughput.py --device cpu --dtype float32 --prompts 32 \
+    PYTHONPATH=. python -m bench.gen_throughput --device cpu --dtype float32 --prompts 32 \
         --max-new 32 --slots 16 --hf-prompts 16 --hf-batch 16 --loop-prompts 16 \
         --out bench/results/cpu/gen_throughput_smoke.json
 """
@@ -22,11 +22,11 @@ import json
 import platform
 import sys
 import time
-from pathlib import Path
 
 import torch
 import transformers
 
+from bench.entry import write_result
 from dflash.data.engine import Engine
 from dflash.data.generate import eos_ids_of, generate_batch, sample_seed
 from dflash.data.prompts import load_prompts, render_prompt
@@ -184,7 +184,7 @@ def greedy_check(target, prompts, a, eos, pad, device) -> dict:
             "mean_common_prefix_fraction": round(sum(prefix) / len(prefix), 4)}
 
 
-def main(argv=None) -> int:
+def parse(argv) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -209,7 +209,11 @@ def main(argv=None) -> int:
                     help="greedy check vs HF on N prompts (float32 copy; 0: skip)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="JSON path")
-    a = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
     dtype = a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32")
     target = {"model": a.model, "init": "pretrained", "dtype": dtype, "num_feature_layers": 1,
               "layer_ids": None}
@@ -263,8 +267,7 @@ def main(argv=None) -> int:
         print(f"greedy vs HF     : {res['greedy_check']}", flush=True)
     print(json.dumps({k: v for k, v in res.items() if k.startswith(("ratio", "engine_best"))}))
     if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+        write_result(a.out, res)
         print(f"wrote {a.out}")
     return 0
 

@@ -4,7 +4,7 @@ on the default spec) and `dflash validate specs/tiny.yaml --no-devices`, median 
 run with the same interpreter (its package first on PYTHONPATH), interleaved so both see the same
 machine load.
 
-    .venv/bin/python bench/import_cost.py --base /tmp/base --out bench/results/cpu/import_cost.json
+    .venv/bin/python -m bench.import_cost --base /tmp/base --out bench/results/cpu/import_cost.json
 """
 import argparse
 import json

@@ -1,6 +1,6 @@
 """Initial loss and learning vs the drafter's final-norm weight at init (real SmolLM2 target, CPU).
 
-    python bench/init_norm_scale.py 150 bench/results/cpu/init_norm_weight_150steps.json
+    python -m bench.init_norm_scale 150 bench/results/cpu/init_norm_weight_150steps.json
 
 16 held-out chatterbot prompts, the target's greedy 48-token answers as data, the tiny spec's
 1-layer drafter, AdamW lr 6e-4 (warmup 0.04, cosine), grad clip 1, 12 anchors per step, one

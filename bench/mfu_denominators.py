@@ -8,7 +8,7 @@ dflash.train.flops.drafter_flops_per_step). This script recounts the drafter FLO
 report's steady-state window from the committed metrics and the warmup manifest's drafter
 config (old rule = new rule + one more lm_head forward) and writes both denominators:
 
-    python bench/mfu_denominators.py --out bench/results/h200/mfu_denominators.json
+    python -m bench.mfu_denominators --out bench/results/h200/mfu_denominators.json
 
 Only committed files are read; nothing is measured.
 """
@@ -81,7 +81,7 @@ def main() -> None:
               f"{r['drafter_mfu']['committed_over_measured_peak']:.3f} committed -> "
               f"{r['drafter_mfu']['over_measured_peak']:.3f} measured / "
               f"{r['drafter_mfu']['over_datasheet_peak']:.3f} datasheet")
-    a.out.write_text(json.dumps({"command": "python bench/mfu_denominators.py --out " + str(a.out),
+    a.out.write_text(json.dumps({"command": "python -m bench.mfu_denominators --out " + str(a.out),
                                  "runs": res}, indent=1) + "\n")
     print(f"wrote {a.out}")
 

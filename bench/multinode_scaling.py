@@ -6,7 +6,7 @@ train stage runs 2 local processes under torchrun, NCCL between them), from the 
     SPECS=qwen3-8b-1node-shared DAG_TIMEOUT=560 timeout 590 bash bench/gpu/run_all.sh dag
     SPECS=qwen3-8b-2node-shared DAG_TIMEOUT=560 timeout 590 bash bench/gpu/run_all.sh dag
     # then, on the files that came back (results.tgz unpacked into bench/results/h200/multinode):
-    python bench/multinode_scaling.py bench/results/h200/multinode \
+    python -m bench.multinode_scaling bench/results/h200/multinode \
         --one qwen3-8b-1node-shared --many qwen3-8b-2node-shared \
         --out bench/results/h200/multinode/scaling.json
 

@@ -4,7 +4,7 @@ do not depend on the device), and the target FLOPs the soft labels add (the laye
 last feature layer at every position, the LM head at the soft positions; dflash.train.flops).
 No timings: a shared CPU's seconds say nothing about the GPU.
 
-    python bench/objective_memory.py --top-k 8,32,128 --out bench/results/cpu/objective_memory.json
+    python -m bench.objective_memory --top-k 8,32,128 --out bench/results/cpu/objective_memory.json
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ Planners compared, each over several epochs:
 Length sets: the spec's synthetic samples regenerated exactly by the data stage's own functions
 (no devices, no model) and, with ``--parquet``, a dataset.parquet the data stage wrote:
 
-    PYTHONPATH=. python bench/packing_fill.py specs/qwen3-8b-2gpu.yaml specs/expanded-2gpu.yaml \\
+    PYTHONPATH=. python -m bench.packing_fill specs/qwen3-8b-2gpu.yaml specs/expanded-2gpu.yaml \\
         --parquet tiny=specs/tiny.yaml=/tmp/fresh/results/tiny/data/dataset.parquet \\
         --out bench/results/cpu/packing_fill.json
 """

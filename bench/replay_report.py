@@ -8,7 +8,7 @@ in the same session (its "peak" entry, e.g. target_anchor.py's output), and the 
 read from the run's env manifest. A synthetic-data spec's dataset (for the documents'
 lengths) is rebuilt here by the data stage (deterministic for the spec).
 
-    python bench/replay_report.py --spec specs/qwen3-8b-2gpu-balanced.yaml \
+    python -m bench.replay_report --spec specs/qwen3-8b-2gpu-balanced.yaml \
         --run bench/results/h200/qwen3-8b-2gpu-balanced \
         --peak bench/results/h200/target_anchor_compiled.json \
         --out bench/results/h200/qwen3-8b-2gpu-balanced/replayed_bench

@@ -2,7 +2,7 @@
 time, tokens/s and scaling efficiency, from measured per-GPU rates. Writes JSON; docs/scale-out.md
 quotes its output. CPU only, no weights (the drafter is built on the meta device).
 
-    python bench/scale_out_projection.py --spec specs/expanded.yaml --nodes 1 2 4 8 16 32 64 \
+    python -m bench.scale_out_projection --spec specs/expanded.yaml --nodes 1 2 4 8 16 32 64 \
         --out bench/results/scale_out_projection.json
 
 The step model follows dflash/train/scheduler.py with topology.nodes > 1: per node, T target workers
@@ -93,13 +93,8 @@ def allreduce_s(nbytes: float, nodes: int, link_bytes_per_s: float, latency_s: f
     return 2 * (nodes - 1) / nodes * nbytes / link_bytes_per_s + 2 * (nodes - 1) * latency_s
 
 
-def project(args) -> dict:
-    spec = load_spec(REPO / args.spec)
-    tcfg, dcfg = drafter_config(spec)
-    params = trainable_params(dcfg)
-    T, D = len(spec.topology.targets), len(spec.topology.drafters)
-    layers_run = max(dcfg.target_layer_ids) + 1
-
+def drafter_mfu(args) -> tuple[Path, dict, float, str]:
+    """The report the drafter's MFU comes from, the report, the MFU and how it was counted."""
     report_path = Path(args.report) if args.report else args.mfu_report
     report = json.loads(report_path.read_text())
     # the drafter's MFU while it computes: a run whose drafter idled reports a lower wall MFU
@@ -115,6 +110,86 @@ def project(args) -> dict:
             mfu = r[key]["over_measured_peak"]
             counted = (f"{key} {r[key]['committed_over_measured_peak']:.3f} as reported, "
                        f"{mfu:.3f} recounted with the lm_head at 2x ({args.mfu_recount.name})")
+    return report_path, report, mfu, counted
+
+
+def rows(m: dict, args, grad_bytes_per_param: int, overlap: bool = False, links: int = 1,
+         drafter_s: float | None = None) -> list[dict]:
+    """Per node count: the all-reduce of the gradient, the step and the tokens/s; ``m`` is the
+    node's step model (see :func:`project`)."""
+    drafter_s = m["drafter_s"] if drafter_s is None else drafter_s
+    nbytes = m["params"] * grad_bytes_per_param
+    base = max(m["target_s"], drafter_s + m["local_s"])
+    out = []
+    for n in args.nodes:
+        ar = allreduce_s(nbytes, n, links * m["link"], m["lat"])
+        # overlap: the all-reduce runs in buckets under the drafters' backward (as DDP does),
+        # so only what exceeds the backward (2/3 of drafter_s) stays exposed
+        exposed = max(0.0, ar - 2 / 3 * drafter_s) if overlap else ar
+        step = max(m["target_s"], drafter_s + m["local_s"] + exposed)
+        tokens = n * m["D"] * m["tokens"]
+        out.append({"nodes": n, "gpus": n * (m["T"] + m["D"]), "allreduce_s": round(ar, 4),
+                    "exposed_allreduce_s": round(exposed, 4), "step_s": round(step, 4),
+                    "tokens_per_s": round(tokens / step), "efficiency": round(base / step, 4)})
+    return out
+
+
+def split(m: dict, args, t: int, d: int) -> dict:
+    """One node of ``t`` target and ``d`` drafter GPUs: which side bounds it."""
+    ts, dstep = d * m["tokens"] / (t * m["rate"]), m["drafter_s"] + 2 * (d - 1) * m["params"] * 4 / (
+        args.peer_gbytes * 1e9)
+    return {"targets": t, "drafters": d, "target_s": round(ts, 4), "drafter_s": round(dstep, 4),
+            "bound": "target" if ts >= dstep else "drafter",
+            "tokens_per_s": round(d * m["tokens"] / max(ts, dstep))}
+
+
+def add_measured(result: dict, args, m: dict) -> None:
+    """The measured runs beside the projection: a 1+1 steady state, a multi-node all-reduce."""
+    if args.steady_state and Path(args.steady_state).is_file():
+        # a measured run of the same shapes with 1 target + 1 drafter GPU: each step is one
+        # batch through the slower of the two workers, so its step time bounds the drafter's
+        # time per batch from above
+        ss_path = Path(args.steady_state).resolve()
+        ss = json.loads(ss_path.read_text())
+        upper = ss["step_time_s"]
+        result["measured_1_plus_1"] = {
+            "tokens_per_s": ss["tokens_per_s"], "step_time_s": ss["step_time_s"],
+            "steady_steps": ss.get("steady_steps"),
+            "drafter_s_upper_bound": round(upper, 4),
+            "estimate_within_bound": m["drafter_s"] <= upper,
+            "source": str(ss_path.relative_to(REPO)) if ss_path.is_relative_to(REPO)
+            else str(ss_path)}
+        result["projection"]["fp32_drafter_at_upper_bound"] = rows(m, args, 4, drafter_s=upper)
+    if args.train_manifest:
+        # a multi-node run's measured all-reduce (dflash/stages/train.py: manifest "distributed")
+        d = json.loads(Path(args.train_manifest).read_text()).get("distributed", {})
+        if d.get("nodes", 1) > 1 and d.get("allreduce_s_per_step_mean"):
+            n, b, t = d["nodes"], d["allreduce_bytes_per_step"], d["allreduce_s_per_step_mean"]
+            result["measured_allreduce"] = {
+                "nodes": n, "backend": d.get("backend"), "bytes_per_step": b,
+                "seconds_per_step": t,
+                # ring: each rank sends and receives 2(n-1)/n of the buffer
+                "bus_gbytes_per_s": round(2 * (n - 1) / n * b / t / 1e9, 2),
+                "source": args.train_manifest}
+
+
+ASSUMPTIONS = {
+    "efficiency": "1.0 wherever the node is target-bound, by construction of the step "
+                  "model: the targets run ahead by topology.queue_depth batches, so "
+                  "step = max(target_s, drafter_s + in-node sum + all-reduce) hides any "
+                  "all-reduce shorter than the gap (assumed overlap; no multi-node run "
+                  "has measured it)",
+    "rates": "per-GPU rates measured on one or two H200s (target_anchor_32b.json, the "
+             "drafter MFU of a Qwen3-8B-shaped run), assumed to hold on every node"}
+
+
+def project(args) -> dict:
+    spec = load_spec(REPO / args.spec)
+    tcfg, dcfg = drafter_config(spec)
+    params = trainable_params(dcfg)
+    T, D = len(spec.topology.targets), len(spec.topology.drafters)
+    layers_run = max(dcfg.target_layer_ids) + 1
+    report_path, report, mfu, counted = drafter_mfu(args)
     tgt = target_rate(args.anchor, layers_run)
     peak = report.get("peak", {}).get("flops_per_s") or tgt["peak_flops_per_s"]
     batch = batch_tokens(args.metrics, spec.batching.token_budget)
@@ -127,33 +202,9 @@ def project(args) -> dict:
     # the in-process sum on the node: D-1 replicas' flat grads to the lead device and the mean
     # back (peer copies, one after another), fp32
     local_s = 2 * (D - 1) * params * 4 / (args.peer_gbytes * 1e9)
-    link = args.link_gbps * 1e9 / 8
-    lat = args.latency_us * 1e-6
-
-    def rows(grad_bytes_per_param: int, overlap: bool = False, links: int = 1,
-             drafter_s: float = drafter_s) -> list[dict]:
-        nbytes = params * grad_bytes_per_param
-        base = max(target_s, drafter_s + local_s)
-        out = []
-        for n in args.nodes:
-            ar = allreduce_s(nbytes, n, links * link, lat)
-            # overlap: the all-reduce runs in buckets under the drafters' backward (as DDP does),
-            # so only what exceeds the backward (2/3 of drafter_s) stays exposed
-            exposed = max(0.0, ar - 2 / 3 * drafter_s) if overlap else ar
-            step = max(target_s, drafter_s + local_s + exposed)
-            tokens = n * D * batch["tokens"]
-            out.append({"nodes": n, "gpus": n * (T + D), "allreduce_s": round(ar, 4),
-                        "exposed_allreduce_s": round(exposed, 4), "step_s": round(step, 4),
-                        "tokens_per_s": round(tokens / step), "efficiency": round(base / step, 4)})
-        return out
-
-    def split(t: int, d: int) -> dict:
-        ts, dstep = d * batch["tokens"] / (t * rate), drafter_s + 2 * (d - 1) * params * 4 / (
-            args.peer_gbytes * 1e9)
-        return {"targets": t, "drafters": d, "target_s": round(ts, 4), "drafter_s": round(dstep, 4),
-                "bound": "target" if ts >= dstep else "drafter",
-                "tokens_per_s": round(d * batch["tokens"] / max(ts, dstep))}
-
+    m = {"params": params, "T": T, "D": D, "tokens": batch["tokens"], "rate": rate,
+         "target_s": target_s, "drafter_s": drafter_s, "local_s": local_s,
+         "link": args.link_gbps * 1e9 / 8, "lat": args.latency_us * 1e-6}
     result = {
         "spec": args.spec,
         "per_node": {"targets": T, "drafters": D},
@@ -167,16 +218,9 @@ def project(args) -> dict:
                                             "flat fp32 gradient"},
         "batch": batch,
         "target": tgt,
-        "assumptions": {
-            "efficiency": "1.0 wherever the node is target-bound, by construction of the step "
-                          "model: the targets run ahead by topology.queue_depth batches, so "
-                          "step = max(target_s, drafter_s + in-node sum + all-reduce) hides any "
-                          "all-reduce shorter than the gap (assumed overlap; no multi-node run "
-                          "has measured it)",
-            "rates": "per-GPU rates measured on one or two H200s (target_anchor_32b.json, the "
-                     "drafter MFU of a Qwen3-8B-shaped run), assumed to hold on every node",
-            "network": f"{args.link_gbps:g} Gb/s per node, {args.latency_us:g} us per ring hop, "
-                       "ideal ring all-reduce: assumed, not measured"},
+        "assumptions": {**ASSUMPTIONS,
+                        "network": f"{args.link_gbps:g} Gb/s per node, {args.latency_us:g} us per "
+                                   "ring hop, ideal ring all-reduce: assumed, not measured"},
         "drafter_step": {"flops": flops, "mfu": mfu, "mfu_counting": counted,
                          "peak_flops_per_s": peak,
                          "mfu_source": str(report_path.relative_to(REPO))
@@ -187,39 +231,14 @@ def project(args) -> dict:
                       "bound": "target" if target_s >= drafter_s + local_s else "drafter",
                       "tokens_per_s": round(D * batch["tokens"] / max(target_s,
                                                                       drafter_s + local_s))},
-        "per_node_splits": [split(t, 8 - t) for t in range(3, 8)],
+        "per_node_splits": [split(m, args, t, 8 - t) for t in range(3, 8)],
         "link": {"gbit_per_s_per_node": args.link_gbps, "latency_us_per_hop": args.latency_us,
                  "peer_copy_gbytes_per_s": args.peer_gbytes},
-        "projection": {"fp32": rows(4), "bf16": rows(2),
-                       "fp32_overlapped_with_backward": rows(4, overlap=True),
-                       "fp32_8_links": rows(4, links=8)},
+        "projection": {"fp32": rows(m, args, 4), "bf16": rows(m, args, 2),
+                       "fp32_overlapped_with_backward": rows(m, args, 4, overlap=True),
+                       "fp32_8_links": rows(m, args, 4, links=8)},
     }
-    if args.steady_state and Path(args.steady_state).is_file():
-        # a measured run of the same shapes with 1 target + 1 drafter GPU: each step is one
-        # batch through the slower of the two workers, so its step time bounds the drafter's
-        # time per batch from above
-        ss_path = Path(args.steady_state).resolve()
-        ss = json.loads(ss_path.read_text())
-        upper = ss["step_time_s"]
-        result["measured_1_plus_1"] = {
-            "tokens_per_s": ss["tokens_per_s"], "step_time_s": ss["step_time_s"],
-            "steady_steps": ss.get("steady_steps"),
-            "drafter_s_upper_bound": round(upper, 4),
-            "estimate_within_bound": drafter_s <= upper,
-            "source": str(ss_path.relative_to(REPO)) if ss_path.is_relative_to(REPO)
-            else str(ss_path)}
-        result["projection"]["fp32_drafter_at_upper_bound"] = rows(4, drafter_s=upper)
-    if args.train_manifest:
-        # a multi-node run's measured all-reduce (dflash/stages/train.py: manifest "distributed")
-        d = json.loads(Path(args.train_manifest).read_text()).get("distributed", {})
-        if d.get("nodes", 1) > 1 and d.get("allreduce_s_per_step_mean"):
-            n, b, t = d["nodes"], d["allreduce_bytes_per_step"], d["allreduce_s_per_step_mean"]
-            result["measured_allreduce"] = {
-                "nodes": n, "backend": d.get("backend"), "bytes_per_step": b,
-                "seconds_per_step": t,
-                # ring: each rank sends and receives 2(n-1)/n of the buffer
-                "bus_gbytes_per_s": round(2 * (n - 1) / n * b / t / 1e9, 2),
-                "source": args.train_manifest}
+    add_measured(result, args, m)
     return result
 
 

@@ -3,9 +3,9 @@
 copied by hand. The rows sit between the markers ``<!-- ours:decode_speed:begin -->`` and
 ``<!-- ours:decode_speed:end -->``; everything else in the files is left alone.
 
-    python bench/speedup_table.py                         # print the rows
-    python bench/speedup_table.py --write README.md docs/benchmarks.md
-    python bench/speedup_table.py --check README.md docs/benchmarks.md   # exit 1 if stale
+    python -m bench.speedup_table                         # print the rows
+    python -m bench.speedup_table --write README.md docs/benchmarks.md
+    python -m bench.speedup_table --check README.md docs/benchmarks.md   # exit 1 if stale
 
 ``--json`` (default bench/results/h200/decode_speed.json) may be given several times (e.g. the
 ``--verify-tokens 8`` run as well): one row per batch size per file.
@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from functools import partial
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from bench import md_block
+from bench.entry import run
+from dflash.errors import DFlashError
 
-from bench import md_block  # noqa: E402
-from dflash.errors import DFlashError  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 DEFAULT = REPO / "bench" / "results" / "h200" / "decode_speed.json"
 BEGIN, END = "<!-- ours:decode_speed:begin -->", "<!-- ours:decode_speed:end -->"
@@ -83,8 +82,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except DFlashError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run(main)

@@ -1,7 +1,7 @@
 """Steady-state throughput of a train run from its metrics.jsonl alone (for a run cut before
 its manifest was written, e.g. by a device time limit during the final checkpoint).
 
-    python bench/steady_state_from_metrics.py METRICS.jsonl --skip 5 --out steady_state.json
+    python -m bench.steady_state_from_metrics METRICS.jsonl --skip 5 --out steady_state.json
 """
 from __future__ import annotations
 

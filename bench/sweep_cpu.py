@@ -1,6 +1,6 @@
 """CPU benchmark: a sweep end to end, as the README's "Sweeps" example runs it on a 2-core box.
 
-    python bench/sweep_cpu.py --sweep sweeps/tiny-lr.yaml --out bench/results/cpu/sweep_tiny_lr.json
+    python -m bench.sweep_cpu --sweep sweeps/tiny-lr.yaml --out bench/results/cpu/sweep_tiny_lr.json
 
 In a temporary copy of the workflow (dflash.runtime.harness, as the tests do) with the sweep's
 base spec and the sweep file: ``snakemake --cores 2 bench_<sweep>`` once, timed. Writes the job
@@ -57,7 +57,7 @@ def main() -> int:
             return 1
         report = json.loads((wf / "results" / f"{sweep.name}.sweep" / "report.json").read_text())
         result = {
-            "command": f"python bench/sweep_cpu.py --sweep {a.sweep} --out {a.out}",
+            "command": f"python -m bench.sweep_cpu --sweep {a.sweep} --out {a.out}",
             "snakemake": f"snakemake --cores 2 bench_{sweep.name}",
             "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "machine": {"cpus": __import__("os").cpu_count(), "platform": platform.platform()},

@@ -1,6 +1,6 @@
 """τ against training tokens, from the τ-while-training points of one or more runs.
 
-    python bench/tau_curve.py bench/results/h200/smollm2-quality-run1 \
+    python -m bench.tau_curve bench/results/h200/smollm2-quality-run1 \
         bench/results/h200/smollm2-greedy-run2 --out bench/results/h200/tau_curve
 
 Reads each run folder's ``metrics.jsonl`` (``monitor.tau_every_steps`` writes ``tau_heldout``:

@@ -1,6 +1,6 @@
 """τ of an exported drafter against its target: simulated on every eval set, real on a subset.
 
-    python bench/tau_eval.py --drafter results/<spec>/train/drafter --spec specs/<spec>.yaml \\
+    python -m bench.tau_eval --drafter results/<spec>/train/drafter --spec specs/<spec>.yaml \\
         --device cuda:0 --out bench/results/h200/tau_<spec>.json
 
 Standalone (no Snakemake, no manifests): the target, dtypes and held-out source come from
@@ -18,7 +18,6 @@ decoding of every prompt, the drafter recomputing its context each block), for b
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from bench.entry import write_result
 from dflash.data.generate import eos_ids_of
 from dflash.errors import DFlashError
 from dflash.eval.evalsets import load_eval_sets
@@ -126,8 +126,7 @@ def main(argv=None) -> int:
     print(f"[tau_eval] evaluated in {eval_s:.1f}s (+{load_s:.1f}s loading): " + ", ".join(
         f"{k} τ {v['tau']:.3f}" for k, v in per_set.items() if v.get("tau") is not None))
     if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
+        write_result(a.out, report)
         print(f"[tau_eval] wrote {a.out}")
     return 0
 

@@ -1,6 +1,6 @@
 """CPU benchmark: time to first training step, cold (no compile cache) vs warm (after warmup).
 
-    python bench/ttfs_cpu.py --spec specs/tiny.yaml --out bench/results/cpu/ttfs_tiny.json
+    python -m bench.ttfs_cpu --spec specs/tiny.yaml --out bench/results/cpu/ttfs_tiny.json
 
 In a temporary copy of the workflow (dflash.runtime.harness, as the tests do) with its own DFLASH_CACHE (the
 converted SmolLM2 HF folder of the repo's cache is symlinked in, to skip the ~25 s conversion):
@@ -124,7 +124,7 @@ def train_figures(m: dict, wall: float) -> dict:
             "stage_wall_s_in_manifest": m["wall_s"], "process_wall_s": wall}
 
 
-def main() -> int:
+def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--spec", default="specs/tiny.yaml")
     ap.add_argument("--out", default="bench/results/cpu/ttfs_tiny.json")
@@ -132,9 +132,12 @@ def main() -> int:
                     help="optim.max_steps of the derived spec (default 3)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary workflow copy")
     ap.add_argument("--timeout", type=int, default=1200, help="per-stage limit, seconds")
-    a = ap.parse_args()
+    return ap.parse_args()
 
-    t_all = time.perf_counter()
+
+def setup(a: argparse.Namespace) -> dict:
+    """The temporary workflow copy with the derived spec, its logs folder, and its own
+    DFLASH_CACHE (converted SmolLM2 folders symlinked from the caller's cache)."""
     spec_path = (REPO / a.spec).resolve() if not Path(a.spec).is_absolute() else Path(a.spec)
     tmp = Path(tempfile.mkdtemp(prefix="dflash-ttfs-"))
     wf = tmp / "wf"
@@ -142,10 +145,8 @@ def main() -> int:
     derived, derived_info = derived_spec(spec_path, tmp, a.max_steps)
     copy_workflow(wf, [derived])
     name = derived_info["name"]
-    spec_rel = f"specs/{name}.yaml"
     logs = tmp / "logs"
     logs.mkdir()
-
     cache = tmp / "cache"
     cache.mkdir()
     src_cache = Path(os.environ.get("DFLASH_CACHE", REPO / ".cache" / "dflash")).resolve()
@@ -157,21 +158,27 @@ def main() -> int:
     env = dict(os.environ, DFLASH_CACHE=str(cache), PYTHONPATH=str(wf))
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
     env.pop("TRITON_CACHE_DIR", None)
-    print(f"[ttfs] workflow copy {wf}; DFLASH_CACHE {cache}; spec {spec_rel}", flush=True)
+    return {"tmp": tmp, "wf": wf, "name": name, "spec_rel": f"specs/{name}.yaml", "logs": logs,
+            "cache": cache, "env": env, "reused": reused, "derived_info": derived_info}
 
+
+def measure(s: dict, timeout: int) -> dict:
+    """env + data once; warmup on an empty compile cache; train right after it (warm); then
+    the compile cache and the train folder deleted, train again (cold, no warmup)."""
+    wf, env, logs, name, spec_rel = s["wf"], s["env"], s["logs"], s["name"], s["spec_rel"]
     load = {"start": loadavg()}
     walls = {}
     # 1. env + data, once
     walls["env+data (snakemake)"] = run_logged(
         [sys.executable, "-m", "snakemake", "--cores", "2", f"env_{name}", f"data_{name}"],
-        wf, env, logs / "snakemake-env-data.log", a.timeout)
+        wf, env, logs / "snakemake-env-data.log", timeout)
     res = wf / "results" / name
     env_fp = json.loads((res / "env" / "manifest.json").read_text())["fingerprints"]["env"]
-    compile_dir = cache / "compile" / env_fp
+    compile_dir = s["cache"] / "compile" / env_fp
 
     def stage(st: str, tag: str) -> float:
         return run_logged([sys.executable, "-m", "dflash", st, spec_rel, "--results", "results"],
-                          wf, env, logs / f"{tag}.log", a.timeout)
+                          wf, env, logs / f"{tag}.log", timeout)
 
     # 2. warmup on an empty compile cache: the cold compile cost per device
     shutil.rmtree(compile_dir, ignore_errors=True)
@@ -194,46 +201,56 @@ def main() -> int:
     cold = train_figures(json.loads((res / "train" / "manifest.json").read_text()),
                          walls["train_cold"])
     load["end"] = loadavg()
+    return {"walls": walls, "load": load, "wm": wm, "env_fp": env_fp, "warm": warm,
+            "cold": cold, "cache_bytes_after_warmup": cache_bytes_after_warmup}
 
-    total = round(time.perf_counter() - t_all, 1)
+
+def method(name: str, spec_rel: str, reused: list[str]) -> dict:
+    """How the figures were made, recorded with them."""
+    return {
+        "workflow": "temporary copy of the workflow (dflash.runtime.harness.copy_workflow), own "
+                    "DFLASH_CACHE; converted SmolLM2 HF folder symlinked from " +
+                    (", ".join(reused) or "nowhere (converted in the run)"),
+        "env_data": f"snakemake --cores 2 env_{name} data_{name}",
+        "stages": f"python -m dflash <warmup|train> {spec_rel} --results results "
+                  "(one process each; process wall time measured around it)",
+        "cold_warmup": "warmup stage run with an empty compile cache directory",
+        "warm_train": "train stage right after warmup (the cache warmup filled)",
+        "cold_train": "compile cache directory deleted, warmup manifest kept (fingerprints "
+                      "still match), results/<spec>/train deleted so it does not resume",
+        "time_to_first_step_s": "train manifest: warm-start seconds + the earliest first "
+                                "step of any worker after the warm start (target workers "
+                                "included)",
+        "time_to_first_drafter_step_s": "warm-start seconds + the earliest first step of a "
+                                        "drafter worker (the first training step), from "
+                                        "the train manifest's first_step_s",
+        "load": "2 shared cores; loadavg_1_5_15 records the machine's load at each stage, "
+                "since other jobs may run at the same time (ratios come from one run)",
+        "replicas": "both drafter replicas are threads on the same CPU; they are warmed one "
+                    "after the other, so replica #1 reuses what replica #0 compiled",
+    }
+
+
+def report(s: dict, m: dict, total: float) -> dict:
+    """The result JSON: the spec, the environment, the method and the figures."""
+    wm, warm, cold, walls = m["wm"], m["warm"], m["cold"], m["walls"]
     per_bucket = [{k: r[k] for k in ("device", "replica", "bucket", "callable", "seconds")}
                   for r in wm["compiled"]]
-    result = {
+    return {
         "benchmark": "time to first training step on CPU: cold (no warmup) vs after warmup",
-        "command": "python bench/ttfs_cpu.py " + " ".join(sys.argv[1:]),
+        "command": "python -m bench.ttfs_cpu " + " ".join(sys.argv[1:]),
         "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "spec": derived_info | {"shape_fingerprint": wm["fingerprints"]["shape"],
-                                "buckets": wm["buckets"]},
-        "environment": versions() | {"env_fingerprint": env_fp},
-        "method": {
-            "workflow": "temporary copy of the workflow (dflash.runtime.harness.copy_workflow), own "
-                        "DFLASH_CACHE; converted SmolLM2 HF folder symlinked from " +
-                        (", ".join(reused) or "nowhere (converted in the run)"),
-            "env_data": f"snakemake --cores 2 env_{name} data_{name}",
-            "stages": f"python -m dflash <warmup|train> {spec_rel} --results results "
-                      "(one process each; process wall time measured around it)",
-            "cold_warmup": "warmup stage run with an empty compile cache directory",
-            "warm_train": "train stage right after warmup (the cache warmup filled)",
-            "cold_train": "compile cache directory deleted, warmup manifest kept (fingerprints "
-                          "still match), results/<spec>/train deleted so it does not resume",
-            "time_to_first_step_s": "train manifest: warm-start seconds + the earliest first "
-                                    "step of any worker after the warm start (target workers "
-                                    "included)",
-            "time_to_first_drafter_step_s": "warm-start seconds + the earliest first step of a "
-                                            "drafter worker (the first training step), from "
-                                            "the train manifest's first_step_s",
-            "load": "2 shared cores; loadavg_1_5_15 records the machine's load at each stage, "
-                    "since other jobs may run at the same time (ratios come from one run)",
-            "replicas": "both drafter replicas are threads on the same CPU; they are warmed one "
-                        "after the other, so replica #1 reuses what replica #0 compiled",
-        },
+        "spec": s["derived_info"] | {"shape_fingerprint": wm["fingerprints"]["shape"],
+                                     "buckets": wm["buckets"]},
+        "environment": versions() | {"env_fingerprint": m["env_fp"]},
+        "method": method(s["name"], s["spec_rel"], s["reused"]),
         "results": {
             "warmup_cold_cache": {
                 "seconds_per_device": wm["seconds_per_device"],
                 "per_device_bucket": per_bucket,
                 "seconds_total_in_manifest": wm["seconds_total"],
                 "process_wall_s": walls["warmup"],
-                "compile_cache_bytes_after": cache_bytes_after_warmup,
+                "compile_cache_bytes_after": m["cache_bytes_after_warmup"],
             },
             "train_after_warmup": warm,
             "train_cold_no_warmup": cold,
@@ -245,13 +262,24 @@ def main() -> int:
                 cold["warm_start_s"] / warm["warm_start_s"], 2),
         },
         "process_wall_s": walls,
-        "loadavg_1_5_15": load,
+        "loadavg_1_5_15": m["load"],
         "total_runtime_s": total,
     }
+
+
+def main() -> int:
+    a = parse()
+    t_all = time.perf_counter()
+    s = setup(a)
+    print(f"[ttfs] workflow copy {s['wf']}; DFLASH_CACHE {s['cache']}; spec {s['spec_rel']}",
+          flush=True)
+    m = measure(s, a.timeout)
+    total = round(time.perf_counter() - t_all, 1)
+    result = report(s, m, total)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    r = result["results"]
+    r, wm, warm, cold = result["results"], m["wm"], m["warm"], m["cold"]
     print(f"[ttfs] warmup (cold cache) per device: {wm['seconds_per_device']}; "
           f"time to first step: cold {cold['time_to_first_step_s']:.1f}s, after warmup "
           f"{warm['time_to_first_step_s']:.1f}s "
@@ -261,9 +289,9 @@ def main() -> int:
           f"({r['ratio_time_to_first_drafter_step_cold_over_warm']}x); total {total:.0f}s -> {out}",
           flush=True)
     if a.keep:
-        print(f"[ttfs] kept {tmp}")
+        print(f"[ttfs] kept {s['tmp']}")
     else:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(s["tmp"], ignore_errors=True)
     return 0
 
 

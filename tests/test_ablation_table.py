@@ -1,12 +1,12 @@
 """bench/ablation_table.py: the ablation table, its JSON and the verdicts come from the committed
 H200 files; a table or JSON that disagrees with them is caught; bad input is one clear error."""
-import importlib.util
 import json
 import shutil
 from pathlib import Path
 
 import pytest
 
+from bench import ablation_table
 from dflash.errors import DFlashError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -16,11 +16,7 @@ ROUND3 = REPO / "bench" / "results" / "h200" / "round3-2026-12-01" / "smollm2-re
 
 @pytest.fixture(scope="module")
 def at():
-    spec = importlib.util.spec_from_file_location("ablation_table", REPO / "bench" /
-                                                  "ablation_table.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return ablation_table
 
 
 @pytest.fixture(scope="module")

@@ -3,28 +3,18 @@
 folding of torch's nested compile timers into phases."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 
 import pytest
 
+from bench.gpu import cold_compile, cold_probe
 from dflash.runtime.harness import REPO
-
-SCRIPT = REPO / "bench" / "gpu" / "cold_compile.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("cold_compile", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_phases_fold_torchs_nested_timers_into_exclusive_parts():
-    cc = _module()
+    cc = cold_probe
     keys = {"_compile.compile_inner": 10.0, "OutputGraph.call_user_compiler": 8.0,
             "compile_fx_inner": 6.0, "GraphLowering.run": 1.0,
             "GraphLowering.compile_to_module": 4.5, "async_compile.wait": 3.0,
@@ -44,16 +34,16 @@ def test_phases_fold_torchs_nested_timers_into_exclusive_parts():
 
 def test_unknown_arm_is_one_clear_error(capsys):
     with pytest.raises(SystemExit):
-        _module().main(["--smoke", "--arms", "today,nope", "--out", "/tmp/x.json"])
+        cold_compile.main(["--smoke", "--arms", "today,nope", "--out", "/tmp/x.json"])
     assert "--arms: unknown ['nope']" in capsys.readouterr().err
 
 
 def test_smoke_runs_each_arm_cold_in_its_own_process(tmp_path):
     out = tmp_path / "cold.json"
-    subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--arms", "megacache",
+    subprocess.run([sys.executable, "-m", "bench.gpu.cold_compile", "--smoke", "--arms", "megacache",
                     "--parallel", "2", "--out", str(out)], check=True, cwd=REPO, timeout=120)
     doc = json.loads(out.read_text())
-    assert doc["command"].startswith("python3 bench/gpu/cold_compile.py --smoke")
+    assert doc["command"].startswith("python3 -m bench.gpu.cold_compile --smoke")
     # megacache loads the 'today' arm's artifacts: the producer is added and runs first
     assert doc["arms_requested"] == ["today", "megacache"]
     arms = doc["arms"]
@@ -86,6 +76,6 @@ def test_smoke_runs_each_arm_cold_in_its_own_process(tmp_path):
 def test_overlaps_names_the_arms_that_shared_the_machine():
     res = {"a": {"start_unix": 0, "end_unix": 10}, "b": {"start_unix": 5, "end_unix": 20},
            "c": {"start_unix": 20, "end_unix": 30}, "d": {"skipped": "budget"}}
-    _module().overlaps(res)
+    cold_compile.overlaps(res)
     assert [res[n]["ran_with"] for n in "abc"] == [["b"], ["a"], []]
     assert "ran_with" not in res["d"]

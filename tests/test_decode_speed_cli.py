@@ -1,11 +1,11 @@
 """bench/gpu/decode_speed.py's CPU-side logic: --compile-scopes parsing (one clear error for an
 unknown scope), --smoke's settings, and the per-piece --budget-s estimate."""
-import importlib.util
 import time
 from pathlib import Path
 
 import pytest
 
+from bench.gpu import decode_speed
 from dflash.eval.decoder import COMPILE_SCOPES, DEFAULT_COMPILE_SCOPE
 
 REPO = Path(__file__).resolve().parents[1]
@@ -13,11 +13,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def ds():
-    spec = importlib.util.spec_from_file_location("decode_speed", REPO / "bench" / "gpu" /
-                                                  "decode_speed.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return decode_speed
 
 
 def test_compile_scopes_parse_with_modes(ds):

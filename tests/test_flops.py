@@ -3,26 +3,20 @@ frozen lm_head without a weight gradient), one counting rule for the bench stage
 scripts, the datasheet peak beside the measured one, and the committed recount."""
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from bench import mfu_denominators
+from bench.gpu import drafter_step
 from dflash.models.drafter import DFlashConfig
 from dflash.spec import load_spec
 from dflash.train.flops import datasheet_peak, drafter_flops_per_step, drafter_useful_flops, mfu_against_datasheet
 from dflash.train.workers import drafter_config
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _load(path: Path):
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_drafter_flops_by_hand():
@@ -53,7 +47,7 @@ def test_datasheet_peak_and_mfu_over_it():
 def test_drafter_step_script_counts_like_the_bench_stage():
     """bench/gpu/drafter_step.py's MFU numerator is the bench stage's: the training step's own
     token and labelled counts (metrics "tokens" / "labelled") through drafter_useful_flops."""
-    ds = _load(REPO / "bench" / "gpu" / "drafter_step.py")
+    ds = drafter_step
     spec = load_spec(REPO / "tests" / "specs" / "micro.yaml").replace(
         compile={"backend": "eager"})
     r = ds.measure(spec, 16, "cpu", 1, None)
@@ -69,7 +63,7 @@ def test_drafter_step_script_counts_like_the_bench_stage():
 def test_committed_mfu_recount_matches_the_committed_runs():
     """bench/results/h200/mfu_denominators.json is what the script computes from the committed
     reports and metrics today; the drafter MFU falls by the lm_head's extra forward."""
-    md = _load(REPO / "bench" / "mfu_denominators.py")
+    md = mfu_denominators
     committed = json.loads((REPO / "bench/results/h200/mfu_denominators.json").read_text())
     run = committed["runs"]["qwen3-8b-2gpu-balanced"]
     report = json.loads((REPO / run["report"]).read_text())

@@ -11,9 +11,8 @@ drafts + 1) / Σ target verify forwards, pooled over prompts, the reference's ex
 ``max_new_tokens`` dropped.
 """
 import hashlib
-import importlib.util
+import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,11 +29,7 @@ UPSTREAM_SHA256 = "6dfb12d0eeebe085d78d23fc816a481a8b25257fd76891e939a41423c29c6
 
 
 def _bench(name):
-    sys.path.insert(0, str(REPO / "bench" / "gpu"))
-    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / "gpu" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module(f"bench.gpu.{name}")
 
 
 def test_the_vendored_reference_is_upstream_verbatim_with_its_license():

@@ -1,8 +1,6 @@
 """bench/gpu/reference_tau.py's own pieces: the crop shim that lets the reference loop run on
 transformers >= 5.18, and the τ comparison. Both loops side by side on a trained drafter:
 tests/test_reference_agreement.py (against the vendored reference, tests/reference_zlab/)."""
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +8,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
+from bench.gpu import reference_tau
 from dflash.eval.decoder import Decoded
 
 REPO = Path(__file__).resolve().parents[1]
@@ -17,17 +16,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def rt():
-    sys.path.insert(0, str(REPO / "bench" / "gpu"))
-    spec = importlib.util.spec_from_file_location("reference_tau",
-                                                  REPO / "bench" / "gpu" / "reference_tau.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return reference_tau
 
 
 def test_legacy_crop_keeps_the_first_n_positions(rt):
-    pass
-
     cache = DynamicCache()
     k = torch.arange(8.0).view(1, 1, 8, 1)
     cache.update(k, k.clone(), 0)

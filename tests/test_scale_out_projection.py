@@ -2,18 +2,14 @@
 Qwen3-32B shape by hand and against the ring all-reduce formula."""
 from __future__ import annotations
 
-import importlib.util
 import json
 
+from bench import scale_out_projection
 from dflash.runtime.harness import REPO
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("scale_out_projection",
-                                                  REPO / "bench" / "scale_out_projection.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return scale_out_projection
 
 
 def test_expanded_projection(tmp_path):

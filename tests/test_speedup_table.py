@@ -1,11 +1,11 @@
 """bench/speedup_table.py: our speed-up rows come from the committed decode_speed JSON, spliced
 between markers (never hand-copied); a stale table is detected; bad input is one clear error."""
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
+from bench import speedup_table
 from dflash.errors import DFlashError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -14,11 +14,7 @@ RANDOM = REPO / "bench" / "results" / "h200" / "decode_speed_random.json"
 
 @pytest.fixture(scope="module")
 def st():
-    spec = importlib.util.spec_from_file_location("speedup_table", REPO / "bench" /
-                                                  "speedup_table.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return speedup_table
 
 
 def test_rows_carry_the_json_figures(st):

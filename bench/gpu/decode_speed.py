@@ -4,22 +4,22 @@ vs simulated per prompt; the lossless counts and margins. Prints the table, writ
 
     # the integrator's measurement: the trained drafter, the real target, MT-Bench first turns
     # (bench/results/h200/COMMANDS.md has the time estimate; --budget-s keeps it in one call)
-    PYTHONPATH=$PWD python bench/gpu/decode_speed.py --spec specs/smollm2-quality.yaml \\
+    PYTHONPATH=$PWD python -m bench.gpu.decode_speed --spec specs/smollm2-quality.yaml \\
         --drafter results/smollm2-quality/train/drafter --batches 1,4,16,64 \\
         --hf-batches 1,4,16,64 --budget-s 420 --out bench/results/h200/decode_speed.json
     # the compile scopes side by side (dflash.eval.decoder.COMPILE_SCOPES; "scope:mode" adds a
     # torch.compile mode), same prompts, same drafter: per scope ms per step (wall and one
     # captured replay), compile seconds, kernels per step (CUDA profiler), the goal ratios
-    PYTHONPATH=$PWD python bench/gpu/decode_speed.py --spec specs/smollm2-quality.yaml \\
+    PYTHONPATH=$PWD python -m bench.gpu.decode_speed --spec specs/smollm2-quality.yaml \\
         --drafter results/smollm2-quality/train/drafter --batches 1,16 --hf-batches "" \\
         --compile-scopes fused,step --no-simulated --budget-s 420 --out /tmp/scopes.json
     # CPU smoke: random 2-layer target, 1-layer drafter, every scope (dynamo + AOTAutograd)
-    PYTHONPATH=$PWD python bench/gpu/decode_speed.py --smoke --out /tmp/decode_speed.json
+    PYTHONPATH=$PWD python -m bench.gpu.decode_speed --smoke --out /tmp/decode_speed.json
     # CPU: a 4-layer stack of the same shapes, 8 new tokens (eager)
-    PYTHONPATH=$PWD python bench/gpu/decode_speed.py --random --target-layers 4 --batches 1,4 \\
+    PYTHONPATH=$PWD python -m bench.gpu.decode_speed --random --target-layers 4 --batches 1,4 \\
         --hf-batches 1,4 --max-new 8 --min-prompts 4 --prompts 8 --out /tmp/decode_speed.json
     # development without weights: random SmolLM2-135M-shaped target and drafter, random prompts
-    PYTHONPATH=$PWD python bench/gpu/decode_speed.py --random --out /tmp/decode_speed.json
+    PYTHONPATH=$PWD python -m bench.gpu.decode_speed --random --out /tmp/decode_speed.json
 
 With random weights acceptance is ~0 (τ ≈ 1): the figures then time the steps (ms per verify
 step vs per one-token step), not a speed-up.
@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from bench.gpu.step_profile import step_profile
 from dflash.data.generate import eos_ids_of
 from dflash.eval.evalsets import load_eval_sets
 from dflash.eval.decoder import COMPILE_SCOPES, DEFAULT_COMPILE_SCOPE
@@ -51,8 +52,6 @@ from dflash.models.dtypes import dtype_of
 from dflash.models.target import default_layer_ids, load_target
 from dflash.spec import load_spec
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_profile import step_profile  # noqa: E402  (bench/gpu/, beside this script)
 
 REPO = Path(__file__).resolve().parents[2]
 

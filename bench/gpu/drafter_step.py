@@ -6,7 +6,7 @@ The replica, its compile (through the gate) and its step are the training ones
 (dflash.train.workers / dflash.train.warm); the row is a full synthetic row of the bucket, and the anchor
 count per bucket is static, so the step's work equals a real step's.
 
-    python bench/gpu/drafter_step.py --spec specs/expanded-2gpu.yaml --anchors 1024 \
+    python -m bench.gpu.drafter_step --spec specs/expanded-2gpu.yaml --anchors 1024 \
         --device cuda:1 --out drafter_step.json
 """
 from __future__ import annotations

@@ -2,8 +2,8 @@
 cache) vs epoch 0 (the target's forward + the cache's write), on the target side, for bf16 and
 float8_e4m3 storage. Goal (issue #24): epochs >= 1 at >= 2x epoch 0.
 
-    PYTHONPATH=$PWD python bench/gpu/feature_cache.py --out bench/results/h200   # Qwen3-8B shape
-    PYTHONPATH=$PWD python bench/gpu/feature_cache.py --smoke --out /tmp/fc      # CPU, tiny
+    PYTHONPATH=$PWD python -m bench.gpu.feature_cache --out bench/results/h200   # Qwen3-8B shape
+    PYTHONPATH=$PWD python -m bench.gpu.feature_cache --smoke --out /tmp/fc      # CPU, tiny
 
 Writes ``feature_cache_8b.json`` (or ``feature_cache_smoke.json``); the measurement itself is
 :func:`bench.gpu.target_side.cache_ab` (the package's FeatureCache, a real target forward).
@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from target_side import TINY, cache_ab, config_dir  # noqa: E402
+from bench.gpu.target_side import TINY, cache_ab, config_dir
 
 
 def main(argv=None) -> int:

@@ -35,7 +35,7 @@ stash)
   cp .whl/*.whl .whl/smol.partA /tmp/whl/ && install
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$RES/gpu.txt"
   # the decoder on random SmolLM2-135M-shaped weights: step costs (τ ≈ 1), HF static beside it
-  timeout ${DEC_TIMEOUT:-170} python3 bench/gpu/decode_speed.py --random --batches 1,16 \
+  timeout ${DEC_TIMEOUT:-170} python3 -m bench.gpu.decode_speed --random --batches 1,16 \
     --hf-batches 1,16 --max-new 128 --min-prompts 16 --out "$RES/decode_speed_random.json" \
     > "$RES/decode_speed_random.log" 2>&1; echo "decode_speed rc=$?"
   grep -E "^\[decode\]|rror" "$RES/decode_speed_random.log" | tail -15

@@ -2,14 +2,14 @@
 dflash/eval/reference.py), and its τ beside ours, for one drafter on one device.
 
     # H200 (the integrator's session; ~1 min): the quality spec's target, a trained drafter
-    PYTHONPATH=$PWD python bench/gpu/reference_protocol.py --spec specs/smollm2-quality.yaml \\
+    PYTHONPATH=$PWD python -m bench.gpu.reference_protocol --spec specs/smollm2-quality.yaml \\
         --drafter results/smollm2-quality/train/drafter \\
         --out bench/results/h200/reference_protocol.json
     # no trained drafter: a random-weight one of the spec's shape (τ ≈ 1, the same cost)
-    # CPU smoke (seconds): PYTHONPATH=$PWD python bench/gpu/reference_protocol.py --smoke
+    # CPU smoke (seconds): PYTHONPATH=$PWD python -m bench.gpu.reference_protocol --smoke
     # CPU, 8 questions (one per category), full 2,048 tokens: the answer lengths the GPU
     # estimate rests on (bench/results/cpu/reference_protocol_8q.json)
-    PYTHONPATH=$PWD python bench/gpu/reference_protocol.py --spec specs/tiny.yaml --device cpu \
+    PYTHONPATH=$PWD python -m bench.gpu.reference_protocol --spec specs/tiny.yaml --device cpu \
         --questions 8 --batch-size 8 --threads 1 --out bench/results/cpu/reference_protocol_8q.json
 
 Writes JSON: the reference protocol's report (τ per-prompt mean and pooled, per turn, the caps,

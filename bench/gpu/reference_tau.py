@@ -16,11 +16,11 @@ attention kernels (:func:`reference_agree.precision_matrix`): which one makes a 
     # the H200 run (issue #36): 32 prompts, float32 end to end (identical streams expected),
     # then bf16, and the kernel matrix; ~8-10 min in all (est.): under a 10-min limit, one
     # call per dtype (--dtypes float32 --kernels, then --dtypes bfloat16)
-    PYTHONPATH=$PWD python bench/gpu/reference_tau.py --spec specs/smollm2-quality.yaml \\
+    PYTHONPATH=$PWD python -m bench.gpu.reference_tau --spec specs/smollm2-quality.yaml \\
         --drafter results/smollm2-quality/train/drafter --prompts 32 --max-new 256 \\
         --dtypes float32,bfloat16 --kernels --out bench/results/h200/reference_agreement.json
     # on CPU (tests/test_reference_agreement.py): a tiny random target + a drafter trained on it
-    PYTHONPATH=$PWD python bench/gpu/reference_tau.py --tiny --dtypes float32,bfloat16 \\
+    PYTHONPATH=$PWD python -m bench.gpu.reference_tau --tiny --dtypes float32,bfloat16 \\
         --kernels --out /tmp/reference_tau_tiny.json
 
 Only the reference's model file is imported (under another module name: their package is also
@@ -56,13 +56,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_speed import real_models  # noqa: E402  (bench/gpu/, beside this script)
-from reference_agree import agreement, precision_matrix, precision_state, trained_world  # noqa: E402
 from packaging.version import Version
 from transformers.cache_utils import Cache
 
-from dflash.errors import DFlashError  # noqa: E402
+from bench.entry import run
+from bench.gpu.decode_speed import real_models
+from bench.gpu.reference_agree import agreement, precision_matrix, precision_state, trained_world
+from dflash.errors import DFlashError
 from dflash.eval.decoder import Decoder
 from dflash.eval.serving import timed_decode
 from dflash.models.drafter import extract_features
@@ -345,8 +345,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except DFlashError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run(main)

@@ -43,7 +43,7 @@ fi
 if [[ $what == *anchor* ]]; then
   # isolated target forward: plain HF vs our extractor (flex / dense SDPA / compiled layers), same
   # run, cuda:0; ANCHOR_PATHS picks paths (default: all)
-  timeout $(( ${DEADLINE:-100000} - SECONDS )) python bench/gpu/target_anchor.py --models ${ANCHOR_MODELS:-qwen3-8b qwen3-32b} \
+  timeout $(( ${DEADLINE:-100000} - SECONDS )) python -m bench.gpu.target_anchor --models ${ANCHOR_MODELS:-qwen3-8b qwen3-32b} \
     ${ANCHOR_PATHS:+--paths $ANCHOR_PATHS} --out "$OUT/target_anchor.json" 2>&1 | grep -E "^\[anchor\]|rror"
 fi
 if [[ $what == stress || $what == all || $what == dag+stress ]]; then
@@ -65,7 +65,7 @@ if [[ $what == stress || $what == all || $what == dag+stress ]]; then
 fi
 if [[ $what == *gen* ]]; then
   # target generation: plain HF generate vs the fast engine, same prompts, same run (issue #14)
-  timeout ${GEN_TIMEOUT:-480} python bench/gen_throughput.py ${GEN_ARGS:-} --out "$OUT/gen_throughput.json" \
+  timeout ${GEN_TIMEOUT:-480} python -m bench.gen_throughput ${GEN_ARGS:-} --out "$OUT/gen_throughput.json" \
     > "$OUT/gen_throughput.log" 2>&1; echo "gen_throughput rc=$?"; grep -vE "UNEXPECTED|^model\.layers|Loading weights" "$OUT/gen_throughput.log" | tail -12
 fi
 if [[ $what == *selfwritten* ]]; then
@@ -87,10 +87,10 @@ if [[ $what == *multinode* ]]; then
       [ -f "$f" ] && cp "$f" "$OUT/${spec}__$(basename $(dirname $f))__$(basename $f)"
     done
   done
-  python bench/multinode_scaling.py "$OUT" --out "$OUT/scaling.json" 2>&1 | tail -8
+  python -m bench.multinode_scaling "$OUT" --out "$OUT/scaling.json" 2>&1 | tail -8
 fi
 if [[ $what == *drafterstep* ]]; then
   # the drafter alone at the expanded shapes (its rate is hidden in the target-bound pipeline)
-  timeout ${DS_TIMEOUT:-300} python bench/gpu/drafter_step.py --spec specs/expanded-2gpu.yaml \
+  timeout ${DS_TIMEOUT:-300} python -m bench.gpu.drafter_step --spec specs/expanded-2gpu.yaml \
     --device cuda:${DS_GPU:-0} --steps 8 --out "$OUT/drafter_step_expanded.json" 2>&1 | grep -E "^\[drafter_step\]|rror"
 fi

@@ -76,7 +76,7 @@ plan() {  # the round's GPU work, in the order the issues need it (what the leas
   #    only); the 8B cold-compile probe beside them (CPU-bound; contention recorded in its JSON)
   local arms="${ARMS:-ref lr12e-4-beta2-0999 depth8 data-steered}"
   local targets=""; for a in $arms; do targets="$targets bench_smollm2-recipe-1ep-$a"; done
-  ( timeout 420 python3 bench/gpu/cold_compile.py ${COLD_ARGS:---arms today,eager-mask,megacache --parallel 2} \
+  ( timeout 420 python3 -m bench.gpu.cold_compile ${COLD_ARGS:---arms today,eager-mask,megacache --parallel 2} \
       --out "$RES/cold_compile.json" > "$RES/cold_compile.log" 2>&1; stamp "cold_compile rc=$?" ) &
   timeout 900 $SNAKE $targets --config $CONF gpu_jobs=$(echo $arms | wc -w) \
     > "$RES/dag_arms.log" 2>&1
@@ -86,19 +86,19 @@ plan() {  # the round's GPU work, in the order the issues need it (what the leas
   D=$(best_drafter "smollm2-recipe-1ep-*")
   stamp "decoding with $D"
   if [ -n "$D" ] && [ -d "$D" ]; then
-    timeout 360 python3 bench/gpu/decode_speed.py --spec specs/smollm2-quality.yaml --drafter "$D" \
+    timeout 360 python3 -m bench.gpu.decode_speed --spec specs/smollm2-quality.yaml --drafter "$D" \
       ${DECODE_ARGS:---batches 1,4,16,64 --hf-batches 1,16 --compile-scopes fused,regions --budget-s 300} \
       --out "$RES/decode_speed.json" > "$RES/decode_speed.log" 2>&1
     stamp "decode_speed rc=$?"
   fi
   # 3. alone: the drafter step A/B (#24): compiled vs captured whole step, uncapped (the
   #    quality spec's setting; round 5 measured cap 8: 29.5 -> 21.9 ms)
-  timeout 240 python3 bench/gpu/loss_step.py ${LOSS_ARGS:---spec specs/smollm2-quality.yaml --smollm2-shape --arms compiled,prodgraph --caps none --iters 10 --steps 8 --profile} \
+  timeout 240 python3 -m bench.gpu.loss_step ${LOSS_ARGS:---spec specs/smollm2-quality.yaml --smollm2-shape --arms compiled,prodgraph --caps none --iters 10 --steps 8 --profile} \
     --out "$RES/loss_step3.json" > "$RES/loss_step3.log" 2>&1
   stamp "loss_step rc=$?"
   # 4. the reference model's τ and the float32 parity through both attention paths
   if [ -n "$D" ] && [ -d "$D" ] && [ -d .zlab ]; then
-    timeout 150 python3 bench/gpu/reference_tau.py --ref-dir .zlab --spec specs/smollm2-quality.yaml \
+    timeout 150 python3 -m bench.gpu.reference_tau --ref-dir .zlab --spec specs/smollm2-quality.yaml \
       --drafter "$D" --prompts 8 --max-new 256 --out "$RES/reference_tau.json" \
       > "$RES/reference_tau.log" 2>&1
     stamp "reference_tau rc=$?"
@@ -127,9 +127,9 @@ probes)
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$RES/gpu.txt"
   export PYTHONPATH=/tmp/site:$PWD
   # issue #24: the drafter step A/B with kernel profiles; the feature cache
-  timeout ${LOSS_TIMEOUT:-230} python3 bench/gpu/loss_step.py ${LOSS_ARGS:-} --out "$RES/loss_step2.json" \
+  timeout ${LOSS_TIMEOUT:-230} python3 -m bench.gpu.loss_step ${LOSS_ARGS:-} --out "$RES/loss_step2.json" \
     > "$RES/loss_step2.log" 2>&1; echo "loss_step rc=$?"; tail -12 "$RES/loss_step2.log"
-  [ "${FC:-1}" = 1 ] && { timeout ${FC_TIMEOUT:-150} python3 bench/gpu/feature_cache.py --out "$RES" \
+  [ "${FC:-1}" = 1 ] && { timeout ${FC_TIMEOUT:-150} python3 -m bench.gpu.feature_cache --out "$RES" \
     > "$RES/feature_cache.log" 2>&1; echo "feature_cache rc=$?"; tail -5 "$RES/feature_cache.log"; }
   ;;
 stash) stash ;;

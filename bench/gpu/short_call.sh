@@ -16,12 +16,12 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
   .whl/*.whl || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt"
 git rev-parse HEAD >> "$OUT/gpu.txt" 2>/dev/null
-timeout "${DECODE_S:-130}" python3 -W ignore bench/gpu/decode_speed.py --random \
+timeout "${DECODE_S:-130}" python3 -W ignore -m bench.gpu.decode_speed --random \
   --drafter-layers 5 --batches 1,16 --hf-batches "" --compile-scopes fused,regions \
   --max-new 128 --no-simulated --budget-s $(( ${DECODE_S:-130} - 30 )) \
   --out "$OUT/decode_scopes_random.json" > "$OUT/decode_scopes_random.log" 2>&1
 echo "decode rc=$?" >> "$OUT/gpu.txt"
-timeout "${STEP_S:-85}" python3 -W ignore bench/gpu/loss_step.py --spec specs/smollm2-quality.yaml \
+timeout "${STEP_S:-85}" python3 -W ignore -m bench.gpu.loss_step --spec specs/smollm2-quality.yaml \
   --smollm2-shape --arms compiled,graph,prodgraph --caps 8 --iters 10 --steps 8 \
   --out "$OUT/loss_step3.json" > "$OUT/loss_step3.log" 2>&1
 echo "loss_step rc=$?" >> "$OUT/gpu.txt"

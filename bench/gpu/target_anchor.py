@@ -30,8 +30,8 @@ larger share.
 MFU counts useful FLOPs only (:func:`dflash.train.flops.target_flops`: causal attention inside each
 document). Ratios are taken within the run.
 
-    python bench/gpu/target_anchor.py --models qwen3-8b qwen3-32b --out $OUT/target_anchor.json
-    python bench/gpu/target_anchor.py --models qwen3-8b --out $OUT/target_anchor.json \
+    python -m bench.gpu.target_anchor --models qwen3-8b qwen3-32b --out $OUT/target_anchor.json
+    python -m bench.gpu.target_anchor --models qwen3-8b --out $OUT/target_anchor.json \
         --paths hf_plain ours_flex_truncated ours_flex_compiled_truncated   # ~2 min
 """
 from __future__ import annotations
@@ -58,6 +58,85 @@ PATHS = ("hf_plain", "ours_dense_sdpa", "ours_flex", "ours_flex_truncated",
          "ours_flex_compiled", "ours_flex_compiled_truncated", "attention")
 
 
+def record(c: dict, name: str, seconds: float, layers: int) -> None:
+    """One path's seconds per forward as tokens/s and MFU in ``c["out"]``."""
+    fl = target_flops(c["cfg"], layers, [c["seq"]] * c["batch"])
+    tokens = c["tokens"]
+    c["out"][name] = {"seconds": round(seconds, 5), "tokens_per_s": round(tokens / seconds, 1),
+                      "layers_run": layers, "mfu": round(fl / seconds / c["peak"], 4)}
+    print(f"[anchor] {c['model']} {name}: {tokens / seconds:,.0f} tok/s, "
+          f"MFU {fl / seconds / c['peak']:.1%} ({layers} layers)", flush=True)
+
+
+def hf_paths(c: dict, spec_target, input_ids: torch.Tensor, paths) -> None:
+    """1. plain HF, the full model's decoder, all hidden states; 2. our extractor on the same
+    weights with a packed row and a dense mask (SDPA)."""
+    device, iters, n_layers = c["device"], c["iters"], c["cfg"].num_hidden_layers
+    xi, di, pi = c["xi"], c["di"], c["pi"]
+    t = load_target(spec_target, device, need_tokenizer=False)
+    base = t.model.get_decoder()
+    x = input_ids.to(device)
+    if "hf_plain" in paths:
+        with torch.no_grad():
+            record(c, "hf_plain", timed(lambda: base(  # noqa: F821 (base is deleted below)
+                input_ids=x, output_hidden_states=True, use_cache=False), device, iters, warmup=2),
+                   n_layers)
+    if "ours_dense_sdpa" in paths:  # same weights, packed row, dense mask (SDPA)
+        fx = FeatureExtractor(t)
+        record(c, "ours_dense_sdpa", timed(lambda: fx(xi, di, pi), device, iters,  # noqa: F821
+                                           warmup=2), n_layers)  # (fx is deleted below)
+        del fx
+    del t, base
+    torch.cuda.empty_cache()
+
+
+def flex_paths(c: dict, spec_target, layers: int, eager_name: str, comp_name: str,
+               paths) -> None:
+    """3. our CUDA path at ``layers`` layers: FlexAttention + document BlockMask, the model
+    loaded once, compiled (target.compile) then eager on the same weights; their features
+    compared."""
+    device, iters, out = c["device"], c["iters"], c["out"]
+    xi, di, pi = c["xi"], c["di"], c["pi"]
+    features: dict = {}  # the first path's features, to compare the second with
+    t = load_target(spec_target, device, need_tokenizer=False,
+                    num_layers=layers, attention="flex")
+    # compiled first: the eager extractor's forward hooks stay on the layers afterwards
+    for name, backend in ((comp_name, "inductor"), (eager_name, None)):
+        if name not in paths:
+            continue
+        fx = FeatureExtractor(t, compile=backend)
+        graphs = counters["stats"]["unique_graphs"]
+        t0 = time.perf_counter()
+        first = fx(xi, di, pi)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)
+        out[f"{name}_first_call_s"] = round(time.perf_counter() - t0, 2)  # incl. compiles
+        if backend:
+            out[f"{name}_new_graphs"] = counters["stats"]["unique_graphs"] - graphs
+        other = features.pop(layers, None)
+        if other is None:
+            features[layers] = first
+        else:  # compiled vs eager features (bf16: summation order only)
+            diff = (first - other).float()
+            out[f"{comp_name}_max_abs_diff_vs_eager"] = round(float(diff.abs().max()), 4)
+            out[f"{comp_name}_rel_l2_diff_vs_eager"] = round(
+                float(diff.norm() / other.float().norm()), 6)
+            del other, diff
+        del first
+        record(c, name, timed(lambda: fx(xi, di, pi), device, iters, warmup=1),  # noqa: F821
+               layers)
+        del fx
+    del t
+    features.clear()
+    torch.cuda.empty_cache()
+
+
+RATIOS = (("ours_flex", "hf_plain"), ("ours_dense_sdpa", "hf_plain"),
+          ("ours_flex", "ours_dense_sdpa"), ("ours_flex_compiled", "hf_plain"),
+          ("ours_flex_compiled", "ours_flex"),
+          ("ours_flex_compiled_truncated", "ours_flex_truncated"))
+
+
 def measure(model_name: str, batch: int, seq: int, device: str, peak: float, iters: int,
             paths=PATHS) -> dict:
     spec_target = section_spec("target", {"model": model_name, "init": "random",
@@ -72,76 +151,18 @@ def measure(model_name: str, batch: int, seq: int, device: str, peak: float, ite
     pos = torch.arange(seq).repeat(batch)
     out: dict = {"model": model_name, "batch": batch, "seq": seq, "tokens": tokens,
                  "layers": n_layers, "feature_layers": ids}
-    features: dict = {}  # first path's features per layer count, to compare the second with
-
-    def sync() -> None:
-        if device.startswith("cuda"):
-            torch.cuda.synchronize(device)
-
-    def record(name: str, seconds: float, layers: int) -> None:
-        fl = target_flops(cfg, layers, [seq] * batch)
-        out[name] = {"seconds": round(seconds, 5), "tokens_per_s": round(tokens / seconds, 1),
-                     "layers_run": layers, "mfu": round(fl / seconds / peak, 4)}
-        print(f"[anchor] {model_name} {name}: {tokens / seconds:,.0f} tok/s, "
-              f"MFU {fl / seconds / peak:.1%} ({layers} layers)", flush=True)
-
-    # 1. plain HF, full model's decoder, all hidden states
     xi, di, pi = input_ids.reshape(-1).to(device), doc.to(device), pos.to(device)
+    c = {"model": model_name, "cfg": cfg, "batch": batch, "seq": seq, "tokens": tokens,
+         "device": device, "peak": peak, "iters": iters, "out": out, "xi": xi, "di": di,
+         "pi": pi}
     if "hf_plain" in paths or "ours_dense_sdpa" in paths:
-        t = load_target(spec_target, device, need_tokenizer=False)
-        base = t.model.get_decoder()
-        x = input_ids.to(device)
-        if "hf_plain" in paths:
-            with torch.no_grad():
-                record("hf_plain", timed(lambda: base(input_ids=x, output_hidden_states=True,
-                                                      use_cache=False), device, iters, warmup=2),
-                       n_layers)
-        if "ours_dense_sdpa" in paths:  # same weights, packed row, dense mask (SDPA)
-            fx = FeatureExtractor(t)
-            record("ours_dense_sdpa", timed(lambda: fx(xi, di, pi), device, iters,  # noqa: F821
-                                            warmup=2), n_layers)  # (fx is deleted below)
-            del fx
-        del t, base
-        torch.cuda.empty_cache()
-    # 3. our CUDA path: FlexAttention + document BlockMask, all layers then truncated; each
-    #    model loaded once, eager then compiled (target.compile) on the same weights
+        hf_paths(c, spec_target, input_ids, paths)
     for layers, eager_name, comp_name in ((n_layers, "ours_flex", "ours_flex_compiled"),
                                           (max(ids) + 1, "ours_flex_truncated",
                                            "ours_flex_compiled_truncated")):
-        if eager_name not in paths and comp_name not in paths:
-            continue
-        t = load_target(spec_target, device, need_tokenizer=False,
-                        num_layers=layers, attention="flex")
-        # compiled first: the eager extractor's forward hooks stay on the layers afterwards
-        for name, backend in ((comp_name, "inductor"), (eager_name, None)):
-            if name not in paths:
-                continue
-            fx = FeatureExtractor(t, compile=backend)
-            graphs = counters["stats"]["unique_graphs"]
-            t0 = time.perf_counter()
-            first = fx(xi, di, pi)
-            sync()
-            out[f"{name}_first_call_s"] = round(time.perf_counter() - t0, 2)  # incl. compiles
-            if backend:
-                out[f"{name}_new_graphs"] = counters["stats"]["unique_graphs"] - graphs
-            other = features.pop(layers, None)
-            if other is None:
-                features[layers] = first
-            else:  # compiled vs eager features (bf16: summation order only)
-                diff = (first - other).float()
-                out[f"{comp_name}_max_abs_diff_vs_eager"] = round(float(diff.abs().max()), 4)
-                out[f"{comp_name}_rel_l2_diff_vs_eager"] = round(
-                    float(diff.norm() / other.float().norm()), 6)
-                del other, diff
-            del first
-            record(name, timed(lambda: fx(xi, di, pi), device, iters, warmup=1),  # noqa: F821
-                   layers)
-            del fx
-        del t
-        features.pop(layers, None)
-        torch.cuda.empty_cache()
+        if eager_name in paths or comp_name in paths:
+            flex_paths(c, spec_target, layers, eager_name, comp_name, paths)
     # the document BlockMask alone: eager (what the extractor builds per row) and compiled
-
     L = di.shape[0]
     out["mask_seconds"] = {
         "eager": round(timed(lambda: document_block_mask(di), device, iters, warmup=1), 5),
@@ -152,10 +173,7 @@ def measure(model_name: str, batch: int, seq: int, device: str, peak: float, ite
     if "attention" in paths:
         out["attention"] = attention_variants(cfg, di, [seq] * batch, device, iters)
         print(f"[anchor] {model_name} attention alone: {out['attention']}", flush=True)
-    for a, b in (("ours_flex", "hf_plain"), ("ours_dense_sdpa", "hf_plain"),
-                 ("ours_flex", "ours_dense_sdpa"), ("ours_flex_compiled", "hf_plain"),
-                 ("ours_flex_compiled", "ours_flex"),
-                 ("ours_flex_compiled_truncated", "ours_flex_truncated")):
+    for a, b in RATIOS:
         if a in out and b in out:
             out[f"ratio_{a}_vs_{b}"] = round(out[a]["tokens_per_s"] / out[b]["tokens_per_s"], 3)
     return out

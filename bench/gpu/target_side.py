@@ -95,20 +95,9 @@ def load(model: str, dev: str, compile: str | None, layers: int = 5):
     return FeatureExtractor(t, compile=compile), t
 
 
-def smollm2_profile(dev: str, cfg: dict, L: int, n: int, out: Path) -> dict:
-    cuda = dev.startswith("cuda")
-    t0 = time.perf_counter()
-    fx, t = load(config_dir(cfg), dev, "inductor" if cuda else None)
-    rs = [r for r, _ in rows(L, n, 260, cfg["vocab_size"], 0)]
-    to = lambda r: (r.input_ids.to(dev), r.doc_ids.to(dev), r.position_ids.to(dev))  # noqa
-    fx(*to(rs[0]))
-    fx(*to(rs[1]))  # compiled (two layouts: any specialisation settles here)
-    sync(dev)
-    res = {"device": dev, "torch": torch.__version__, "row_tokens": L, "rows": n,
-           "docs_per_row": sum(len(set(r.doc_ids.tolist())) - 1 for r in rs) / n,
-           "layers_run": len(fx.base.layers), "feature_layers": fx.target.layer_ids,
-           "load_and_compile_s": round(time.perf_counter() - t0, 2)}
-    # today's worker, by section: every section ends with a device sync to time it
+def synced_sections(fx, rs: list, to, dev: str, n: int, res: dict) -> None:
+    """Today's worker, by section (host-to-device, mask, layers), each ending in a device sync
+    to time it; per row, also the host's enqueue time."""
     secs = {"h2d": 0.0, "mask": 0.0, "layers": 0.0}
     host = {"mask": 0.0, "layers": 0.0}
     for r in rs:
@@ -137,48 +126,69 @@ def smollm2_profile(dev: str, cfg: dict, L: int, n: int, out: Path) -> dict:
         host["layers"] += hc - c
     res["per_row_s_synced_sections"] = {k: round(v / n, 5) for k, v in secs.items()}
     res["per_row_host_enqueue_s"] = {k: round(v / n, 5) for k, v in host.items()}
+
+
+def graph_rows(fx, rs: list, to, dev: str, L: int, n: int, res: dict) -> None:
+    """CUDA: the rows through :class:`CapturedFeatures` (capture, equality with the compiled
+    extractor, per-row seconds), the linear FLOPs, and a profile of one compiled row."""
+    cap = CapturedFeatures(fx, dev)
+    a = time.perf_counter()
+    g0 = cap(rs[0].input_ids, rs[0].doc_ids, rs[0].position_ids)
+    sync(dev)
+    res["graph_capture_s"] = round(time.perf_counter() - a, 3)
+    res["graph_captured"] = cap._graphs[L] is not None
+    diffs = []
+    for r in rs[:4]:
+        g = cap(r.input_ids, r.doc_ids, r.position_ids)
+        e = fx(*to(r))
+        diffs.append(float((g.float() - e.float()).abs().max()))
+    res["graph_vs_compiled_max_abs_diff"] = max(diffs)
+    res["graph_vs_compiled_equal"] = max(diffs) == 0.0
+    del g0
+    _, h, w = timed(dev, lambda i: cap(rs[i].input_ids, rs[i].doc_ids, rs[i].position_ids),
+                    n)
+    res["graph_per_row_s"] = round(w / n, 5)
+    res["graph_host_per_row_s"] = round(h / n, 5)
+    _, h, w = timed(dev, lambda i: [cap(rs[i].input_ids, rs[i].doc_ids,
+                                        rs[i].position_ids), sync(dev)], n)
+    res["graph_synced_per_row_s"] = round(w / n, 5)
+    flops = 2 * L * sum(p.numel() for p in fx.base.layers.parameters())
+    res["tflop_per_row_linear"] = round(flops / 1e12, 3)
+    res["target_tokens_per_s"] = {k: round(L / res[k]) for k in
+                                  ("today_per_row_s", "nosync_per_row_s", "graph_per_row_s")}
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fx(*to(rs[2]))
+        sync(dev)
+    ev = prof.key_averages()
+    res["profile_compiled_row"] = {
+        "cuda_kernels": sum(e.count for e in ev if e.device_type.name == "CUDA"),
+        "top": [{"name": e.key[:80], "count": e.count,
+                 "device_ms": round(e.self_device_time_total / 1e3, 3),
+                 "cpu_ms": round(e.self_cpu_time_total / 1e3, 3)}
+                for e in sorted(ev, key=lambda e: -e.self_cpu_time_total)[:12]]}
+
+
+def smollm2_profile(dev: str, cfg: dict, L: int, n: int, out: Path) -> dict:
+    cuda = dev.startswith("cuda")
+    t0 = time.perf_counter()
+    fx, t = load(config_dir(cfg), dev, "inductor" if cuda else None)
+    rs = [r for r, _ in rows(L, n, 260, cfg["vocab_size"], 0)]
+    to = lambda r: (r.input_ids.to(dev), r.doc_ids.to(dev), r.position_ids.to(dev))  # noqa
+    fx(*to(rs[0]))
+    fx(*to(rs[1]))  # compiled (two layouts: any specialisation settles here)
+    sync(dev)
+    res = {"device": dev, "torch": torch.__version__, "row_tokens": L, "rows": n,
+           "docs_per_row": sum(len(set(r.doc_ids.tolist())) - 1 for r in rs) / n,
+           "layers_run": len(fx.base.layers), "feature_layers": fx.target.layer_ids,
+           "load_and_compile_s": round(time.perf_counter() - t0, 2)}
+    synced_sections(fx, rs, to, dev, n, res)
     _, h, w = timed(dev, lambda i: [fx(*to(rs[i])), sync(dev)], n)
     res["today_per_row_s"] = round(w / n, 5)  # the worker as it was: forward, then sync
     _, h, w = timed(dev, lambda i: fx(*to(rs[i])), n)
     res["nosync_per_row_s"] = round(w / n, 5)
     res["nosync_host_per_row_s"] = round(h / n, 5)
     if cuda:
-        cap = CapturedFeatures(fx, dev)
-        a = time.perf_counter()
-        g0 = cap(rs[0].input_ids, rs[0].doc_ids, rs[0].position_ids)
-        sync(dev)
-        res["graph_capture_s"] = round(time.perf_counter() - a, 3)
-        res["graph_captured"] = cap._graphs[L] is not None
-        diffs = []
-        for r in rs[:4]:
-            g = cap(r.input_ids, r.doc_ids, r.position_ids)
-            e = fx(*to(r))
-            diffs.append(float((g.float() - e.float()).abs().max()))
-        res["graph_vs_compiled_max_abs_diff"] = max(diffs)
-        res["graph_vs_compiled_equal"] = max(diffs) == 0.0
-        del g0
-        _, h, w = timed(dev, lambda i: cap(rs[i].input_ids, rs[i].doc_ids, rs[i].position_ids),
-                        n)
-        res["graph_per_row_s"] = round(w / n, 5)
-        res["graph_host_per_row_s"] = round(h / n, 5)
-        _, h, w = timed(dev, lambda i: [cap(rs[i].input_ids, rs[i].doc_ids,
-                                            rs[i].position_ids), sync(dev)], n)
-        res["graph_synced_per_row_s"] = round(w / n, 5)
-        flops = 2 * L * sum(p.numel() for p in fx.base.layers.parameters())
-        res["tflop_per_row_linear"] = round(flops / 1e12, 3)
-        res["target_tokens_per_s"] = {k: round(L / res[k]) for k in
-                                      ("today_per_row_s", "nosync_per_row_s", "graph_per_row_s")}
-
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            fx(*to(rs[2]))
-            sync(dev)
-        ev = prof.key_averages()
-        res["profile_compiled_row"] = {
-            "cuda_kernels": sum(e.count for e in ev if e.device_type.name == "CUDA"),
-            "top": [{"name": e.key[:80], "count": e.count,
-                     "device_ms": round(e.self_device_time_total / 1e3, 3),
-                     "cpu_ms": round(e.self_cpu_time_total / 1e3, 3)}
-                    for e in sorted(ev, key=lambda e: -e.self_cpu_time_total)[:12]]}
+        graph_rows(fx, rs, to, dev, L, n, res)
     (out / "target_side_smollm2.json").write_text(json.dumps(res, indent=1))
     print(json.dumps({k: v for k, v in res.items() if k != "profile_compiled_row"}), flush=True)
     return res

@@ -1,0 +1,29 @@
+"""What every bench script ends with: its ``__main__`` (:func:`run`: a :class:`DFlashError`, bad
+input such as a missing file or a malformed JSON, is one line naming the file, never a traceback,
+as the CLI does) and its result file (:func:`write_result`: the JSON, written atomically).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from dflash.errors import DFlashError
+from dflash.manifest import atomic_write_text
+
+
+def run(main: Callable[[], int | None]) -> None:
+    """``sys.exit(main())``; a DFlashError prints ``error: ...`` and exits with its code."""
+    try:
+        sys.exit(main())
+    except DFlashError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+
+
+def write_result(path: str | Path, doc: dict) -> None:
+    """``doc`` as indented JSON at ``path`` (its folder made), atomically: a run cut by its
+    device call's limit leaves the previous file or the whole new one, never half."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(doc, indent=1) + "\n")

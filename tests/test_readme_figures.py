@@ -1,0 +1,68 @@
+"""The README's figures come from committed files that still match the code: each quoted figure
+cites FILE#KEY (bench/readme_figures.py), the cited value rounds to the quoted one, the figure
+sections quote no speed-up or throughput without a citation, and the files derived from a run's
+raw output (metrics.jsonl, the DAG log) are what the scripts make from it today."""
+import json
+
+import pytest
+
+from bench import figures_from_log, readme_figures, steady_state_from_metrics
+from dflash.errors import DFlashError
+from dflash.runtime.harness import REPO
+
+H200 = REPO / "bench" / "results" / "h200"
+HEAD = "Run 2 (this round's code):"
+
+
+def test_every_readme_figure_matches_the_file_it_cites():
+    assert readme_figures.problems(REPO / "README.md") == []
+    cited = readme_figures.citations((REPO / "README.md").read_text())
+    assert len(cited) >= 20
+    files = {c["path"] for c in cited}
+    assert "bench/results/h200/smollm2-quality-run2/steady_state.json" in files
+    assert all((REPO / f).is_file() for f in files)
+
+
+def test_a_wrong_or_uncited_figure_is_named(tmp_path):
+    ss = "bench/results/h200/smollm2-quality-run2/steady_state.json"
+    md = tmp_path / "README.md"
+    md.write_text(f"{HEAD} **97.4K tokens/s**<!-- fig: {ss}#tokens_per_s --> and 1.36× over\n"
+                  f"target-only; 97.3K<!-- fig: {ss}#tokens_per_s --> is right.\n")
+    bad = readme_figures.problems(md)
+    assert bad == [f"README.md:1: quoted 97.4K but {ss}#tokens_per_s = 97318.9",
+                   "README.md:1: '1.36×' has no <!-- fig: FILE#KEY --> citation"]
+
+
+def test_rounding_suffixes_and_ratios():
+    ds = "bench/results/h200/decode_speed.json"
+    b = json.loads((REPO / ds).read_text())["batches"][0]
+    ratio = b["target_only_tokens_per_s"] / b["hf_static"]["tokens_per_s"]
+    text = (f"{HEAD} 1.43×<!-- fig: {ds}#batches.0.target_only_tokens_per_s/"
+            f"batches.0.hf_static.tokens_per_s --> and 0.47K<!-- fig: {ds}#batches.0."
+            f"target_only_tokens_per_s --> and 1.4<!-- fig: {ds}#batches.0.target_only_"
+            f"tokens_per_s/batches.0.hf_static.tokens_per_s -->")
+    got = readme_figures.citations(text)
+    assert [c["ok"] for c in got] == [True, True, True]
+    assert got[0]["value"] == pytest.approx(ratio) and round(ratio, 2) == 1.43
+
+
+def test_a_missing_file_or_key_is_one_clear_error():
+    with pytest.raises(DFlashError, match="nope.json: not a readable JSON"):
+        readme_figures.citations("1.0<!-- fig: bench/results/nope.json#a -->")
+    with pytest.raises(DFlashError, match="decode_speed.json#batches.9.speedup: no key '9'"):
+        readme_figures.citations("1.0<!-- fig: bench/results/h200/decode_speed.json#batches.9.speedup -->")
+
+
+@pytest.mark.parametrize("run", ["smollm2-quality-run1", "smollm2-quality-run2"])
+def test_the_steady_state_files_are_what_the_script_makes_of_the_metrics(run):
+    rows = [json.loads(x) for x in (H200 / run / "metrics.jsonl").read_text().splitlines()
+            if x.strip()]
+    committed = json.loads((H200 / run / "steady_state.json").read_text())
+    assert steady_state_from_metrics.steady_state(rows, 5, 8192) == committed
+
+
+def test_the_run2_figures_are_what_the_script_reads_from_its_log():
+    log = H200 / "smollm2-quality-run2" / "snakemake_call3.log"
+    committed = json.loads((H200 / "smollm2-quality-run2" / "figures.json").read_text())
+    assert figures_from_log.figures(log.read_text()) == {k: v for k, v in committed.items()
+                                                        if k != "source"}
