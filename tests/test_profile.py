@@ -42,7 +42,8 @@ def _one_thread(one_torch_thread):
 
 @pytest.fixture(scope="module")
 def profiled(tmp_path_factory):
-    """One profiled pipeline run of 10 steps (the target, ahead by the queues, still works in the window): (summary, profile.json path, spec)."""
+    """One profiled pipeline run of 10 steps (the target, ahead by the queues, still works in
+    the window): (summary, profile.json path, spec)."""
     spec = parse_spec(SPEC, "prof.yaml")
     rnd = random.Random(1)
     samples = []
