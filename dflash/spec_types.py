@@ -127,6 +127,7 @@ class MonitorSpec:
     tau_prompts: int
     tau_max_new_tokens: int
     tensorboard: bool
+    profile_steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -298,7 +299,8 @@ def stage_fields(spec: Spec) -> dict[str, dict[str, Any]]:
         # features (float8 storage rounds them), so the weights depend on it; off leaves the
         # fingerprint as it was before the field existed
         "train": {"loss": spec.loss, "optim": spec.optim, "checkpoint": spec.checkpoint,
-                  "topology": spec.topology, "monitor": spec.monitor, "seed": spec.seed,
+                  "topology": spec.topology, "monitor": _monitor_identity(spec.monitor),
+                  "seed": spec.seed,
                   **({"features": spec.features} if cache_mode(spec) != "off" else {}),
                   # the starting weights, not a shape: a random start leaves the fingerprint
                   # as it was before the field existed
@@ -314,6 +316,15 @@ def _compile_identity(c: CompileSpec) -> dict:
     plain = _plain(c)
     if c.cuda_graph_step in ("off", False):
         del plain["cuda_graph_step"]
+    return plain
+
+
+def _monitor_identity(m: MonitorSpec) -> dict:
+    """The monitor section as the train fingerprint sees it: ``profile_steps`` 0 (off) leaves
+    it as it was before the field existed."""
+    plain = _plain(m)
+    if not m.profile_steps:
+        del plain["profile_steps"]
     return plain
 
 

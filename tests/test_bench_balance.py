@@ -3,6 +3,7 @@ projections) from a real H200 run's committed manifest and metrics, and its hard
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,8 @@ import torch
 from dflash.env.facts import hardware_facts
 from dflash.eval.report import render_report_md
 from dflash.spec import load_spec
-from dflash.train.flops import datasheet_peak, drafter_cost, mfu_against_datasheet, project_tokens_per_s, worker_balance
+from dflash.train.flops import (datasheet_peak, drafter_cost, mfu_against_datasheet, project_tokens_per_s,
+                               target_side, worker_balance)
 from dflash.train.workers import drafter_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -133,3 +135,58 @@ def test_report_md_shows_both_mfu_denominators_and_overridden_drift():
     md = render_report_md(report)
     assert "| MFU over a datasheet peak | n/a (no datasheet entry" in md
     assert "environment drift: none" in md
+
+
+# the DAG run of smollm2-quality on one H200 (db536a8): 59.8 ms steps of ~8,186 target
+# tokens (136,883 tok/s), the drafter busy 57.6 ms, the target busy 17 % (10.2 ms)
+Q_TOKENS, Q_TARGET, Q_DRAFTER = 8186.0, 0.0102, 0.0576
+
+
+def test_target_side_on_a_shared_gpu_recommends_the_feature_cache_with_figures():
+    spec = load_spec(REPO / "specs" / "smollm2-quality.yaml")
+    ts = target_side(spec, Q_TARGET, Q_DRAFTER, Q_TOKENS)
+    assert ts["shared_gpu"] and ts["epochs"] == 3 and not ts["features_cache"]
+    now, _, three = ts["what_if"]
+    assert now["bound"] == "drafter" and three["drafter_speedup"] == 3.0
+    # shared GPU: the busy times add up (10.2 + 57.6 ms now, 10.2 + 19.2 ms at 3x)
+    assert now["tokens_per_s"] == pytest.approx(Q_TOKENS / 0.0678)
+    assert three["tokens_per_s"] == pytest.approx(278_435, rel=1e-3)
+    assert three["target_share_of_device"] == pytest.approx(0.0102 / 0.0294)
+    # epochs 1 and 2 read the cache: the drafter alone; the 3-epoch run averages the two
+    assert three["tokens_per_s_epochs_ge_1_with_cache"] == pytest.approx(Q_TOKENS / 0.0192)
+    assert three["tokens_per_s_whole_run_with_cache"] == pytest.approx(
+        3 / (1 / three["tokens_per_s"] + 2 / three["tokens_per_s_epochs_ge_1_with_cache"]))
+    assert [r["field"] for r in ts["recommend"]] == ["features.cache"]
+    assert "278,435 -> 426,354 tok/s" in ts["recommend"][0]["why"]
+    # with the cache on and one epoch, a target that outlasts the 3x drafter wants its own GPU
+    one = replace(spec, optim=replace(spec.optim, epochs=1),
+                  features=replace(spec.features, cache="host"))
+    ts = target_side(one, 0.025, Q_DRAFTER, Q_TOKENS)
+    assert ts["what_if"][-1]["bound"] == "target" and ts["bound_now"] == "drafter"
+    assert [r["field"] for r in ts["recommend"]] == ["topology.targets"]
+    assert ts["what_if"][-1]["tokens_per_s_whole_run_with_cache"] is None
+
+
+def test_target_side_on_separate_gpus(h200_run):
+    spec, _, window, bal = h200_run  # qwen3-8b-2gpu: target-bound today, a step budget
+    ts = bal["target_side"]
+    assert not ts["shared_gpu"] and ts["bound_now"] == "target"
+    t, d = bal["target_busy_s_per_step"], bal["drafter_busy_s_per_step"]
+    tokens = sum(m["tokens"] for m in window) / len(window)
+    assert ts["what_if"][0]["tokens_per_s"] == pytest.approx(tokens / max(t, d))
+    fields = [r["field"] for r in ts["recommend"]]
+    assert "batching.max_anchors" in fields and "topology.targets" not in fields
+    # a drafter-bound split with the drafter fast enough: nothing to change
+    assert target_side(spec, 0.001, 0.01, 1000.0)["recommend"] == []
+
+
+def test_report_md_shows_the_target_side(h200_run):
+    report = json.loads((H200 / "qwen3-8b-2gpu__bench__report.json").read_text())
+    spec = load_spec(REPO / "specs" / "smollm2-quality.yaml")
+    bal = dict(h200_run[3], target_side=target_side(spec, Q_TARGET, Q_DRAFTER, Q_TOKENS))
+    report.update(balance=bal, drafter_mfu_while_busy=None, final_draft_acc=None,
+                  hardware=hardware_facts(["cpu"], {}))
+    md = render_report_md(report)
+    assert "share a GPU: their busy times add up" in md
+    assert "| 3× faster | drafter | 0.347 | 278,435 | 426,354 |" in md
+    assert "recommend `features.cache`: host (the target takes 15% of the shared GPU" in md

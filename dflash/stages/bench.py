@@ -166,6 +166,10 @@ def _read_metrics(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
+def _read_json(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def run(ctx: StageContext) -> dict:
     """The bench stage, as its phases: the throughput source (the train stage's steady state or
     a timed run), MFU against a peak measured now, τ of the exported drafter, the report."""
@@ -178,6 +182,8 @@ def run(ctx: StageContext) -> dict:
     tau = evaluate_tau(ctx.spec, drafter_dir, ctx.spec.topology.targets[0], ctx.results)
     report = {**perf, **run_facts(ctx, source), **training_curves(metrics),
               "tau": tau.get("tau"), "acceptance": tau,
+              # monitor.profile_steps: the train stage's profile summary, shown as a table
+              "profile": _read_json(ctx.results / "train" / "profile.json"),
               "drafter_dir": str(drafter_dir)}
     return write_report(out, report, metrics, tau)
 

@@ -2,7 +2,7 @@
 fused LM head + cross-entropy: head_loss.py), the replica (drafter + optimizer), the
 race-free threaded scheduler, row packing (and the step map), checkpoints, the feature cache
 (feature_cache.py) and its budget (cache_budget.py), the worker factory, warm-up, the
-FLOP/balance model.
+FLOP/balance model, and the step profile (profile.py: monitor.profile_steps).
 
 May import: the top-level modules, models/, data/, runtime/. Nothing from eval/ or stages/.
 """

@@ -174,6 +174,7 @@ def worker_balance(spec, dcfg, window: list[dict], busy: dict, wait: dict, n_run
             "unbounded_recommendation": round(ideal, 1),
             "drafter_tokens_per_s_per_gpu_at_recommended": rate_rec,
         },
+        "target_side": target_side(spec, t_busy_s, d_busy_s, tokens),
         "projection": {"skipped": "CPU run: its workers share the cores, so it says nothing "
                                   "about GPU splits (run the spec on GPUs for a projection)"}
         if all(d == "cpu" for d in spec.devices()) else {
@@ -189,6 +190,62 @@ def worker_balance(spec, dcfg, window: list[dict], busy: dict, wait: dict, n_run
                 "steady-state window; on CPU all workers share the cores, so rates there only "
                 "describe this run",
     }
+
+
+DRAFTER_SPEEDUPS = (1.0, 2.0, 3.0)  # what-ifs: the drafter step this many times faster
+
+
+def device_bound_tokens_per_s(tokens: float, t_busy: float, d_busy: float, shared: bool) -> float:
+    """Target tokens/s the devices allow for steps of ``tokens`` target tokens: on one shared
+    GPU the two workers' busy times add up (they take turns on the device); on separate GPUs
+    the slower side sets the pace (the pipeline overlaps them)."""
+    return tokens / (t_busy + d_busy if shared else max(t_busy, d_busy))
+
+
+def target_side(spec, t_busy: float, d_busy: float, tokens: float) -> dict:
+    """Whether the target is, or becomes, what the step waits on, and what the spec could do
+    about it, with figures: ``what_if`` projects tokens/s with the drafter step 1-3× faster
+    (device-bound: :func:`device_bound_tokens_per_s`); ``recommend`` lists the fields to change.
+
+    On a shared GPU every target second is a second the drafter cannot use, so the feature
+    cache (``features.cache``: the target runs in epoch 0 only) pays as soon as the run has a
+    second epoch, whatever the balance; on separate GPUs it pays once the target is the slower
+    side. More anchors use a drafter that would otherwise wait for the target."""
+    shared = bool(set(spec.topology.targets) & set(spec.topology.drafters)) and \
+        any(d != "cpu" for d in spec.devices())
+    o, cache = spec.optim, spec.features.cache not in ("off", False)
+    epochs = o.epochs if o.max_steps is None else None  # a step budget: epochs unknown here
+    what_if = []
+    for k in DRAFTER_SPEEDUPS:
+        d = d_busy / k
+        now = device_bound_tokens_per_s(tokens, t_busy, d, shared)
+        cached = tokens / d  # epochs >= 1 read the cache: the drafter alone
+        whole = (epochs / (1 / now + (epochs - 1) / cached)) if epochs and epochs > 1 else None
+        what_if.append({"drafter_speedup": k, "bound": "target" if t_busy > d else "drafter",
+                        "target_share_of_device": t_busy / (t_busy + d) if shared else None,
+                        "tokens_per_s": now, "tokens_per_s_epochs_ge_1_with_cache": cached,
+                        "tokens_per_s_whole_run_with_cache": whole})
+    rec = []
+    three = what_if[-1]
+    if not cache and (shared or three["bound"] == "target") and (epochs is None or epochs > 1):
+        rec.append({"field": "features.cache", "value": "host",
+                    "why": f"the target takes {t_busy / (t_busy + d_busy) if shared else t_busy / d_busy:.0%} "
+                           + ("of the shared GPU's busy time" if shared else "of the drafter's step")
+                           + f"; with the cache epochs >= 1 skip it: "
+                           f"{three['tokens_per_s']:,.0f} -> {three['tokens_per_s_epochs_ge_1_with_cache']:,.0f}"
+                           f" tok/s there at a {three['drafter_speedup']:g}x faster drafter "
+                           "(disk when host memory is short: the run checks the budget first)"})
+    if three["bound"] == "target" and not shared:
+        rec.append({"field": "batching.max_anchors", "value": "the recommended_max_anchors",
+                    "why": "the drafter would wait for the target: more anchors train more "
+                           "positions per target token at no wall time"})
+    if shared and three["bound"] == "target" and (cache or epochs == 1):
+        rec.append({"field": "topology.targets", "value": "a GPU of its own",
+                    "why": f"the target ({t_busy * 1e3:.1f} ms/step) outlasts a "
+                           f"{three['drafter_speedup']:g}x faster drafter step "
+                           f"({d_busy / three['drafter_speedup'] * 1e3:.1f} ms) on one GPU"})
+    return {"shared_gpu": shared, "epochs": epochs, "features_cache": cache,
+            "bound_now": what_if[0]["bound"], "what_if": what_if, "recommend": rec}
 
 
 def idle_fractions(busy: dict, wait: dict, role: str) -> list[float]:

@@ -41,6 +41,7 @@ from ..runtime.status import worker_name
 from ..runtime.busy import DeviceBusy
 from .feature_cache import CacheStopped
 from .packing import StepMap
+from .profile import worker_label
 
 POLL_S = 0.1
 
@@ -88,12 +89,15 @@ class Pipeline:
                  step_map: StepMap, make_row: Callable[[list], PackedRow], start_step: int,
                  total_steps: int, seed: int, queue_depth: int,
                  on_step: Callable[[StepRecord], None] | None = None,
-                 fail_at: dict[str, int] | None = None, comm=None, feature_cache=None):
+                 fail_at: dict[str, int] | None = None, comm=None, feature_cache=None,
+                 profiler=None):
         """``target_workers``: (device, fn(row) -> TargetOutput) per target device.
         ``feature_cache``: a :class:`dflash.train.feature_cache.FeatureCache` (epoch 0 writes
         it, later epochs read the rows it serves instead of running the target) or None.
         ``step_map`` maps steps to the deterministic per-epoch batch plans; ``make_row(batch)``
-        packs one batch of sample indices into a PackedRow."""
+        packs one batch of sample indices into a PackedRow. ``profiler``: a
+        :class:`dflash.train.profile.StepProfiler` replica 0 opens and closes between steps
+        (``monitor.profile_steps``) or None."""
         self.targets = target_workers
         self.replicas = replicas
         self.M = len(replicas)
@@ -105,6 +109,7 @@ class Pipeline:
         self.fail_at = fail_at or {}  # test hook: {"worker name": step} raises there
         self.comm = comm  # dflash.runtime.distributed.Dist across nodes; None: this process only
         self.cache = feature_cache
+        self.profiler = profiler
         self.allreduce = None  # DeviceBusy of the cross-node all-reduce (leader thread)
         self.gate = get_gate()
         self.stop = threading.Event()
@@ -196,7 +201,8 @@ class Pipeline:
                 feats = None
                 if item.row is not None:
                     b0 = busy.start()
-                    feats = self._features(device, feature_fn, item)
+                    with worker_label(name):
+                        feats = self._features(device, feature_fn, item)
                     busy.stop(b0)
                     self.first_step_s.setdefault(name, time.perf_counter() - self.t0)
                 self.busy_s[name], self.wait_s[name] = busy.seconds, wait
@@ -243,23 +249,26 @@ class Pipeline:
             busy = DeviceBusy(rep.device)  # device time of this replica's fwd/bwd + optim
             wait = 0.0
             for step in range(self.start_step, self.total_steps):
+                if r == 0 and self.profiler is not None:
+                    self.profiler.at_step(step, self)  # between steps: whole steps profiled
                 t = time.perf_counter()
                 item, feats = self._next_item(r, step, pending)
                 wait += time.perf_counter() - t
                 self._check_fail_hook(name, step)
                 b0 = busy.start()
-                if item.row is not None:
-                    row = item.row
-                    # outside the gate, as host work: the replica's objective owns the blocks
-                    blocks = rep.anchors(row, anchor_seed(self.seed, item.epoch,
-                                                          item.batch_index))
-                    res = self.gate.run(rep.signature(row.input_ids.shape[0]),
-                                        lambda: rep.forward_backward(row, feats, blocks))
-                    del feats
-                else:
-                    with self.gate.shared():
-                        rep.zero_grad()
-                    res = None
+                with worker_label(name):
+                    if item.row is not None:
+                        row = item.row
+                        # outside the gate, as host work: the replica's objective owns the blocks
+                        blocks = rep.anchors(row, anchor_seed(self.seed, item.epoch,
+                                                              item.batch_index))
+                        res = self.gate.run(rep.signature(row.input_ids.shape[0]),
+                                            lambda: rep.forward_backward(row, feats, blocks))
+                        del feats
+                    else:
+                        with self.gate.shared():
+                            rep.zero_grad()
+                        res = None
                 busy.stop(b0)
                 self._results[r] = res
                 t = time.perf_counter()
@@ -278,7 +287,7 @@ class Pipeline:
                 self._barrier()  # mean gradients are in place on every replica
                 wait += time.perf_counter() - t
                 b0 = busy.start()
-                with self.gate.shared():
+                with worker_label(name), self.gate.shared():
                     norm = rep.clip_and_step()
                 busy.stop(b0)
                 self.busy_s[name], self.wait_s[name] = busy.seconds, wait
@@ -286,6 +295,8 @@ class Pipeline:
                     self._record(step, item.epoch, norm, rep.lr(), snapshot)
                 # first step = its work done (on CUDA the record above synced replica 0)
                 self.first_step_s.setdefault(name, time.perf_counter() - self.t0)
+            if r == 0 and self.profiler is not None:
+                self.profiler.at_step(self.total_steps, self)
             self.busy_s[name] = busy.collect(block=True)
         except Stopped:
             pass

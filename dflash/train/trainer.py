@@ -45,6 +45,7 @@ from .cache_budget import check_run
 from .feature_cache import open_for_run
 from .packing import bucket_for, pack_row, plan_epoch
 from .packing import StepMap
+from .profile import StepProfiler
 from .scheduler import Pipeline
 from .warm import warm_all, warm_targets
 from .workers import (buckets, drafter_config, initial_state, make_replicas,
@@ -234,12 +235,13 @@ def train_steps(job: Job, progress: Progress, targets: list, fail_at: dict,
         return pack_row([ds.sample(i) for i in batch],
                         bucket_for(sum(ds.lengths[i] for i in batch), job.bucket_lens), pad_id)
 
+    profiler = open_profiler(job, progress)
     books.start()
     pipe = Pipeline(target_workers=targets, replicas=job.replicas, step_map=job.step_map,
                     make_row=make_row, start_step=progress.start_step,
                     total_steps=job.total_steps, seed=spec.seed,
                     queue_depth=spec.topology.queue_depth, on_step=books.record,
-                    fail_at=fail_at, comm=job.comm, feature_cache=cache)
+                    fail_at=fail_at, comm=job.comm, feature_cache=cache, profiler=profiler)
     if job.comm is not None:
         job.comm.watchdog.on_failure(
             lambda msg: pipe.fail("watchdog", job.comm.name(), PeerFailed(msg)))
@@ -247,12 +249,30 @@ def train_steps(job: Job, progress: Progress, targets: list, fail_at: dict,
         pipe.run(on_tick=status.tick if job.main else None, tick_s=5.0)
     finally:
         books.close()
+        if profiler is not None:
+            profiler.stop(pipe)  # a failed run's open window: closed, not written
         if cache is not None:  # a completed run deletes a disk cache; a failed one keeps it
             cache.close(remove=pipe.steps_done >= job.total_steps and pipe.error is None)
+    if profiler is not None:
+        summary = profiler.write(job.out / "profile.json")
+        print(f"[train] profile: {summary['steps']} steps from step "
+              f"{summary['first_step']} -> {job.out / 'profile.json'}", flush=True)
     return Trained(pipe=pipe, status=status, ledger=books.ledger,
                    seconds=time.perf_counter() - books.t0,
                    feature_cache=dict(cache.stats, mode=cache_mode(spec),
                                       dtype=spec.features.dtype) if cache else None)
+
+
+def open_profiler(job: Job, progress: Progress) -> StepProfiler | None:
+    """``monitor.profile_steps``: the train stage's profiler (rank 0; never the bench stage's
+    timed run), or None; a profile.json of an earlier run is removed either way (a rerun with
+    the switch off must not leave another run's figures beside its manifest)."""
+    n = job.ctx.spec.monitor.profile_steps
+    if job.main:
+        (job.out / "profile.json").unlink(missing_ok=True)
+    if not (n and job.persist and job.main) or progress.start_step >= job.total_steps:
+        return None
+    return StepProfiler(n, progress.start_step, job.total_steps, job.ctx.spec.devices())
 
 
 def check_replicas(job: Job) -> bool:

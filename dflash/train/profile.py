@@ -1,0 +1,281 @@
+"""``monitor.profile_steps``: N steady-state steps of the real training run under torch.profiler,
+summarised beside the train manifest (``results/<spec>/train/profile.json``).
+
+One process-wide profiler (``profile_all_threads``: the workers are Python threads, which a
+plain profiler would not see), started and stopped by drafter replica 0 between two steps
+(:meth:`StepProfiler.at_step`), so the window holds whole steps of every worker. The profiler
+only observes: it takes no gate and changes no compiled code (it is not tracing), and on CUDA
+it sees the kernels inside the drafter's captured graph replays through CUPTI. Each worker
+labels its work ``dflash.worker/<name>`` (:func:`worker_label`); the summary maps each label's
+thread to its worker and attributes CPU ops, runtime calls and (by correlation id) the kernels
+they launched to it. The raw trace is not kept: the summary is small, a trace is not.
+
+Owns: the profile window and its summary. Imports torch and ``dflash.manifest`` only.
+"""
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from ..manifest import atomic_write_text
+
+LABEL = "dflash.worker/"
+# steps past the run's first step before the window opens: the first steps still fill the
+# queues and the caching allocator (the warm start has compiled everything already)
+OFFSET_STEPS = 3
+TOP = 15
+GAP_US = 10.0  # a device gap longer than this between two kernels is counted as a host gap
+
+# (class, pattern over the lower-cased kernel name), first match wins
+KERNEL_CLASSES = [
+    ("nccl", r"nccl"),
+    ("memcpy/memset", r"memcpy|memset"),
+    ("optimizer", r"adam|multi_tensor_apply|foreach"),
+    ("attention/flex", r"flash|fmha|attention|attn|flex|sdpa"),
+    ("gemm", r"gemm|cutlass|xmma|cublas|nvjet|sm\d+_.*mma|matmul|splitk"),
+    ("reduction/softmax", r"softmax|reduce|triton_red_|triton_per_|cross_entropy|nll|norm"),
+    ("elementwise/fused triton", r"triton|elementwise|vectorized|unrolled|fill|copy|cat"),
+]
+CPU_CLASSES = [
+    ("nccl", r"nccl|all_reduce|allreduce|c10d"),
+    ("memcpy/memset", r"copy_|::to$|_to_copy|contiguous|clone|memcpy|memset|fill_|zero_"),
+    ("optimizer", r"optimizer|adam|_foreach"),
+    ("attention/flex", r"attention|flex|sdpa|flash"),
+    ("gemm", r"::mm$|addmm|bmm|matmul|linear|baddbmm"),
+    ("reduction/softmax", r"softmax|sum|mean|amax|max$|logsumexp|cross_entropy|nll|norm"),
+    ("elementwise/fused triton", r"^aten::|triton|compiled"),
+]
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+LAUNCH = re.compile(r"^(cudaLaunchKernel|cuLaunchKernel|cudaLaunchKernelExC|cudaLaunchCooperative)")
+GRAPH_LAUNCH = re.compile(r"^(cudaGraphLaunch|cuGraphLaunch)")
+ALLOC = ("cudaMalloc", "cudaFree", "cudaMallocAsync", "cudaFreeAsync", "cudaHostAlloc")
+MEMORY_KEYS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_ooms",
+               "allocation.all.allocated", "segment.all.allocated", "segment.all.freed",
+               "allocated_bytes.all.peak", "reserved_bytes.all.current")
+
+
+def worker_label(name: str):
+    """The label a worker's step work runs under (cheap while no profiler runs)."""
+    return record_function(LABEL + name)
+
+
+def classify(name: str, classes: list[tuple[str, str]]) -> str:
+    low = name.lower()
+    return next((c for c, pat in classes if re.search(pat, low)), "other")
+
+
+def window_for(start_step: int, total_steps: int, n: int) -> tuple[int, int]:
+    """[first, end) of the profiled steps: ``OFFSET_STEPS`` past the start, or the run's last
+    ``n`` steps when it is too short for that."""
+    first = min(start_step + OFFSET_STEPS, max(start_step, total_steps - n))
+    return first, min(total_steps, first + n)
+
+
+class StepProfiler:
+    """Started by replica 0 before step ``first``, stopped before step ``end``
+    (:meth:`at_step`); :meth:`summary` then reads what it recorded."""
+
+    def __init__(self, steps: int, start_step: int, total_steps: int, devices: list[str]):
+        self.first, self.end = window_for(start_step, total_steps, steps)
+        self.cuda = sorted({d for d in devices if d.startswith("cuda")})
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        self.activities = ["cpu"] + (["cuda"] if self.cuda else [])
+        self._acts = acts
+        self.prof = None  # made on the thread that starts it (kineto registers it there)
+        self.running = self.done = False
+        self.before: dict = {}
+        self.after: dict = {}
+
+    def _snapshot(self, pipe) -> dict:
+        return {"busy": dict(pipe.busy_s), "wait": dict(pipe.wait_s),
+                "memory": {d: torch.cuda.memory_stats(d) for d in self.cuda}}
+
+    def at_step(self, step: int, pipe) -> None:
+        """Replica 0, between steps: open the window before ``first``, close it before
+        ``end`` (the devices drained first, so every kernel of the window is recorded)."""
+        if step == self.first and not self.running and not self.done:
+            self.before = self._snapshot(pipe)
+            # the shared side: never while another thread holds the exclusive one (a capture
+            # or a compile must not see the profiler switch on mid-way)
+            with pipe.gate.shared():
+                self.prof = profile(activities=self._acts, experimental_config=torch._C.
+                                    _profiler._ExperimentalConfig(profile_all_threads=True))
+                self.prof.start()
+            self.running = True
+        elif step >= self.end and self.running:
+            self.stop(pipe)
+
+    def stop(self, pipe) -> None:
+        if not self.running:
+            return
+        with pipe.gate.shared():
+            for d in self.cuda:
+                torch.cuda.synchronize(d)
+            self.prof.stop()
+        self.running, self.done = False, True
+        self.after = self._snapshot(pipe)
+
+    def summary(self) -> dict:
+        """The window as figures (:func:`summarise`); ``{"skipped": ...}`` if it never ran."""
+        if not self.done:
+            return {"skipped": "the run ended before the profile window closed",
+                    "first_step": self.first, "steps": 0}
+        return summarise(self.prof.profiler.kineto_results.events(), self.end - self.first,
+                         self.first, self.activities, self.before, self.after)
+
+    def write(self, path: Path) -> dict:
+        s = self.summary()
+        atomic_write_text(path, json.dumps(s, indent=1) + "\n")
+        return s
+
+
+def _self_times(events: list) -> dict[int, float]:
+    """Self time (ns) of each CPU event, by index: its duration less its direct children's on
+    the same thread (events nest per thread)."""
+    by_thread: dict[int, list[int]] = defaultdict(list)
+    for i, e in enumerate(events):
+        by_thread[e.start_thread_id()].append(i)
+    self_ns: dict[int, float] = {}
+    for idx in by_thread.values():
+        idx.sort(key=lambda i: (events[i].start_ns(), -events[i].duration_ns()))
+        stack: list[int] = []
+        for i in idx:
+            s = events[i].start_ns()
+            while stack and events[stack[-1]].end_ns() <= s:
+                stack.pop()
+            self_ns[i] = float(events[i].duration_ns())
+            if stack:
+                self_ns[stack[-1]] -= events[i].duration_ns()
+            stack.append(i)
+    return self_ns
+
+
+def _idle(kernels: list) -> dict:
+    """Per device: busy (union of kernel intervals over all streams), idle between the first
+    kernel's start and the last one's end, and the gaps longer than ``GAP_US``."""
+    out = {}
+    by_dev: dict[int, list] = defaultdict(list)
+    for k in kernels:
+        by_dev[k.device_index()].append((k.start_ns(), k.end_ns()))
+    for dev, spans in sorted(by_dev.items()):
+        spans.sort()
+        busy, gaps, gap_ns = 0, 0, 0
+        cur_s, cur_e = spans[0]
+        for s, e in spans[1:]:
+            if s > cur_e:
+                busy += cur_e - cur_s
+                gap_ns += s - cur_e
+                gaps += (s - cur_e) / 1e3 > GAP_US
+                cur_s, cur_e = s, e
+            else:
+                cur_e = max(cur_e, e)
+        busy += cur_e - cur_s
+        span = spans[-1][1] - spans[0][0]
+        out[f"cuda:{dev}"] = {"span_s": span / 1e9, "busy_s": busy / 1e9,
+                              "idle_s": gap_ns / 1e9,
+                              "idle_fraction": gap_ns / span if span else 0.0,
+                              f"gaps_over_{GAP_US:g}us": gaps}
+    return out
+
+
+def _table(items: dict, total: float, steps: int) -> list[dict]:
+    rows = sorted(items.items(), key=lambda kv: -kv[1][1])[:TOP]
+    return [{"name": n[:160], "class": c, "calls_per_step": calls / steps, "time_s": t,
+             "share": t / total if total else 0.0} for n, (calls, t, c) in rows]
+
+
+def summarise(events, steps: int, first: int, activities: list[str], before: dict,
+              after: dict) -> dict:
+    """The profile summary from the profiler's raw events (see docs/benchmarks.md)."""
+    cpu = [e for e in events if e.device_type() == torch.autograd.DeviceType.CPU]
+    kernels = [e for e in events if e.device_type() == torch.autograd.DeviceType.CUDA]
+    thread_worker = {e.start_thread_id(): e.name()[len(LABEL):] for e in cpu
+                     if e.name().startswith(LABEL)}
+    corr_worker = {e.correlation_id(): thread_worker.get(e.start_thread_id(), "other")
+                   for e in cpu if e.correlation_id()}
+    workers: dict[str, dict] = defaultdict(lambda: {"cpu_op_s": 0.0, "kernel_s": 0.0,
+                                                    "kernel_launches": 0, "graph_launches": 0})
+    self_ns = _self_times(cpu)
+    cpu_cls: dict[str, float] = defaultdict(float)
+    cpu_ops: dict[str, list] = {}
+    syncs = {n: {"count": 0, "time_s": 0.0} for n in (*SYNCS, "memcpy_d2h")}
+    alloc = {n: 0 for n in ALLOC}
+    launches = {"kernel": 0, "graph": 0}
+    for i, e in enumerate(cpu):
+        name, w = e.name(), thread_worker.get(e.start_thread_id(), "other")
+        if name.startswith(LABEL):
+            continue  # a label's own time is host work outside ops: not an op class
+        if name in SYNCS:
+            syncs[name]["count"] += 1
+            syncs[name]["time_s"] += e.duration_ns() / 1e9
+        if name in alloc:
+            alloc[name] += 1
+        kind = "kernel" if LAUNCH.match(name) else "graph" if GRAPH_LAUNCH.match(name) else None
+        if kind:
+            launches[kind] += 1
+            workers[w][f"{kind}_launches"] += 1
+        t = self_ns[i] / 1e9
+        cls = "cuda runtime" if name.startswith(("cuda", "cu")) else classify(name, CPU_CLASSES)
+        cpu_cls[cls] += t
+        workers[w]["cpu_op_s"] += t
+        row = cpu_ops.setdefault(name, [0, 0.0, cls])
+        row[0] += 1
+        row[1] += t
+    k_cls: dict[str, float] = {c: 0.0 for c, _ in KERNEL_CLASSES}
+    k_cls["other"] = 0.0
+    k_rows: dict[str, list] = {}
+    for k in kernels:
+        name, t = k.name(), k.duration_ns() / 1e9
+        cls = classify(name, KERNEL_CLASSES)
+        k_cls[cls] += t
+        row = k_rows.setdefault(name, [0, 0.0, cls])
+        row[0] += 1
+        row[1] += t
+        workers[corr_worker.get(k.linked_correlation_id(), "other")]["kernel_s"] += t
+        if re.search(r"memcpy.*(dtoh|device -> (pinned|pageable))", name.lower()):
+            syncs["memcpy_d2h"]["count"] += 1
+            syncs["memcpy_d2h"]["time_s"] += t
+    k_total = sum(k_cls.values())
+    return {
+        "steps": steps, "first_step": first, "activities": activities,
+        "device": {"kernel_time_s": k_total, "kernel_time_s_by_class": k_cls,
+                   "kernel_time_s_per_step": k_total / steps,
+                   "kernels_per_step": len(kernels) / steps,
+                   "top_kernels": _table(k_rows, k_total, steps),
+                   "host_gaps": _idle(kernels) if kernels else {}},
+        "launches_per_step": {k: v / steps for k, v in launches.items()},
+        "syncs": {n: {**v, "per_step": v["count"] / steps} for n, v in syncs.items()},
+        "allocator": {"calls": alloc, "memory_stats_delta": {
+            d: {k: after["memory"][d].get(k, 0) - before["memory"][d].get(k, 0)
+                for k in MEMORY_KEYS} for d in after.get("memory", {})}},
+        "cpu": {"op_time_s_by_class": dict(cpu_cls),
+                "top_ops": _table(cpu_ops, sum(cpu_cls.values()), steps)},
+        "workers": _workers(workers, before, after, steps),
+        "note": "one process-wide torch.profiler over whole steps of every worker; CPU op "
+                "times are self times; kernels are attributed to the worker whose thread "
+                "launched them (graph replays: the cudaGraphLaunch's worker); busy/wait are "
+                "the scheduler's own timers over the same steps, as collected at the window's "
+                "ends (CUDA event pairs still pending then count in the next step)",
+    }
+
+
+def _workers(found: dict, before: dict, after: dict, steps: int) -> dict:
+    """Per worker: what the profiler attributed to it, and its busy and wait over the window
+    (None for "other": the work of threads that are no worker, e.g. the main thread's)."""
+    empty = {"cpu_op_s": 0.0, "kernel_s": 0.0, "kernel_launches": 0, "graph_launches": 0}
+    out = {}
+    for n in sorted(set(found) | set(after.get("busy", {}))):
+        row = {**empty, **found.get(n, {}), "busy_s_per_step": None, "wait_s_per_step": None,
+               "busy_fraction": None}
+        if n in after.get("busy", {}):
+            busy = after["busy"][n] - before.get("busy", {}).get(n, 0.0)
+            wait = after["wait"].get(n, 0.0) - before.get("wait", {}).get(n, 0.0)
+            row.update(busy_s_per_step=busy / steps, wait_s_per_step=wait / steps,
+                       busy_fraction=busy / (busy + wait) if busy + wait > 0 else None)
+        out[n] = row
+    return out
