@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO / "bench" / "gpu"))
 from decode_speed import random_models  # noqa: E402
 from step_profile import step_profile  # noqa: E402
 
-from dflash.eval.decoder import COMPILE_SCOPES, Decoder  # noqa: E402
+from dflash.decode.speculative import COMPILE_SCOPES, Decoder  # noqa: E402
 
 
 def count(depth: int, scope: str, with_drafter: bool) -> dict:

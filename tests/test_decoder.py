@@ -1,4 +1,4 @@
-"""The one decoder (dflash.eval.decoder): float32 output bit-identical to target greedy, for the
+"""The one decoder (dflash.decode.speculative): float32 output bit-identical to target greedy, for the
 speculative path with a real (briefly trained) drafter and for the target-only path; batch > 1
 with per-sequence acceptance, lengths and eos; the on-device lossless counters."""
 import time
@@ -10,13 +10,13 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dflash.errors import DFlashError
-from dflash.eval.decoder import Decoder
-from dflash.eval.decoder_step import context_kv, context_kv_weights
+from dflash.decode.speculative import Decoder
+from dflash.decode.speculative_step import context_kv, context_kv_weights
 from dflash.eval.report import fmt, write_plots
 from dflash.eval.serving import goal, sweep
-from dflash.eval.speculative import target_greedy
+from dflash.decode.eager import target_greedy
 from dflash.eval.tau import greedy_continuations
-from dflash.models.decoder import fused_weights, out_mlp
+from dflash.models.layers import fused_weights, out_mlp
 from dflash.models.drafter import DFlashConfig, DFlashDrafter, rope_cos_sin
 from tests.test_bench_tau import REPO
 from tests.test_evaluate import train_briefly

@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
-from dflash.eval.decoder import Decoded
+from dflash.decode.speculative import Decoded
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -2,7 +2,7 @@
 ``DFlashDraftModel`` (their ``dflash/model.py``, from a checkout given by ``--ref-dir``; never
 copied into this repository) and decode MT-Bench first turns greedily with THEIR speculative loop
 (``dflash_generate``: DynamicCache, eager, batch 1), next to our decoder
-(:class:`dflash.eval.decoder.Decoder`, batch 1) on the same prompts and ``max_new_tokens``.
+(:class:`dflash.decode.speculative.Decoder`, batch 1) on the same prompts and ``max_new_tokens``.
 
 Before decoding, the export contract's real test, in float32: the target features their
 ``extract_context_feature`` picks equal ours (the layer-id offset convention), and their model's
@@ -55,7 +55,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import Cache
 
 from dflash.errors import DFlashError  # noqa: E402
-from dflash.eval.decoder import Decoder
+from dflash.decode.speculative import Decoder
 from dflash.eval.serving import timed_decode
 from dflash.models.drafter import DFlashConfig, DFlashDrafter, export_drafter, extract_features
 

@@ -2,7 +2,7 @@
 import torch as T,time
 import torch.nn.functional as F
 from transformers import LlamaConfig as C,LlamaForCausalLM as M
-from dflash.models.decoder import compile_region as cr,out_mlp,qkv,rope_of
+from dflash.models.layers import compile_region as cr,out_mlp,qkv,rope_of
 from dflash.models.drafter import DFlashConfig as DC,DFlashDrafter as DD,apply_rope as ar,rope_cos_sin as rcs
 def att(l,x,q,kc,vc,m):
  B,h,L,D=q.shape;g,S=kc.shape[1],kc.shape[2];G=h//g
