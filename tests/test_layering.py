@@ -19,7 +19,7 @@ MAY_IMPORT = {
     "env": {"top", "env"},
     "stages": {"top", "runtime", "models", "decode", "data", "train", "eval", "env", "stages"},
 }
-ENTRY_POINTS = {"dflash.cli", "dflash.__main__", "dflash.validate"}  # above every room: commands
+ENTRY_POINTS = {"dflash.cli", "dflash.__main__", "dflash.validate", "dflash.generate"}  # above every room: commands
 
 
 def _module(pkg: Path, path: Path) -> str:
