@@ -12,8 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from dflash.data.engine import Engine
-from dflash.data.generate import eos_ids_of, generate_batch, sample_seed
+from dflash.decode.engine import Engine
+from dflash.decode.generate import eos_ids_of, generate_batch, sample_seed
 from dflash.spec import load_spec
 from dflash.data.sources import build_samples, tokenizer_for
 from dflash.eval.evalsets import eval_overlap

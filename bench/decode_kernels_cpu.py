@@ -22,7 +22,7 @@ import torch._inductor.config
 
 from bench.gpu.decode_speed import random_models
 from bench.gpu.step_profile import step_profile
-from dflash.eval.decoder import COMPILE_SCOPES, Decoder
+from dflash.decode.speculative import COMPILE_SCOPES, Decoder
 
 
 def count(depth: int, scope: str, with_drafter: bool) -> dict:

@@ -1,5 +1,5 @@
 """New tokens/s of the target's generation: plain HF ``generate``, the data stage's old HF loop
-(``dflash.data.generate.generate_batch``) and the fast engine (``dflash.data.engine.Engine``), on the same
+(``dflash.decode.generate.generate_batch``) and the fast engine (``dflash.decode.engine.Engine``), on the same
 prompts, in one process.
 
 Prompts are real: chatterbot-corpus first turns through the target's chat template, repeated
@@ -27,8 +27,8 @@ import torch
 import transformers
 
 from bench.entry import write_result
-from dflash.data.engine import Engine
-from dflash.data.generate import eos_ids_of, generate_batch, sample_seed
+from dflash.decode.engine import Engine
+from dflash.decode.generate import eos_ids_of, generate_batch, sample_seed
 from dflash.data.prompts import load_prompts, render_prompt
 from dflash.models.target import load_target
 
@@ -86,7 +86,7 @@ def run_hf_generate(model, prompts, seeds, a, eos, pad, device) -> dict:
 
 
 def run_loop(model, prompts, seeds, a, eos, pad, device) -> dict:
-    """The data stage's former path (``dflash.data.generate.generate_batch``), batches of --hf-batch."""
+    """The data stage's former path (``dflash.decode.generate.generate_batch``), batches of --hf-batch."""
     t0 = time.time()
     new = 0
     for i in range(0, len(prompts), a.hf_batch):

@@ -15,7 +15,7 @@ import torch
 
 from dflash.eval.evalsets import load_eval_sets
 from dflash.eval.tau import greedy_continuations, target_features
-from dflash.data.generate import eos_ids_of
+from dflash.decode.generate import eos_ids_of
 from dflash.models.masks import PackedRow, dense_mask, sample_anchors
 from dflash.models.drafter import DFlashDrafter
 from dflash.train.objective import Objective

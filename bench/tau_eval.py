@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 
 from bench.entry import write_result
-from dflash.data.generate import eos_ids_of
+from dflash.decode.generate import eos_ids_of
 from dflash.errors import DFlashError
 from dflash.eval.evalsets import load_eval_sets
-from dflash.eval.speculative import speculative_generate, target_greedy
+from dflash.decode.eager import speculative_generate, target_greedy
 from dflash.eval.tau import evaluate_sets
 from dflash.models.drafter import load_drafter
 from dflash.models.dtypes import dtype_of

@@ -24,6 +24,7 @@ TOOLS = {
     "check-env": ("env.drift", "this interpreter against results/<spec>/env; exit 1 on drift"),
     "link": ("sharing", "results/<spec>/<stage> as hard links to a shared store entry"),
     "lock-from-freeze": ("env.freeze", "an adopt-mode lock from `pip list --format=freeze`"),
+    "generate": ("generate", "try a trained drafter on prompts: answers, τ, speed-up, lossless"),
     "export-check": ("models.export_check", "is an exported drafter folder intact (checksums)"),
     "status": ("runtime.status", "live status of a training run"),
     "stress": ("runtime.stress", "race stress harness (gate on/off)"),

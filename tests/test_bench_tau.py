@@ -9,11 +9,11 @@ import torch
 import yaml
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
-from dflash.data.generate import eos_ids_of
+from dflash.decode.generate import eos_ids_of
 from dflash.errors import DFlashError, SpecError
 from dflash.eval.evalsets import heldout_prompts, load_eval_sets, user_prompt
 from dflash.eval.report import ci, fmt, write_plots
-from dflash.eval.speculative import speculative_generate
+from dflash.decode.eager import speculative_generate
 from dflash.eval.tau import TauMonitor, simulate, summarize
 from dflash.models.drafter import DFlashDrafter, export_drafter
 from dflash.models.masks import PackedRow, sample_anchors

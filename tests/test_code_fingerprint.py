@@ -37,8 +37,8 @@ def test_modules_belong_to_the_stages_that_import_them():
     assert [s for s in STAGES if "stages/data.py" in _names(s)] == ["data"]
     # a piece split out of a module reruns what its parent reruns (the chunk plan: data only)
     assert [s for s in STAGES if "data/chunks.py" in _names(s)] == ["data"]
-    for piece, parent in (("data/prefill.py", "data/engine.py"),
-                          ("eval/decoder_step.py", "eval/decoder.py")):
+    for piece, parent in (("decode/prefill.py", "decode/engine.py"),
+                          ("decode/speculative_step.py", "decode/speculative.py")):
         assert ([s for s in STAGES if piece in _names(s)]
                 == [s for s in STAGES if parent in _names(s)] != []), piece
     # the phases both train and bench run live in the library (no stage imports another)

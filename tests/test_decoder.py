@@ -1,4 +1,4 @@
-"""The one decoder (dflash.eval.decoder): float32 output bit-identical to target greedy, for the
+"""The one decoder (dflash.decode.speculative): float32 output bit-identical to target greedy, for the
 speculative path with a real (briefly trained) drafter and for the target-only path; batch > 1
 with per-sequence acceptance, lengths and eos; the on-device lossless counters."""
 import time
@@ -10,13 +10,14 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dflash.errors import DFlashError
-from dflash.eval.decoder import Decoder
-from dflash.eval.decoder_step import context_kv, context_kv_weights
+from dflash.decode.speculative import Decoder
+from dflash.decode.speculative_step import context_kv, context_kv_weights
 from dflash.eval.report import ci, fmt, write_plots
 from dflash.eval.serving import goal, sweep
-from dflash.eval.speculative import target_greedy
+from dflash.decode.eager import target_greedy
+from dflash.decode.engine import Engine
 from dflash.eval.tau import greedy_continuations
-from dflash.models.decoder import fused_weights, out_mlp
+from dflash.models.layers import fused_weights, out_mlp
 from dflash.models.drafter import DFlashConfig, DFlashDrafter, rope_cos_sin
 from tests.test_bench_tau import REPO
 from tests.test_evaluate import train_briefly
@@ -67,6 +68,17 @@ def test_fp32_bit_identical_to_target_greedy(world):
     assert dec.stats["mismatches"] == 0
     assert dec.stats["checked"] >= sum(sum(r.block_lengths) for r in spec)
     assert all(len(r.margins) == len(r.tokens) and min(r.margins) >= 0 for r in spec)
+
+
+def test_target_only_decoder_equals_the_engines_greedy_output(world):
+    """decode/'s two engines on one target (CPU float32): the Decoder's target-only path (one
+    token a step, no drafter) and the generation Engine's greedy continuous batch agree token for
+    token, eos included (EOS stops both)."""
+    target, drafter, cfg, ps, greedy = world
+    dec = make(target, None, 2, eos=[EOS]).decode(ps)
+    eng = Engine(target, slots=2, max_len=40, max_new_tokens=24, eos_ids=[EOS]).generate(ps)
+    assert [r.tokens for r in dec] == eng
+    assert any(len(t) == 24 for t in eng)
 
 
 def test_each_wave_is_timed_prefill_steps_and_harvest_apart(world):

@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dflash.eval.decoded import Decoded, divergence, lossless_evidence
+from dflash.decode.decoded import Decoded, divergence, lossless_evidence
 from dflash.eval.evalsets import EvalSet
-from dflash.eval.speculative import DrafterCache, draft_block, speculative_generate, target_greedy
+from dflash.decode.eager import DrafterCache, draft_block, speculative_generate, target_greedy
 from dflash.eval.tau import (
     Chain,
     draft_every_position,

@@ -1,4 +1,4 @@
-"""The fast generation engine (dflash/data/generate.py) on the real SmolLM2-135M-Instruct, float32, CPU."""
+"""The fast generation engine (dflash/decode/engine.py) on the real SmolLM2-135M-Instruct, float32, CPU."""
 from __future__ import annotations
 
 import math
@@ -8,9 +8,10 @@ import torch
 from torch._dynamo.utils import counters
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from dflash.data.decode_step import mix32, gumbel_noise, seed_keys
-from dflash.data.engine import Engine, generate
-from dflash.data.generate import eos_ids_of, generate_chunks, open_generator, resolve_engine
+from dflash.decode.sampling import mix32, gumbel_noise, seed_keys
+from dflash.decode.engine import Engine, generate
+from dflash.decode.generate import eos_ids_of, open_generator, resolve_engine
+from dflash.data.generate import generate_chunks
 from dflash.data.prompts import load_prompts, render_prompt
 from dflash.errors import DFlashError
 from dflash.models.target import load_target

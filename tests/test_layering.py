@@ -12,13 +12,14 @@ MAY_IMPORT = {
     "top": {"top"},
     "runtime": {"top", "runtime"},
     "models": {"top", "models"},
-    "data": {"top", "runtime", "models", "data"},
+    "decode": {"top", "runtime", "models", "decode"},
+    "data": {"top", "runtime", "models", "decode", "data"},
     "train": {"top", "runtime", "models", "data", "train"},
-    "eval": {"top", "runtime", "models", "data", "train", "eval"},
+    "eval": {"top", "runtime", "models", "data", "decode", "eval"},
     "env": {"top", "env"},
-    "stages": {"top", "runtime", "models", "data", "train", "eval", "env", "stages"},
+    "stages": {"top", "runtime", "models", "decode", "data", "train", "eval", "env", "stages"},
 }
-ENTRY_POINTS = {"dflash.cli", "dflash.__main__", "dflash.validate"}  # above every room: commands
+ENTRY_POINTS = {"dflash.cli", "dflash.__main__", "dflash.validate", "dflash.generate"}  # above every room: commands
 
 
 def _module(pkg: Path, path: Path) -> str:

@@ -11,7 +11,7 @@ from transformers import LlamaConfig, Qwen3Config
 
 from dflash import settings
 from dflash.cli import main
-from dflash.data.generate import eos_ids_of
+from dflash.decode.generate import eos_ids_of
 from dflash.errors import DFlashError
 from dflash.eval.evalsets import heldout_prompts
 from dflash.eval.tau import greedy_continuations, target_features

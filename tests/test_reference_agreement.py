@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.eval.decoded import Decoded
+from dflash.decode.decoded import Decoded
 from dflash.eval.spread import RESAMPLES, fmt, pooled_interval, tau_interval
 
 REPO = Path(__file__).resolve().parents[1]

@@ -9,8 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from dflash.data.engine import Engine
-from dflash.data.generate import eos_ids_of
+from dflash.decode.engine import Engine
+from dflash.decode.generate import eos_ids_of
 from dflash.eval.budget import budget_hits
 from dflash.eval.evalsets import load_eval_sets, train_prompts, user_prompt
 from dflash.eval.reference import reference_questions, second_turn_prompt

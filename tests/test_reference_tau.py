@@ -9,7 +9,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
 from bench.gpu import reference_tau
-from dflash.eval.decoder import Decoded
+from dflash.decode.speculative import Decoded
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -4,7 +4,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dflash.models.drafter import DFlashConfig, DFlashDrafter
-from dflash.eval.speculative import speculative_generate, target_greedy
+from dflash.decode.eager import speculative_generate, target_greedy
 
 V, MASK, P = 96, 95, 9
 

@@ -1,5 +1,5 @@
 """Decoding speed as serving sees it: target-only vs speculative tokens/s through the one decoder
-(dflash.eval.decoder), HF static-cache ``generate`` in the same run, at batch 1, 4, 16, 64; τ real
+(dflash.decode.speculative), HF static-cache ``generate`` in the same run, at batch 1, 4, 16, 64; τ real
 vs simulated per prompt; the lossless counts and margins. Prints the table, writes JSON.
 
     # the integrator's measurement: the trained drafter, the real target, MT-Bench first turns
@@ -7,7 +7,7 @@ vs simulated per prompt; the lossless counts and margins. Prints the table, writ
     PYTHONPATH=$PWD python -m bench.gpu.decode_speed --spec specs/smollm2-quality.yaml \\
         --drafter results/smollm2-quality/train/drafter --batches 1,4,16,64 \\
         --hf-batches 1,4,16,64 --budget-s 420 --out bench/results/h200/decode_speed.json
-    # the compile scopes side by side (dflash.eval.decoder.COMPILE_SCOPES; "scope:mode" adds a
+    # the compile scopes side by side (dflash.decode.speculative.COMPILE_SCOPES; "scope:mode" adds a
     # torch.compile mode), same prompts, same drafter: per scope ms per step (wall and one
     # captured replay), compile seconds, kernels per step (CUDA profiler), the goal ratios
     PYTHONPATH=$PWD python -m bench.gpu.decode_speed --spec specs/smollm2-quality.yaml \\
@@ -42,9 +42,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from bench.gpu.step_profile import step_profile
-from dflash.data.generate import eos_ids_of
+from dflash.decode.generate import eos_ids_of
 from dflash.eval.evalsets import load_eval_sets
-from dflash.eval.decoder import COMPILE_SCOPES, DEFAULT_COMPILE_SCOPE
+from dflash.decode.speculative import COMPILE_SCOPES, DEFAULT_COMPILE_SCOPE
 from dflash.eval.serving import goal, hf_static_generate, pair, tau_gap
 from dflash.eval.tau import simulate, summarize
 from dflash.models.drafter import DFlashConfig, DFlashDrafter, load_drafter

@@ -116,7 +116,7 @@ def _tau(lengths: Sequence[int]) -> float | None:
 def agreement(ref_res: Sequence[dict], spec: Sequence, max_new: int) -> dict:
     """Per prompt and pooled, one τ definition on both sides (module doc). ``ref_res``: the
     reference loop's ``{"tokens", "acceptance_lengths"}`` per prompt; ``spec``: our
-    :class:`dflash.eval.decoded.Decoded` per prompt."""
+    :class:`dflash.decode.decoded.Decoded` per prompt."""
     rows = []
     for i, (r, s) in enumerate(zip(ref_res, spec)):
         ref = budget_steps(r["acceptance_lengths"], max_new)

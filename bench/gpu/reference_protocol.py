@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.data.generate import eos_ids_of
+from dflash.decode.generate import eos_ids_of
 from dflash.eval.evalsets import load_eval_sets
 from dflash.eval.reference import evaluate_reference, reference_questions
 from dflash.eval.tau import evaluate_sets

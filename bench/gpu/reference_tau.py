@@ -2,7 +2,7 @@
 ``DFlashDraftModel`` (their ``dflash/model.py``: by default the verbatim copy vendored under
 tests/reference_zlab/, MIT, see its README; or a checkout given by ``--ref-dir``) and decode
 MT-Bench first turns greedily with THEIR speculative loop (``dflash_generate``: DynamicCache,
-eager, batch 1), next to our decoder (:class:`dflash.eval.decoder.Decoder`, batch 1) on the same
+eager, batch 1), next to our decoder (:class:`dflash.decode.speculative.Decoder`, batch 1) on the same
 prompts and ``max_new_tokens``.
 
 Before decoding, the export contract's real test, in float32: the target features their
@@ -63,7 +63,7 @@ from bench.entry import run
 from bench.gpu.decode_speed import real_models
 from bench.gpu.reference_agree import agreement, precision_matrix, precision_state, trained_world
 from dflash.errors import DFlashError
-from dflash.eval.decoder import Decoder
+from dflash.decode.speculative import Decoder
 from dflash.eval.serving import timed_decode
 from dflash.models.drafter import extract_features
 

@@ -1,4 +1,4 @@
-"""One step of a prepared :class:`dflash.eval.decoder.Decoder`, measured (decode_speed.py's
+"""One step of a prepared :class:`dflash.decode.speculative.Decoder`, measured (decode_speed.py's
 ``inspect`` hook, run between its compile + capture and its timed decode):
 
 - ``replay_ms``: ms per step of the captured CUDA graph alone (mean of back-to-back replays:

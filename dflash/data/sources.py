@@ -21,7 +21,7 @@ from ..errors import DFlashError
 from ..manifest import fingerprint
 from ..models.target import hf_config, load_target, target_fingerprint, tokenizer_dir
 from .check import SELF_WRITTEN, SYNTHETIC, source_quotas
-from .generate import eos_ids_of, open_generator, resolve_engine, sample_seed
+from ..decode.generate import eos_ids_of, open_generator, resolve_engine, sample_seed
 from .prompts import BadReport, Prompt, load_prompts, normalize, render_prompt
 from .self_written import FOLDER, prefixes, write_prompts
 

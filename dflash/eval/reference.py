@@ -9,7 +9,7 @@ tokens per turn, and τ as the mean over turns of each turn's accepted tokens pe
 
 The machinery is the simulated one of :mod:`dflash.eval.tau`, batched: the greedy answers of
 all first turns in one continuous batch, then of all second turns in another, through the fast
-generation engine (:class:`dflash.data.engine.Engine`, one engine for both turns, compiled and
+generation engine (:class:`dflash.decode.engine.Engine`, one engine for both turns, compiled and
 captured on CUDA) where it runs the target, else the batched HF loop; then features, the
 drafter's block at every position and the chain walk over all turns. Every turn's budget is
 capped by the target's positions (``max_position_embeddings``); the report counts the turns that
@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
-from ..data.engine import Engine, unsupported_reason
+from ..decode.engine import Engine, unsupported_reason
 from ..data.prompts import render_prompt
 from .budget import budget_hits
 from .evalsets import across_categories, mtbench_conversations, user_prompt

@@ -1,5 +1,5 @@
 """Speed-up as serving sees it: target-only vs speculative tokens/s through the ONE decoder
-(:class:`dflash.eval.decoder.Decoder`) at several batch sizes, HF ``generate`` with its static
+(:class:`dflash.decode.speculative.Decoder`) at several batch sizes, HF ``generate`` with its static
 cache timed in the same run as the outside reference, τ real vs simulated per prompt, and the
 lossless evidence.
 
@@ -17,8 +17,8 @@ import torch
 from transformers import GenerationConfig
 
 from ..runtime.gate import get_gate
-from .decoded import lossless_evidence
-from .decoder import Decoder
+from ..decode.decoded import lossless_evidence
+from ..decode.speculative import Decoder
 from .spread import pooled_interval
 
 SWEEP_BATCHES = (1, 4, 16, 64)

@@ -18,7 +18,7 @@ the drafter work of the blocks actually used, but a handful of big batched calls
 small call per round per prompt (measured in docs/benchmarks.md). The drafts at every position
 also give the teacher-forced per-position accuracy (the training metric) on eval data.
 
-Real speculative decoding (:mod:`dflash.eval.speculative`, with the drafter KV cache) runs on a few
+Real speculative decoding (:mod:`dflash.decode.eager`, with the drafter KV cache) runs on a few
 prompts of the first set: wall-clock tokens/s of target-only vs speculative decoding, the speed-up, and
 a check that its tokens and block lengths equal the simulated ones and target greedy's.
 
@@ -34,7 +34,7 @@ from typing import Sequence
 
 import torch
 
-from ..data.generate import eos_ids_of, generate_batch
+from ..decode.generate import eos_ids_of, generate_batch
 from ..errors import DFlashError
 from ..models.drafter import extract_features
 from ..models.masks import Blocks, dense_mask
@@ -66,8 +66,8 @@ def greedy_continuations(model, prompts: Sequence[Sequence[int]], max_new: int,
     """The target's greedy continuation of every prompt (ends at eos, inclusive, or max_new),
     each budget capped by ``max_context`` (:func:`dflash.eval.budget.budgets`; none left: []).
 
-    ``engine`` (a :class:`dflash.data.engine.Engine` for ``max_new``) takes the prompts it fits
-    in one continuous batch; the rest go through :func:`dflash.data.generate.generate_batch`,
+    ``engine`` (a :class:`dflash.decode.engine.Engine` for ``max_new``) takes the prompts it fits
+    in one continuous batch; the rest go through :func:`dflash.decode.generate.generate_batch`,
     prompts of similar length batched together (little left padding), per budget.
     """
     budget = budgets(prompts, max_new, max_context)
@@ -132,7 +132,7 @@ def draft_every_position(drafter, embed: torch.Tensor, lm_head: torch.Tensor,
 
     Rows of (prompt, chunk of anchors) are grouped into calls of about ``query_tokens`` block
     tokens; the mask is the training mask (:func:`dflash.models.masks.dense_mask`), so this is exactly
-    the computation of :func:`dflash.eval.speculative.draft_block` at each anchor, batched.
+    the computation of :func:`dflash.decode.eager.draft_block` at each anchor, batched.
     ``embed``/``lm_head`` should already be in the drafter's dtype and on its device.
     """
     cfg = drafter.cfg
@@ -196,7 +196,7 @@ def walk_chain(drafts: torch.Tensor, continuation: Sequence[int]) -> Chain:
     ``drafts[j]`` are the B-1 drafts after continuation token j. A block at j accepts the
     longest prefix matching ``continuation[j+1:]``; it produces accepted + 1 tokens (the bonus),
     truncated to what is left, and the next block starts there. As in
-    :func:`dflash.eval.speculative.speculative_generate`, the first token (from the prefill) is not
+    :func:`dflash.decode.eager.speculative_generate`, the first token (from the prefill) is not
     a block.
     """
     n = len(continuation)

@@ -2,10 +2,10 @@
 layer rule: target.py; features and soft labels on packed rows: features.py; captured per row
 length: target_graph.py; what it hands the drafter: target_output.py), the spec's dtype names
 (dtypes), the DFlash drafter (config, layers, export/import and its content check; `dflash
-export-check`: export_check.py), the decoder layer the target's compiled path and the generation
-engine share, the one CUDA-graph capture helper (graphs.py), and the attention masks of packed
-rows.
+export-check`: export_check.py), the decoder layer's math that the feature extractor and
+decode/'s two engines share (layers.py), the one CUDA-graph capture helper (graphs.py), and the
+attention masks of packed rows.
 
 May import: the top-level modules (errors, manifest, cache, spec, settings). Nothing from data/,
-train/, eval/, runtime/ or stages/.
+decode/, train/, eval/, runtime/ or stages/.
 """

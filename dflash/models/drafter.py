@@ -230,7 +230,7 @@ class Attention(nn.Module):
         H, D = cfg.hidden_size, cfg.head_dim
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, D
         # the names HF attention modules carry, so the shared layer pieces
-        # (dflash.models.decoder: qkv, attend_cache, out_mlp) run this layer too
+        # (dflash.models.layers: qkv, attend_cache, out_mlp) run this layer too
         self.head_dim, self.scaling = D, D ** -0.5
         self.q_proj = nn.Linear(H, self.nh * D, bias=False)
         self.k_proj = nn.Linear(H, self.nkv * D, bias=False)
@@ -247,7 +247,7 @@ class Attention(nn.Module):
 
         They depend only on the context features and their positions, never on the block, so
         speculative decoding computes them once per verified position and appends (the drafter
-        KV cache, :class:`dflash.eval.speculative.DrafterCache`).
+        KV cache, :class:`dflash.decode.eager.DrafterCache`).
         """
         k = self.k_norm(self._heads(self.k_proj(ctx), self.nkv)).transpose(1, 2)
         v = self._heads(self.v_proj(ctx), self.nkv).transpose(1, 2)

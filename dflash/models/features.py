@@ -16,7 +16,7 @@ from transformers import AttentionInterface
 from .. import settings
 from ..errors import SpecError
 from ..spec_types import TargetSpec
-from .decoder import compile_region, out_mlp, qkv, rope_of, unsupported_reason
+from .layers import compile_region, out_mlp, qkv, rope_of, unsupported_reason
 from .masks import compiled_flex_attention, document_block_mask, document_dense_mask
 from .target_output import SoftLabels, TargetOutput, soft_positions
 
@@ -42,9 +42,9 @@ def register_flex() -> str:
 
 
 def packed_layer(layer, x, cos, sin, rope, mask, kernel_options=None):
-    """One decoder layer on a packed row: the layer math of :mod:`dflash.models.decoder` with the
+    """One decoder layer on a packed row: the layer math of :mod:`dflash.models.layers` with the
     document mask as a FlexAttention BlockMask (CUDA) or a dense boolean mask (SDPA). Compiled
-    once per process (:func:`dflash.models.decoder.compile_region`), shared by every layer.
+    once per process (:func:`dflash.models.layers.compile_region`), shared by every layer.
     ``kernel_options``: flex_attention's (``DFLASH_FLEX_KERNEL_OPTIONS``; None: inductor's)."""
     q, k, v = qkv(layer, x, cos, sin, rope)
     scale, gqa = layer.self_attn.scaling, q.shape[1] != k.shape[1]
@@ -76,7 +76,7 @@ def compile_backend(target: TargetSpec, device: str, backend: str, model=None) -
 
     ``auto``: on for CUDA with ``compile.backend`` inductor (the fusions are the point), off on
     CPU (a compile costs more than a CPU run's few steps save). ``on``: ``compile.backend`` on
-    any device. With ``model`` given, an architecture :mod:`dflash.models.decoder` cannot run turns
+    any device. With ``model`` given, an architecture :mod:`dflash.models.layers` cannot run turns
     ``auto`` off and makes ``on`` a SpecError.
     """
     # YAML 1.1 reads a bare `compile: off` as False: both spellings mean the same

@@ -16,7 +16,7 @@ import traceback
 from pathlib import Path
 
 from ..data.dataset import load_dataset
-from ..data.generate import eos_ids_of
+from ..decode.generate import eos_ids_of
 from ..env.facts import hardware_facts
 from ..errors import DFlashError
 from ..eval.evalsets import load_eval_sets

@@ -12,10 +12,10 @@ generated twice and nothing is lost; shards made from other inputs are discarded
 
 Chunks are spread over ``topology.targets`` (one thread per entry, each with its own target copy;
 several ``cpu`` entries share the CPU). ``data.engine`` picks the generator: ``fast``
-(:mod:`dflash.data.engine`: every chunk of a worker streams through one continuous batch of
+(:mod:`dflash.decode.engine`: every chunk of a worker streams through one continuous batch of
 ``gen_batch_size`` slots; a chunk's shard is written when its last sample finishes) or ``hf``
-(:func:`dflash.data.generate.generate_batch`, one chunk per batch), both behind
-:func:`dflash.data.generate.open_generator` and its worker pool
+(:func:`dflash.decode.generate.generate_batch`, one chunk per batch), both behind
+:func:`dflash.decode.generate.open_generator` and its worker pool
 :func:`dflash.data.generate.generate_chunks`; ``auto`` takes ``fast`` where it supports the
 architecture. Sampling (``temperature > 0``) is seeded per sample (``sample_seed``), so a
 sample does not depend on which device or batch produced it.
@@ -35,7 +35,8 @@ from ..code_fingerprint import stage_code_fingerprint
 from ..data.check import check_data
 from ..data.chunks import SHARDS, keep_shards, make_chunks, merge_shards, write_chunk
 from ..data.dataset import DATASET
-from ..data.generate import ChunkProgress, eos_ids_of, generate_chunks, open_generator, resolve_engine, sample_seed
+from ..data.generate import ChunkProgress, generate_chunks
+from ..decode.generate import eos_ids_of, open_generator, resolve_engine, sample_seed
 from ..data.sources import (
     SYNTHETIC,
     build_samples,

@@ -33,18 +33,18 @@ data engine's per-layer pieces apart, each whole layer with its cache write, the
 concatenated GEMMs, or the whole step; a per-layer graph per shape serves every layer of a
 model) and the whole step is captured once as a CUDA graph, compile and capture under the
 compile gate's exclusive side, replays under its shared side, as in
-:class:`dflash.data.engine.Engine`. Inside one graph every kernel still costs a few µs on the
+:class:`dflash.decode.engine.Engine`. Inside one graph every kernel still costs a few µs on the
 H200, so the scopes differ by how many kernels the step launches. The host syncs once every
 ``sync_every`` steps. On CPU the same code runs eagerly.
 
 Lossless: every emitted token is the target's greedy token in the verify forward that produced
 it. That equals plain one-token greedy decoding up to floating-point summation order (a verify
 of K tokens rounds differently from K one-token forwards), which can only flip a near-tie; the
-margins say how near (:func:`dflash.eval.decoded.divergence`). In float32 the outputs are identical
+margins say how near (:func:`dflash.decode.decoded.divergence`). In float32 the outputs are identical
 (tests/test_decoder.py).
 
 Owns: :class:`Decoder` (its static caches, step, capture, replay and harvest). Its own step pieces
-(greedy head, drafter RoPE, drafter context K/V) are :mod:`dflash.eval.decoder_step`.
+(greedy head, drafter RoPE, drafter context K/V) are :mod:`dflash.decode.speculative_step`.
 """
 from __future__ import annotations
 
@@ -56,13 +56,13 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import DFlashError
-from ..models.decoder import (attend_cache, cached_layer, compile_region, fused_weights, qkv,
+from ..models.layers import (attend_cache, cached_layer, compile_region, fused_weights, qkv,
                               rope_of, write_kv)
-from ..models.decoder import unsupported_reason as _layers_unsupported
+from ..models.layers import unsupported_reason as _layers_unsupported
 from ..models.drafter import rope_cos_sin
 from ..models.graphs import capture, capture_or_warn, replay_or_run
 from .decoded import Decoded
-from .decoder_step import argmax_head, context_kv, context_kv_weights, drafter_rope, greedy_head
+from .speculative_step import argmax_head, context_kv, context_kv_weights, drafter_rope, greedy_head
 from ..runtime.busy import DeviceBusy
 from ..runtime.gate import get_gate
 from ..runtime.tracing import worker_thread_setup

@@ -1,4 +1,4 @@
-"""The fast engine's per-step math (:mod:`dflash.data.engine`): the one-token decode attention
+"""The fast engine's per-step math (:mod:`dflash.decode.engine`): the one-token decode attention
 over a slot's cache row (two variants: SDPA and two matmuls), the final norm + LM head + token
 pick, and the counter-based sampling it picks with.
 
@@ -9,14 +9,14 @@ own prompt, seed and the model — not on the slot it got, the other samples in 
 order, the slot count, or the device — again up to the floating-point noise of the logits
 themselves. The same seeds give the same samples, run after run.
 
-Owns those functions only; the engine compiles and captures them. Imports ``models.decoder``.
+Owns those functions only; the engine compiles and captures them. Imports ``models.layers``.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from ..models.decoder import out_mlp as _out_mlp
+from ..models.layers import out_mlp as _out_mlp
 
 M32 = 0xFFFFFFFF
 

@@ -1,4 +1,4 @@
-"""The fast engine's prefill (:mod:`dflash.data.engine`): waiting prompts into free slots.
+"""The fast engine's prefill (:mod:`dflash.decode.engine`): waiting prompts into free slots.
 
 Padded (the default with CUDA graphs): every call runs in a fixed shape, ``rows`` prompts ×
 a multiple of :data:`STEP` tokens, the unused rows aimed at a spare cache row, and each length

@@ -1,9 +1,11 @@
 """A Llama-family decoder layer's math, written on the HF model's own modules, and the one way we
 compile it (regional compilation).
 
-Two users run the target's layers themselves instead of through HF's forward: the generation
-engine (:mod:`dflash.data.generate`: static KV cache, CUDA graphs) and the feature extractor
-(:class:`dflash.models.features.FeatureExtractor`: packed rows, document mask). Both call these functions
+Three users run the target's layers themselves instead of through HF's forward: the generation
+engine (:class:`dflash.decode.engine.Engine`: static KV cache, CUDA graphs), the speculative
+decoder (:class:`dflash.decode.speculative.Decoder`: the target's verify step and the drafter's
+layers, captured) and the feature extractor (:class:`dflash.models.features.FeatureExtractor`:
+packed rows, document mask). All call these functions
 with the layer module as the first argument and compile them with :func:`compile_region`: dynamo
 lifts the layer's parameters to graph inputs, so ONE compiled graph serves every layer (one
 compile, not one per layer), and inductor fuses what eager mode runs as separate memory-bound

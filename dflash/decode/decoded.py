@@ -1,4 +1,4 @@
-"""What a decode returns (:class:`Decoded`, one per prompt, from :class:`dflash.eval.decoder.Decoder`)
+"""What a decode returns (:class:`Decoded`, one per prompt, from :class:`dflash.decode.speculative.Decoder`)
 and the lossless evidence over it: where a speculative answer first differs from plain greedy
 decoding (:func:`divergence`) and whether every difference is a floating-point near-tie
 (:func:`lossless_evidence`, what the bench report prints). Standard library only.

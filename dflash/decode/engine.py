@@ -1,9 +1,9 @@
 """The fast generation engine: exact generation with the target, a static per-slot KV cache,
 continuous batching, and a decode step captured once as a CUDA graph. Callers open it through
-the front door, :func:`dflash.data.generate.open_generator` (which also serves the ``hf``
+the front door, :func:`dflash.decode.generate.open_generator` (which also serves the ``hf``
 engine); used alone:
 
-    from dflash.data.engine import Engine
+    from dflash.decode.engine import Engine
     eng = Engine(model, slots=1024, max_len=512, max_new_tokens=256, eos_ids=[2])
     answers = eng.generate(prompt_token_lists, seeds=None)      # greedy; list of token lists
     for key, tokens in eng.stream(((k, ids, seed) for ...)):   # completion order
@@ -23,12 +23,12 @@ How (the model's own modules do the math; only the attention + cache glue is wri
   groups (right-padded, causal attention) straight into free slots, and their first token is
   picked from the prefill's logits. No answer waits for another.
 * **One captured step.** On CUDA the per-layer pieces are ``torch.compile``-d once (regional
-  compilation, :mod:`dflash.models.decoder`: the same code serves every layer) and the whole
+  compilation, :mod:`dflash.models.layers`: the same code serves every layer) and the whole
   decode step — embedding, every layer, lm_head, token pick, state update — is captured once
   as a CUDA graph and replayed;
   the host syncs only every ``sync_every`` steps to harvest finished answers. Prefills run in
   fixed shapes (``prefill_batch`` rows × a multiple of 32 tokens; unused rows write to a spare
-  cache row), each length captured once too (:mod:`dflash.data.prefill` says why). Compile and
+  cache row), each length captured once too (:mod:`dflash.decode.prefill` says why). Compile and
   capture run under the compile gate's exclusive side (:mod:`dflash.runtime.gate`), replays under its
   shared side.
 
@@ -36,17 +36,17 @@ Exactness: greedy answers are HF greedy answers (``tests/test_generate.py`` chec
 prompt against ``model.generate(do_sample=False)``), up to floating-point summation order, which
 can only matter at an exact logit tie.
 
-Sampling (``temperature > 0``): counter-based Gumbel-max, :mod:`dflash.data.decode_step`.
+Sampling (``temperature > 0``): counter-based Gumbel-max, :mod:`dflash.decode.sampling`.
 
 Architectures: Llama-family decoders whose layers are ``input_layernorm → self_attn (q/k/v/o
 projections, optional q_norm/k_norm as in Qwen3) → post_attention_layernorm → mlp`` with
 full attention (``llama``, ``qwen2``, ``qwen3``); :func:`unsupported_reason` says why another
-model is not, and the ``hf`` engine (:func:`dflash.data.generate.generate_batch`) serves it.
+model is not, and the ``hf`` engine (:func:`dflash.decode.generate.generate_batch`) serves it.
 
 Owns: :class:`Engine` (its static caches, the decode and prefill math, capture, replay and slot
-scheduling), :func:`unsupported_reason`. Imports the top-level modules, ``models.decoder``,
-``models.graphs``, ``runtime.gate``, :mod:`dflash.data.decode_step` (the step's math and its
-sampling) and :mod:`dflash.data.prefill` (the prefill's shapes, buffers, graphs and host packing).
+scheduling), :func:`unsupported_reason`. Imports the top-level modules, ``models.layers``,
+``models.graphs``, ``runtime.gate``, :mod:`dflash.decode.sampling` (the step's math and its
+sampling) and :mod:`dflash.decode.prefill` (the prefill's shapes, buffers, graphs and host packing).
 """
 from __future__ import annotations
 
@@ -57,17 +57,17 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import DFlashError
-from ..models.decoder import (
+from ..models.layers import (
     SUPPORTED_MODEL_TYPES,  # noqa: F401 (re-exported)
     compile_region,
     rope_of,
 )
-from ..models.decoder import out_mlp as _out_mlp
-from ..models.decoder import qkv as _qkv
-from ..models.decoder import unsupported_reason as _layers_unsupported
+from ..models.layers import out_mlp as _out_mlp
+from ..models.layers import qkv as _qkv
+from ..models.layers import unsupported_reason as _layers_unsupported
 from ..runtime.gate import get_gate
 from ..models.graphs import capture, capture_or_warn, replay_or_run
-from .decode_step import M32, DECODE_ATTENTION, mix32, pick_token, seed_keys
+from .sampling import M32, DECODE_ATTENTION, mix32, pick_token, seed_keys
 from .prefill import Prefill
 
 

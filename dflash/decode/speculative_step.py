@@ -1,5 +1,5 @@
-"""The speculative decoder's own step pieces (:mod:`dflash.eval.decoder`), beside the layer
-pieces it shares with the data engine (:mod:`dflash.models.decoder`): the greedy head with its
+"""The speculative decoder's own step pieces (:mod:`dflash.decode.speculative`), beside the layer
+pieces it shares with the data engine (:mod:`dflash.models.layers`): the greedy head with its
 top-2 margin, the drafter's RoPE in the shared pieces' calling convention, and the drafter's
 context K/V of verified positions.
 

@@ -1,4 +1,4 @@
-"""Speculative decoding one prompt at a time, on :class:`dflash.eval.decoder.Decoder` (the ONE
+"""Speculative decoding one prompt at a time, on :class:`dflash.decode.speculative.Decoder` (the ONE
 decoding mechanism), plus the references it is checked against.
 
 One step: the anchor is the last accepted token (not yet run through the target); the drafter
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ..models.drafter import DFlashConfig, DFlashDrafter
 from ..models.target import kv_cache
 from .decoded import Decoded
-from .decoder import Decoder
+from .speculative import Decoder
 
 # one prompt's decode: tokens, verify forwards, τ, accept counts, per step accepted / emitted
 SpecResult = Decoded

@@ -1,0 +1,10 @@
+"""decode: producing tokens fast. The static KV caches, compile and CUDA-graph capture/replay,
+the prefill, the one-token and speculative steps, acceptance, and both front doors: batch
+generation for the data stage (generate.py: the engine choice, the hf loop and the fast
+:class:`~dflash.decode.engine.Engine` with its prefill.py and sampling.py) and speculative
+decoding for the bench stage and users (speculative.py: the :class:`Decoder`; its own step pieces:
+speculative_step.py; what it returns and the lossless evidence: decoded.py; one prompt at a time
+and the eager references: eager.py).
+
+May import: the top-level modules, models/, runtime/. Nothing from data/, train/, eval/ or stages/.
+"""
