@@ -10,12 +10,10 @@
 # in its own process session (it outlives the call), then watches it; `watch` watches until
 # WATCH_S and collects. Run state lives in /tmp (a carried folder is replaced by the next call);
 # what comes back is one archive, results.tgz (at most 8 files come back).
-# The plan (round 4's, again: its results were lost with the try's machine): the recipe's
-# remaining arms at one epoch, all at once on the GPU (their train stages now capture the whole
-# drafter step, compile.cuda_graph_step: auto), with the 8B cold-compile probe beside them; then,
-# each alone on the GPU, the decoding sweep with the best arm's drafter (the decoder's per-wave
-# prefill / steps / harvest split), the uncapped captured step (round 5 measured cap 8 only) and
-# the reference model's τ.
+# The plan (round 6, issues #34-#36): the whole smollm2-quality DAG alone on the GPU (the
+# lagged step record, the feature cache for epochs >= 1), the 8B cold compile beside its train
+# and bench stages, the train step under torch.profiler (smollm2-quality-profile), then both
+# decoding loops (ours, the reference's) on the trained drafter in float32 and bf16.
 #   calls 1, 2:  bash bench/gpu/session.sh stash   (carry .whl, then .whl2)
 #   (or call 1: `probes`, which also installs the small wheels and runs the probes alone)
 #   last:    bash bench/gpu/session.sh launch     (carry the last .whlN, .zlab; watches WATCH_S)
@@ -57,52 +55,31 @@ pack() {  # one archive back (and, with FETCH=1, the quality drafter in 15 MB pa
   fi
 }
 
-best_drafter() {  # the best arm's drafter by MT-Bench τ (pooled) among $1 (a glob of arms)
-  python3 - "$1" <<'PY'
-import glob, json, os, sys
-best = (0, "")
-for p in glob.glob(f"/tmp/r/{sys.argv[1]}/bench/report.json"):
-    t = json.load(open(p)).get("tau") or 0
-    best = max(best, (t, os.path.join(os.path.dirname(os.path.dirname(p)), "train", "drafter")))
-print(best[1])
-PY
-}
-
 plan() {  # the round's GPU work, in the order the issues need it (what the lease cuts is last)
   cd /tmp/repo
   stamp "start"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$RES/gpu.txt" 2>&1
-  # 1. the recipe's remaining arms at one epoch, all at once on the GPU (timing-insensitive: τ
-  #    only); the 8B cold-compile probe beside them (CPU-bound; contention recorded in its JSON)
-  local arms="${ARMS:-ref lr12e-4-beta2-0999 depth8 data-steered}"
-  local targets=""; for a in $arms; do targets="$targets bench_smollm2-recipe-1ep-$a"; done
-  ( timeout 420 python3 -m bench.gpu.cold_compile ${COLD_ARGS:---arms today,eager-mask,megacache --parallel 2} \
+  # 1. the whole quality DAG, alone on the GPU (#34 tokens/s, MFU, busy; #35 τ; #36 the decode
+  #    sweep with the adaptive choice); the 8B cold compile (#34 item 4, CPU-bound) starts when
+  #    the DAG's train stage does (the GPU-bound part: compile seconds contend less there)
+  ( while [ ! -s /tmp/l/smollm2-quality/train.log ]; do sleep 5; done
+    stamp "cold_compile start"
+    timeout ${COLD_S:-420} python3 -m bench.gpu.cold_compile ${COLD_ARGS:---arms today,fixed-flex,megacache --parallel 2 --total-s 400} \
       --out "$RES/cold_compile.json" > "$RES/cold_compile.log" 2>&1; stamp "cold_compile rc=$?" ) &
-  timeout 900 $SNAKE $targets --config $CONF gpu_jobs=$(echo $arms | wc -w) \
-    > "$RES/dag_arms.log" 2>&1
-  stamp "arms rc=$?"
-  wait
-  # 2. alone on the GPU: the decoding sweep with the best arm's drafter (compile-scope A/B)
-  D=$(best_drafter "smollm2-recipe-1ep-*")
-  stamp "decoding with $D"
-  if [ -n "$D" ] && [ -d "$D" ]; then
-    timeout 360 python3 -m bench.gpu.decode_speed --spec specs/smollm2-quality.yaml --drafter "$D" \
-      ${DECODE_ARGS:---batches 1,4,16,64 --hf-batches 1,16 --compile-scopes fused,regions --budget-s 300} \
-      --out "$RES/decode_speed.json" > "$RES/decode_speed.log" 2>&1
-    stamp "decode_speed rc=$?"
-  fi
-  # 3. alone: the drafter step A/B (#24): compiled vs captured whole step, uncapped (the
-  #    quality spec's setting; round 5 measured cap 8: 29.5 -> 21.9 ms)
-  timeout 240 python3 -m bench.gpu.loss_step ${LOSS_ARGS:---spec specs/smollm2-quality.yaml --smollm2-shape --arms compiled,prodgraph --caps none --iters 10 --steps 8 --profile} \
-    --out "$RES/loss_step3.json" > "$RES/loss_step3.log" 2>&1
-  stamp "loss_step rc=$?"
-  # 4. the reference model's τ and the float32 parity through both attention paths
-  if [ -n "$D" ] && [ -d "$D" ] && [ -d .zlab ]; then
-    timeout 150 python3 -m bench.gpu.reference_tau --ref-dir .zlab --spec specs/smollm2-quality.yaml \
-      --drafter "$D" --prompts 8 --max-new 256 --out "$RES/reference_tau.json" \
-      > "$RES/reference_tau.log" 2>&1
+  timeout ${DAG_S:-960} $SNAKE bench_smollm2-quality --config $CONF > "$RES/dag_quality.log" 2>&1
+  stamp "dag rc=$?"
+  # 2. the step under torch.profiler inside the DAG (the same env/warm-up/data, 200 steps)
+  timeout 180 $SNAKE train_smollm2-quality-profile --config $CONF > "$RES/dag_profile.log" 2>&1
+  stamp "profile rc=$?"; cp /tmp/r/smollm2-quality-profile/train/profile.json "$RES/" 2>/dev/null
+  # 3. both loops, ours and the reference's, on the trained drafter (#36 item 2)
+  D=/tmp/r/smollm2-quality/train/drafter
+  if [ -d "$D" ]; then
+    timeout ${REF_S:-300} python3 -m bench.gpu.reference_tau --spec specs/smollm2-quality.yaml \
+      --drafter "$D" ${REF_ARGS:---prompts 32 --max-new 128 --dtypes float32,bfloat16 --kernels} \
+      --out "$RES/reference_agreement.json" > "$RES/reference_agreement.log" 2>&1
     stamp "reference_tau rc=$?"
   fi
+  wait
   stamp "done"
 }
 
