@@ -25,7 +25,7 @@ import torch
 from ..errors import DFlashError
 from ..models.drafter import DFlashConfig
 from ..models.target import hf_config, layer_ids
-from .flops import _linear_params, best_seconds_per_call, drafter_flops_per_step, target_flops
+from .flops import linear_params, best_seconds_per_call, drafter_flops_per_step, target_flops
 
 REPO = Path(__file__).resolve().parents[2]
 # dense bf16 matmul FLOP/s measured on an H200 (bench stage, docs/benchmarks.md)
@@ -64,7 +64,7 @@ def _gb(n: float) -> str:
 
 
 def _params(cfg, layers: int, vocab: bool) -> int:
-    return _linear_params(cfg, layers) + (cfg.vocab_size * cfg.hidden_size if vocab else 0)
+    return linear_params(cfg, layers) + (cfg.vocab_size * cfg.hidden_size if vocab else 0)
 
 
 def sizes(spec) -> Sizes:
