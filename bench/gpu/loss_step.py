@@ -57,6 +57,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.checkpoint import checkpoint
 
+from dflash.models.drafter import DFlashConfig
 from dflash.models.dtypes import dtype_of
 from dflash.models.masks import block_loss_weights
 from dflash.models.target import target_embeddings
@@ -68,7 +69,7 @@ from dflash.train.graph_step import GraphStep, restore, snapshot
 from dflash.train.objective import Objective
 from dflash.train.replica import make_optimizer
 from dflash.train.warm import synthetic_output, synthetic_row, warm_replica
-from dflash.train.workers import buckets, drafter_config, initial_state, make_replicas, objective
+from dflash.train.workers import buckets, initial_state, make_replicas, objective
 
 SMOLLM2_135M = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=576,
                     intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -165,7 +166,7 @@ def head_alone(spec, device: str, arm: str, cap, iters: int) -> dict:
     """The loss's forward + backward on one bucket's blocks, drafter hidden states random; the
     supervised rows found on the blocks' host copy, as the replica does."""
 
-    cfg = drafter_config(spec)
+    cfg = DFlashConfig.of_spec(spec)
     obj = objective(spec, cfg)
     obj = arm_objective(obj, arm, cap)
     L = buckets(spec)[-1]
@@ -365,7 +366,7 @@ def graph_update_check(rep, gs, row, feats, blocks) -> dict:
 def _graph_work(spec, device: str, cap, steps: int, peak, profile: bool) -> dict:
     """The graph arm's measurement in a training-like worker thread (see step_graph)."""
     gate, cuda = get_gate(), device.startswith("cuda")
-    cfg = drafter_config(spec)
+    cfg = DFlashConfig.of_spec(spec)
     L, fdt = buckets(spec)[-1], dtype_of(spec.target.dtype)
     width = len(cfg.target_layer_ids) * cfg.hidden_size
     rep = make_replicas(spec, cfg, initial_state(cfg, spec.seed), total_steps=1000)[0]

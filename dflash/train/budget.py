@@ -70,8 +70,7 @@ def _params(cfg, layers: int, vocab: bool) -> int:
 def sizes(spec) -> Sizes:
     tcfg = hf_config(spec.target)
     ids = layer_ids(spec.target, tcfg)
-    dcfg = DFlashConfig.from_target_config(tcfg, spec.drafter.num_layers, spec.drafter.block_size,
-                                           spec.drafter.mask_token_id, ids)
+    dcfg = DFlashConfig.of_spec(spec)
     d, b, o = spec.data, spec.batching, spec.optim
     samples = d.max_prompts * d.samples_per_prompt
     sample_tokens = d.max_prompt_tokens + d.max_new_tokens

@@ -145,7 +145,7 @@ def worker_balance(spec, dcfg, window: list[dict], busy: dict, wait: dict, n_run
     t_busy_s, d_busy_s = sum(t_busy) / len(t_busy), sum(d_busy) / len(d_busy)
     tokens = sum(m["tokens"] for m in window) / len(window)
     labelled = sum(m["labelled"] for m in window) / len(window)
-    b, B = spec.batching, spec.drafter.block_size
+    b, B = spec.batching, dcfg.block_size
     target_rate = tokens / n_t / t_busy_s
     drafter_rate = tokens / n_d / d_busy_s
     idle = idle_fractions(busy, wait, "drafter")
