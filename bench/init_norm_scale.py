@@ -17,17 +17,16 @@ from dflash.eval.evalsets import load_eval_sets
 from dflash.eval.tau import greedy_continuations, target_features
 from dflash.decode.generate import eos_ids_of
 from dflash.models.masks import PackedRow, dense_mask, sample_anchors
-from dflash.models.drafter import DFlashDrafter
+from dflash.models.drafter import DFlashConfig, DFlashDrafter
 from dflash.train.objective import Objective
 from dflash.train.replica import lr_lambda
 from dflash.spec import load_spec
 from dflash.models.target import load_target, target_embeddings
-from dflash.train.workers import drafter_config
 
 torch.set_num_threads(1)
 spec = load_spec("specs/tiny.yaml")
 tgt = load_target(spec.target, "cpu")
-cfg = drafter_config(spec)
+cfg = DFlashConfig.of_spec(spec)
 emb, head = target_embeddings(spec.target)
 sets = load_eval_sets(spec, None, tgt.tokenizer, ["heldout"], 16)
 ps = sets[0].prompts

@@ -9,6 +9,10 @@ missed the report template, and left warmup unaware of the scheduler's dynamo se
   inside functions, and those count like top-level ones. Only ``dflash.*`` modules are followed;
   dynamic imports (``importlib.import_module(name)``) are not, which is what keeps the CLI's
   dispatch table from pulling every stage into every other.
+* A few imports are declared not to be rerun triggers (:data:`NOT_RERUN_TRIGGERS`): the stage
+  runs the module, but nothing it computes lands in the stage's output, so an edit there must
+  not rerun the stage. The import stays plain (readers and tests/test_layering.py see it); the
+  closure does not follow it for that stage.
 * Package data (any non-Python file under ``dflash/``) belongs to a module that names the file or
   one of its folders in a string literal: ``Path(__file__).with_name("templates")`` reads every
   template, ``"spec.schema.yaml"`` the schema. Naming a folder over-approximates, never misses.
@@ -25,6 +29,12 @@ from .manifest import fingerprint, sha256_bytes, sha256_file
 PACKAGE = "dflash"
 PACKAGE_DIR = Path(__file__).resolve().parent
 ENTRY_MODULES = ("dflash.__main__", "dflash.cli")  # `python -m dflash <stage>` runs these too
+# stage -> {module: why an edit of it does not change that stage's output}; the closure of the
+# stage does not follow imports of these modules (nor what only they import)
+NOT_RERUN_TRIGGERS: dict[str, dict[str, str]] = {
+    "data": {"dflash.train.budget": "the disk budget check (model shapes, FLOPs) refuses a run "
+                                    "before generation; it does not change the dataset"},
+}
 
 
 def module_file(name: str, root: Path = PACKAGE_DIR) -> Path | None:
@@ -75,7 +85,9 @@ def _with_parents(name: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
 
 
-def import_closure(roots: tuple[str, ...], root: Path = PACKAGE_DIR) -> set[str]:
+def import_closure(roots: tuple[str, ...], root: Path = PACKAGE_DIR,
+                   skip: frozenset[str] = frozenset()) -> set[str]:
+    """Every module importing ``roots`` runs, not following imports of the modules in ``skip``."""
     seen: set[str] = set()
     todo = [p for r in roots for p in _with_parents(r)]
     while todo:
@@ -83,7 +95,7 @@ def import_closure(roots: tuple[str, ...], root: Path = PACKAGE_DIR) -> set[str]
         if m in seen or module_file(m, root) is None:
             continue
         seen.add(m)
-        for dep in imported_modules(m, root):
+        for dep in imported_modules(m, root) - skip:
             todo.extend(_with_parents(dep))
     return seen
 
@@ -127,7 +139,8 @@ def code_digest(path: Path) -> str:
 
 def stage_files(stage: str, root: Path = PACKAGE_DIR) -> tuple[Path, ...]:
     """Every file under ``root`` that the ``dflash <stage>`` command runs or reads."""
-    mods = import_closure((f"{PACKAGE}.stages.{stage}",) + ENTRY_MODULES, root)
+    mods = import_closure((f"{PACKAGE}.stages.{stage}",) + ENTRY_MODULES, root,
+                          frozenset(NOT_RERUN_TRIGGERS.get(stage, {})))
     files = {module_file(m, root) for m in mods} | data_read_by(mods, root)
     return tuple(sorted(files))
 

@@ -52,7 +52,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp_path, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             tmp_path.unlink()
@@ -92,7 +92,7 @@ def file_lock(path: str | os.PathLike) -> Iterator[None]:
         yield
 
 
-def _fsync_dir(d: Path) -> None:
+def fsync_dir(d: Path) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(d, os.O_RDONLY)
         try:

@@ -19,7 +19,7 @@ import yaml
 
 from .errors import SpecError
 from .inherit import attribute, resolve
-from .spec_types import Spec, _section, cache_mode
+from .spec_types import Spec, build_section, cache_mode
 
 SCHEMA_PATH = Path(__file__).with_name("schema") / "spec.schema.yaml"
 DEVICE_RE = re.compile(r"^(cpu|cuda:(0|[1-9][0-9]{0,2}))$")
@@ -30,13 +30,13 @@ def schema() -> dict:
     return yaml.safe_load(SCHEMA_PATH.read_text())
 
 
-def _absent_nulls(node: Any, sch: dict) -> Any:
+def absent_nulls(node: Any, sch: dict) -> Any:
     """Drop fields whose value is a null default: the same as absent (``data.source`` or
     ``data.sources`` is one of a pair that may not both be given)."""
     if not isinstance(node, dict) or sch.get("type") != "object":
         return node
     props = sch.get("properties", {})
-    return {k: _absent_nulls(v, props.get(k, {})) for k, v in node.items()
+    return {k: absent_nulls(v, props.get(k, {})) for k, v in node.items()
             if not (v is None and k in props and props[k].get("default", 0) is None)}
 
 
@@ -50,10 +50,10 @@ def section_spec(name: str, values: dict, file: str = "<spec>"):
     if errors:
         raise _schema_error(file, errors[0], prefix=(name,))
     _fill_defaults(data, sub)
-    return _section(name, data)
+    return build_section(name, data)
 
 
-def _fmt_path(path) -> str:
+def fmt_path(path) -> str:
     out = ""
     for p in path:  # list indices as [i], like the cross-field messages (topology.targets[0])
         out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
@@ -93,7 +93,7 @@ def _fill_defaults(node: Any, sch: dict) -> None:
 
 def _schema_error(file: str, err: jsonschema.ValidationError, prefix: tuple = ()) -> SpecError:
     at = prefix + tuple(err.absolute_path)
-    where = _fmt_path(at)
+    where = fmt_path(at)
     if err.validator == "additionalProperties":
         allowed = list(err.schema.get("properties", {}))
         extra = sorted({str(k) for k in err.instance} - set(allowed))
@@ -127,7 +127,7 @@ def parse_spec(data: Any, file: str = "<spec>") -> Spec:
     if errors:
         raise _schema_error(file, errors[0])
     for where, value in _non_finite(data):
-        raise SpecError(f"{file}: field '{_fmt_path(where)}': {value} is not a finite number")
+        raise SpecError(f"{file}: field '{fmt_path(where)}': {value} is not a finite number")
     _fill_defaults(data, schema())
     spec = Spec.from_dict(data, file)
     _check_cross_fields(spec, file)
@@ -141,7 +141,7 @@ def load_spec(path: str | Path, check_devices_present: bool = False) -> Spec:
     file = str(path)
     data, prov, bases = resolve(path)
     if bases:  # a null over a base's value with a null default: absent (data.source/sources)
-        data = _absent_nulls(data, schema())
+        data = absent_nulls(data, schema())
     try:
         spec = parse_spec(data, file)
     except SpecError as e:

@@ -198,7 +198,7 @@ def _build(cls: type, values: dict):
     return cls(**{k: field_value(k, v) for k, v in values.items()})
 
 
-def _section(name: str, values: dict):
+def build_section(name: str, values: dict):
     return _build(SECTIONS[name], values)
 
 
@@ -239,7 +239,7 @@ class Spec:
     def from_dict(cls, data: dict, path: str | Path = "<spec>") -> "Spec":
         """From a validated dict with every default filled in (see :func:`parse_spec`)."""
         return cls(name=data["name"], seed=data["seed"], path=Path(path),
-                   **{k: _section(k, data[k]) for k in SECTIONS})
+                   **{k: build_section(k, data[k]) for k in SECTIONS})
 
     def to_dict(self) -> dict:
         """The validated dict again (JSON-able; lists as tuples)."""
@@ -254,9 +254,9 @@ class Spec:
                 data[name] = {**data[name], **values}
             else:
                 data[name] = values
-        from .spec import _absent_nulls, parse_spec, schema  # a cycle: the loader builds a Spec
+        from .spec import absent_nulls, parse_spec, schema  # a cycle: the loader builds a Spec
 
-        return parse_spec(_absent_nulls(_thawed(data), schema()), str(self.path))
+        return parse_spec(absent_nulls(_thawed(data), schema()), str(self.path))
 
     def section(self, stage: str) -> dict:
         """The spec fields a stage's output depends on, as {field path: value}. Snakemake turns

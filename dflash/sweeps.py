@@ -32,7 +32,7 @@ import yaml
 from .errors import SpecError
 from .inherit import Provenance, attribute, deep_merge, provenance, read_yaml, resolve
 from .manifest import atomic_write_text
-from .spec import _absent_nulls, _fmt_path, parse_spec, schema
+from .spec import absent_nulls, fmt_path, parse_spec, schema
 from .spec_types import Spec
 
 SCHEMA_PATH = Path(__file__).with_name("schema") / "sweep.schema.yaml"
@@ -100,7 +100,7 @@ def _check_doc(file: str, doc) -> dict:
                     key=lambda e: len(e.absolute_path))
     if errors:
         e = errors[0]
-        where = _fmt_path(e.absolute_path)
+        where = fmt_path(e.absolute_path)
         if e.validator == "anyOf":
             raise SpecError(f"{file}: give 'arms' or 'grid' (or both): the sweep has no arms")
         raise SpecError(f"{file}: field '{where}': {e.message}")
@@ -134,7 +134,7 @@ def _expand_arm(file: str, sweep: str, arm: str, over: dict, ctx: dict) -> list[
         data.update(name=name, seed=s)
         prov: Provenance = {**ctx["prov"], **provenance(ctx["overrides"], f"{file} overrides"),
                             **provenance(over, label)}
-        data = _absent_nulls(data, schema())
+        data = absent_nulls(data, schema())
         try:
             spec = parse_spec(data, label)
         except SpecError as e:

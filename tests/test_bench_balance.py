@@ -11,10 +11,10 @@ import torch
 
 from dflash.env.facts import hardware_facts
 from dflash.eval.report import render_report_md
+from dflash.models.drafter import DFlashConfig
 from dflash.spec import load_spec
 from dflash.train.flops import (datasheet_peak, drafter_cost, mfu_against_datasheet, project_tokens_per_s,
                                target_side, worker_balance)
-from dflash.train.workers import drafter_config
 
 REPO = Path(__file__).resolve().parents[1]
 H200 = REPO / "bench" / "results" / "h200" / "qwen3-8b-2gpu"
@@ -29,7 +29,7 @@ def h200_run():
     metrics = [json.loads(x) for x in
                (H200 / "qwen3-8b-2gpu__train__metrics.jsonl").read_text().splitlines()]
     window = metrics[len(metrics) - train["steady_state"]["steps"]:]
-    bal = worker_balance(spec, drafter_config(spec), window, train["busy_s"], train["wait_s"],
+    bal = worker_balance(spec, DFlashConfig.of_spec(spec), window, train["busy_s"], train["wait_s"],
                          train["steps"]["run_now"])
     return spec, train, window, bal
 
@@ -49,8 +49,8 @@ def test_rates_idle_and_recommended_anchors(h200_run):
     # the drafter is busy 0.43 × the target: ~2.1× the anchors fill 90 % of the target's step
     assert 1024 <= a["recommended_max_anchors"] <= 1280 and a["recommended_max_anchors"] % 64 == 0
     busy_then = bal["drafter_busy_s_per_step"] * (
-        drafter_cost(drafter_config(spec), tokens, a["recommended_max_anchors"], 16)
-        / drafter_cost(drafter_config(spec), tokens, 512, 16))
+        drafter_cost(DFlashConfig.of_spec(spec), tokens, a["recommended_max_anchors"], 16)
+        / drafter_cost(DFlashConfig.of_spec(spec), tokens, 512, 16))
     assert 0.8 * bal["target_busy_s_per_step"] < busy_then <= 0.9 * bal["target_busy_s_per_step"]
     assert a["drafter_tokens_per_s_per_gpu_at_recommended"] < bal["drafter_tokens_per_s_per_gpu"]
 
@@ -70,8 +70,8 @@ def test_projection_is_the_slower_side(h200_run):
 
 def test_no_busy_times_is_skipped_not_an_error(h200_run):
     spec, _, window, _ = h200_run
-    assert "skipped" in worker_balance(spec, drafter_config(spec), window, {}, {}, 60)
-    assert "skipped" in worker_balance(spec, drafter_config(spec), [], {"target-0": 1.0,
+    assert "skipped" in worker_balance(spec, DFlashConfig.of_spec(spec), window, {}, {}, 60)
+    assert "skipped" in worker_balance(spec, DFlashConfig.of_spec(spec), [], {"target-0": 1.0,
                                                                         "drafter-0": 1.0}, {}, 60)
 
 

@@ -15,12 +15,12 @@ from dflash.eval.evalsets import heldout_prompts, load_eval_sets, user_prompt
 from dflash.eval.report import ci, fmt, write_plots
 from dflash.decode.eager import speculative_generate
 from dflash.eval.tau import TauMonitor, simulate, summarize
-from dflash.models.drafter import DFlashDrafter, export_drafter
+from dflash.models.drafter import DFlashConfig, DFlashDrafter, export_drafter
 from dflash.models.masks import PackedRow, sample_anchors
 from dflash.models.target import load_target
 from dflash.spec import load_spec
 from dflash.stages.bench import decode_speed, evaluate_tau
-from dflash.train.workers import drafter_config, initial_state, make_replicas
+from dflash.train.workers import initial_state, make_replicas
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -43,7 +43,7 @@ def spec_with(tmp_path, **bench):
 def exported(tmp_path_factory):
     """A random-weight drafter for the tiny spec, exported as the train stage does."""
     spec = load_spec(REPO / "specs" / "tiny.yaml")
-    cfg = drafter_config(spec)
+    cfg = DFlashConfig.of_spec(spec)
     torch.manual_seed(0)
     out = tmp_path_factory.mktemp("drafter") / "drafter"
     export_drafter(DFlashDrafter(cfg), cfg, out)
@@ -195,7 +195,7 @@ def test_tau_monitor_equals_simulated_tau_of_the_replica(tmp_path):
     path = tmp_path / "micro.yaml"
     path.write_text(yaml.safe_dump(raw))
     spec = load_spec(path)
-    cfg = drafter_config(spec)
+    cfg = DFlashConfig.of_spec(spec)
     rep = make_replicas(spec, cfg, initial_state(cfg, 0), 10)[0]
     mon = TauMonitor(spec, tmp_path, "cpu", log=lambda _: None)
     got = mon(rep)
@@ -216,7 +216,7 @@ def test_tau_monitor_equals_real_decoding_of_a_trained_replica(tmp_path):
         compile={"backend": "eager"}, drafter={"block_size": 4},
         optim={"lr": 1e-2, "warmup_ratio": 0.0},
         monitor={"tau_every_steps": 1, "tau_prompts": 3, "tau_max_new_tokens": 24})
-    cfg = drafter_config(spec)
+    cfg = DFlashConfig.of_spec(spec)
     rep = make_replicas(spec, cfg, initial_state(cfg, 0), 400)[0]
     mon = TauMonitor(spec, tmp_path, "cpu", log=lambda _: None)
     assert mon(rep)["tau"] == 1.0                       # untrained: no draft accepted

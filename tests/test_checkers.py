@@ -8,11 +8,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from dflash.models.drafter import DFlashConfig
 from dflash.runtime import faults as fi
 from dflash.spec import load_spec
 from dflash.train.books import EpochLedger
 from dflash.train.trainer import check_replicas
-from dflash.train.workers import drafter_config, initial_state, make_replicas
+from dflash.train.workers import initial_state, make_replicas
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -81,7 +82,7 @@ def test_tensors_equal_names_every_difference():
 def replicas():
     spec = load_spec(REPO / "tests" / "specs" / "micro.yaml")
     spec = spec.replace(compile={"backend": "eager"})
-    cfg = drafter_config(spec)
+    cfg = DFlashConfig.of_spec(spec)
     return make_replicas(spec, cfg, initial_state(cfg, 0), 10)
 
 

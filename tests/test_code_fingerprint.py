@@ -85,3 +85,17 @@ def test_comments_docstrings_and_layout_change_no_fingerprint(package_copy):
     sched.write_text(text + "\nX = 2\n")
     after = {s: stage_code_fingerprint(s, package_copy) for s in STAGES}
     assert {s for s in STAGES if after[s] != before[s]} == {"train", "bench"}
+
+
+def test_a_declared_non_trigger_reruns_nothing_but_what_it_imports_still_counts(package_copy):
+    """stages/data.py imports train/budget.py plainly (its disk check), declared no rerun trigger
+    for data: editing the budget leaves data's fingerprint alone; editing what data really runs
+    (the chunk plan) changes it."""
+    assert "train/budget.py" not in _names("data")
+    before = stage_code_fingerprint("data", package_copy)
+    budget = package_copy / "train" / "budget.py"
+    budget.write_text(budget.read_text() + "\n_EDITED = 1\n")
+    assert stage_code_fingerprint("data", package_copy) == before
+    chunks = package_copy / "data" / "chunks.py"
+    chunks.write_text(chunks.read_text() + "\n_EDITED = 1\n")
+    assert stage_code_fingerprint("data", package_copy) != before

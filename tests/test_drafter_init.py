@@ -12,7 +12,7 @@ from dflash.models.drafter_init import target_layers_state
 from dflash.models.masks import PackedRow
 from dflash.models.target import load_target
 from dflash.spec import load_spec
-from dflash.train.workers import drafter_config, initial_state, make_replicas
+from dflash.train.workers import initial_state, make_replicas
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -75,7 +75,7 @@ def test_smollm2_last_layers_copied_and_training_runs():
     base = load_spec(REPO / "specs" / "tiny.yaml")
     spec = base.replace(drafter={"num_layers": 2, "init": "target-layers"},
                         compile={"backend": "eager"}, topology={"drafters": ["cpu"]})
-    cfg = drafter_config(spec)
+    cfg = DFlashConfig.of_spec(spec)
     state = initial_state(cfg, spec.seed, spec)
     layers = load_target(spec.target, "cpu", need_tokenizer=False).model.model.layers
     assert len(layers) == 30

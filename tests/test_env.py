@@ -154,7 +154,7 @@ def test_build_mode_venv_manifest_audit_and_drift(tmp_path, wheels, monkeypatch)
     assert r.returncode == 0, r.stderr
 
     # someone installs another version into the venv
-    subprocess.run(env_venv._pip_cmd(Path(py)) + ["install", "-q", "--no-index", "--no-deps",
+    subprocess.run(env_venv.pip_cmd(Path(py)) + ["install", "-q", "--no-index", "--no-deps",
                     "--disable-pip-version-check", str(wheels["a11"])], check=True)
     r = audit(results / "env" / "manifest.json", cwd=tmp_path)
     assert r.returncode == 1, r.stdout + r.stderr
@@ -332,7 +332,7 @@ def test_live_env_ignores_vendored_copies():
 def test_overlay_installs_missing_pins_hash_checked_and_joins_the_lock(tmp_path, wheels):
     py = tmp_path / "img" / "bin" / "python"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(py.parents[1])], check=True)
-    subprocess.run(env_venv._pip_cmd(py) + ["install", "-q", "--no-index", "--no-deps",
+    subprocess.run(env_venv.pip_cmd(py) + ["install", "-q", "--no-index", "--no-deps",
                                             str(wheels["b"])], check=True)
     image = write_lock(tmp_path / "envs" / "img-py311.lock", [("tiny-beta", "2.0", sha(wheels["b"]))])
     ovl = write_lock(tmp_path / "envs" / "img-py311-overlay.lock",

@@ -17,6 +17,7 @@ from test_scheduler import SPEC, _dataset
 
 from dflash.cli import main
 from dflash.errors import SpecError
+from dflash.models.drafter import DFlashConfig
 from dflash.spec import parse_spec
 from dflash.train import checkpoint as ckpt
 from dflash.train import cache_budget as cb
@@ -24,7 +25,7 @@ from dflash.train import feature_cache as fc
 from dflash.train.packing import bucket_for, pack_row, plan_epoch
 from dflash.train.packing import StepMap
 from dflash.train.scheduler import Pipeline
-from dflash.train.workers import buckets, captured, drafter_config, initial_state, make_replicas, make_target_workers
+from dflash.train.workers import buckets, captured, initial_state, make_replicas, make_target_workers
 
 
 @pytest.fixture(autouse=True)
@@ -63,7 +64,7 @@ def _rows(spec, samples, epoch):
 
 
 def _cache(spec, samples, folder=None, tensor_values=False):
-    cfg = drafter_config(spec)
+    cfg = DFlashConfig.of_spec(spec)
     planes = cb.planes_for(spec, len(cfg.target_layer_ids), cfg.hidden_size)
     return fc.FeatureCache(planes, DS(samples).sample_ids, DS(samples).lengths, folder=folder,
                            ident={"test": 1}, tensor_values=tensor_values)
@@ -152,7 +153,7 @@ def test_disk_cache_of_another_run_is_discarded(tmp_path):
     row = next(_rows(spec, samples, 0))
     cache.write(row, torch.ones(1, row.input_ids.shape[0], cache.planes["features"].width))
     cache.close(remove=False)
-    cfg = drafter_config(spec)
+    cfg = DFlashConfig.of_spec(spec)
     planes = cb.planes_for(spec, len(cfg.target_layer_ids), cfg.hidden_size)
     other = fc.FeatureCache(planes, DS(samples).sample_ids, DS(samples).lengths,
                             folder=tmp_path / "fc", ident={"test": 2})
@@ -162,7 +163,7 @@ def test_disk_cache_of_another_run_is_discarded(tmp_path):
 
 def test_budget_is_tokens_times_layers_times_hidden_times_bytes(tmp_path):
     spec = _spec("host", "bfloat16")
-    cfg = drafter_config(spec)
+    cfg = DFlashConfig.of_spec(spec)
     ds = DS(_dataset())
     L, H = len(cfg.target_layer_ids), cfg.hidden_size
     b = cb.run_budget(spec, ds, tmp_path, cfg, available=10**12)
@@ -186,7 +187,7 @@ def test_cache_needs_one_node():
 
 
 def _pipeline(spec, samples, cache, start_step=0, total_epochs=3, state=None, on_step=None):
-    cfg = drafter_config(spec)
+    cfg = DFlashConfig.of_spec(spec)
     b, bks = spec.batching, buckets(spec)
     lengths = [len(s[1]) for s in samples]
     step_map = StepMap(lambda e: plan_epoch(lengths, b.token_budget, b.max_batch_size,

@@ -14,7 +14,6 @@ from bench.gpu import drafter_step
 from dflash.models.drafter import DFlashConfig
 from dflash.spec import load_spec
 from dflash.train.flops import datasheet_peak, drafter_flops_per_step, drafter_useful_flops, mfu_against_datasheet
-from dflash.train.workers import drafter_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -51,7 +50,7 @@ def test_drafter_step_script_counts_like_the_bench_stage():
     spec = load_spec(REPO / "tests" / "specs" / "micro.yaml").replace(
         compile={"backend": "eager"})
     r = ds.measure(spec, 16, "cpu", 1, None)
-    cfg = drafter_config(spec)
+    cfg = DFlashConfig.of_spec(spec)
     assert r["num_slots"] == 16 and r["labelled"] <= 16 * (cfg.block_size - 1)
     assert r["tokens"] == r["bucket"] == 256                 # a full synthetic row
     assert r["flops_per_step"] == drafter_useful_flops(cfg, r["tokens"], r["labelled"])

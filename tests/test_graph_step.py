@@ -13,6 +13,7 @@ import torch
 import dflash.train.checkpoint as ckpt
 from conftest import assert_f32_close, f32_close
 from dflash.errors import SpecError
+from dflash.models.drafter import DFlashConfig
 from dflash.models.masks import IGNORE_INDEX, PackedRow
 from dflash.models.target_output import TargetOutput
 from dflash.spec import parse_spec
@@ -20,7 +21,7 @@ from dflash.train.graph_step import GraphStep, graph_step_on, restore, snapshot
 from dflash.train.objective import Objective
 from dflash.train.replica import lr_lambda, make_optimizer
 from dflash.train.warm import warm_replica
-from dflash.train.workers import drafter_config, initial_state, make_replicas
+from dflash.train.workers import initial_state, make_replicas
 
 H, V, MASK, L = 32, 96, 95, 64
 
@@ -104,7 +105,7 @@ def test_static_loss_refuses_soft_labels():
 
 def _replica(spec_over=None, capturable=False, total=10):
     spec = parse_spec({**SPEC, **(spec_over or {})}, "graph.yaml")
-    cfg = drafter_config(spec)
+    cfg = DFlashConfig.of_spec(spec)
     [rep] = make_replicas(spec, cfg, initial_state(cfg, 0), total)
     if capturable:
         rep.opt, rep.sched = make_optimizer(rep.params, spec.optim, rep.device, total,
@@ -205,8 +206,8 @@ def test_spec_field_defaults_auto_resolves_per_device_and_refuses_what_cannot_ap
         parse_spec({**SPEC, "compile": {"cuda_graph_step": "always"}}, "graph.yaml")
     [rep] = make_replicas(parse_spec({**SPEC, "compile": {"cuda_graph_step": "on",
                                                            "backend": "eager"}}, "graph.yaml"),
-                          drafter_config(parse_spec(SPEC, "graph.yaml")),
-                          initial_state(drafter_config(parse_spec(SPEC, "graph.yaml")), 0), 4)
+                          DFlashConfig.of_spec(parse_spec(SPEC, "graph.yaml")),
+                          initial_state(DFlashConfig.of_spec(parse_spec(SPEC, "graph.yaml")), 0), 4)
     assert not rep.graph_step   # a CPU drafter: never captured
 
 

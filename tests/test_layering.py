@@ -91,6 +91,51 @@ def import_cycles(pkg: Path) -> list[list[str]]:
     return cycles
 
 
+def private_imports(pkg: Path) -> list[str]:
+    """``from dflash.x import _name`` or ``x._name`` on an imported dflash module, across files:
+    a name another module needs is public (a leading underscore says "only this file")."""
+    bad = []
+    for path in _files(pkg):
+        mod = _module(pkg, path)
+        here = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        tree = ast.parse(path.read_text())
+        modules = set()  # local names bound to dflash modules
+        for n in ast.walk(tree):
+            if isinstance(n, ast.ImportFrom):
+                base = n.module or ""
+                if n.level:
+                    up = here.split(".")[:len(here.split(".")) - (n.level - 1)]
+                    base = ".".join(up + ([base] if base else []))
+                if not base.startswith("dflash"):
+                    continue
+                for a in n.names:
+                    if _is_module(pkg, f"{base}.{a.name}"):
+                        modules.add(a.asname or a.name)
+                    elif a.name.startswith("_") and not a.name.startswith("__"):
+                        bad.append(f"{mod} imports {base}.{a.name}")
+            elif isinstance(n, ast.Import):
+                modules |= {a.asname for a in n.names if a.asname and a.name.startswith("dflash.")}
+        bad += [f"{mod} uses {n.value.id}.{n.attr}" for n in ast.walk(tree)
+                if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+                and n.value.id in modules and n.attr.startswith("_")
+                and not n.attr.startswith("__")]
+    return bad
+
+
+def test_no_module_imports_another_module_s_private_name():
+    assert private_imports(PKG) == []
+
+
+def test_a_private_import_is_seen(tmp_path):
+    pkg = tmp_path / "dflash"
+    shutil.copytree(PKG, pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    ckpt = pkg / "train" / "checkpoint.py"
+    ckpt.write_text(ckpt.read_text() + "\nfrom ..manifest import _x\nfrom ..runtime import faults\n"
+                    "faults._y\n")
+    assert private_imports(pkg) == ["dflash.train.checkpoint imports dflash.manifest._x",
+                                    "dflash.train.checkpoint uses faults._y"]
+
+
 def test_no_room_imports_a_room_above_it():
     assert upward_imports(PKG) == []
 

@@ -31,7 +31,6 @@ from dflash.models.masks import IGNORE_INDEX, PackedRow, dense_mask, flex_block_
 from dflash.models.target import default_layer_ids, load_target, target_embeddings
 from dflash.spec import load_spec
 from dflash.train.objective import Objective
-from dflash.train.workers import drafter_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -231,7 +230,7 @@ def test_initial_loss_on_smollm2_is_the_mask_token_path_and_falls_fast():
     """
     spec = load_spec(os.path.join(os.path.dirname(__file__), "..", "specs", "tiny.yaml"))
     tgt = load_target(spec.target, "cpu")
-    cfg = drafter_config(spec)
+    cfg = DFlashConfig.of_spec(spec)
     emb, head = target_embeddings(spec.target)
     ps, _ = heldout_prompts(spec, None, tgt.tokenizer, 2)
     conts = greedy_continuations(tgt.model, ps, 24, eos_ids_of(tgt))

@@ -13,6 +13,7 @@ from torch._dynamo.utils import counters
 import dflash.runtime.gate as gate_mod
 from conftest import assert_f32_close
 from dflash.errors import SpecError
+from dflash.models.drafter import DFlashConfig
 from dflash.models.features import FeatureExtractor
 from dflash.models.masks import IGNORE_INDEX, PackedRow, loss_weights, sample_anchors
 from dflash.models.target import load_target
@@ -22,7 +23,6 @@ from dflash.train.head_loss import balanced_chunk, head_backend, head_cross_entr
 from dflash.train.objective import Objective
 from dflash.train.warm import synthetic_output, synthetic_row, warm_replica
 from dflash.train.workers import (
-    drafter_config,
     initial_state,
     make_replicas,
     make_target_workers,
@@ -240,7 +240,7 @@ def test_distilling_spec_runs_whole_target_and_trains_the_replica():
     """kd end to end on the real workers: the target worker loads the whole target and hands
     soft labels with the features; the replica's step lowers its KD loss on a fixed row."""
     spec = parse_spec(KD_SPEC, "kd.yaml")
-    cfg = drafter_config(spec)
+    cfg = DFlashConfig.of_spec(spec)
     [(dev, fn)] = make_target_workers(spec)
     [rep] = make_replicas(spec, cfg, initial_state(cfg, 0), 40)
     assert rep.objective.kind == "kd" and rep.objective.top_k == 4
@@ -271,7 +271,7 @@ def test_replica_step_counts_only_supervised_positions():
     """With loss.max_position the replica's books (labelled, per-position counts) and its
     gradient cover k <= K only; a bare feature tensor stands for a features-only output."""
     spec = parse_spec({**KD_SPEC, "loss": {"gamma": 4, "max_position": 2}}, "kd.yaml")
-    cfg = drafter_config(spec)
+    cfg = DFlashConfig.of_spec(spec)
     [rep] = make_replicas(spec, cfg, initial_state(cfg, 0), 10)
     r = row(4)
     blocks = rep.anchors(r, 1)
@@ -371,7 +371,7 @@ def test_head_loss_mode_resolves_per_device():
     assert head_backend("on", "eager", "cuda:0") is None
     spec = parse_spec({**KD_SPEC, "compile": {"backend": "aot_eager", "head_loss": "on"}},
                       "kd.yaml")
-    cfg = drafter_config(spec)
+    cfg = DFlashConfig.of_spec(spec)
     [rep] = make_replicas(spec, cfg, initial_state(cfg, 0), 10)
     assert rep.objective.head_backend == "aot_eager"
     assert parse_spec(KD_SPEC, "kd.yaml").compile.head_loss == "auto"
@@ -387,7 +387,7 @@ def test_warm_up_compiles_the_head_and_training_never_recompiles(monkeypatch):
     monkeypatch.setattr(gate_mod, "_GATE", gate)
     spec = parse_spec({**KD_SPEC, "compile": {"backend": "aot_eager", "head_loss": "on"}},
                       "kd.yaml")
-    cfg = drafter_config(spec)
+    cfg = DFlashConfig.of_spec(spec)
     [rep] = make_replicas(spec, cfg, initial_state(cfg, 0), 10)
     width = len(cfg.target_layer_ids) * cfg.hidden_size
     before = _graphs()

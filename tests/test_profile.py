@@ -10,6 +10,7 @@ import random
 
 import pytest
 
+from dflash.models.drafter import DFlashConfig
 from dflash.env.facts import hardware_facts
 from dflash.runtime.harness import REPO
 
@@ -18,7 +19,7 @@ from dflash.spec import parse_spec
 from dflash.train.packing import StepMap, bucket_for, pack_row, plan_epoch
 from dflash.train.profile import OFFSET_STEPS, StepProfiler, window_for
 from dflash.train.scheduler import Pipeline
-from dflash.train.workers import buckets, drafter_config, initial_state, make_replicas, make_target_workers
+from dflash.train.workers import buckets, initial_state, make_replicas, make_target_workers
 
 SPEC = {
     "name": "prof", "seed": 0,
@@ -51,12 +52,12 @@ def profiled(tmp_path_factory):
         n = rnd.randint(12, 40)
         samples.append((sid, [rnd.randint(5, 40000) for _ in range(n)], [0] * 4 + [1] * (n - 4)))
     lengths = [len(s[1]) for s in samples]
-    b, bks, cfg = spec.batching, buckets(spec), drafter_config(spec)
+    b, bks, cfg = spec.batching, buckets(spec), DFlashConfig.of_spec(spec)
     step_map = StepMap(lambda e: plan_epoch(lengths, b.token_budget, b.max_batch_size, 0, e), 2)
     total = spec.optim.max_steps
     prof = StepProfiler(spec.monitor.profile_steps, 0, total, spec.devices())
     pipe = Pipeline(target_workers=make_target_workers(spec),
-                    replicas=make_replicas(spec, drafter_config(spec), initial_state(cfg, 0),
+                    replicas=make_replicas(spec, DFlashConfig.of_spec(spec), initial_state(cfg, 0),
                                            total),
                     step_map=step_map, start_step=0, total_steps=total, seed=0, queue_depth=1,
                     make_row=lambda batch: pack_row([samples[i] for i in batch], bucket_for(

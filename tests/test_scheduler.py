@@ -11,12 +11,13 @@ import time
 import pytest
 import torch
 
+from dflash.models.drafter import DFlashConfig
 from dflash.runtime.status import busy_fractions
 from dflash.spec import parse_spec
 from dflash.train.packing import bucket_for, pack_row, plan_epoch
 from dflash.train.packing import StepMap
 from dflash.train.scheduler import Pipeline, WorkerFailed
-from dflash.train.workers import buckets, drafter_config, initial_state, make_replicas, make_target_workers
+from dflash.train.workers import buckets, initial_state, make_replicas, make_target_workers
 
 SPEC = {
     "name": "sched", "seed": 0,
@@ -44,7 +45,7 @@ def _dataset(n=23, seed=1):
 
 
 def _pipeline(spec, samples, total_epochs=2, fail_at=None, on_step=None):
-    cfg = drafter_config(spec)
+    cfg = DFlashConfig.of_spec(spec)
     b = spec.batching
     bks = buckets(spec)
     lengths = [len(s[1]) for s in samples]

@@ -19,13 +19,14 @@ from pathlib import Path
 
 import torch
 
+from dflash.models.drafter import DFlashConfig
 from dflash.models.dtypes import dtype_of
 from dflash.runtime.gate import get_gate
 from dflash.runtime.tracing import worker_thread_setup
 from dflash.spec import load_spec
 from dflash.train.flops import drafter_useful_flops, measure_peak_flops
 from dflash.train.warm import synthetic_output, synthetic_row, warm_replica
-from dflash.train.workers import buckets, drafter_config, initial_state, make_replicas
+from dflash.train.workers import buckets, initial_state, make_replicas
 
 
 def _sync(device: str) -> None:
@@ -41,7 +42,7 @@ def measure(spec, anchors: int, device: str, steps: int, peak: float | None,
     spec = spec.replace(batching={"max_anchors": anchors},
                         topology={"targets": [device], "drafters": [device],
                                   "allow_shared_devices": True})
-    cfg = drafter_config(spec)
+    cfg = DFlashConfig.of_spec(spec)
     L = buckets(spec)[-1]
     feat_width = len(cfg.target_layer_ids) * cfg.hidden_size
     rep = make_replicas(spec, cfg, initial_state(cfg, spec.seed), total_steps=1000)[0]

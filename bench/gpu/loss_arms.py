@@ -13,12 +13,13 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils.checkpoint import checkpoint
 
 from bench.gpu import drafter_step
+from dflash.models.drafter import DFlashConfig
 from dflash.models.dtypes import dtype_of
 from dflash.models.masks import block_loss_weights
 from dflash.models.target import target_embeddings
 from dflash.train.objective import Objective
 from dflash.train.warm import synthetic_row
-from dflash.train.workers import buckets, drafter_config, objective
+from dflash.train.workers import buckets, objective
 
 SMOLLM2_135M = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=576,
                     intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -116,7 +117,7 @@ def head_alone(spec, device: str, arm: str, cap, iters: int) -> dict:
     """The loss's forward + backward on one bucket's blocks, drafter hidden states random; the
     supervised rows found on the blocks' host copy, as the replica does."""
 
-    cfg = drafter_config(spec)
+    cfg = DFlashConfig.of_spec(spec)
     obj = objective(spec, cfg)
     obj = arm_objective(obj, arm, cap)
     L = buckets(spec)[-1]

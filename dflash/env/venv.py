@@ -82,7 +82,7 @@ def _outer_pip() -> bool:
         return False
 
 
-def _pip_cmd(python: Path) -> list[str]:
+def pip_cmd(python: Path) -> list[str]:
     """pip for the venv: this interpreter's pip aimed at it (``pip --python``: the venv needs no
     pip of its own and is created in a fraction of a second), else the venv's own pip."""
     if _outer_pip():
@@ -91,7 +91,7 @@ def _pip_cmd(python: Path) -> list[str]:
 
 
 def _pip_install(python: Path, lock: Path, wheel_dir: str | None, log: Path) -> None:
-    cmd = _pip_cmd(python) + ["install", "--require-hashes", "--no-deps",
+    cmd = pip_cmd(python) + ["install", "--require-hashes", "--no-deps",
            "--disable-pip-version-check", "--no-input", "--progress-bar", "off"]
     if wheel_dir:
         cmd += ["--no-index", "--find-links", str(Path(wheel_dir).absolute())]

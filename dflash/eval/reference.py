@@ -25,9 +25,10 @@ from typing import Sequence
 
 from ..decode.engine import Engine, unsupported_reason
 from ..data.prompts import render_prompt
+from ..runtime.busy import sync
 from .budget import budget_hits
 from .evalsets import across_categories, mtbench_conversations, user_prompt
-from .tau import _sync, greedy_continuations, simulate, summarize
+from .tau import greedy_continuations, simulate, summarize
 
 
 def reference_questions(n: int, seed: int) -> list[dict]:
@@ -72,12 +73,12 @@ def evaluate_reference(target_model, tokenizer, drafter, embed, lm_head, questio
     timings = {}
     t = time.perf_counter()
     a1 = greedy_continuations(target_model, p1, max_new, eos, batch_size, ctx, eng)
-    _sync(device)
+    sync(device)
     timings["generate_turn1_s"] = time.perf_counter() - t
     p2 = [second_turn_prompt(tokenizer, q["turns"], a) for q, a in zip(questions, a1)]
     t = time.perf_counter()
     a2 = greedy_continuations(target_model, p2, max_new, eos, batch_size, ctx, eng)
-    _sync(device)
+    sync(device)
     timings["generate_turn2_s"] = time.perf_counter() - t
     prompts, answers = p1 + p2, a1 + a2
     sim = simulate(target_model, drafter, embed, lm_head, prompts, max_new, eos,

@@ -16,6 +16,7 @@ from typing import Sequence
 import torch
 from transformers import GenerationConfig
 
+from ..runtime.busy import sync
 from ..runtime.gate import get_gate
 from ..decode.decoded import lossless_evidence
 from ..decode.speculative import Decoder
@@ -25,11 +26,6 @@ SWEEP_BATCHES = (1, 4, 16, 64)
 SERVING_GAP = 0.05  # warn when real and simulated τ of a prompt differ by more than this share
 
 
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed_decode(dec: Decoder, prompts: Sequence[Sequence[int]], inspect=None):
     """(results, seconds) of decoding ``prompts`` after the (untimed) compile + capture;
     ``inspect(dec) -> dict``, run between the two, adds to ``dec.stats`` (e.g. a kernel count
@@ -37,10 +33,10 @@ def timed_decode(dec: Decoder, prompts: Sequence[Sequence[int]], inspect=None):
     dec.prepare()
     if inspect is not None:
         dec.stats.update(inspect(dec))
-    _sync(dec.device)
+    sync(dec.device)
     t = time.perf_counter()
     res = dec.decode(prompts)
-    _sync(dec.device)
+    sync(dec.device)
     return res, time.perf_counter() - t
 
 
@@ -114,11 +110,11 @@ def hf_static_generate(model, prompts: Sequence[Sequence[int]], batch: int, max_
 
     with gate.exclusive("decoder: HF static-cache generate warm-up (its compile)"):
         wave(prompts[:batch])
-    _sync(dev)
+    sync(dev)
     t = time.perf_counter()
     with gate.shared():
         n = sum(wave(prompts[s:s + batch]) for s in range(0, len(prompts), batch))
-    _sync(dev)
+    sync(dev)
     dt = time.perf_counter() - t
     return {"batch": batch, "prompts": len(prompts), "tokens": n, "seconds": dt,
             "tokens_per_s": n / dt if dt else None}

@@ -39,6 +39,7 @@ from ..errors import DFlashError
 from ..models.drafter import extract_features
 from ..models.masks import Blocks, dense_mask
 from ..models.target import layer_ids, load_target
+from ..runtime.busy import sync
 from ..runtime.gate import get_gate
 from .budget import budget_hits, budgets
 from .evalsets import EvalSet, heldout_prompts
@@ -259,11 +260,6 @@ def teacher_forced_accuracy(drafts: Sequence[torch.Tensor], conts: Sequence[Sequ
 # ---------------------------------------------------------------------------------------------
 # the evaluation
 # ---------------------------------------------------------------------------------------------
-def _sync(device: str) -> None:
-    if str(device).startswith("cuda"):
-        torch.cuda.synchronize(device)
-
-
 def simulate(target_model, drafter, embed, lm_head, prompts: Sequence[Sequence[int]],
              max_new: int, eos_ids: Sequence[int], layer_ids: list[int], device: str,
              batch_size: int = 64, continuations: Sequence[Sequence[int]] | None = None,
@@ -274,13 +270,13 @@ def simulate(target_model, drafter, embed, lm_head, prompts: Sequence[Sequence[i
     t = time.perf_counter()
     conts = (greedy_continuations(target_model, prompts, max_new, eos_ids, batch_size)
              if continuations is None else [list(c) for c in continuations])
-    _sync(device)
+    sync(device)
     timings["generate_s"] = time.perf_counter() - t
     t = time.perf_counter()
     seqs = [list(p) + list(c) for p, c in zip(prompts, conts)]
     feats = target_features(target_model, seqs, layer_ids, max(1, batch_size // 4),
                             feature_tokens)
-    _sync(device)
+    sync(device)
     timings["features_s"] = time.perf_counter() - t
     t = time.perf_counter()
     on_gpu = str(device).startswith("cuda")
@@ -288,7 +284,7 @@ def simulate(target_model, drafter, embed, lm_head, prompts: Sequence[Sequence[i
                                   [len(p) for p in prompts],
                                   query_tokens=32768 if on_gpu else 2048,
                                   logit_rows=8192 if on_gpu else 1024)
-    _sync(device)
+    sync(device)
     timings["draft_s"] = time.perf_counter() - t
     chains = [walk_chain(d, c) for d, c in zip(drafts, conts)]
     return {"continuations": conts, "chains": chains, "drafts": drafts, "timings": timings}
@@ -431,7 +427,7 @@ class TauMonitor:
     @torch.no_grad()
     def __call__(self, replica) -> dict:
         t = time.perf_counter()
-        with get_gate().shared(), replica._autocast():
+        with get_gate().shared(), replica.autocast():
             drafts = draft_every_position(replica.model, replica.embed, replica.lm_head,
                                           self.seqs, self.feats, self.starts,
                                           query_tokens=8192 if replica.device.startswith(

@@ -28,6 +28,7 @@ from torch.nn.attention.flex_attention import flex_attention
 from ..errors import DFlashError
 from ..manifest import atomic_path, atomic_write_json, sha256_file
 from .masks import compiled_flex_attention
+from .target import hf_config, layer_ids
 
 # ---------------------------------------------------------------------------------------------
 # feature layers
@@ -91,6 +92,15 @@ class DFlashConfig:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+
+    @classmethod
+    def of_spec(cls, spec) -> "DFlashConfig":
+        """The one spec -> drafter config conversion: ``spec.drafter`` sized like
+        ``spec.target``, fed by the target layers :func:`dflash.models.target.layer_ids` picks."""
+        tcfg = hf_config(spec.target)
+        d = spec.drafter
+        return cls.from_target_config(tcfg, d.num_layers, d.block_size, d.mask_token_id,
+                                      layer_ids(spec.target, tcfg))
 
     @classmethod
     def from_target_config(cls, hf_config, num_layers: int, block_size: int, mask_token_id: int,

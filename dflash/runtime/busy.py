@@ -9,6 +9,13 @@ import time
 import torch
 
 
+def sync(device) -> None:
+    """Wait for the work queued on a CUDA ``device`` (a no-op elsewhere): before reading the host
+    clock around a region, so the seconds are the device's, not the queueing's."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class DeviceBusy:
     """Seconds of work a thread queued on its CUDA device, from timing-event pairs read once
     they have completed: no host-device sync (drafter steps run asynchronously). On CPU the

@@ -25,13 +25,12 @@ from ..eval.report import training_curves, write_report
 from ..eval.serving import goal, sweep
 from ..eval.tau import evaluate_sets
 from ..manifest import atomic_write_text, expect, read_manifest, verify_files
-from ..models.drafter import load_drafter, verify_export
+from ..models.drafter import DFlashConfig, load_drafter, verify_export
 from ..models.dtypes import dtype_of
 from ..models.target import hf_config, load_target, target_embeddings
 from ..runtime.status import by_role
 from ..train.flops import drafter_useful_flops, measure_peak_flops, mfu_against_datasheet, target_flops, worker_balance
 from ..train.trainer import timed_run
-from ..train.workers import drafter_config
 from . import StageContext
 
 
@@ -215,7 +214,7 @@ def throughput(ctx: StageContext, source: dict, metrics: list[dict]) -> dict:
     window, against a peak measured on the first drafter device now), busy/wait per step."""
     spec = ctx.spec
     steady = source["steady_state"]
-    tcfg, dcfg = hf_config(spec.target), drafter_config(spec)
+    tcfg, dcfg = hf_config(spec.target), DFlashConfig.of_spec(spec)
     layers_run = max(dcfg.target_layer_ids) + 1
     skip = len(metrics) - steady["steps"] if steady.get("steps") else 0
     window = metrics[skip:] if metrics else []

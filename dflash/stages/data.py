@@ -25,7 +25,6 @@ MT-Bench and HumanEval) is :mod:`dflash.data.sources`; docs/data.md has the deta
 """
 from __future__ import annotations
 
-import importlib
 import time
 from pathlib import Path
 
@@ -49,6 +48,7 @@ from ..eval.evalsets import eval_overlap
 from ..manifest import atomic_path, fingerprint, sha256_file, write_manifest
 from ..models.target import load_target, target_fingerprint
 from ..runtime import faults
+from ..train.budget import check_disk  # no rerun trigger: code_fingerprint.NOT_RERUN_TRIGGERS
 from . import StageContext
 
 
@@ -61,9 +61,6 @@ def run(ctx: StageContext) -> dict:
     """Build (or resume) ``results/<spec>/data``; returns the manifest. After each shard is
     written, :func:`dflash.runtime.faults.shard_written` runs the test hooks (tests use it to
     simulate an interruption)."""
-    # by name: the budget (model shapes, FLOPs) does not change the dataset, so it stays out of
-    # this stage's code closure (dflash.code_fingerprint): an edit to it reruns no data stage
-    check_disk = importlib.import_module("dflash.train.budget").check_disk
     spec = ctx.spec
     t0 = time.time()
     check_data(spec)                      # the model-free checks again, with field path and file

@@ -15,10 +15,11 @@ import time
 
 from ..cache import compile_cache_dir
 from ..manifest import write_manifest
+from ..models.drafter import DFlashConfig
 from ..models.dtypes import dtype_of
 from ..runtime.gate import get_gate
 from ..train.warm import warm_all, warm_target_features
-from ..train.workers import buckets, drafter_config, initial_state, make_replicas
+from ..train.workers import buckets, initial_state, make_replicas
 from . import StageContext
 
 
@@ -45,7 +46,7 @@ def run(ctx: StageContext) -> dict:
     spec = ctx.spec
     cache = compile_cache_dir(ctx.env_fingerprint)
     t0 = time.perf_counter()
-    cfg = drafter_config(spec)
+    cfg = DFlashConfig.of_spec(spec)
     feat_width = len(cfg.target_layer_ids) * cfg.hidden_size
     replicas = make_replicas(spec, cfg, initial_state(cfg, spec.seed), total_steps=1000)
 

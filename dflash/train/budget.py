@@ -25,7 +25,7 @@ import torch
 from ..errors import DFlashError
 from ..models.drafter import DFlashConfig
 from ..models.target import hf_config, layer_ids
-from .flops import _linear_params, best_seconds_per_call, drafter_flops_per_step, target_flops
+from .flops import linear_params, best_seconds_per_call, drafter_flops_per_step, target_flops
 
 REPO = Path(__file__).resolve().parents[2]
 # dense bf16 matmul FLOP/s measured on an H200 (bench stage, docs/benchmarks.md)
@@ -64,14 +64,13 @@ def _gb(n: float) -> str:
 
 
 def _params(cfg, layers: int, vocab: bool) -> int:
-    return _linear_params(cfg, layers) + (cfg.vocab_size * cfg.hidden_size if vocab else 0)
+    return linear_params(cfg, layers) + (cfg.vocab_size * cfg.hidden_size if vocab else 0)
 
 
 def sizes(spec) -> Sizes:
     tcfg = hf_config(spec.target)
     ids = layer_ids(spec.target, tcfg)
-    dcfg = DFlashConfig.from_target_config(tcfg, spec.drafter.num_layers, spec.drafter.block_size,
-                                           spec.drafter.mask_token_id, ids)
+    dcfg = DFlashConfig.of_spec(spec)
     d, b, o = spec.data, spec.batching, spec.optim
     samples = d.max_prompts * d.samples_per_prompt
     sample_tokens = d.max_prompt_tokens + d.max_new_tokens

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..errors import SpecError
-from ..manifest import _fsync_dir, atomic_write_json, is_sealed, plain_mode, seal, sha256_file
+from ..manifest import fsync_dir, atomic_write_json, is_sealed, plain_mode, seal, sha256_file
 
 CKPT_VERSION = 2  # 2: state.json sealed
 
@@ -92,7 +92,7 @@ def save(ckpt_dir: Path, step: int, replica, counters: dict, keep: int,
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_dir(ckpt_dir)
+    fsync_dir(ckpt_dir)
     for old in sorted(ckpt_dir.glob("step-*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final

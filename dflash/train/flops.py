@@ -66,7 +66,7 @@ def measure_peak_flops(device: str, dtype: torch.dtype) -> dict:
             "datasheet": datasheet_peak(name, dt)}
 
 
-def _linear_params(cfg, layers: int) -> int:
+def linear_params(cfg, layers: int) -> int:
     """Matmul parameters of ``layers`` Llama/Qwen-style decoder layers."""
     H, I = cfg.hidden_size, cfg.intermediate_size
     hd = head_dim_of(cfg)
@@ -81,7 +81,7 @@ def target_flops(tcfg, layers_run: int, doc_lengths: list[int]) -> float:
     tokens = sum(doc_lengths)
     attn = sum(4 * layers_run * tcfg.num_attention_heads * hd * n * (n + 1) / 2
                for n in doc_lengths)
-    return 2 * _linear_params(tcfg, layers_run) * tokens + attn
+    return 2 * linear_params(tcfg, layers_run) * tokens + attn
 
 
 def drafter_flops_per_step(dcfg, ctx_tokens: int, block_tokens: int, labelled: int) -> float:
@@ -90,7 +90,7 @@ def drafter_flops_per_step(dcfg, ctx_tokens: int, block_tokens: int, labelled: i
     no weight gradient; the recomputation of the checkpointed logits in backward is not
     counted, as MFU counts the model's FLOPs, not the recomputed ones)."""
     n_feat = len(dcfg.target_layer_ids)
-    trained = (2 * _linear_params(dcfg, dcfg.num_hidden_layers) * block_tokens
+    trained = (2 * linear_params(dcfg, dcfg.num_hidden_layers) * block_tokens
                # K/V projections of the injected context in every layer
                + 2 * ctx_tokens * dcfg.hidden_size * dcfg.head_dim * dcfg.num_key_value_heads
                * 2 * dcfg.num_hidden_layers
@@ -145,7 +145,7 @@ def worker_balance(spec, dcfg, window: list[dict], busy: dict, wait: dict, n_run
     t_busy_s, d_busy_s = sum(t_busy) / len(t_busy), sum(d_busy) / len(d_busy)
     tokens = sum(m["tokens"] for m in window) / len(window)
     labelled = sum(m["labelled"] for m in window) / len(window)
-    b, B = spec.batching, spec.drafter.block_size
+    b, B = spec.batching, dcfg.block_size
     target_rate = tokens / n_t / t_busy_s
     drafter_rate = tokens / n_d / d_busy_s
     idle = idle_fractions(busy, wait, "drafter")

@@ -115,7 +115,9 @@ class DrafterReplica:
     def signature(self, bucket_len: int) -> tuple:
         return ("drafter_step", self.device, bucket_len, self.num_slots(bucket_len))
 
-    def _autocast(self):
+    def autocast(self):
+        """The compute-dtype context this replica's forward runs under (none for float32);
+        evaluation that runs the drafter outside a step enters the same one."""
         if self.compute_dtype == torch.float32:
             return nullcontext()
         return torch.autocast(device_type=self.device.split(":")[0], dtype=self.compute_dtype)
@@ -195,7 +197,7 @@ class DrafterReplica:
         else:
             mask = dense_mask(doc, blocks_d)[None]
         block_embeds = torch.nn.functional.embedding(blocks_d.block_input_ids, self.embed)[None]
-        with self._autocast():
+        with self.autocast():
             hidden = self.forward(block_embeds, features, blocks_d.block_position_ids[None],
                                   ctx_pos, mask)
             return loss_fn(hidden)

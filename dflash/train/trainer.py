@@ -30,7 +30,7 @@ from ..code_fingerprint import stage_code_fingerprint
 from ..data.dataset import load_dataset
 from ..errors import SpecError
 from ..manifest import expect, read_manifest, write_manifest
-from ..models.drafter import export_checksums, export_drafter
+from ..models.drafter import DFlashConfig, export_checksums, export_drafter
 from ..runtime import distributed
 from ..runtime.distributed import PeerFailed
 from ..runtime.faults import injected_failures
@@ -48,7 +48,7 @@ from .packing import StepMap
 from .profile import StepProfiler
 from .scheduler import Pipeline
 from .warm import warm_all, warm_targets
-from .workers import (buckets, drafter_config, initial_state, make_replicas,
+from .workers import (buckets, initial_state, make_replicas,
                       make_target_workers)
 
 # the τ monitor's factory: (spec, results dir, device) -> a callable replica -> {"tau", ...}
@@ -153,7 +153,7 @@ def prepare(ctx, out: Path, persist: bool, max_steps: int | None, comm=None) -> 
     # every rank plans the same epochs (seeded) and takes its own share of the batches
     step_map = StepMap(epoch_batches, len(spec.topology.drafters), ranks, rank)
     total_steps = max_steps if max_steps is not None else total_steps_for(spec, step_map)
-    cfg = drafter_config(spec)
+    cfg = DFlashConfig.of_spec(spec)
     check_run(spec, ds, out, cfg)  # refuses a feature cache that does not fit, before heavy work
     replicas = make_replicas(spec, cfg, initial_state(cfg, spec.seed, spec), total_steps)
     # the train code too: a checkpoint of other code is not resumed (its run is not this one)

@@ -23,13 +23,6 @@ from .packing import bucket_lengths
 from .replica import DrafterReplica
 
 
-def drafter_config(spec) -> DFlashConfig:
-    tcfg = hf_config(spec.target)
-    d = spec.drafter
-    return DFlashConfig.from_target_config(tcfg, d.num_layers, d.block_size,
-                                           d.mask_token_id, layer_ids(spec.target, tcfg))
-
-
 def objective(spec, cfg: DFlashConfig) -> Objective:
     return Objective.of(cfg, spec.batching, spec.loss)
 
