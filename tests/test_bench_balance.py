@@ -142,8 +142,14 @@ def test_report_md_shows_both_mfu_denominators_and_overridden_drift():
 Q_TOKENS, Q_TARGET, Q_DRAFTER = 8186.0, 0.0102, 0.0576
 
 
-def test_target_side_on_a_shared_gpu_recommends_the_feature_cache_with_figures():
+def _quality_before_cache():
+    """smollm2-quality as the issue's run had it: the feature cache off."""
     spec = load_spec(REPO / "specs" / "smollm2-quality.yaml")
+    return replace(spec, features=replace(spec.features, cache="off"))
+
+
+def test_target_side_on_a_shared_gpu_recommends_the_feature_cache_with_figures():
+    spec = _quality_before_cache()
     ts = target_side(spec, Q_TARGET, Q_DRAFTER, Q_TOKENS)
     assert ts["shared_gpu"] and ts["epochs"] == 3 and not ts["features_cache"]
     now, _, three = ts["what_if"]
@@ -182,7 +188,7 @@ def test_target_side_on_separate_gpus(h200_run):
 
 def test_report_md_shows_the_target_side(h200_run):
     report = json.loads((H200 / "qwen3-8b-2gpu__bench__report.json").read_text())
-    spec = load_spec(REPO / "specs" / "smollm2-quality.yaml")
+    spec = _quality_before_cache()
     bal = dict(h200_run[3], target_side=target_side(spec, Q_TARGET, Q_DRAFTER, Q_TOKENS))
     report.update(balance=bal, drafter_mfu_while_busy=None, final_draft_acc=None,
                   hardware=hardware_facts(["cpu"], {}))
