@@ -111,12 +111,6 @@ class StepBooks:
     def _due(self, every: int, step: int) -> bool:
         return (step + 1) % every == 0 or step + 1 == self.total
 
-    def reads_state(self, step: int) -> bool:
-        """Whether :meth:`record` of ``step`` reads the replica (the τ monitor, a checkpoint):
-        the pipeline then records it before the next step is queued (``exact_steps``)."""
-        monitor = self.monitor is not None and self._due(self.tau_every, step)
-        return monitor or (self.persist and self._due(self.checkpoint.every_steps, step))
-
     def record(self, rec) -> None:
         """One finished step (a :class:`dflash.train.scheduler.StepRecord`)."""
         self.counters["tokens"] += rec.tokens

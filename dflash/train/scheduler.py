@@ -2,10 +2,11 @@
 
     feeder ──work_q──▶ target worker (one per target device) ──out_q[r]──▶ drafter replica r
 
-* The feeder enqueues items in step order: item (step, r) is batch ``step·M + r`` of the epoch's
-  plan: each sample reaches one replica once per epoch, a resumed run sees the same batches.
-  With R nodes (``topology.nodes``, :mod:`dflash.runtime.distributed`) rank k's replica r takes
-  batch ``step·R·M + k·M + r``: every rank plans the same epoch; together they take each once.
+* The feeder enqueues work items in step order: item (step, r) is batch ``step·M + r`` of the
+  epoch's deterministic plan, so every sample reaches exactly one replica exactly once per epoch
+  and a resumed run sees the very same batches. With R nodes (``topology.nodes``, one Pipeline
+  per node, :mod:`dflash.runtime.distributed`) rank k's replica r takes batch ``step·R·M + k·M + r``:
+  every rank plans the same epoch, and together they take each batch once.
 * Queues are bounded (backpressure): at most ``queue_depth`` items per replica are in flight.
 * Every worker iteration runs through the one process-wide compile gate (:mod:`dflash.runtime.gate`):
   ``gate.run(sig, fn)`` takes the exclusive side for anything that may compile or trace and the
@@ -20,7 +21,6 @@
   on other processes, and rule 1 says never to block while holding the gate).
 * Any failure sets ``stop``, aborts the barrier and wakes every wait; the main thread re-raises
   the first error naming the worker and its device. No hang.
-* On CUDA a step's record (loss, norm, hits) is read one step late, so the device never drains.
 """
 from __future__ import annotations
 
@@ -41,7 +41,6 @@ from ..runtime.status import worker_name
 from ..runtime.busy import DeviceBusy
 from .feature_cache import CacheStopped
 from .packing import StepMap
-from .staged import Staged
 from .profile import worker_label
 
 POLL_S = 0.1
@@ -91,15 +90,14 @@ class Pipeline:
                  total_steps: int, seed: int, queue_depth: int,
                  on_step: Callable[[StepRecord], None] | None = None,
                  fail_at: dict[str, int] | None = None, comm=None, feature_cache=None,
-                 profiler=None, exact_steps: Callable[[int], bool] | None = None):
+                 profiler=None):
         """``target_workers``: (device, fn(row) -> TargetOutput) per target device.
         ``feature_cache``: a :class:`dflash.train.feature_cache.FeatureCache` (epoch 0 writes
         it, later epochs read the rows it serves instead of running the target) or None.
-        ``step_map`` maps steps to the per-epoch batch plans; ``make_row(batch)`` packs one
-        batch of sample indices into a PackedRow. ``profiler``: a
+        ``step_map`` maps steps to the deterministic per-epoch batch plans; ``make_row(batch)``
+        packs one batch of sample indices into a PackedRow. ``profiler``: a
         :class:`dflash.train.profile.StepProfiler` replica 0 opens and closes between steps
-        (``monitor.profile_steps``) or None. ``exact_steps(step)``: True where ``on_step``
-        reads the replica (:meth:`_exact`); other steps are recorded one step late."""
+        (``monitor.profile_steps``) or None."""
         self.targets = target_workers
         self.replicas = replicas
         self.M = len(replicas)
@@ -112,8 +110,6 @@ class Pipeline:
         self.comm = comm  # dflash.runtime.distributed.Dist across nodes; None: this process only
         self.cache = feature_cache
         self.profiler = profiler
-        self.exact_steps = exact_steps
-        self.lag_records: bool | None = None  # None: on CUDA (tests set True on CPU)
         self.allreduce = None  # DeviceBusy of the cross-node all-reduce (leader thread)
         self.gate = get_gate()
         self.stop = threading.Event()
@@ -250,7 +246,6 @@ class Pipeline:
         try:
             worker_thread_setup()
             pending: dict[int, tuple] = {}
-            lagged = None  # replica 0: the staged record of the step before, not yet read
             busy = DeviceBusy(rep.device)  # device time of this replica's fwd/bwd + optim
             wait = 0.0
             for step in range(self.start_step, self.total_steps):
@@ -297,11 +292,9 @@ class Pipeline:
                 busy.stop(b0)
                 self.busy_s[name], self.wait_s[name] = busy.seconds, wait
                 if r == 0:
-                    lagged = self._record_lagged(lagged, Staged.of(step, item.epoch, norm,
-                                                                   rep.lr(), snapshot))
+                    self._record(step, item.epoch, norm, rep.lr(), snapshot)
+                # first step = its work done (on CUDA the record above synced replica 0)
                 self.first_step_s.setdefault(name, time.perf_counter() - self.t0)
-            if lagged is not None:
-                self._record(lagged)
             if r == 0 and self.profiler is not None:
                 self.profiler.at_step(self.total_steps, self)
             self.busy_s[name] = busy.collect(block=True)
@@ -351,36 +344,27 @@ class Pipeline:
             self.allreduce.stop(t0)
             self._set_mean(buf[:-1] / buf[-1].clamp(min=1.0))
 
-    def _record_lagged(self, lagged: Staged | None, staged: Staged) -> Staged | None:
-        """Record the step before (``lagged``) now that this step's work is queued; return this
-        step's record to read after the next step is queued, or record it now where
-        :meth:`_exact`. Why: read right after its step, a record drains the device, which then
-        idles while this thread samples the next anchors and queues the next step (the H200
-        DAG's drafter step took 57.6 ms over 25.6 ms of kernels,
-        bench/results/h200/round6-2026-12-01/loss_step4.json)."""
-        if lagged is not None:
-            self._record(lagged)
-        if self._exact(staged.step):
-            self._record(staged)
-            return None
-        return staged
-
-    def _exact(self, step: int) -> bool:
-        """Recorded before the next step is queued: every step without ``lag_records`` or across
-        nodes, the last step, ``exact_steps`` (``on_step`` reads the replica: checkpoints, τ)."""
-        lag = self.lag_records
-        if lag is None:  # off CUDA the work is synchronous: a late read gains nothing
-            lag = self.replicas[0].device.startswith("cuda")
-        if self.comm is not None or not lag:
-            return True
-        return step + 1 == self.total_steps or bool(self.exact_steps and self.exact_steps(step))
-
-    def _record(self, staged: "Staged") -> None:
-        step, epoch, results, lr = staged.step, staged.epoch, staged.results, staged.lr
+    def _record(self, step: int, epoch: int, norm, lr: float, results: list) -> None:
+        # the step's one host-device sync: losses and the norm read together, after the
+        # optimizer step was queued
         res = [r for r in results if r is not None]
-        grad_norm, losses, hits, counts = staged.unpack()  # the step's one wait for the device
+        losses, hits, counts = [], None, None
+        for r in results:
+            if r is None:
+                losses.append(None)
+                continue
+            if r.hits is None:
+                losses.append(float(r.loss))
+                continue
+            # loss and per-position hits in one transfer
+            vals = torch.cat([r.loss.reshape(1).float(), r.hits.float().to(r.loss.device)]
+                             ).tolist()
+            losses.append(vals[0])
+            hits = vals[1:] if hits is None else [a + b for a, b in zip(hits, vals[1:])]
+            counts = r.counts if counts is None else [a + b for a, b in zip(counts, r.counts)]
         tokens, labelled = sum(r.tokens for r in res), sum(r.labelled for r in res)
         sample_ids = [s for r in res for s in r.sample_ids]
+        grad_norm = float(norm)
         if self.comm is not None:
             # the whole step, every node's replicas in rank order; gathering is also where the
             # ranks agree on the step before rank 0 writes anything (metrics, a checkpoint)
