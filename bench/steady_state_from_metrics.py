@@ -2,6 +2,9 @@
 its manifest was written, e.g. by a device time limit during the final checkpoint).
 
     python -m bench.steady_state_from_metrics METRICS.jsonl --skip 5 --out steady_state.json
+
+``by_epoch`` gives the same figures per epoch (each epoch's first ``--skip`` steps left out):
+with ``features.cache`` epochs >= 1 read the target's features instead of running the target.
 """
 from __future__ import annotations
 
@@ -34,6 +37,10 @@ def main() -> None:
     a = ap.parse_args()
     rows = [json.loads(x) for x in a.metrics.read_text().splitlines() if x.strip()]
     res = steady_state(rows, a.skip, a.token_budget)
+    epochs = sorted({r["epoch"] for r in rows if "epoch" in r})
+    if len(epochs) > 1:
+        res["by_epoch"] = {str(e): steady_state([r for r in rows if r.get("epoch") == e], a.skip,
+                                                a.token_budget) for e in epochs}
     print(json.dumps(res, indent=1))
     a.out.write_text(json.dumps(res, indent=1) + "\n")
     print(f"wrote {a.out}")
