@@ -28,7 +28,7 @@ TOOLS = {
     "export-check": ("models.export_check", "is an exported drafter folder intact (checksums)"),
     "status": ("runtime.status", "live status of a training run"),
     "stress": ("runtime.stress", "race stress harness (gate on/off)"),
-    "sweep-report": ("stages.sweep", "one table and plot over a sweep's arms (sweeps/<name>.yaml)"),
+    "sweep-report": ("eval.sweep_report", "one table and plot over a sweep's arms (sweeps/<name>.yaml)"),
 }
 
 

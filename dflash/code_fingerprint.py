@@ -137,9 +137,14 @@ def code_digest(path: Path) -> str:
     return sha256_bytes(ast.dump(_without_docstrings(_parse(path))).encode())
 
 
+# rules whose command is a tool, not a stage: the module the rule's `dflash` command runs
+TOOL_MODULES = {"sweep": "eval.sweep_report"}  # rules/sweeps.smk: dflash sweep-report
+
+
 def stage_files(stage: str, root: Path = PACKAGE_DIR) -> tuple[Path, ...]:
     """Every file under ``root`` that the ``dflash <stage>`` command runs or reads."""
-    mods = import_closure((f"{PACKAGE}.stages.{stage}",) + ENTRY_MODULES, root,
+    module = TOOL_MODULES.get(stage, f"stages.{stage}")
+    mods = import_closure((f"{PACKAGE}.{module}",) + ENTRY_MODULES, root,
                           frozenset(NOT_RERUN_TRIGGERS.get(stage, {})))
     files = {module_file(m, root) for m in mods} | data_read_by(mods, root)
     return tuple(sorted(files))

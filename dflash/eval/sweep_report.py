@@ -17,7 +17,7 @@ from pathlib import Path
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
 from ..errors import DFlashError
-from ..eval.report import fmt as _fmt
+from .report import fmt
 from ..manifest import atomic_path, atomic_write_json, atomic_write_text, read_manifest
 from ..sweeps import Sweep, load_sweep, sweep_dir
 
@@ -116,7 +116,7 @@ def plot(report: dict, path: Path) -> None:
 def render_md(report: dict) -> str:
     env = Environment(loader=FileSystemLoader(Path(__file__).parents[1] / "templates"),
                       undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-    return env.get_template(TEMPLATE).render(r=report, fmt=_fmt)
+    return env.get_template(TEMPLATE).render(r=report, fmt=fmt)
 
 
 def write(sweep_file: str | Path, results: str | Path = "results") -> dict:
