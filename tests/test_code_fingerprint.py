@@ -104,6 +104,5 @@ def test_a_declared_non_trigger_reruns_nothing_but_what_it_imports_still_counts(
 def test_the_sweep_report_rule_fingerprints_the_tool_it_runs():
     """rules/sweeps.smk's code_hash("sweep") runs `dflash sweep-report` (eval/sweep_report.py):
     its closure holds that module and the template it reads, not a stage."""
-    from dflash.code_fingerprint import stage_files
     names = {p.as_posix().split("dflash/", 1)[-1] for p in stage_files("sweep")}
     assert {"eval/sweep_report.py", "eval/report.py", "templates/sweep.md.j2"} <= names
