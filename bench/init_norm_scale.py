@@ -16,7 +16,8 @@ import torch
 from dflash.eval.evalsets import load_eval_sets
 from dflash.eval.tau import greedy_continuations, target_features
 from dflash.decode.generate import eos_ids_of
-from dflash.models.masks import PackedRow, dense_mask, sample_anchors
+from dflash.models.masks import PackedRow, dense_mask
+from dflash.train.anchors import sample_anchors
 from dflash.models.drafter import DFlashConfig, DFlashDrafter
 from dflash.train.objective import Objective
 from dflash.train.replica import lr_lambda

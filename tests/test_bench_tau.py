@@ -16,7 +16,8 @@ from dflash.eval.report import ci, fmt, write_plots
 from dflash.decode.eager import speculative_generate
 from dflash.eval.tau import TauMonitor, simulate, summarize
 from dflash.models.drafter import DFlashConfig, DFlashDrafter, export_drafter
-from dflash.models.masks import PackedRow, sample_anchors
+from dflash.models.masks import PackedRow
+from dflash.train.anchors import sample_anchors
 from dflash.models.target import load_target
 from dflash.spec import load_spec
 from dflash.stages.bench import decode_speed, evaluate_tau

@@ -26,7 +26,8 @@ from dflash.eval.tau import (
     walk_chain,
 )
 from dflash.models.drafter import DFlashConfig, DFlashDrafter
-from dflash.models.masks import PackedRow, dense_mask, sample_anchors
+from dflash.models.masks import PackedRow, dense_mask
+from dflash.train.anchors import sample_anchors
 from dflash.train.objective import Objective
 
 V, MASK, B, EOS = 96, 95, 5, [93]

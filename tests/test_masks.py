@@ -6,17 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
-from dflash.models.masks import (
-    IGNORE_INDEX,
-    Blocks,
-    PackedRow,
-    anchor_candidates,
-    block_loss_weights,
-    dense_mask,
-    flex_block_mask,
-    loss_weights,
-    sample_anchors,
-)
+from dflash.models.masks import IGNORE_INDEX, Blocks, PackedRow, dense_mask, flex_block_mask
+from dflash.train.anchors import anchor_candidates, block_loss_weights, loss_weights, sample_anchors
 
 MASK = 999
 
@@ -110,7 +101,7 @@ def test_flex_block_mask_matches_dense(case):
     bl = manual_blocks(row, anchors, A, B)
     dm = dense_mask(row.doc_ids, bl)
     # BLOCK_SIZE=1: the BlockMask's block-level dense form is the element mask itself
-    bm = flex_block_mask(row.doc_ids, bl, block_size=1)
+    bm = flex_block_mask(row.doc_ids, bl, tile=1)
     assert torch.equal(bm.to_dense()[0, 0].bool(), dm)
     # default 128-blocks: attention output equals SDPA with the dense mask
     bm = flex_block_mask(row.doc_ids, bl)
@@ -132,7 +123,7 @@ def test_batched_mask_is_per_row():
     got = dense_mask(doc, Blocks.stack(bls))
     for i, (r, b) in enumerate(zip(rows, bls)):
         assert torch.equal(got[i], reference_mask(r, b))
-    bm = flex_block_mask(doc, Blocks.stack(bls), block_size=1)
+    bm = flex_block_mask(doc, Blocks.stack(bls), tile=1)
     assert torch.equal(bm.to_dense()[:, 0].bool(), got)
 
 

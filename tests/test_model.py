@@ -27,7 +27,8 @@ from dflash.models.drafter import (
     load_drafter,
     verify_export,
 )
-from dflash.models.masks import IGNORE_INDEX, PackedRow, dense_mask, flex_block_mask, sample_anchors
+from dflash.models.masks import IGNORE_INDEX, PackedRow, dense_mask, flex_block_mask
+from dflash.train.anchors import sample_anchors
 from dflash.models.target import default_layer_ids, load_target, target_embeddings
 from dflash.spec import load_spec
 from dflash.train.objective import Objective

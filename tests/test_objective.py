@@ -15,7 +15,8 @@ from conftest import assert_f32_close
 from dflash.errors import SpecError
 from dflash.models.drafter import DFlashConfig
 from dflash.models.features import FeatureExtractor
-from dflash.models.masks import IGNORE_INDEX, PackedRow, loss_weights, sample_anchors
+from dflash.models.masks import IGNORE_INDEX, PackedRow
+from dflash.train.anchors import loss_weights, sample_anchors
 from dflash.models.target import load_target
 from dflash.models.target_output import SoftLabels, TargetOutput, soft_positions
 from dflash.spec import parse_spec, section_spec

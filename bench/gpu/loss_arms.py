@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from bench.gpu import drafter_step
 from dflash.models.drafter import DFlashConfig
 from dflash.models.dtypes import dtype_of
-from dflash.models.masks import block_loss_weights
+from dflash.train.anchors import block_loss_weights
 from dflash.models.target import target_embeddings
 from dflash.train.objective import Objective
 from dflash.train.warm import synthetic_row

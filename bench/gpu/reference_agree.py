@@ -35,7 +35,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from dflash.eval.spread import tau_interval
 from dflash.eval.tau import greedy_continuations, target_features
 from dflash.models.drafter import DFlashConfig, DFlashDrafter, export_drafter, rope_cos_sin
-from dflash.models.masks import PackedRow, dense_mask, sample_anchors
+from dflash.models.masks import PackedRow, dense_mask
+from dflash.train.anchors import sample_anchors
 from dflash.train.objective import Objective
 
 TINY_VOCAB, TINY_BLOCK, TINY_EOS = 64, 8, 2

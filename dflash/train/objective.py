@@ -23,15 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.masks import (
-    IGNORE_INDEX,
-    Blocks,
-    PackedRow,
-    block_loss_weights,
-    loss_weights,
-    sample_anchors,
-)
+from ..models.masks import IGNORE_INDEX, Blocks, PackedRow
 from ..models.target_output import SoftLabels
+from .anchors import block_loss_weights, loss_weights, sample_anchors
 from .head_loss import balanced_chunk, head_cross_entropy
 
 KINDS = ("ce", "kd", "ce+kd")
