@@ -274,6 +274,7 @@ def test_sweep_rows_and_their_report_section(world, tmp_path):
     md = env.from_string(part).render(r={"acceptance": tau}, fmt=fmt, ci=ci)
     assert md.count("| 3 | ") == 2 and "(goal ≥ 0.75)" in md and "| True |" in md
     assert "| choice | speed-up of the choice |" in md
+    assert all(f"- batch {x['batch']}: {x['adaptive']['why']} (target-only " in md for x in rows)
     assert all(f"| {fmt(x['speedup'])} | {x['choice']} | {fmt(x['choice_speedup'])} |" in md
                for x in rows)
     lo, hi = rows[0]["tau_ci95"]                  # 3 prompts: τ with its interval over them
