@@ -47,3 +47,28 @@ def test_budget_skips_a_piece_by_its_own_last_wall_time(ds):
     assert "--budget-s 100" in why
     assert b.refuse("scope fused") is None                       # 50 + 30 <= 100
     assert ds.Budget(None, 0.0).refuse("scope step") is None     # no budget: never skipped
+
+
+def test_adaptive_widths_parse_and_imply_adaptive(ds, capsys):
+    a = ds.parse(["--random", "--out", "x", "--adaptive-widths", "4,8"])
+    assert a.adaptive and a.widths == [4, 8]
+    assert not ds.parse(["--random", "--out", "x"]).adaptive
+    with pytest.raises(SystemExit):
+        ds.parse(["--random", "--out", "x", "--adaptive-widths", "1"])
+    assert "each width is at least 2" in capsys.readouterr().err
+
+
+def test_adaptive_prints_the_choice_and_its_speedup(ds, capsys):
+    """The H200's batch-64 figures as the pair records them: target-only chosen, speed-up 1.0
+    although speculation measured 0.90."""
+    a = ds.parse(["--random", "--out", "x", "--adaptive"])
+    accept = [0.57, 0.28, 0.12, 0.05, 0.02, 0.006] + [0.0] * 9
+    r = {"batch": 64, "compile_scope": next(iter(a.scopes)),
+         "target_only_tokens_per_s": 20727.0, "speculative_tokens_per_s": 18711.0,
+         "adaptive": {"candidates": [{"width": 0, "step_ms": 1.0}, {"width": 16, "step_ms": 1.77}],
+                      "accept_rate_by_position": accept}}
+    ds.adapt(a, None, None, [[1, 2]], r)
+    assert r["choice"] == "target-only" and r["choice_speedup"] == 1.0
+    assert r["adaptive"]["measured_tok_s"] == {"0": 20727.0, "16": 18711.0}
+    assert "batch  64 [adaptive]: choice target-only, speed-up of the choice 1.000" in (
+        capsys.readouterr().out)

@@ -10,6 +10,7 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dflash.errors import DFlashError
+from dflash.decode.adaptive import expected_tokens
 from dflash.decode.speculative import Decoder
 from dflash.decode.speculative_step import context_kv, context_kv_weights
 from dflash.eval.report import ci, fmt, write_plots
@@ -252,6 +253,14 @@ def test_sweep_rows_and_their_report_section(world, tmp_path):
         assert x["target_only_tokens_per_s"] > 0 and x["speculative_tokens_per_s"] > 0
         ev = x["lossless_evidence"]
         assert ev["lossless"] and ev["identical_to_greedy"] == 3 and ev["emitted_not_argmax"] == 0
+        a = x["adaptive"]                    # the choice, from this pair's measured step ms
+        assert a["batch"] == x["batch"] and [c["width"] for c in a["candidates"]] == [0, B]
+        assert all(c["step_ms"] > 0 for c in a["candidates"])
+        acc = a["accept_rate_by_position"]   # cumulative shares: never rising, 1 + Σ ≥ τ
+        assert len(acc) == B - 1 and all(1 >= p >= q >= 0 for p, q in zip(acc, acc[1:]))
+        assert acc[0] > 0 and expected_tokens(acc, B) >= x["tau"] - 1e-9
+        assert x["choice"] == ("target-only" if a["choice"] == 0 else f"speculative (verify {B})")
+        assert x["choice_speedup"] == (1.0 if a["choice"] == 0 else x["speedup"])
     g = goal(rows[0])
     assert g["speculative_over_tau_x_target_only"] == pytest.approx(
         rows[0]["speculative_tokens_per_s"] / (rows[0]["tau"] * rows[0]["target_only_tokens_per_s"]))
@@ -264,5 +273,9 @@ def test_sweep_rows_and_their_report_section(world, tmp_path):
     part = src[src.index("## Decoding speed"):src.index("## Step time")]
     md = env.from_string(part).render(r={"acceptance": tau}, fmt=fmt, ci=ci)
     assert md.count("| 3 | ") == 2 and "(goal ≥ 0.75)" in md and "| True |" in md
+    assert "| choice | speed-up of the choice |" in md
+    assert all(f"- batch {x['batch']}: {x['adaptive']['why']} (target-only " in md for x in rows)
+    assert all(f"| {fmt(x['speedup'])} | {x['choice']} | {fmt(x['choice_speedup'])} |" in md
+               for x in rows)
     lo, hi = rows[0]["tau_ci95"]                  # 3 prompts: τ with its interval over them
     assert lo <= rows[0]["tau"] <= hi and f"{fmt(rows[0]['tau'])}{ci(rows[0])} |" in md

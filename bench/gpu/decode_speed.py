@@ -13,6 +13,11 @@ vs simulated per prompt; the lossless counts and margins. Prints the table, writ
     PYTHONPATH=$PWD python -m bench.gpu.decode_speed --spec specs/smollm2-quality.yaml \\
         --drafter results/smollm2-quality/train/drafter --batches 1,16 --hf-batches "" \\
         --compile-scopes fused,step --no-simulated --budget-s 420 --out /tmp/scopes.json
+    # the adaptive choice per batch (dflash.decode.adaptive): target-only, the whole block and
+    # two narrower verifies timed, the choice and the speed-up of the choice printed per batch
+    PYTHONPATH=$PWD python -m bench.gpu.decode_speed --spec specs/smollm2-quality.yaml \\
+        --drafter results/smollm2-quality/train/drafter --batches 1,4,16,64 --hf-batches "" \\
+        --adaptive-widths 4,8 --no-simulated --budget-s 420 --out /tmp/adaptive.json
     # CPU smoke: random 2-layer target, 1-layer drafter, every scope (dynamo + AOTAutograd)
     PYTHONPATH=$PWD python -m bench.gpu.decode_speed --smoke --out /tmp/decode_speed.json
     # CPU: a 4-layer stack of the same shapes, 8 new tokens (eager)
@@ -44,8 +49,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from bench.gpu.step_profile import step_profile
 from dflash.decode.generate import eos_ids_of
 from dflash.eval.evalsets import load_eval_sets
-from dflash.decode.speculative import COMPILE_SCOPES, DEFAULT_COMPILE_SCOPE
-from dflash.eval.serving import goal, hf_static_generate, pair, tau_gap
+from dflash.decode.adaptive import choose
+from dflash.decode.speculative import COMPILE_SCOPES, DEFAULT_COMPILE_SCOPE, Decoder
+from dflash.eval.serving import goal, hf_static_generate, pair, tau_gap, timed_decode
 from dflash.eval.tau import simulate, summarize
 from dflash.models.drafter import DFlashConfig, DFlashDrafter, load_drafter
 from dflash.models.dtypes import dtype_of
@@ -134,8 +140,20 @@ def parse(argv):
     ap.add_argument("--smoke", action="store_true",
                     help="CPU smoke: random 2-layer target, 1-layer drafter, batches 1,2, "
                          "8 new tokens, every scope")
+    ap.add_argument("--adaptive", action="store_true",
+                    help="print the adaptive choice per batch (dflash.decode.adaptive.choose)")
+    ap.add_argument("--adaptive-widths", default="",
+                    help="narrower verify widths also timed per batch for the choice, e.g. 4,8 "
+                         "(implies --adaptive)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
+    try:
+        a.widths = [int(x) for x in a.adaptive_widths.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--adaptive-widths: {a.adaptive_widths!r} is not a list of integers")
+    if any(w < 2 for w in a.widths):
+        ap.error(f"--adaptive-widths: {a.adaptive_widths!r}: each width is at least 2")
+    a.adaptive = a.adaptive or bool(a.widths)
     if a.smoke:
         a.random, a.target_layers, a.drafter_layers, a.block = True, 2, 1, 4
         a.batches, a.hf_batches, a.max_new, a.min_prompts, a.prompts = "1,2", "1", 8, 2, 4
@@ -267,6 +285,40 @@ def one_batch(a, target, drafter, ps, b, hf_b, sim, budget, save=None) -> dict |
     return r
 
 
+def adapt(a, target, drafter, ps, r) -> None:
+    """``--adaptive``: the choice at this batch from the pair's measured ms per step, plus one
+    speculative decode per ``--adaptive-widths`` width (narrower verifies; E(L) from the full
+    block's served accept shares, which a narrower verify only truncates); sets ``r``'s
+    ``adaptive``, ``choice`` and ``choice_speedup`` (1.0 for target-only) and prints them."""
+    rec, b = r.get("adaptive"), r["batch"]
+    if rec is None:
+        print(f"batch {b:3d} [adaptive]: no step times measured, no choice", flush=True)
+        return
+    step_ms = {c["width"]: c["step_ms"] for c in rec["candidates"]}
+    tok_s = {0: r["target_only_tokens_per_s"], max(step_ms): r["speculative_tokens_per_s"]}
+    scope, mode = a.scopes[r["compile_scope"]]
+    kw = {k: v for k, v in (("sync_every", a.sync_every), ("compile", a.compile_backend),
+                            ("compile_mode", mode)) if v}
+    for w in (w for w in a.widths if w < max(step_ms)):
+        dec = Decoder(target, drafter, batch=b, max_len=max(len(p) for p in ps) + a.max_new,
+                      max_new_tokens=a.max_new, eos_ids=a.eos, verify_tokens=w,
+                      compile_scope=scope, **kw)
+        res, sec = timed_decode(dec, ps)
+        step_ms[w] = dec.stats["steps_ms"] / max(1, dec.stats["steps"])
+        tok_s[w] = sum(len(x.tokens) for x in res) / sec
+        del dec
+    rec = {**choose(b, step_ms, rec["accept_rate_by_position"], new_tokens=a.max_new),
+           "accept_rate_by_position": rec["accept_rate_by_position"],
+           "measured_tok_s": {str(w): v for w, v in tok_s.items()}}
+    w = rec["choice"]
+    r["adaptive"], r["choice"] = rec, "target-only" if w == 0 else f"speculative (verify {w})"
+    r["choice_speedup"] = tok_s[w] / tok_s[0] if tok_s[0] else None
+    cands = ", ".join(f"{c['width']}: {c['step_ms']:.3f} ms, {c['expected_tok_s']:.0f} tok/s "
+                      f"expected, {tok_s[c['width']]:.0f} measured" for c in rec["candidates"])
+    print(f"batch {b:3d} [adaptive]: choice {r['choice']}, speed-up of the choice "
+          f"{r['choice_speedup'] or float('nan'):.3f} ({rec['why']}; widths {cands})", flush=True)
+
+
 def _scope_line(b, label, s) -> str:
     to, sp = s["target_only"], s["speculative"]
     ratio = s["spec_step_over_target_step"]
@@ -339,8 +391,10 @@ def main(argv=None) -> int:
             out["skipped"].append({"batch": b, "reason": r})
             print(f"batch {b:3d}: skipped ({r})", flush=True)
             continue
-        out["batches"].append(r)
         print(_line(r), flush=True)
+        if a.adaptive:
+            adapt(a, target, drafter, prompts[:n_of[b]], r)
+        out["batches"].append(r)
         path.write_text(json.dumps(out, indent=1, default=str))  # after every batch size
         if dev == "cuda":
             torch.cuda.empty_cache()

@@ -4,7 +4,8 @@ generation for the data stage (generate.py: the engine choice, the hf loop and t
 :class:`~dflash.decode.engine.Engine` with its prefill.py and sampling.py) and speculative
 decoding for the bench stage and users (speculative.py: the :class:`Decoder`; its own step pieces:
 speculative_step.py; what it returns and the lossless evidence: decoded.py; one prompt at a time
-and the eager references: eager.py).
+and the eager references: eager.py; whether to speculate at a batch size, from measured step
+costs: adaptive.py).
 
 May import: the top-level modules, models/, runtime/. Nothing from data/, train/, eval/ or stages/.
 """

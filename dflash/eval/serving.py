@@ -18,6 +18,7 @@ from transformers import GenerationConfig
 
 from ..runtime.busy import sync
 from ..runtime.gate import get_gate
+from ..decode.adaptive import choose
 from ..decode.decoded import lossless_evidence
 from ..decode.speculative import Decoder
 from .spread import pooled_interval
@@ -52,22 +53,52 @@ def pair(target, drafter, prompts: Sequence[Sequence[int]], batch: int, max_new:
     del base
     spec = Decoder(target, drafter, embed=embed, lm_head=lm_head, **common)
     rs, ts = timed_decode(spec, prompts, inspect)
-    st = dict(spec.stats)
+    st, width = dict(spec.stats), spec.K
     del spec
     nb, ns = sum(len(r.tokens) for r in rb), sum(len(r.tokens) for r in rs)
     fwd = sum(r.target_forwards for r in rs)
     produced = sum(sum(r.block_lengths) for r in rs)
+    speedup = (ns / ts) / (nb / tb) if ts and tb and nb else None
+    adaptive = adaptive_choice(batch, stats_base, st, width, rs, max_new)
     return {"batch": batch, "prompts": len(prompts), "results": rs, "greedy": rb,
             "target_only_s": tb, "speculative_s": ts,
             "target_only_tokens_per_s": nb / tb if tb else None,
             "speculative_tokens_per_s": ns / ts if ts else None,
-            "speedup": (ns / ts) / (nb / tb) if ts and tb and nb else None,
+            "speedup": speedup,
             "tau": produced / fwd if fwd else None,
             "tau_ci95": pooled_interval([sum(r.block_lengths) for r in rs],
                                         [r.target_forwards for r in rs])["ci95"],
             "lossless_evidence": lossless_evidence(rs, rb, st.get("checked", 0),
                                                    st.get("mismatches", 0)),
-            "engine": {"target_only": _engine(stats_base), "speculative": _engine(st)}}
+            "engine": {"target_only": _engine(stats_base), "speculative": _engine(st)},
+            **_chosen(adaptive, speedup), "adaptive": adaptive}
+
+
+def adaptive_choice(batch: int, stats_base: dict, stats_spec: dict, width: int, results,
+                    max_new: int) -> dict | None:
+    """:func:`dflash.decode.adaptive.choose` on what this pair measured: ms per step of each
+    engine (``steps_ms`` / ``steps``: the device time of the steps, prefill and harvest apart)
+    and the served accept shares by position (share of verify steps whose drafts 1..k were all
+    accepted). None where a step time is missing."""
+    def ms(s):
+        return s["steps_ms"] / s["steps"] if s.get("steps_ms") and s.get("steps") else None
+
+    fwd = sum(r.target_forwards for r in results)
+    if ms(stats_base) is None or not fwd:
+        return None
+    accept = [sum(r.accept_counts[k] for r in results) / fwd for k in range(width - 1)]
+    rec = choose(batch, {0: ms(stats_base), width: ms(stats_spec)}, accept, new_tokens=max_new)
+    return {**rec, "accept_rate_by_position": accept}
+
+
+def _chosen(adaptive: dict | None, speedup: float | None) -> dict:
+    """The choice and the speed-up of what runs: 1.0 where target-only is chosen (it runs
+    target-only), the measured speculative speed-up where speculation is."""
+    if adaptive is None:
+        return {"choice": "speculative (no step times to decide)", "choice_speedup": speedup}
+    if adaptive["choice"] == 0:
+        return {"choice": "target-only", "choice_speedup": 1.0}
+    return {"choice": f"speculative (verify {adaptive['choice']})", "choice_speedup": speedup}
 
 
 def _engine(stats: dict) -> dict:
@@ -154,7 +185,7 @@ def sweep(target, drafter, prompts: Sequence[Sequence[int]], max_new: int, eos: 
         rows.append(row)
         log(f"[decode] batch {b}: target-only {_f(r['target_only_tokens_per_s'])} tok/s, "
             f"speculative {_f(r['speculative_tokens_per_s'])} tok/s (τ {_f(r['tau'])}, "
-            f"speed-up {_f(r['speedup'])})"
+            f"speed-up {_f(r['speedup'])}), choice {r['choice']} ({_f(r['choice_speedup'])}x)"
             + (f", HF static {_f(r['hf_static']['tokens_per_s'])} tok/s" if hf else "")
             + f", lossless {ev['lossless']}")
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
@@ -177,5 +208,6 @@ def _f(x) -> str:
     return "n/a" if x is None else f"{x:.3f}"
 
 
-__all__ = ["SWEEP_BATCHES", "SERVING_GAP", "timed_decode", "pair", "hf_static_generate",
+__all__ = ["SWEEP_BATCHES", "SERVING_GAP", "timed_decode", "pair", "adaptive_choice",
+           "hf_static_generate",
            "tau_gap", "sweep", "goal"]
