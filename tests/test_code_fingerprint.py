@@ -99,3 +99,12 @@ def test_a_declared_non_trigger_reruns_nothing_but_what_it_imports_still_counts(
     chunks = package_copy / "data" / "chunks.py"
     chunks.write_text(chunks.read_text() + "\n_EDITED = 1\n")
     assert stage_code_fingerprint("data", package_copy) != before
+
+
+def test_an_import_added_in_the_same_process_is_followed(package_copy):
+    """Each module is parsed once per source text (one Snakefile parse fingerprints every
+    stage): an import added after a first fingerprint is still seen, without a new process."""
+    assert "eval/report.py" not in _names("env", package_copy)
+    env = package_copy / "stages" / "env.py"
+    env.write_text(env.read_text() + "\nfrom ..eval import report  # noqa: E402,F401\n")
+    assert "eval/report.py" in _names("env", package_copy)
