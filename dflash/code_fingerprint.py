@@ -22,6 +22,7 @@ missed the report template, and left warmup unaware of the scheduler's dynamo se
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 from .manifest import fingerprint, sha256_bytes, sha256_file
@@ -51,8 +52,33 @@ def _package_of(name: str, path: Path) -> str:
     return name if path.name == "__init__.py" else name.rpartition(".")[0]
 
 
-def _parse(path: Path) -> ast.Module:
-    return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+# (level, module, imported names) of each import statement; `import a.b` is (0, None, ("a.b",))
+_ImportStmt = tuple[int, str | None, tuple[str, ...]]
+
+
+@functools.lru_cache(maxsize=None)
+def _facts(source: str, filename: str) -> tuple[tuple[_ImportStmt, ...], frozenset[str], str]:
+    """A module's import statements, string literals and code digest from one parse. Keyed by
+    the source text, so an edited file is parsed again; cached because one Snakefile parse
+    fingerprints every stage, whose closures share most modules (parsing each module once per
+    use made a `snakemake -n` take seconds, in every DAG test and every user's dry run)."""
+    tree = ast.parse(source, filename=filename)
+    imports: list[_ImportStmt] = []
+    literals: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imports.append((0, None, tuple(a.name for a in node.names)))
+        elif isinstance(node, ast.ImportFrom):
+            imports.append((node.level, node.module, tuple(a.name for a in node.names)))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            literals.add(node.value)
+    # last: it strips the docstrings from the tree in place (literals above still hold them)
+    digest = sha256_bytes(ast.dump(_without_docstrings(tree)).encode())
+    return tuple(imports), frozenset(literals), digest
+
+
+def _facts_of(path: Path) -> tuple[tuple[_ImportStmt, ...], frozenset[str], str]:
+    return _facts(path.read_text(encoding="utf-8"), str(path))
 
 
 def imported_modules(name: str, root: Path = PACKAGE_DIR) -> set[str]:
@@ -62,19 +88,19 @@ def imported_modules(name: str, root: Path = PACKAGE_DIR) -> set[str]:
         return set()
     pkg = _package_of(name, path)
     out: set[str] = set()
-    for node in ast.walk(_parse(path)):
-        if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = pkg.split(".")
-                base = base[:len(base) - node.level + 1]
-                mod = ".".join(base + ([node.module] if node.module else []))
-            else:
-                mod = node.module or ""
-            out.add(mod)
-            # `from . import checkpoint` imports a module, `from .x import f` a name
-            out.update(f"{mod}.{a.name}" for a in node.names)
+    for level, module, names in _facts_of(path)[0]:
+        if module is None and not level:  # `import a.b`
+            out.update(names)
+            continue
+        if level:
+            base = pkg.split(".")
+            base = base[:len(base) - level + 1]
+            mod = ".".join(base + ([module] if module else []))
+        else:
+            mod = module or ""
+        out.add(mod)
+        # `from . import checkpoint` imports a module, `from .x import f` a name
+        out.update(f"{mod}.{a}" for a in names)
     return {m for m in out if (m == PACKAGE or m.startswith(PACKAGE + "."))
             and module_file(m, root) is not None}
 
@@ -100,9 +126,8 @@ def import_closure(roots: tuple[str, ...], root: Path = PACKAGE_DIR,
     return seen
 
 
-def _string_literals(path: Path) -> set[str]:
-    return {n.value for n in ast.walk(_parse(path))
-            if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+def _string_literals(path: Path) -> frozenset[str]:
+    return _facts_of(path)[1]
 
 
 def package_data(root: Path = PACKAGE_DIR) -> list[Path]:
@@ -134,7 +159,7 @@ def code_digest(path: Path) -> str:
     formatting do not count), any other file's bytes."""
     if path.suffix != ".py":
         return sha256_file(path)
-    return sha256_bytes(ast.dump(_without_docstrings(_parse(path))).encode())
+    return _facts_of(path)[2]
 
 
 # rules whose command is a tool, not a stage: the module the rule's `dflash` command runs

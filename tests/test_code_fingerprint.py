@@ -106,3 +106,12 @@ def test_the_sweep_report_rule_fingerprints_the_tool_it_runs():
     its closure holds that module and the template it reads, not a stage."""
     names = {p.as_posix().split("dflash/", 1)[-1] for p in stage_files("sweep")}
     assert {"eval/sweep_report.py", "eval/report.py", "templates/sweep.md.j2"} <= names
+
+
+def test_an_import_added_in_the_same_process_is_followed(package_copy):
+    """Each module is parsed once per source text (one Snakefile parse fingerprints every
+    stage): an import added after a first fingerprint is still seen, without a new process."""
+    assert "eval/report.py" not in _names("env", package_copy)
+    env = package_copy / "stages" / "env.py"
+    env.write_text(env.read_text() + "\nfrom ..eval import report  # noqa: E402,F401\n")
+    assert "eval/report.py" in _names("env", package_copy)
