@@ -49,9 +49,6 @@ SETTINGS = (
             "collective (the watchdog acts first)"),
     Setting("DFLASH_SLOW_TESTS", "", "1: also run the slow tests (cold CPU flex_attention "
             "compiles; tests only)"),
-    Setting("DFLASH_TARGET_MASK", "compiled", "compiled/eager: how the compiled target builds "
-            "its document BlockMask; eager skips one compile per row length and costs 6.2 vs "
-            "1.7 ms per build on the H200 (dflash.models.features; bench/gpu/cold_compile.py)"),
     Setting("DFLASH_FLEX_KERNEL_OPTIONS", "", "KEY=INT,...: fixed flex_attention kernel options "
             "for the target's layers, e.g. BLOCK_M=128,BLOCK_N=64,num_stages=3,num_warps=8; "
             "unset: inductor's own choice (dflash.models.features; bench/gpu/cold_compile.py)"),
@@ -131,17 +128,6 @@ def collective_timeout_s() -> float:
 
 def slow_tests() -> bool:
     return bool(get("DFLASH_SLOW_TESTS"))
-
-
-TARGET_MASKS = ("compiled", "eager")
-
-
-def target_mask() -> str:
-    """``DFLASH_TARGET_MASK``: 'compiled' (default) or 'eager'."""
-    v = get("DFLASH_TARGET_MASK").strip().lower()
-    if v not in TARGET_MASKS:
-        raise ValueError(f"DFLASH_TARGET_MASK={v!r}: expected one of {', '.join(TARGET_MASKS)}")
-    return v
 
 
 def flex_kernel_options() -> dict[str, int] | None:

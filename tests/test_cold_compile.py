@@ -62,8 +62,7 @@ def test_smoke_runs_each_arm_cold_in_its_own_process(tmp_path):
         assert 0 < r["child_s"] < r["wall_s"]
         assert r["first_call_s"] == pytest.approx(r["mask_first"]["seconds"] + first["seconds"],
                                                   abs=2e-3)
-    assert arms["today"]["env"]["DFLASH_TARGET_MASK"] is None  # today: the default path
-    assert arms["today"]["mask_compiled"] is False  # the CPU smoke's SDPA path has no BlockMask
+    assert arms["today"]["env"]["DFLASH_FLEX_KERNEL_OPTIONS"] is None  # today: the default
     assert "artifacts_saved" in arms["today"] and "artifacts_loaded" in arms["megacache"]
     assert arms["megacache"]["start_unix"] >= arms["today"]["end_unix"]  # waited for its blob
     assert arms["today"]["ran_with"] == []  # a consumer never overlaps its producer

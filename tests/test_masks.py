@@ -4,9 +4,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import flex_attention
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from dflash.models.masks import IGNORE_INDEX, Blocks, PackedRow, dense_mask, flex_block_mask
+from dflash.models.masks import (IGNORE_INDEX, Blocks, PackedRow, dense_mask, document_block_mask,
+                                 document_dense_mask, document_mask_mod, flex_block_mask)
 from dflash.train.anchors import anchor_candidates, block_loss_weights, loss_weights, sample_anchors
 
 MASK = 999
@@ -184,3 +185,72 @@ def test_loss_weights():
     bl = sample_anchors(row, 3, 4, torch.Generator().manual_seed(0), MASK)
     bw = block_loss_weights(bl, 7.0)
     assert torch.equal(bw > 0, bl.labels != IGNORE_INDEX)
+
+
+def _tile_truth(dense: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(some, every) Bool[n, QT, KVT] from an element mask [n, Q, KV]: the rule's own answer to
+    "does this tile need the kernel" (over the real positions of edge tiles only)."""
+    n, Q, KV = dense.shape
+    qt, kvt = -(-Q // tile), -(-KV // tile)
+    some = torch.zeros(n, qt, kvt, dtype=torch.bool)
+    every = torch.zeros_like(some)
+    for i in range(qt):
+        for j in range(kvt):
+            t = dense[:, i * tile:(i + 1) * tile, j * tile:(j + 1) * tile]
+            some[:, i, j] = t.flatten(1).any(1)
+            every[:, i, j] = t.flatten(1).all(1)
+    return some, every
+
+
+def _tiles_of(bm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(listed, full) Bool[n, QT, KVT] of a BlockMask (partial + full, and full alone)."""
+    def dense(num, idx):
+        n, _, qt, kvt = idx.shape
+        out = torch.zeros(n, qt, kvt, dtype=torch.bool)
+        for b in range(n):
+            for i in range(qt):
+                out[b, i, idx[b, 0, i, :num[b, 0, i]].long()] = True
+        return out
+    full = dense(bm.full_kv_num_blocks, bm.full_kv_indices)
+    return dense(bm.kv_num_blocks, bm.kv_indices) | full, full
+
+
+@pytest.mark.parametrize("tile", [4, 8, 16])
+@pytest.mark.parametrize("seed", range(4))
+def test_flex_tiles_are_exactly_the_rule_s_tiles(seed, tile):
+    """The drafter's BlockMask lists a tile iff the rule lets some query of it see some key, and
+    marks it full (mask_mod skipped) iff every query sees every key: built from the blocks'
+    key intervals, it must agree with the dense rule on sampled rows (several documents,
+    padding, slots left invalid, query/key lengths that are not multiples of the tile)."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(3, 40, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g)
+    rows = [make_row(lens.tolist(), int(seed % 3) * 3, [1] * len(lens), seed=seed + i)
+            for i in range(2)]
+    B = 4 if tile % 4 == 0 else 2
+    bls = [sample_anchors(r, 9, B, g, MASK) for r in rows]
+    doc, bl = torch.stack([r.doc_ids for r in rows]), Blocks.stack(bls)
+    some, every = _tile_truth(dense_mask(doc, bl), tile)
+    listed, full = _tiles_of(flex_block_mask(doc, bl, tile=tile))
+    assert torch.equal(listed, some) and torch.equal(full, every)
+
+
+@pytest.mark.parametrize("L,tile", [(256, 128), (96, 16), (50, 8)])
+def test_document_tiles_are_exactly_the_rule_s_tiles(L, tile):
+    """The target's document BlockMask from the documents' boundaries: the same tile lists as
+    the dense rule (several documents, one spanning tiles, trailing padding); at 128-tiles and
+    a length that is a multiple, also the same as torch's create_block_mask."""
+    g = torch.Generator().manual_seed(L)
+    doc = torch.full((L,), -1)
+    at, d = 0, 0
+    while at < L - 5:
+        n = int(torch.randint(1, L // 2, (1,), generator=g))
+        doc[at:min(at + n, L - 5)] = d
+        at, d = at + n, d + 1
+    some, every = _tile_truth(document_dense_mask(doc)[0], tile)
+    bm = document_block_mask(doc, tile=tile)
+    listed, full = _tiles_of(bm)
+    assert torch.equal(listed, some) and torch.equal(full, every)
+    if L % tile == 0:
+        ref = create_block_mask(document_mask_mod(doc), B=None, H=None, Q_LEN=L, KV_LEN=L,
+                                device="cpu", BLOCK_SIZE=tile)
+        assert [torch.equal(a, b) for a, b in zip(_tiles_of(bm), _tiles_of(ref))] == [True] * 2

@@ -60,13 +60,8 @@ def test_read_at_call_time(monkeypatch):
         settings.get("DFLASH_NOPE")
 
 
-def test_target_mask_and_flex_kernel_options_parse_or_name_the_switch(monkeypatch):
-    assert settings.target_mask() == "compiled" and settings.flex_kernel_options() is None
-    monkeypatch.setenv("DFLASH_TARGET_MASK", "Eager")
-    assert settings.target_mask() == "eager"
-    monkeypatch.setenv("DFLASH_TARGET_MASK", "fast")
-    with pytest.raises(ValueError, match="DFLASH_TARGET_MASK='fast': expected one of"):
-        settings.target_mask()
+def test_flex_kernel_options_parse_or_name_the_switch(monkeypatch):
+    assert settings.flex_kernel_options() is None
     monkeypatch.setenv("DFLASH_FLEX_KERNEL_OPTIONS", "BLOCK_M=128, BLOCK_N=64,USE_TMA=false")
     assert settings.flex_kernel_options() == {"BLOCK_M": 128, "BLOCK_N": 64, "USE_TMA": 0}
     for bad in ("BLOCK_M=big", "BLOCK_M", "=3"):

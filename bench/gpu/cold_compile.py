@@ -9,7 +9,8 @@ and runs :class:`dflash.models.features.FeatureExtractor` (compile "inductor") i
 set up like the warm-up's (:func:`dflash.runtime.tracing.worker_thread_setup`) on one packed
 row of ``--batch`` documents of ``--seq`` tokens. Measured, each call ending in a device sync:
 
-* ``mask_first_s``: the first document BlockMask build (a compiled kernel today);
+* ``mask_first_s``: the first document BlockMask build (from the documents' boundaries, no
+  compile; a compiled ``create_block_mask`` until 2026-12-02: 236 s of 240 s cold);
 * ``layers_first_s``: the first extractor call after it (the layer graph, flex inside);
 * ``settle_s`` / ``settle_new_graphs``: the warm-up's second call with another document layout
   (a recompile here would be one more graph per bucket);
@@ -28,7 +29,7 @@ execution, run-time autotune, lazy loads), and per graph the ``CompilationMetric
 kernel compile times where this torch records them). ``--torch-trace DIR`` also writes each
 arm's ``TORCH_TRACE`` structured log (chromium events, for tlparse).
 
-Arms (:data:`ARMS`): ``today``; ``eager-mask`` (``DFLASH_TARGET_MASK=eager``); ``fixed-flex``
+Arms (:data:`ARMS`): ``today``; ``fixed-flex``
 (``DFLASH_FLEX_KERNEL_OPTIONS`` = inductor's own H100/H200 bf16 d128 choice, so no search
 could run); ``threads1`` / ``threads-cores`` (``TORCHINDUCTOR_COMPILE_THREADS``: no pool / the
 usable cores); ``flex-alone`` (only flex_attention on the layer's q/k/v: the attention kernel's
@@ -37,8 +38,8 @@ blob the ``today`` arm saved with ``save_cache_artifacts``: a shipped warm cache
 compile). Arms run ``--parallel N`` at a time (concurrent arms share the CPU cores: their
 compile seconds are then upper bounds; the JSON records each arm's start/end and overlap).
 
-    python3 -m bench.gpu.cold_compile --arms today,eager-mask,fixed-flex,threads-cores,\
-flex-alone,megacache --parallel 6 --out $OUT/cold_compile.json --torch-trace $OUT/trace
+    python3 -m bench.gpu.cold_compile --arms today,fixed-flex,threads-cores,\
+flex-alone,megacache --parallel 5 --out $OUT/cold_compile.json --torch-trace $OUT/trace
     python3 -m bench.gpu.cold_compile --smoke --out /tmp/cold_smoke.json   # CPU, seconds
 """
 from __future__ import annotations
@@ -195,7 +196,7 @@ GPU = {"device": "cuda:0", "dtype": "bfloat16", "backend": "inductor", "attentio
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--arms", default="today,eager-mask,fixed-flex,threads-cores,flex-alone,"
+    p.add_argument("--arms", default="today,fixed-flex,threads-cores,flex-alone,"
                    "megacache", help=f"comma-separated, of: {', '.join(ARMS)}")
     p.add_argument("--parallel", type=int, default=6, help="arms running at once (an arm "
                    "waiting for another's artifacts holds a slot)")

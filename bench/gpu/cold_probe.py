@@ -34,7 +34,7 @@ from dflash.train.warm import synthetic_row
 ROOT = Path(__file__).resolve().parents[2]
 # the arm's own switches: the parent clears them, the child records them
 ENV_KEYS = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TORCHINDUCTOR_COMPILE_THREADS",
-            "DFLASH_TARGET_MASK", "DFLASH_FLEX_KERNEL_OPTIONS", "TORCH_TRACE")
+            "DFLASH_FLEX_KERNEL_OPTIONS", "TORCH_TRACE")
 
 # the inductor default for (bf16, head_dim 128) on sm90 (torch/_inductor/template_heuristics/
 # triton.py, h100_default_flex_config): fixing it changes no kernel, only forbids a search
@@ -62,10 +62,9 @@ def usable_cores() -> int:
 
 
 ARMS: dict[str, Arm] = {
-    "today": Arm("today's code path: compiled layer graph (flex inline), compiled BlockMask "
-                 "build, torch's default compile_threads"),
-    "eager-mask": Arm("BlockMask built eagerly (DFLASH_TARGET_MASK=eager): one graph fewer",
-                      (("DFLASH_TARGET_MASK", "eager"),)),
+    "today": Arm("today's code path: compiled layer graph (flex inline), the BlockMask built "
+                 "from the documents' boundaries (no mask graph), torch's default "
+                 "compile_threads"),
     "fixed-flex": Arm(f"flex kernel options fixed (DFLASH_FLEX_KERNEL_OPTIONS={FIXED_FLEX})",
                       (("DFLASH_FLEX_KERNEL_OPTIONS", FIXED_FLEX),)),
     "threads1": Arm("TORCHINDUCTOR_COMPILE_THREADS=1: no parallel compile workers",
@@ -195,11 +194,10 @@ def probe_target(a, dev: str, sync) -> dict:
     (xi, di, pi), (x2, d2, p2) = ((r.input_ids.to(dev), r.doc_ids.to(dev),
                                    r.position_ids.to(dev)) for r in rows)
     res: dict = {"build_s": round(time.perf_counter() - t0, 3), "tokens": L,
-                 "mask_compiled": fx.mask_compiled, "flex_options": fx.flex_options}
+                 "flex_options": fx.flex_options}
 
     def mask(d=di):  # the mask exactly as FeatureExtractor._run builds it
-        return (document_block_mask(d, _compile=fx.mask_compiled) if a.attention == "flex"
-                else document_dense_mask(d))
+        return document_block_mask(d) if a.attention == "flex" else document_dense_mask(d)
 
     gate = get_gate()
     _, res["mask_first"] = timed_first(lambda: gate.run(("mask", dev, L), mask), sync)

@@ -105,8 +105,8 @@ def synced_sections(fx, rs: list, to, dev: str, n: int, res: dict) -> None:
         ids, doc, pos = to(r)
         sync(dev)
         b = time.perf_counter()
-        mask = (document_block_mask(doc, _compile=fx.mask_compiled) if fx.target.attention ==
-                "flex" else document_dense_mask(doc))
+        mask = (document_block_mask(doc) if fx.target.attention == "flex"
+                else document_dense_mask(doc))
         hb = time.perf_counter()
         sync(dev)
         c = time.perf_counter()

@@ -112,8 +112,8 @@ class FeatureExtractor:
     the same math on the same modules, so the same features up to summation order). Every call
     must then run inside the compile gate (its first call per row length compiles).
 
-    Read once here: ``DFLASH_TARGET_MASK`` (``mask_compiled``: the compiled layers' BlockMask
-    built by a compiled kernel, the default, or eagerly) and ``DFLASH_FLEX_KERNEL_OPTIONS``.
+    Read once here: ``DFLASH_FLEX_KERNEL_OPTIONS``. The document BlockMask is built eagerly from
+    the documents' boundaries (:func:`~dflash.models.masks.document_block_mask`): no mask graph.
     """
 
     SOFT_CHUNK = 2048
@@ -128,10 +128,6 @@ class FeatureExtractor:
         if soft_top_k is not None and len(self.base.layers) < target.config.num_hidden_layers:
             raise ValueError("soft labels need the whole target (load_target num_layers=None)")
         self._captured: dict[int, Any] = {}
-        # compiled layers: the BlockMask is built by a compiled kernel too by default (a compile
-        # per row length, like the layers; eager code materialises [L, L] intermediates)
-        self.mask_compiled = (bool(compile) and target.attention == "flex"
-                              and settings.target_mask() == "compiled")
         self.flex_options = settings.flex_kernel_options()
         if compile:
             self._layer = compiled_packed_layer(compile)
@@ -161,7 +157,7 @@ class FeatureExtractor:
     def _run(self, input_ids, doc_ids, position_ids, final: bool):
         """(features, the final-norm hidden states [1, L, H] or None) of one forward."""
         self._captured.clear()
-        mask = (document_block_mask(doc_ids, _compile=self.mask_compiled)
+        mask = (document_block_mask(doc_ids)
                 if self.target.attention == "flex" else document_dense_mask(doc_ids))
         # no_grad, not inference_mode: the drafter saves these features for its backward.
         with torch.no_grad():

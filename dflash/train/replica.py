@@ -193,7 +193,7 @@ class DrafterReplica:
         already on the device: the body both today's step and the captured step
         (:mod:`dflash.train.graph_step`) run."""
         if self.attention == "flex":
-            mask = flex_block_mask(doc, blocks_d, device=self.device, _compile=True)
+            mask = flex_block_mask(doc, blocks_d, device=self.device)
         else:
             mask = dense_mask(doc, blocks_d)[None]
         block_embeds = torch.nn.functional.embedding(blocks_d.block_input_ids, self.embed)[None]
