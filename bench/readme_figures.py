@@ -6,14 +6,16 @@ A quoted figure carries its source right after it, as an HTML comment (invisible
 
 The path is relative to the repository root; after ``#`` comes the key path in the JSON, dots
 between keys, integers for list items (``batches.0.speedup``); ``KEY/KEY`` cites the ratio of two
-numbers of the file (a speed-up over a baseline the file holds). The figure is the last number
+numbers of the file (a speed-up over a baseline the file holds); a trailing ``*N`` scales the
+value to the unit quoted (``step.2.s_per_step*1e3`` for ms, ``row_fill*100`` for a percentage,
+``peak_flops_per_s*1e-12`` for TFLOP/s). The figure is the last number
 before the comment (``**``, ``×``, ``,`` and a ``K``/``M`` suffix allowed); it must equal the
 cited value rounded to the decimals it is quoted with (``97.3K`` = round(value / 1e3, 1)).
 
-Lines in a *figure section* (:data:`SECTIONS`: the headline paragraphs and the decoding
-bullets) may quote no speed-up (``N×``) and no throughput (``N tok/s``, ``NK ... tokens/s``)
-without a citation. Tables rendered from JSON (bench/md_block.py blocks) are checked by their
-own scripts' ``--check``.
+Lines in a *figure section* (:data:`SECTIONS`: the headline paragraphs, the captured step's,
+the τ-per-doubling paragraph and the decoding bullets) may quote no speed-up (``N×``) and no
+throughput (``N tok/s``, ``NK ... tokens/s``) without a citation. Tables rendered from JSON
+(bench/md_block.py blocks) are checked by their own scripts' ``--check``.
 
     python -m bench.readme_figures             # check README.md; exit 1 naming each mismatch
 """
@@ -33,14 +35,23 @@ CITE = re.compile(r"<!--\s*fig:\s*(?P<path>[^#\s]+)#(?P<key>[^\s]+)\s*-->")
 SCALE = {"": 1.0, "K": 1e3, "M": 1e6}
 # the README's paragraphs whose figures must all be cited: each from the line holding this text
 # to the next blank line
-SECTIONS = ("Run 2 (this round's code", "- **Our target-only loop beats")
+SECTIONS = ("`make run` trains a real drafter", "On one H200 (`specs/smollm2-quality.yaml`, run 1",
+            "Round 6 (2026-12-01", "On two H200s (", "same way, one CUDA graph per bucket",
+            "τ grows about 0.2 per doubling", "Run 2 (this round's code",
+            "- **Our target-only loop beats")
 # a speed-up or a throughput quoted in prose
 UNCITED = re.compile(r"\d[\d,.]*\s?×|\d[\d,.]*K? (?:target |new )?tok(?:en)?s?/s")
 
 
 def cited_value(path: str, key: str) -> float:
     """The number at ``key`` (dotted) in the JSON file ``path`` (relative to the repo root);
-    ``KEY/KEY``: the ratio of two numbers of that file."""
+    ``KEY/KEY``: the ratio of two numbers of that file; ``KEY*N``: the number times N."""
+    if "*" in key:
+        key, factor = key.rsplit("*", 1)
+        try:
+            return cited_value(path, key) * float(factor)
+        except ValueError:
+            raise DFlashError(f"{path}#{key}*{factor}: {factor!r} is not a number") from None
     if "/" in key:
         num, den = key.split("/", 1)
         return cited_value(path, num) / cited_value(path, den)
