@@ -77,7 +77,8 @@ def test_a_scaled_citation_is_the_value_times_its_factor():
 
 @pytest.mark.parametrize("run,log", [
     ("smollm2-quality-run2", "snakemake_call3.log"),
-    ("round6-2026-12-01", "lease/logs/smollm2-quality/bench.log")])
+    ("round6-2026-12-01", "lease/logs/smollm2-quality/bench.log"),
+    ("smollm2-greedy-run2", "bench.log")])
 def test_the_figures_files_are_what_the_script_reads_from_their_logs(run, log):
     log = H200 / run / log
     committed = json.loads((H200 / run / "figures.json").read_text())
