@@ -147,6 +147,7 @@ def test_device_spans_are_no_kernels_and_every_kernel_has_its_worker():
     d = s["device"]
     # kernels only: 10 + 20 + 18 + 8 + 1 µs, not the spans' 10 + 50 µs on top
     assert d["kernel_time_s"] == pytest.approx(57e-6)
+    assert d["label_spans_s_not_counted"] == pytest.approx(60e-6)
     assert sum(d["kernel_time_s_by_class"].values()) == pytest.approx(d["kernel_time_s"])
     assert d["kernels_per_step"] == 5
     assert not any(r["name"].startswith(LABEL) for r in d["top_kernels"])

@@ -361,6 +361,8 @@ def summarise(events: list[Ev], steps: int, first: int, activities: list[str], b
     syncs = {n: {"count": 0, "time_s": 0.0} for n in (*SYNCS, "memcpy_d2h")}
     host = _cpu(cpu, thread_worker, steps, workers, syncs)
     dev = _kernels(kernels, _links(cpu, spans, thread_worker), steps, workers, syncs)
+    # what a summary that counted the labels' device spans as kernels would have added
+    dev["label_spans_s_not_counted"] = sum(s.end_ns - s.start_ns for s in spans) / 1e9
     return {
         "steps": steps, "first_step": first, "activities": activities, "wall_s": wall_s,
         "device": dev,
