@@ -18,6 +18,7 @@ throughput (``N tok/s``, ``NK ... tokens/s``) without a citation. Tables rendere
 (bench/md_block.py blocks) are checked by their own scripts' ``--check``.
 
     python -m bench.readme_figures             # check README.md; exit 1 naming each mismatch
+    python -m bench.readme_figures docs/benchmarks.md   # its citations (no figure sections)
 """
 from __future__ import annotations
 
@@ -102,10 +103,10 @@ def citations(text: str) -> list[dict]:
     return out
 
 
-def section_lines(text: str) -> list[tuple[int, str]]:
+def section_lines(text: str, sections: tuple[str, ...] = SECTIONS) -> list[tuple[int, str]]:
     """(line number, line) of the figure sections (:data:`SECTIONS`)."""
     lines, out = text.splitlines(), []
-    for first in SECTIONS:
+    for first in sections:
         on = False
         for i, line in enumerate(lines, 1):
             on = on or first in line
@@ -116,18 +117,21 @@ def section_lines(text: str) -> list[tuple[int, str]]:
     return out
 
 
-def uncited(text: str) -> list[tuple[int, str]]:
+def uncited(text: str, sections: tuple[str, ...] = SECTIONS) -> list[tuple[int, str]]:
     """Speed-ups and throughputs in the figure sections with no citation right after them."""
     bad = []
-    for i, line in section_lines(text):
+    for i, line in section_lines(text, sections):
         for m in UNCITED.finditer(line):
             if not CITE.match(line, m.end()) and not CITE.match(line[m.end():].lstrip("*")):
                 bad.append((i, m.group(0)))
     return bad
 
 
-def problems(md: Path) -> list[str]:
-    """One line per figure that disagrees with its file, lacks a number, or lacks a citation."""
+def problems(md: Path, sections: tuple[str, ...] | None = None) -> list[str]:
+    """One line per figure that disagrees with its file, lacks a number, or lacks a citation
+    (the last in the figure sections: :data:`SECTIONS` for README.md, none for another file
+    unless given, e.g. docs/benchmarks.md, whose citations alone are checked)."""
+    sections = (SECTIONS if md.name == "README.md" else ()) if sections is None else sections
     text = md.read_text()
     out = []
     for c in citations(text):
@@ -136,10 +140,10 @@ def problems(md: Path) -> list[str]:
         elif not c["ok"]:
             out.append(f"{md.name}:{c['line']}: quoted {c['quoted']:g}{c['suffix']} but "
                        f"{c['path']}#{c['key']} = {c['value']:g}")
-    for i, fig in uncited(text):
+    for i, fig in uncited(text, sections):
         out.append(f"{md.name}:{i}: {fig!r} has no <!-- fig: FILE#KEY --> citation")
-    if not section_lines(text):
-        out.append(f"{md.name}: none of the figure sections {list(SECTIONS)} found")
+    if sections and not section_lines(text, sections):
+        out.append(f"{md.name}: none of the figure sections {list(sections)} found")
     return out
 
 

@@ -23,6 +23,12 @@ def test_every_readme_figure_matches_the_file_it_cites():
     assert all((REPO / f).is_file() for f in files)
 
 
+def test_the_benchmarks_doc_figures_match_the_files_they_cite():
+    docs = REPO / "docs" / "benchmarks.md"
+    assert readme_figures.problems(docs) == []
+    assert len(readme_figures.citations(docs.read_text())) >= 10
+
+
 def test_a_wrong_or_uncited_figure_is_named(tmp_path):
     ss = "bench/results/h200/smollm2-quality-run2/steady_state.json"
     md = tmp_path / "README.md"
