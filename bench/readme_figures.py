@@ -6,16 +6,19 @@ A quoted figure carries its source right after it, as an HTML comment (invisible
 
 The path is relative to the repository root; after ``#`` comes the key path in the JSON, dots
 between keys, integers for list items (``batches.0.speedup``); ``KEY/KEY`` cites the ratio of two
-numbers of the file (a speed-up over a baseline the file holds). The figure is the last number
+numbers of the file (a speed-up over a baseline the file holds); a trailing ``*N`` scales the
+value to the unit quoted (``step.2.s_per_step*1e3`` for ms, ``row_fill*100`` for a percentage,
+``peak_flops_per_s*1e-12`` for TFLOP/s). The figure is the last number
 before the comment (``**``, ``×``, ``,`` and a ``K``/``M`` suffix allowed); it must equal the
 cited value rounded to the decimals it is quoted with (``97.3K`` = round(value / 1e3, 1)).
 
-Lines in a *figure section* (:data:`SECTIONS`: the headline paragraphs and the decoding
-bullets) may quote no speed-up (``N×``) and no throughput (``N tok/s``, ``NK ... tokens/s``)
-without a citation. Tables rendered from JSON (bench/md_block.py blocks) are checked by their
-own scripts' ``--check``.
+Lines in a *figure section* (:data:`SECTIONS`: the headline paragraphs, the captured step's,
+the τ-per-doubling paragraph and the decoding bullets) may quote no speed-up (``N×``) and no
+throughput (``N tok/s``, ``NK ... tokens/s``) without a citation. Tables rendered from JSON
+(bench/md_block.py blocks) are checked by their own scripts' ``--check``.
 
     python -m bench.readme_figures             # check README.md; exit 1 naming each mismatch
+    python -m bench.readme_figures docs/benchmarks.md   # its citations (no figure sections)
 """
 from __future__ import annotations
 
@@ -33,14 +36,23 @@ CITE = re.compile(r"<!--\s*fig:\s*(?P<path>[^#\s]+)#(?P<key>[^\s]+)\s*-->")
 SCALE = {"": 1.0, "K": 1e3, "M": 1e6}
 # the README's paragraphs whose figures must all be cited: each from the line holding this text
 # to the next blank line
-SECTIONS = ("Run 2 (this round's code", "- **Our target-only loop beats")
+SECTIONS = ("`make run` trains a real drafter", "On one H200 (`specs/smollm2-quality.yaml`, run 1",
+            "Round 6 (2026-12-01", "On two H200s (", "same way, one CUDA graph per bucket",
+            "τ grows about 0.2 per doubling", "Run 2 (this round's code",
+            "- **Our target-only loop beats")
 # a speed-up or a throughput quoted in prose
 UNCITED = re.compile(r"\d[\d,.]*\s?×|\d[\d,.]*K? (?:target |new )?tok(?:en)?s?/s")
 
 
 def cited_value(path: str, key: str) -> float:
     """The number at ``key`` (dotted) in the JSON file ``path`` (relative to the repo root);
-    ``KEY/KEY``: the ratio of two numbers of that file."""
+    ``KEY/KEY``: the ratio of two numbers of that file; ``KEY*N``: the number times N."""
+    if "*" in key:
+        key, factor = key.rsplit("*", 1)
+        try:
+            return cited_value(path, key) * float(factor)
+        except ValueError:
+            raise DFlashError(f"{path}#{key}*{factor}: {factor!r} is not a number") from None
     if "/" in key:
         num, den = key.split("/", 1)
         return cited_value(path, num) / cited_value(path, den)
@@ -91,10 +103,10 @@ def citations(text: str) -> list[dict]:
     return out
 
 
-def section_lines(text: str) -> list[tuple[int, str]]:
+def section_lines(text: str, sections: tuple[str, ...] = SECTIONS) -> list[tuple[int, str]]:
     """(line number, line) of the figure sections (:data:`SECTIONS`)."""
     lines, out = text.splitlines(), []
-    for first in SECTIONS:
+    for first in sections:
         on = False
         for i, line in enumerate(lines, 1):
             on = on or first in line
@@ -105,18 +117,21 @@ def section_lines(text: str) -> list[tuple[int, str]]:
     return out
 
 
-def uncited(text: str) -> list[tuple[int, str]]:
+def uncited(text: str, sections: tuple[str, ...] = SECTIONS) -> list[tuple[int, str]]:
     """Speed-ups and throughputs in the figure sections with no citation right after them."""
     bad = []
-    for i, line in section_lines(text):
+    for i, line in section_lines(text, sections):
         for m in UNCITED.finditer(line):
             if not CITE.match(line, m.end()) and not CITE.match(line[m.end():].lstrip("*")):
                 bad.append((i, m.group(0)))
     return bad
 
 
-def problems(md: Path) -> list[str]:
-    """One line per figure that disagrees with its file, lacks a number, or lacks a citation."""
+def problems(md: Path, sections: tuple[str, ...] | None = None) -> list[str]:
+    """One line per figure that disagrees with its file, lacks a number, or lacks a citation
+    (the last in the figure sections: :data:`SECTIONS` for README.md, none for another file
+    unless given, e.g. docs/benchmarks.md, whose citations alone are checked)."""
+    sections = (SECTIONS if md.name == "README.md" else ()) if sections is None else sections
     text = md.read_text()
     out = []
     for c in citations(text):
@@ -125,10 +140,10 @@ def problems(md: Path) -> list[str]:
         elif not c["ok"]:
             out.append(f"{md.name}:{c['line']}: quoted {c['quoted']:g}{c['suffix']} but "
                        f"{c['path']}#{c['key']} = {c['value']:g}")
-    for i, fig in uncited(text):
+    for i, fig in uncited(text, sections):
         out.append(f"{md.name}:{i}: {fig!r} has no <!-- fig: FILE#KEY --> citation")
-    if not section_lines(text):
-        out.append(f"{md.name}: none of the figure sections {list(SECTIONS)} found")
+    if sections and not section_lines(text, sections):
+        out.append(f"{md.name}: none of the figure sections {list(sections)} found")
     return out
 
 

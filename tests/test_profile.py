@@ -17,7 +17,7 @@ from dflash.runtime.harness import REPO
 from dflash.eval.report import render_report_md
 from dflash.spec import parse_spec
 from dflash.train.packing import StepMap, bucket_for, pack_row, plan_epoch
-from dflash.train.profile import OFFSET_STEPS, StepProfiler, window_for
+from dflash.train.profile import LABEL, OFFSET_STEPS, Ev, StepProfiler, summarise, window_for
 from dflash.train.scheduler import Pipeline
 from dflash.train.workers import buckets, initial_state, make_replicas, make_target_workers
 
@@ -98,6 +98,89 @@ def test_cpu_profile_is_whole_and_attributes_work_to_every_worker(profiled):
         assert w[name]["busy_s_per_step"] > 0 and 0 < w[name]["busy_fraction"] <= 1
     # the drafters train (forward, backward, step): more op time than the frozen target's
     assert w["drafter-0"]["cpu_op_s"] > w["target-0"]["cpu_op_s"]
+
+
+def test_cpu_totals_fit_the_window_and_no_label_counts_as_an_op_or_kernel(profiled):
+    s, _, _ = profiled
+    wall = s["wall_s"]
+    assert 0 < wall < 60
+    # self times: never negative, and one thread's ops cannot outlast the window
+    cls = s["cpu"]["op_time_s_by_class"]
+    assert all(t >= 0 for t in cls.values()), cls
+    for name, row in s["workers"].items():
+        assert 0 <= row["cpu_op_s"] <= wall, name
+    assert sum(cls.values()) <= wall * len(s["workers"])
+    assert sum(r["cpu_op_s"] for r in s["workers"].values()) == pytest.approx(sum(cls.values()))
+    names = [r["name"] for r in s["cpu"]["top_ops"] + s["device"]["top_kernels"]]
+    assert names and not any(n.startswith(LABEL) for n in names), names
+
+
+def _ev(name, kind, t0, t1, corr=0, linked=0, thread=0, device=True, stream=7):
+    return Ev(name, kind, device, t0 * 1000, t1 * 1000, thread, corr, linked, 0, stream)
+
+
+def _lease_shaped_events():
+    """One step as the committed H200 profile (round 6, ``lease/profile.json``) shows it, in
+    µs: the drafter's captured step replayed by one cudaGraphLaunch on its thread (11), the
+    compiled target's kernels launched through the driver API (no host record) on its thread
+    (12), each worker's label on the host and as a device span, one aten op's kernel, and a
+    kernel of no worker after every span."""
+    drafter, target = LABEL + "drafter-0", LABEL + "target-0"
+    return [
+        _ev(target, "user_annotation", 0, 12, thread=12, device=False),
+        _ev(drafter, "user_annotation", 5, 80, thread=11, device=False),
+        _ev("cudaGraphLaunch", "cuda_runtime", 20, 25, corr=900, thread=11, device=False),
+        _ev("aten::add", "cpu_op", 26, 30, corr=41, thread=11, device=False),
+        _ev("cudaLaunchKernel", "cuda_runtime", 27, 29, corr=901, thread=11, device=False),
+        _ev(target, "gpu_user_annotation", 1, 11),
+        _ev("triton_poi_fused_mask_0", "kernel", 1, 11),                  # target, by its span
+        _ev(drafter, "gpu_user_annotation", 20, 70),
+        _ev("triton_tem_fused_flex_attention_3", "kernel", 20, 40, corr=900),  # graph replay
+        _ev("nvjet_sm90_tst_192x192_TNN", "kernel", 42, 60, corr=900),         # graph replay
+        _ev("vectorized_elementwise_kernel", "kernel", 62, 70, corr=901, linked=41),
+        _ev("Memcpy DtoH (Device -> Pinned)", "gpu_memcpy", 90, 91),            # no worker
+    ]
+
+
+def test_device_spans_are_no_kernels_and_every_kernel_has_its_worker():
+    s = summarise(_lease_shaped_events(), 1, 3, ["cpu", "cuda"], {}, {}, 1e-4)
+    d = s["device"]
+    # kernels only: 10 + 20 + 18 + 8 + 1 µs, not the spans' 10 + 50 µs on top
+    assert d["kernel_time_s"] == pytest.approx(57e-6)
+    assert d["label_spans_s_not_counted"] == pytest.approx(60e-6)
+    assert sum(d["kernel_time_s_by_class"].values()) == pytest.approx(d["kernel_time_s"])
+    assert d["kernels_per_step"] == 5
+    assert not any(r["name"].startswith(LABEL) for r in d["top_kernels"])
+    # idle 9 + 2 + 2 + 20 µs between kernels of a 90 µs window: the spans do not hide it
+    g = d["host_gaps"]["cuda:0"]
+    assert g["span_s"] == pytest.approx(90e-6) and g["busy_s"] == pytest.approx(57e-6)
+    assert g["idle_s"] == pytest.approx(33e-6) and g["gaps_over_10us"] == 1
+    w = s["workers"]
+    assert w["drafter-0"]["kernel_s"] == pytest.approx(46e-6)
+    assert w["drafter-0"]["graph_replay_kernel_s"] == pytest.approx(38e-6)
+    assert w["drafter-0"]["device_span_s"] == pytest.approx(50e-6)
+    assert w["target-0"]["kernel_s"] == pytest.approx(10e-6)
+    assert w["other"]["kernel_s"] == pytest.approx(1e-6)
+    assert sum(r["kernel_s"] for r in w.values()) == pytest.approx(d["kernel_time_s"])
+    src = {r["name"]: r["source"] for r in d["top_kernels"]}
+    assert src == {"triton_tem_fused_flex_attention_3": "drafter-0: graph replay",
+                   "nvjet_sm90_tst_192x192_TNN": "drafter-0: graph replay",
+                   "triton_poi_fused_mask_0": "target-0: device span",
+                   "vectorized_elementwise_kernel": "drafter-0: aten::add",
+                   "Memcpy DtoH (Device -> Pinned)": "other: unattributed"}
+    assert s["launches_per_step"] == {"kernel": 1, "graph": 1}
+    assert s["syncs"]["memcpy_d2h"]["count"] == 1
+    # host side: the labels are ranges, not ops; the graph launch is runtime time
+    assert set(s["cpu"]["op_time_s_by_class"]) == {"cuda runtime", "elementwise/fused triton"}
+    assert s["cpu"]["op_time_s_by_class"]["elementwise/fused triton"] == pytest.approx(2e-6)
+
+
+def test_the_committed_h200_profile_still_renders():
+    """The round-6 summary (written before the spans were told from kernels) renders."""
+    old = json.loads((REPO / "bench" / "results" / "h200" / "round6-2026-12-01" / "lease"
+                      / "profile.json").read_text())
+    md = render_report_md(_report(profile=old))
+    assert "20 steps from step 3" in md and "| drafter-0 |" in md
 
 
 def test_report_renders_the_profile_table(profiled):

@@ -17,10 +17,16 @@ HEAD = "Run 2 (this round's code):"
 def test_every_readme_figure_matches_the_file_it_cites():
     assert readme_figures.problems(REPO / "README.md") == []
     cited = readme_figures.citations((REPO / "README.md").read_text())
-    assert len(cited) >= 20
+    assert len(cited) >= 80
     files = {c["path"] for c in cited}
     assert "bench/results/h200/smollm2-quality-run2/steady_state.json" in files
     assert all((REPO / f).is_file() for f in files)
+
+
+def test_the_benchmarks_doc_figures_match_the_files_they_cite():
+    docs = REPO / "docs" / "benchmarks.md"
+    assert readme_figures.problems(docs) == []
+    assert len(readme_figures.citations(docs.read_text())) >= 10
 
 
 def test_a_wrong_or_uncited_figure_is_named(tmp_path):
@@ -53,16 +59,34 @@ def test_a_missing_file_or_key_is_one_clear_error():
         readme_figures.citations("1.0<!-- fig: bench/results/h200/decode_speed.json#batches.9.speedup -->")
 
 
-@pytest.mark.parametrize("run", ["smollm2-quality-run1", "smollm2-quality-run2"])
-def test_the_steady_state_files_are_what_the_script_makes_of_the_metrics(run):
-    rows = [json.loads(x) for x in (H200 / run / "metrics.jsonl").read_text().splitlines()
+@pytest.mark.parametrize("run,metrics,budget", [
+    ("smollm2-quality-run1", "metrics.jsonl", 8192),
+    ("smollm2-quality-run2", "metrics.jsonl", 8192),
+    ("qwen3-8b-2gpu-balanced", "qwen3-8b-2gpu-balanced__train__metrics.jsonl", 16384)])
+def test_the_steady_state_files_are_what_the_script_makes_of_the_metrics(run, metrics, budget):
+    rows = [json.loads(x) for x in (H200 / run / metrics).read_text().splitlines()
             if x.strip()]
     committed = json.loads((H200 / run / "steady_state.json").read_text())
-    assert steady_state_from_metrics.steady_state(rows, 5, 8192) == committed
+    assert steady_state_from_metrics.steady_state(rows, 5, budget) == committed
 
 
-def test_the_run2_figures_are_what_the_script_reads_from_its_log():
-    log = H200 / "smollm2-quality-run2" / "snakemake_call3.log"
-    committed = json.loads((H200 / "smollm2-quality-run2" / "figures.json").read_text())
+def test_a_scaled_citation_is_the_value_times_its_factor():
+    ls3 = "bench/results/h200/round5-2026-12-01/loss_step3.json"
+    s = json.loads((REPO / ls3).read_text())["step"][0]["s_per_step"]
+    got = readme_figures.citations(f"{s * 1e3:.1f} ms<!-- fig: {ls3}#step.0.s_per_step*1e3 -->"
+                                   f" and 0.1<!-- fig: {ls3}#step.0.s_per_step*-1 -->")
+    assert got[0]["ok"] and got[0]["value"] == pytest.approx(s * 1e3)
+    assert not got[1]["ok"] and got[1]["value"] == pytest.approx(-s)
+    with pytest.raises(DFlashError, match=r"s_per_step\*ms: 'ms' is not a number"):
+        readme_figures.citations(f"1.0<!-- fig: {ls3}#step.0.s_per_step*ms -->")
+
+
+@pytest.mark.parametrize("run,log", [
+    ("smollm2-quality-run2", "snakemake_call3.log"),
+    ("round6-2026-12-01", "lease/logs/smollm2-quality/bench.log"),
+    ("smollm2-greedy-run2", "bench.log")])
+def test_the_figures_files_are_what_the_script_reads_from_their_logs(run, log):
+    log = H200 / run / log
+    committed = json.loads((H200 / run / "figures.json").read_text())
     assert figures_from_log.figures(log.read_text()) == {k: v for k, v in committed.items()
                                                         if k != "source"}

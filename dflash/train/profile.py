@@ -7,8 +7,14 @@ plain profiler would not see), started and stopped by drafter replica 0 between 
 only observes: it takes no gate and changes no compiled code (it is not tracing), and on CUDA
 it sees the kernels inside the drafter's captured graph replays through CUPTI. Each worker
 labels its work ``dflash.worker/<name>`` (:func:`worker_label`); the summary maps each label's
-thread to its worker and attributes CPU ops, runtime calls and (by correlation id) the kernels
-they launched to it. The raw trace is not kept: the summary is small, a trace is not.
+thread to its worker and attributes CPU ops and runtime calls to it. A kernel is attributed
+(:func:`_source`) by, first match wins: the CUPTI correlation id of the runtime call that
+launched it (every kernel of a graph replay carries its ``cudaGraphLaunch``'s id), the torch op
+the profiler links it to, or time overlap with a worker's device span (the profiler's
+``gpu_user_annotation`` of the label: first to last kernel of that label on the device; it is
+how the compiled target's kernels, launched through the driver API the profiler does not
+record, are found). Those device spans are not kernels: they are reported per worker and never
+counted in kernel time. The raw trace is not kept: the summary is small, a trace is not.
 
 Owns: the profile window and its summary. Imports torch and ``dflash.manifest`` only.
 """
@@ -16,8 +22,10 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections import defaultdict
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -90,6 +98,8 @@ class StepProfiler:
         self.running = self.done = False
         self.before: dict = {}
         self.after: dict = {}
+        self._t0 = 0.0
+        self.wall_s = 0.0  # the window's wall time, the profiler's start to its stop
 
     def _snapshot(self, pipe) -> dict:
         return {"busy": dict(pipe.busy_s), "wait": dict(pipe.wait_s),
@@ -105,6 +115,7 @@ class StepProfiler:
             with pipe.gate.shared():
                 self.prof = profile(activities=self._acts, experimental_config=torch._C.
                                     _profiler._ExperimentalConfig(profile_all_threads=True))
+                self._t0 = time.perf_counter()  # before start: no event precedes it
                 self.prof.start()
             self.running = True
         elif step >= self.end and self.running:
@@ -117,6 +128,7 @@ class StepProfiler:
             for d in self.cuda:
                 torch.cuda.synchronize(d)
             self.prof.stop()
+            self.wall_s = time.perf_counter() - self._t0  # after stop: none follows it
         self.running, self.done = False, True
         self.after = self._snapshot(pipe)
 
@@ -125,8 +137,9 @@ class StepProfiler:
         if not self.done:
             return {"skipped": "the run ended before the profile window closed",
                     "first_step": self.first, "steps": 0}
-        return summarise(self.prof.profiler.kineto_results.events(), self.end - self.first,
-                         self.first, self.activities, self.before, self.after)
+        return summarise(events_of(self.prof.profiler.kineto_results.events()),
+                         self.end - self.first, self.first, self.activities, self.before,
+                         self.after, self.wall_s)
 
     def write(self, path: Path) -> dict:
         s = self.summary()
@@ -134,34 +147,69 @@ class StepProfiler:
         return s
 
 
-def _self_times(events: list) -> dict[int, float]:
-    """Self time (ns) of each CPU event, by index: its duration less its direct children's on
-    the same thread (events nest per thread)."""
+class Ev(NamedTuple):
+    """One profiler event, the fields the summary reads (:func:`events_of` makes them from
+    kineto's; a test can build device events by hand, which no CPU run records)."""
+    name: str
+    kind: str      # kineto's activity type: cpu_op, user_annotation, cuda_runtime, kernel, ...
+    device: bool   # a device-side (CUDA) event: a kernel, memcpy/memset or a device span
+    start_ns: int
+    end_ns: int
+    thread: int    # the CPU thread it started on (device events: unused)
+    corr: int      # torch op: its external id; runtime call and kernel: CUPTI's correlation id
+    linked: int    # device event: the external id of the torch op the profiler links it to
+    device_index: int
+    stream: int    # device event: its stream (the resource id)
+
+
+def events_of(raw) -> list[Ev]:
+    cuda = torch.autograd.DeviceType.CUDA
+    return [Ev(e.name(), str(e.activity_type()), e.device_type() == cuda, e.start_ns(),
+               e.end_ns(), e.start_thread_id(), e.correlation_id(), e.linked_correlation_id(),
+               e.device_index(), e.device_resource_id()) for e in raw]
+
+
+def is_label(e: Ev) -> bool:
+    """A record_function range (a worker's label or any other), on the host or as its device
+    span: time of a range, never an op or a kernel of its own."""
+    return e.kind in ("user_annotation", "gpu_user_annotation") or e.name.startswith(LABEL)
+
+
+def is_runtime(e: Ev) -> bool:
+    return not e.device and (e.kind in ("cuda_runtime", "cuda_driver")
+                             or e.name.startswith(("cuda", "cu")))
+
+
+def _self_times(events: list[Ev]) -> dict[int, float]:
+    """Self time (ns) of each CPU event, by index: its duration less the part of its direct
+    children that lies inside it, on the same thread, never below 0 (events nest per thread,
+    but a runtime call's clock can overrun its op's end by a few ns)."""
     by_thread: dict[int, list[int]] = defaultdict(list)
     for i, e in enumerate(events):
-        by_thread[e.start_thread_id()].append(i)
+        by_thread[e.thread].append(i)
     self_ns: dict[int, float] = {}
     for idx in by_thread.values():
-        idx.sort(key=lambda i: (events[i].start_ns(), -events[i].duration_ns()))
+        idx.sort(key=lambda i: (events[i].start_ns, -(events[i].end_ns - events[i].start_ns)))
         stack: list[int] = []
         for i in idx:
-            s = events[i].start_ns()
-            while stack and events[stack[-1]].end_ns() <= s:
+            s, e = events[i].start_ns, events[i].end_ns
+            while stack and events[stack[-1]].end_ns <= s:
                 stack.pop()
-            self_ns[i] = float(events[i].duration_ns())
+            self_ns[i] = float(e - s)
             if stack:
-                self_ns[stack[-1]] -= events[i].duration_ns()
+                self_ns[stack[-1]] -= min(e, events[stack[-1]].end_ns) - s
             stack.append(i)
-    return self_ns
+    return {i: max(0.0, t) for i, t in self_ns.items()}
 
 
-def _idle(kernels: list) -> dict:
+def _idle(kernels: list[Ev]) -> dict:
     """Per device: busy (union of kernel intervals over all streams), idle between the first
-    kernel's start and the last one's end, and the gaps longer than ``GAP_US``."""
+    kernel's start and the last one's end, and the gaps longer than ``GAP_US`` (kernels only:
+    a worker's device span covers the gaps inside it)."""
     out = {}
     by_dev: dict[int, list] = defaultdict(list)
     for k in kernels:
-        by_dev[k.device_index()].append((k.start_ns(), k.end_ns()))
+        by_dev[k.device_index].append((k.start_ns, k.end_ns))
     for dev, spans in sorted(by_dev.items()):
         spans.sort()
         busy, gaps, gap_ns = 0, 0, 0
@@ -177,6 +225,7 @@ def _idle(kernels: list) -> dict:
         busy += cur_e - cur_s
         span = spans[-1][1] - spans[0][0]
         out[f"cuda:{dev}"] = {"span_s": span / 1e9, "busy_s": busy / 1e9,
+                              "busy_fraction": busy / span if span else 0.0,
                               "idle_s": gap_ns / 1e9,
                               "idle_fraction": gap_ns / span if span else 0.0,
                               f"gaps_over_{GAP_US:g}us": gaps}
@@ -189,30 +238,96 @@ def _table(items: dict, total: float, steps: int) -> list[dict]:
              "share": t / total if total else 0.0} for n, (calls, t, c) in rows]
 
 
-def summarise(events, steps: int, first: int, activities: list[str], before: dict,
-              after: dict) -> dict:
-    """The profile summary from the profiler's raw events (see docs/benchmarks.md)."""
-    cpu = [e for e in events if e.device_type() == torch.autograd.DeviceType.CPU]
-    kernels = [e for e in events if e.device_type() == torch.autograd.DeviceType.CUDA]
-    thread_worker = {e.start_thread_id(): e.name()[len(LABEL):] for e in cpu
-                     if e.name().startswith(LABEL)}
-    corr_worker = {e.correlation_id(): thread_worker.get(e.start_thread_id(), "other")
-                   for e in cpu if e.correlation_id()}
-    workers: dict[str, dict] = defaultdict(lambda: {"cpu_op_s": 0.0, "kernel_s": 0.0,
-                                                    "kernel_launches": 0, "graph_launches": 0})
+class Links(NamedTuple):
+    """What the host side tells about each kernel's origin (:func:`_links`)."""
+    runtime: dict  # CUPTI correlation id -> (worker, "graph replay" | "launch")
+    ops: dict      # torch op external id -> (worker, op name)
+    spans: dict    # device index -> [(start, end, stream, worker)], the workers' device spans
+
+
+def _links(cpu: list[Ev], device_spans: list[Ev], thread_worker: dict) -> Links:
+    runtime, ops = {}, {}
+    for e in cpu:
+        w = thread_worker.get(e.thread, "other")
+        if is_runtime(e) and e.corr:
+            runtime[e.corr] = (w, "graph replay" if GRAPH_LAUNCH.match(e.name) else "launch")
+        elif e.corr and not is_label(e):
+            ops[e.corr] = (w, e.name)
+    spans: dict[int, list] = defaultdict(list)
+    for s in device_spans:
+        if s.name.startswith(LABEL):
+            spans[s.device_index].append((s.start_ns, s.end_ns, s.stream, s.name[len(LABEL):]))
+    return Links(runtime, ops, spans)
+
+
+def _source(k: Ev, links: Links) -> tuple[str, str]:
+    """(worker, how) for one kernel: the launch call's correlation id (how: "graph replay", or
+    the linked torch op's name, or "launch"), else the linked torch op; the worker, when these
+    do not name one, is the worker whose device span holds the kernel's midpoint (the same
+    stream's first, then the innermost; how: "device span"), else "other"."""
+    w, how = "other", "unattributed"
+    if k.corr in links.runtime:
+        w, how = links.runtime[k.corr]
+        if how == "launch" and k.linked in links.ops:
+            how = links.ops[k.linked][1]
+    elif k.linked in links.ops:
+        w, how = links.ops[k.linked]
+    if w == "other":
+        mid = (k.start_ns + k.end_ns) // 2
+        inside = [(st != k.stream, e - s, sw)
+                  for s, e, st, sw in links.spans.get(k.device_index, ()) if s <= mid < e]
+        if inside:
+            w, how = min(inside)[2], how if how != "unattributed" else "device span"
+    return w, how
+
+
+def _kernels(kernels: list[Ev], links: Links, steps: int, workers: dict, syncs: dict) -> dict:
+    """The ``device`` section (kernels only), adding each worker's kernel time to ``workers``
+    and D2H copies to ``syncs``; each top kernel names its likely source(s)."""
+    k_cls: dict[str, float] = {c: 0.0 for c, _ in KERNEL_CLASSES}
+    k_cls["other"] = 0.0
+    k_rows: dict[str, list] = {}
+    k_src: dict[str, dict] = defaultdict(lambda: defaultdict(float))
+    for k in kernels:
+        t = (k.end_ns - k.start_ns) / 1e9
+        cls = classify(k.name, KERNEL_CLASSES)
+        k_cls[cls] += t
+        row = k_rows.setdefault(k.name, [0, 0.0, cls])
+        row[0] += 1
+        row[1] += t
+        w, how = _source(k, links)
+        workers[w]["kernel_s"] += t
+        if how == "graph replay":
+            workers[w]["graph_replay_kernel_s"] += t
+        k_src[k.name][f"{w}: {how}"] += t
+        if re.search(r"memcpy.*(dtoh|device -> (pinned|pageable))", k.name.lower()):
+            syncs["memcpy_d2h"]["count"] += 1
+            syncs["memcpy_d2h"]["time_s"] += t
+    k_total = sum(k_cls.values())
+    top = _table(k_rows, k_total, steps)
+    for r, name in zip(top, sorted(k_rows, key=lambda n: -k_rows[n][1])):
+        src = sorted(k_src[name].items(), key=lambda kv: -kv[1])
+        r.update(source=src[0][0], sources=dict(src[:3]))
+    return {"kernel_time_s": k_total, "kernel_time_s_by_class": k_cls,
+            "kernel_time_s_per_step": k_total / steps, "kernels_per_step": len(kernels) / steps,
+            "top_kernels": top, "host_gaps": _idle(kernels) if kernels else {}}
+
+
+def _cpu(cpu: list[Ev], thread_worker: dict, steps: int, workers: dict, syncs: dict) -> dict:
+    """The host side: CPU op self time by class and the top ops, runtime calls (launches,
+    syncs, allocator), per worker; labels are ranges, not ops, and count in none of it."""
     self_ns = _self_times(cpu)
     cpu_cls: dict[str, float] = defaultdict(float)
     cpu_ops: dict[str, list] = {}
-    syncs = {n: {"count": 0, "time_s": 0.0} for n in (*SYNCS, "memcpy_d2h")}
     alloc = {n: 0 for n in ALLOC}
     launches = {"kernel": 0, "graph": 0}
     for i, e in enumerate(cpu):
-        name, w = e.name(), thread_worker.get(e.start_thread_id(), "other")
-        if name.startswith(LABEL):
-            continue  # a label's own time is host work outside ops: not an op class
+        name, w = e.name, thread_worker.get(e.thread, "other")
+        if is_label(e):
+            continue
         if name in SYNCS:
             syncs[name]["count"] += 1
-            syncs[name]["time_s"] += e.duration_ns() / 1e9
+            syncs[name]["time_s"] += (e.end_ns - e.start_ns) / 1e9
         if name in alloc:
             alloc[name] += 1
         kind = "kernel" if LAUNCH.match(name) else "graph" if GRAPH_LAUNCH.match(name) else None
@@ -220,58 +335,66 @@ def summarise(events, steps: int, first: int, activities: list[str], before: dic
             launches[kind] += 1
             workers[w][f"{kind}_launches"] += 1
         t = self_ns[i] / 1e9
-        cls = "cuda runtime" if name.startswith(("cuda", "cu")) else classify(name, CPU_CLASSES)
+        cls = "cuda runtime" if is_runtime(e) else classify(name, CPU_CLASSES)
         cpu_cls[cls] += t
         workers[w]["cpu_op_s"] += t
         row = cpu_ops.setdefault(name, [0, 0.0, cls])
         row[0] += 1
         row[1] += t
-    k_cls: dict[str, float] = {c: 0.0 for c, _ in KERNEL_CLASSES}
-    k_cls["other"] = 0.0
-    k_rows: dict[str, list] = {}
-    for k in kernels:
-        name, t = k.name(), k.duration_ns() / 1e9
-        cls = classify(name, KERNEL_CLASSES)
-        k_cls[cls] += t
-        row = k_rows.setdefault(name, [0, 0.0, cls])
-        row[0] += 1
-        row[1] += t
-        workers[corr_worker.get(k.linked_correlation_id(), "other")]["kernel_s"] += t
-        if re.search(r"memcpy.*(dtoh|device -> (pinned|pageable))", name.lower()):
-            syncs["memcpy_d2h"]["count"] += 1
-            syncs["memcpy_d2h"]["time_s"] += t
-    k_total = sum(k_cls.values())
+    return {"launches": {k: v / steps for k, v in launches.items()}, "alloc": alloc,
+            "cpu": {"op_time_s_by_class": dict(cpu_cls),
+                    "top_ops": _table(cpu_ops, sum(cpu_cls.values()), steps)}}
+
+
+def summarise(events: list[Ev], steps: int, first: int, activities: list[str], before: dict,
+              after: dict, wall_s: float | None = None) -> dict:
+    """The profile summary from the profiler's events (see docs/benchmarks.md)."""
+    cpu = [e for e in events if not e.device]
+    device = [e for e in events if e.device]
+    kernels = [e for e in device if not is_label(e)]
+    spans = [e for e in device if is_label(e)]
+    thread_worker = {e.thread: e.name[len(LABEL):] for e in cpu if e.name.startswith(LABEL)}
+    workers: dict[str, dict] = defaultdict(lambda: dict(EMPTY_WORKER))
+    for s in spans:
+        if s.name.startswith(LABEL):
+            workers[s.name[len(LABEL):]]["device_span_s"] += (s.end_ns - s.start_ns) / 1e9
+    syncs = {n: {"count": 0, "time_s": 0.0} for n in (*SYNCS, "memcpy_d2h")}
+    host = _cpu(cpu, thread_worker, steps, workers, syncs)
+    dev = _kernels(kernels, _links(cpu, spans, thread_worker), steps, workers, syncs)
+    # what a summary that counted the labels' device spans as kernels would have added
+    dev["label_spans_s_not_counted"] = sum(s.end_ns - s.start_ns for s in spans) / 1e9
     return {
-        "steps": steps, "first_step": first, "activities": activities,
-        "device": {"kernel_time_s": k_total, "kernel_time_s_by_class": k_cls,
-                   "kernel_time_s_per_step": k_total / steps,
-                   "kernels_per_step": len(kernels) / steps,
-                   "top_kernels": _table(k_rows, k_total, steps),
-                   "host_gaps": _idle(kernels) if kernels else {}},
-        "launches_per_step": {k: v / steps for k, v in launches.items()},
+        "steps": steps, "first_step": first, "activities": activities, "wall_s": wall_s,
+        "device": dev,
+        "launches_per_step": host["launches"],
         "syncs": {n: {**v, "per_step": v["count"] / steps} for n, v in syncs.items()},
-        "allocator": {"calls": alloc, "memory_stats_delta": {
+        "allocator": {"calls": host["alloc"], "memory_stats_delta": {
             d: {k: after["memory"][d].get(k, 0) - before["memory"][d].get(k, 0)
                 for k in MEMORY_KEYS} for d in after.get("memory", {})}},
-        "cpu": {"op_time_s_by_class": dict(cpu_cls),
-                "top_ops": _table(cpu_ops, sum(cpu_cls.values()), steps)},
+        "cpu": host["cpu"],
         "workers": _workers(workers, before, after, steps),
         "note": "one process-wide torch.profiler over whole steps of every worker; CPU op "
-                "times are self times; kernels are attributed to the worker whose thread "
-                "launched them (graph replays: the cudaGraphLaunch's worker); busy/wait are "
-                "the scheduler's own timers over the same steps, as collected at the window's "
-                "ends (CUDA event pairs still pending then count in the next step)",
+                "times are self times; labels (record_function ranges) are neither ops nor "
+                "kernels: a worker's device span is its first to last kernel on the device; "
+                "kernels are attributed by their launch call's correlation id (graph replays: "
+                "the cudaGraphLaunch's), else their linked op, else the device span that holds "
+                "them; busy/wait are the scheduler's own timers over the same steps, as "
+                "collected at the window's ends (CUDA event pairs still pending then count in "
+                "the next step)",
     }
+
+
+EMPTY_WORKER = {"cpu_op_s": 0.0, "kernel_s": 0.0, "graph_replay_kernel_s": 0.0,
+                "device_span_s": 0.0, "kernel_launches": 0, "graph_launches": 0}
 
 
 def _workers(found: dict, before: dict, after: dict, steps: int) -> dict:
     """Per worker: what the profiler attributed to it, and its busy and wait over the window
     (None for "other": the work of threads that are no worker, e.g. the main thread's)."""
-    empty = {"cpu_op_s": 0.0, "kernel_s": 0.0, "kernel_launches": 0, "graph_launches": 0}
     out = {}
     for n in sorted(set(found) | set(after.get("busy", {}))):
-        row = {**empty, **found.get(n, {}), "busy_s_per_step": None, "wait_s_per_step": None,
-               "busy_fraction": None}
+        row = {**EMPTY_WORKER, **found.get(n, {}), "busy_s_per_step": None,
+               "wait_s_per_step": None, "busy_fraction": None}
         if n in after.get("busy", {}):
             busy = after["busy"][n] - before.get("busy", {}).get(n, 0.0)
             wait = after["wait"].get(n, 0.0) - before.get("wait", {}).get(n, 0.0)
