@@ -10,10 +10,11 @@
 # in its own process session (it outlives the call), then watches it; `watch` watches until
 # WATCH_S and collects. Run state lives in /tmp (a carried folder is replaced by the next call);
 # what comes back is one archive, results.tgz (at most 8 files come back).
-# The plan (round 6, issues #34-#36): the whole smollm2-quality DAG alone on the GPU (the
-# lagged step record, the feature cache for epochs >= 1), the 8B cold compile beside its train
-# and bench stages, the train step under torch.profiler (smollm2-quality-profile), then both
-# decoding loops (ours, the reference's) on the trained drafter in float32 and bf16.
+# The plan (round 7, issues #34-#37): call 1 (`probes`) times the two BlockMask builds against
+# create_block_mask (captured too) and the 8B target's cold first call; then the whole
+# smollm2-quality DAG alone on the GPU; after it, the qwen3-8b-1gpu warm-up cold (empty compile
+# cache) and warm (the same cache) in its own results folder, the train step under
+# torch.profiler (smollm2-quality-profile), and both decoding loops in bf16 on the trained drafter.
 #   calls 1, 2:  bash bench/gpu/session.sh stash   (carry .whl, then .whl2)
 #   (or call 1: `probes`, which also installs the small wheels and runs the probes alone)
 #   last:    bash bench/gpu/session.sh launch     (carry the last .whlN, .zlab; watches WATCH_S)
@@ -55,31 +56,38 @@ pack() {  # one archive back (and, with FETCH=1, the quality drafter in 15 MB pa
   fi
 }
 
+warmup_8b() {  # the qwen3-8b-1gpu warm-up stage: $1 = cold (empty compile cache) or warm
+  [ "$1" = cold ] && rm -rf /tmp/dflash-cache-8b /tmp/r8/.shared/warmup-* /tmp/r8/qwen3-8b-1gpu/warmup
+  [ "$1" = warm ] && rm -rf /tmp/r8/.shared/warmup-* /tmp/r8/qwen3-8b-1gpu/warmup
+  DFLASH_CACHE=/tmp/dflash-cache-8b timeout ${W8_S:-240} $SNAKE warmup_qwen3-8b-1gpu \
+    --config results=/tmp/r8 logs=/tmp/l8 benchmarks=/tmp/b8 > "$RES/warmup_8b_$1.log" 2>&1
+  stamp "warmup 8b $1 rc=$?"
+  for f in /tmp/r8/.shared/warmup-*/warmup/manifest.json; do
+    [ -f "$f" ] && cp "$f" "$RES/warmup_8b_$1__manifest.json"; done
+  cp /tmp/l8/qwen3-8b-1gpu/warmup.log "$RES/warmup_8b_$1__warmup.log" 2>/dev/null; return 0
+}
+
 plan() {  # the round's GPU work, in the order the issues need it (what the lease cuts is last)
   cd /tmp/repo
   stamp "start"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$RES/gpu.txt" 2>&1
-  # 1. the whole quality DAG, alone on the GPU (#34 tokens/s, MFU, busy; #35 τ; #36 the decode
-  #    sweep with the adaptive choice); the 8B cold compile (#34 item 4, CPU-bound) starts when
-  #    the DAG's train stage does (the GPU-bound part: compile seconds contend less there)
-  ( while [ ! -s /tmp/l/smollm2-quality/train.log ]; do sleep 5; done
-    stamp "cold_compile start"
-    timeout ${COLD_S:-420} python3 -m bench.gpu.cold_compile ${COLD_ARGS:---arms today,fixed-flex,megacache --parallel 2 --total-s 400} \
-      --out "$RES/cold_compile.json" > "$RES/cold_compile.log" 2>&1; stamp "cold_compile rc=$?" ) &
-  timeout ${DAG_S:-960} $SNAKE bench_smollm2-quality --config $CONF > "$RES/dag_quality.log" 2>&1
+  # 1. the whole quality DAG, alone on the GPU (#34 tokens/s, MFU, busy; #35 τ and the bench
+  #    stage's own cost; #36 the decode sweep with the adaptive choice)
+  timeout ${DAG_S:-1020} $SNAKE bench_smollm2-quality --config $CONF > "$RES/dag_quality.log" 2>&1
   stamp "dag rc=$?"
-  # 2. the step under torch.profiler inside the DAG (the same env/warm-up/data, 200 steps)
+  # 2. the 8B warm-up stage, cold then warm (#34 item 4)
+  warmup_8b cold; warmup_8b warm
+  # 3. the step under torch.profiler inside the DAG (the same env/warm-up/data, 200 steps)
   timeout 180 $SNAKE train_smollm2-quality-profile --config $CONF > "$RES/dag_profile.log" 2>&1
   stamp "profile rc=$?"; cp /tmp/r/smollm2-quality-profile/train/profile.json "$RES/" 2>/dev/null
-  # 3. both loops, ours and the reference's, on the trained drafter (#36 item 2)
+  # 4. both loops, ours and the reference's, on the trained drafter in bf16 (#36 item 2)
   D=/tmp/r/smollm2-quality/train/drafter
   if [ -d "$D" ]; then
-    timeout ${REF_S:-300} python3 -m bench.gpu.reference_tau --spec specs/smollm2-quality.yaml \
-      --drafter "$D" ${REF_ARGS:---prompts 32 --max-new 128 --dtypes float32,bfloat16 --kernels} \
-      --out "$RES/reference_agreement.json" > "$RES/reference_agreement.log" 2>&1
+    timeout ${REF_S:-240} python3 -m bench.gpu.reference_tau --spec specs/smollm2-quality.yaml \
+      --drafter "$D" ${REF_ARGS:---prompts 32 --max-new 128 --dtypes bfloat16} \
+      --out "$RES/reference_agreement_bf16.json" > "$RES/reference_agreement_bf16.log" 2>&1
     stamp "reference_tau rc=$?"
   fi
-  wait
   stamp "done"
 }
 
@@ -103,11 +111,12 @@ probes)
     /tmp/whl/*.whl 2>&1 | tail -2
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$RES/gpu.txt"
   export PYTHONPATH=/tmp/site:$PWD
-  # issue #24: the drafter step A/B with kernel profiles; the feature cache
-  timeout ${LOSS_TIMEOUT:-230} python3 -m bench.gpu.loss_step ${LOSS_ARGS:-} --out "$RES/loss_step2.json" \
-    > "$RES/loss_step2.log" 2>&1; echo "loss_step rc=$?"; tail -12 "$RES/loss_step2.log"
-  [ "${FC:-1}" = 1 ] && { timeout ${FC_TIMEOUT:-150} python3 -m bench.gpu.feature_cache --out "$RES" \
-    > "$RES/feature_cache.log" 2>&1; echo "feature_cache rc=$?"; tail -5 "$RES/feature_cache.log"; }
+  # #34: the BlockMask builds (intervals vs create_block_mask, captured) and the 8B cold call
+  timeout ${MASK_S:-120} python3 -W ignore -m bench.gpu.mask_build --out "$RES/mask_build.json" \
+    > "$RES/mask_build.log" 2>&1; echo "mask_build rc=$?"; tail -c 1500 "$RES/mask_build.log"
+  timeout ${COLD_S:-200} python3 -m bench.gpu.cold_compile ${COLD_ARGS:---arms today --parallel 1 --total-s 180} \
+    --out "$RES/cold_compile.json" > "$RES/cold_compile.log" 2>&1; echo "cold_compile rc=$?"
+  tail -5 "$RES/cold_compile.log"
   ;;
 stash) stash ;;
 launch)
