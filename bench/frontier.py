@@ -30,6 +30,7 @@ from bench.ablation_table import H200, REPO, read_json, read_metrics
 from bench.entry import run, write_result
 from bench.figures_from_log import figures
 from dflash.errors import DFlashError
+from dflash.eval.sweep_report import frontier as pareto
 
 OUT_JSON = H200 / "frontier.json"
 OUT_PNG = H200 / "frontier.png"
@@ -82,17 +83,10 @@ def from_dag(d: dict) -> dict:
 
 
 def frontier(points: list[dict]) -> list[str]:
-    """Labels of the points no other point beats: none with at most its total GPU-minutes has
-    a higher MT-Bench τ (ties on minutes: the higher τ), in order of minutes."""
-    known = sorted((p for p in points if p["gpu_minutes"]["total"] is not None
-                    and p["tau"]["mtbench"] is not None),
-                   key=lambda p: (p["gpu_minutes"]["total"], -p["tau"]["mtbench"]))
-    out, best = [], float("-inf")
-    for p in known:
-        if p["tau"]["mtbench"] > best:
-            out.append(p["label"])
-            best = p["tau"]["mtbench"]
-    return out
+    """Labels of the points no other point beats on MT-Bench τ at most their total GPU-minutes
+    (the sweep report's rule, :func:`dflash.eval.sweep_report.frontier`)."""
+    return pareto([(p["label"], p["gpu_minutes"]["total"], p["tau"]["mtbench"])
+                   for p in points])
 
 
 def collect() -> dict:
