@@ -10,8 +10,12 @@ Points: the #26 recipe arms and the full-budget runs of ``ablation.json`` (bench
 made it from the arms' own files: its GPU-minutes are the training steps' seconds × the arm's
 share of the GPU), and the DAG runs of :data:`DAGS` whose report.json the device call cut (τ from
 their bench.log's console lines, ``bench.figures_from_log``; train seconds from their
-metrics.jsonl). Data GPU-minutes: the data stage's own seconds (its manifest; the whole stage even
-where arms shared it: what reproducing the arm alone costs); None where no file recorded them.
+metrics.jsonl), and every other spec's DAG run committed as ``<spec>__bench__report.json`` with
+its ``<spec>__train__metrics.jsonl[.gz]`` and ``<spec>__data__manifest.json`` beside it
+(:func:`from_reports`: e.g. specs/smollm2-code.yaml's, once run; a run alone on its GPU, share 1;
+a report without τ, a random-weight target's, is no point). Data GPU-minutes: the data stage's
+own seconds (its manifest; the whole stage even where arms shared it: what reproducing the arm
+alone costs); None where no file recorded them.
 
 Figure of merit: ``gain_per_gpu_minute`` = (τ − 1) / (data + train GPU-minutes). τ − 1, not τ:
 the target alone makes 1 token per verify step for free, so the drafter's work is what lies
@@ -26,7 +30,7 @@ from functools import partial
 from pathlib import Path
 
 from bench import md_block
-from bench.ablation_table import H200, REPO, read_json, read_metrics
+from bench.ablation_table import H200, REPO, metrics_of, read_json, read_metrics, sibling, timeline
 from bench.entry import run, write_result
 from bench.figures_from_log import figures
 from dflash.errors import DFlashError
@@ -82,6 +86,24 @@ def from_dag(d: dict) -> dict:
                  read_json(H200 / d["data"])["seconds"])
 
 
+def from_reports(specs: set[str]) -> list[dict]:
+    """Every committed ``<spec>__bench__report.json`` of a spec in ``specs`` (not a sweep's
+    arm: those are ablation.json's) that measured τ, as a point."""
+    out = []
+    for rep_path in sorted(H200.rglob("*__bench__report.json")):
+        rep = read_json(rep_path)
+        sets = (rep.get("acceptance") or {}).get("sets") or {}
+        tau = {s: sets[s]["tau"] for s in SETS if (sets.get(s) or {}).get("tau") is not None}
+        if rep.get("spec") not in specs or not tau:
+            continue
+        line = timeline(metrics_of(rep_path))
+        data = read_json(sibling(rep_path, "data", "manifest.json"))
+        out.append(point(f"{rep['spec']} ({rep_path.parent.name})",
+                         str(rep_path.relative_to(REPO)), tau, line[max(line)][0] / 60,
+                         data["seconds"]))
+    return out
+
+
 def frontier(points: list[dict]) -> list[str]:
     """Labels of the points no other point beats on MT-Bench τ at most their total GPU-minutes
     (the sweep report's rule, :func:`dflash.eval.sweep_report.frontier`)."""
@@ -90,7 +112,9 @@ def frontier(points: list[dict]) -> list[str]:
 
 
 def collect() -> dict:
-    pts = from_ablation(read_json(H200 / "ablation.json")) + [from_dag(d) for d in DAGS]
+    specs = {p.stem for p in (REPO / "specs").glob("*.yaml")}
+    pts = (from_ablation(read_json(H200 / "ablation.json")) + [from_dag(d) for d in DAGS]
+           + from_reports(specs))
     return {"command": "python -m bench.frontier --write docs/benchmarks.md",
             "figure_of_merit": "(τ MT-Bench − 1) / (data + train GPU-minutes)",
             "gpu_minutes": "train: training steps' seconds × the run's GPU share (ablation.json); "

@@ -44,3 +44,28 @@ def test_the_frontier_rule():
     assert fr.frontier(pts) == ["cheap", "better"]
     assert p("free", 0, 1.5)["gain_per_gpu_minute"] is None
     assert p("x", 2, 1.5)["gain_per_gpu_minute"] == 0.25
+
+
+def test_a_committed_spec_run_is_a_point(tmp_path, monkeypatch):
+    """A spec's DAG run committed as <spec>__bench__report.json + its train metrics and data
+    manifest (the code drafter's, once run) becomes a point; a report without τ (a random
+    target's) and a sweep arm's (ablation.json has those) do not."""
+    h200 = tmp_path / "bench" / "results" / "h200"
+    run = h200 / "round7" / "smollm2-code"
+    run.parent.mkdir(parents=True)
+    sets = {"humaneval": {"tau": 2.5}, "mtbench": {"tau": 2.0, "tau_by_category": {}}}
+    (run.parent / "smollm2-code__bench__report.json").write_text(json.dumps(
+        {"spec": "smollm2-code", "acceptance": {"sets": sets}}))
+    (run.parent / "smollm2-code__train__metrics.jsonl").write_text("".join(
+        json.dumps({"step": i, "t": 60.0 * i, "tokens": 10}) + "\n" for i in range(4)))
+    (run.parent / "smollm2-code__data__manifest.json").write_text(json.dumps({"seconds": 90.0}))
+    for spec, rep in (("qwen3-8b-2gpu", {"acceptance": {"skipped": "random"}}),
+                      ("smollm2-recipe-1ep-ref", {"acceptance": {"sets": sets}})):
+        (run.parent / f"{spec}__bench__report.json").write_text(json.dumps({"spec": spec, **rep}))
+    monkeypatch.setattr(fr, "H200", h200)
+    monkeypatch.setattr(fr, "REPO", tmp_path)
+    [p] = fr.from_reports({"smollm2-code", "qwen3-8b-2gpu", "smollm2-quality"})
+    assert p["label"] == "smollm2-code (round7)"
+    assert p["tau"] == {"mtbench": 2.0, "humaneval": 2.5, "heldout": None}
+    assert p["gpu_minutes"] == {"data": 1.5, "train": 3.0, "total": 4.5}
+    assert p["gain_per_gpu_minute"] == round(1.0 / 4.5, 4)
