@@ -204,8 +204,11 @@ def run(ctx: StageContext) -> dict:
     drafter_dir = ctx.results / "train" / "drafter"
     tau = evaluate_tau(ctx.spec, drafter_dir, ctx.spec.topology.targets[0], ctx.results)
     t2 = time.perf_counter()
-    report = {**perf, **run_facts(ctx, source), **training_curves(metrics),
+    facts = run_facts(ctx, source)
+    report = {**perf, **facts, **training_curves(metrics),
               "tau": tau.get("tau"), "acceptance": tau,
+              "gpu_minutes": gpu_minutes(ctx, train, facts["hardware"].get("gpu_count") or 0,
+                                         t2 - t0, tau),
               # the stage's own cost by phase (the report's plots and files not counted)
               "bench_seconds": {"throughput_s": round(t1 - t0, 2), "tau_s": round(t2 - t1, 2),
                                 "total_s": round(t2 - t0, 2),
@@ -214,6 +217,23 @@ def run(ctx: StageContext) -> dict:
               "profile": _read_json(ctx.results / "train" / "profile.json"),
               "drafter_dir": str(drafter_dir)}
     return write_report(out, report, metrics, tau)
+
+
+def gpu_minutes(ctx: StageContext, train: dict, gpus: int, bench_s: float, tau: dict) -> dict:
+    """The run's GPU-minutes by stage beside its τ (issue #35's figure of merit): data (the data
+    stage's seconds on the one target GPU that generates), train (the train stage's wall × the
+    GPUs the spec holds), bench (this stage until the report; one GPU); 0 on CPU. ``gain``:
+    (τ of the primary set − 1) per data + train GPU-minute (the target alone makes τ = 1)."""
+    path = ctx.results / "data" / "manifest.json"
+    data_s = read_manifest(path, "data").get("seconds") if path.is_file() else None
+    one = min(gpus, 1)
+    out = {"data": None if data_s is None else round(data_s / 60 * one, 3),
+           "train": round((train.get("wall_s") or 0.0) / 60 * gpus, 3),
+           "bench": round(bench_s / 60 * one, 3)}
+    spent = (out["data"] or 0.0) + out["train"]
+    t = tau.get("tau")
+    return {**out, "gain_per_gpu_minute": round((t - 1) / spent, 4) if t and spent > 0 else None,
+            "gain_set": tau.get("primary_set")}
 
 
 def verify_train(ctx: StageContext) -> dict:
