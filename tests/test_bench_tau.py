@@ -171,6 +171,42 @@ def test_reference_protocol_and_train_set_in_the_report(tmp_path, exported):
         f"{c} {fmt(t)} ({train['prompts_by_category'][c]})"
         for c, t in train["tau_by_category"].items())
     assert line in md and "τ per mtbench category (prompts): " in md
+    assert "Not recorded (a report from before bench_seconds)" in md
+
+
+def test_bench_seconds_count_each_part(tmp_path, exported):
+    """The τ part's own cost (#35 item 4): loading, each set (real decoding on the first), the
+    reference protocol when on, the decode sweep (skipped on CPU), in report.json and report.md."""
+    spec = spec_with(tmp_path, eval_sets=["mtbench", "humaneval"], eval_prompts=2,
+                     eval_max_new_tokens=6, real_prompts=1, protocols=["dflash", "reference"],
+                     reference_max_new_tokens=8)
+    tau = evaluate_tau(spec, exported, "cpu", tmp_path)
+    sec = tau["seconds"]
+    assert set(sec) == {"load_s", "eval_sets_s", "reference_s", "decode_sweep_s", "sets",
+                        "hf_static_timed_s"}
+    assert sec["sets"]["mtbench"]["simulated_s"] == tau["sets"]["mtbench"]["simulated_s"] > 0
+    assert sec["sets"]["mtbench"]["real_s"] == tau["sets"]["mtbench"]["real"]["seconds"] > 0
+    assert sec["sets"]["humaneval"]["real_s"] is None  # real decoding: the first set only
+    # the sets' wall holds their simulated and real seconds; the reference ran and was timed
+    parts = sum(v["simulated_s"] + (v["real_s"] or 0) for v in sec["sets"].values())
+    assert parts <= sec["eval_sets_s"] + 0.05 and sec["reference_s"] > 0
+    assert sec["hf_static_timed_s"] is None  # no sweep on CPU
+    report = {"acceptance": tau, "bench_seconds": {"throughput_s": 1.5, "tau_s": 9.25,
+                                                   "total_s": 10.75, "tau_parts": sec}}
+    env = Environment(loader=FileSystemLoader(REPO / "dflash" / "templates"),
+                      undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    src = env.loader.get_source(env, "report.md.j2")[0]
+    md = env.from_string(src[src.index("## Where the bench"):src.index("## Step time")]
+                         ).render(r=report, fmt=fmt, ci=ci)
+    assert "Whole stage 10.8 s" in md and "τ and decoding 9.25" in md
+    assert (f"| τ mtbench: simulated + real decoding {fmt(sec['sets']['mtbench']['real_s'])} s "
+            f"| {fmt(sec['sets']['mtbench']['simulated_s'])} |") in md
+    assert f"| reference protocol | {fmt(sec['reference_s'])} |" in md
+    no_ref = dict(sec, reference_s=None)
+    md = env.from_string(src[src.index("## Where the bench"):src.index("## Step time")]
+                         ).render(r={"bench_seconds": dict(report["bench_seconds"],
+                                                           tau_parts=no_ref)}, fmt=fmt, ci=ci)
+    assert "| reference protocol | not run |" in md
 
 
 def test_bench_failure_is_one_message_naming_the_file(tmp_path, exported):

@@ -12,6 +12,7 @@ own greedy output token for token and the simulated blocks); with ``bench.protoc
 from __future__ import annotations
 
 import json
+import time
 import traceback
 from pathlib import Path
 
@@ -49,6 +50,8 @@ def evaluate_tau(spec, drafter_dir: Path, device: str, results_dir: Path | None 
     if spec.target.init == "random":
         return {"skipped": "random-weight target: acceptance is meaningless"}
     step = "loading the target (target.model, target.dtype)"
+    clock, wall = time.perf_counter, {}  # the bench stage's seconds per part (bench_seconds)
+    t = clock()
     try:
         tgt = load_target(spec.target, device, seed=spec.seed)
         step = f"loading the exported drafter {drafter_dir} (drafter.dtype)"
@@ -59,11 +62,13 @@ def evaluate_tau(spec, drafter_dir: Path, device: str, results_dir: Path | None 
         step = "loading the eval prompts (bench.eval_sets)"
         sets = load_eval_sets(spec, results_dir, tgt.tokenizer, b.eval_sets,
                               b.eval_prompts)
+        wall["load_s"], t = clock() - t, clock()
         step = (f"evaluating τ on {device} (target.dtype {spec.target.dtype}, "
                 f"drafter.dtype {spec.drafter.dtype}, bench.eval_max_new_tokens "
                 f"{b.eval_max_new_tokens}, bench.real_prompts {b.real_prompts})")
         per_set = evaluate_sets(tgt.model, drafter, embed, head, sets, b.eval_max_new_tokens,
                                 eos_ids_of(tgt), b.real_prompts, device, b.eval_batch_size)
+        wall["eval_sets_s"], t = clock() - t, clock()
         step = (f"evaluating τ under the reference protocol (bench.protocols, "
                 f"bench.reference_max_new_tokens {b.reference_max_new_tokens})")
         ref = (evaluate_reference(tgt.model, tgt.tokenizer, drafter,
@@ -73,6 +78,7 @@ def evaluate_tau(spec, drafter_dir: Path, device: str, results_dir: Path | None 
                                   b.reference_max_new_tokens, eos_ids_of(tgt), device,
                                   b.eval_batch_size)
                if "reference" in b.protocols else None)
+        wall["reference_s"] = clock() - t if ref is not None else None
     except DFlashError:
         raise
     except Exception as e:  # noqa: BLE001 - one message for the user, the traceback to a file
@@ -85,7 +91,9 @@ def evaluate_tau(spec, drafter_dir: Path, device: str, results_dir: Path | None 
             where = f" (traceback in {path})"
         raise DFlashError(f"bench: τ evaluation failed while {step}: {type(e).__name__}: "
                           f"{str(e).splitlines()[0] if str(e) else ''}{where}") from None
+    t = clock()
     speed = _decode_speed_or_failure(tgt, drafter, embed, head, sets[0], b, device, results_dir)
+    wall["decode_sweep_s"] = clock() - t
     # the headline figures are the first evaluated set's (mtbench by default)
     primary = next((k for k, v in per_set.items() if "tau" in v), None)
     first = per_set.get(primary, {})
@@ -99,7 +107,21 @@ def evaluate_tau(spec, drafter_dir: Path, device: str, results_dir: Path | None 
             "lossless": real.get("lossless"), "real_prompts": real.get("prompts"),
             "target_only_tokens_per_s": real.get("target_only_tokens_per_s"),
             "speculative_tokens_per_s": real.get("speculative_tokens_per_s"),
-            "speedup": real.get("speedup"), "decode_speed": speed}
+            "speedup": real.get("speedup"), "decode_speed": speed,
+            "seconds": part_seconds(wall, per_set, speed)}
+
+
+def part_seconds(wall: dict, per_set: dict, speed: dict) -> dict:
+    """Where the τ part of the bench stage's time went: loading (target, drafter, prompts),
+    each eval set (simulated; real decoding on the first), the reference protocol, the decode
+    sweep and, inside it, HF static generate's timed runs (its rows' seconds: the sweep's own
+    untimed warm-ups are in decode_sweep_s only)."""
+    hf = [r["hf_static"]["seconds"] for r in speed.get("batches") or () if r.get("hf_static")]
+    return {**{k: None if v is None else round(v, 2) for k, v in wall.items()},
+            "sets": {k: {"simulated_s": v.get("simulated_s"),
+                         "real_s": (v.get("real") or {}).get("seconds")}
+                     for k, v in per_set.items() if "tau" in v},
+            "hf_static_timed_s": round(sum(hf), 2) if hf else None}
 
 
 def protocols(per_set: dict, ref: dict | None, b) -> dict:
@@ -174,17 +196,44 @@ def run(ctx: StageContext) -> dict:
     a timed run), MFU against a peak measured now, τ of the exported drafter, the report."""
     out = ctx.results / "bench"
     out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
     train = verify_train(ctx)
     source, metrics = throughput_source(ctx, train, out)
     perf = throughput(ctx, source, metrics)
+    t1 = time.perf_counter()
     drafter_dir = ctx.results / "train" / "drafter"
     tau = evaluate_tau(ctx.spec, drafter_dir, ctx.spec.topology.targets[0], ctx.results)
-    report = {**perf, **run_facts(ctx, source), **training_curves(metrics),
+    t2 = time.perf_counter()
+    facts = run_facts(ctx, source)
+    report = {**perf, **facts, **training_curves(metrics),
               "tau": tau.get("tau"), "acceptance": tau,
+              "gpu_minutes": gpu_minutes(ctx, train, facts["hardware"].get("gpu_count") or 0,
+                                         t2 - t0, tau),
+              # the stage's own cost by phase (the report's plots and files not counted)
+              "bench_seconds": {"throughput_s": round(t1 - t0, 2), "tau_s": round(t2 - t1, 2),
+                                "total_s": round(t2 - t0, 2),
+                                "tau_parts": tau.get("seconds")},
               # monitor.profile_steps: the train stage's profile summary, shown as a table
               "profile": _read_json(ctx.results / "train" / "profile.json"),
               "drafter_dir": str(drafter_dir)}
     return write_report(out, report, metrics, tau)
+
+
+def gpu_minutes(ctx: StageContext, train: dict, gpus: int, bench_s: float, tau: dict) -> dict:
+    """The run's GPU-minutes by stage beside its τ (issue #35's figure of merit): data (the data
+    stage's seconds on the one target GPU that generates), train (the train stage's wall × the
+    GPUs the spec holds), bench (this stage until the report; one GPU); 0 on CPU. ``gain``:
+    (τ of the primary set − 1) per data + train GPU-minute (the target alone makes τ = 1)."""
+    path = ctx.results / "data" / "manifest.json"
+    data_s = read_manifest(path, "data").get("seconds") if path.is_file() else None
+    one = min(gpus, 1)
+    out = {"data": None if data_s is None else round(data_s / 60 * one, 3),
+           "train": round((train.get("wall_s") or 0.0) / 60 * gpus, 3),
+           "bench": round(bench_s / 60 * one, 3)}
+    spent = (out["data"] or 0.0) + out["train"]
+    t = tau.get("tau")
+    return {**out, "gain_per_gpu_minute": round((t - 1) / spent, 4) if t and spent > 0 else None,
+            "gain_set": tau.get("primary_set")}
 
 
 def verify_train(ctx: StageContext) -> dict:
