@@ -14,7 +14,8 @@
 # create_block_mask (captured too) and the 8B target's cold first call; then the whole
 # smollm2-quality DAG alone on the GPU; after it, the qwen3-8b-1gpu warm-up cold (empty compile
 # cache) and warm (the same cache) in its own results folder, the train step under
-# torch.profiler (smollm2-quality-profile), and both decoding loops in bf16 on the trained drafter.
+# torch.profiler (smollm2-quality-profile), the code drafter's DAG (smollm2-code), and both
+# decoding loops in bf16 on the trained drafter.
 #   calls 1, 2:  bash bench/gpu/session.sh stash   (carry .whl, then .whl2)
 #   (or call 1: `probes`, which also installs the small wheels and runs the probes alone)
 #   last:    bash bench/gpu/session.sh launch     (carry the last .whlN, .zlab; watches WATCH_S)
@@ -80,7 +81,10 @@ plan() {  # the round's GPU work, in the order the issues need it (what the leas
   # 3. the step under torch.profiler inside the DAG (the same env/warm-up/data, 200 steps)
   timeout 180 $SNAKE train_smollm2-quality-profile --config $CONF > "$RES/dag_profile.log" 2>&1
   stamp "profile rc=$?"; cp /tmp/r/smollm2-quality-profile/train/profile.json "$RES/" 2>/dev/null
-  # 4. both loops, ours and the reference's, on the trained drafter in bf16 (#36 item 2)
+  # 4. the in-domain code drafter (#35 item 3): its own data and train, the shared env/warm-up
+  timeout ${CODE_S:-600} $SNAKE bench_smollm2-code --config $CONF > "$RES/dag_code.log" 2>&1
+  stamp "code dag rc=$?"
+  # 5. both loops, ours and the reference's, on the trained drafter in bf16 (#36 item 2)
   D=/tmp/r/smollm2-quality/train/drafter
   if [ -d "$D" ]; then
     timeout ${REF_S:-240} python3 -m bench.gpu.reference_tau --spec specs/smollm2-quality.yaml \
