@@ -10,7 +10,7 @@ labels its work ``dflash.worker/<name>`` (:func:`worker_label`); the summary map
 thread to its worker and attributes CPU ops, runtime calls and (by correlation id) the kernels
 they launched to it. The raw trace is not kept: the summary is small, a trace is not.
 
-Owns: the profile window and its summary. Imports torch and ``dflash.manifest`` only.
+Owns: the profile window and its summary. Imports torch and ``dflash.artifacts.manifest`` only.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from ..manifest import atomic_write_text
+from ..artifacts.manifest import atomic_write_text
 
 LABEL = "dflash.worker/"
 # steps past the run's first step before the window opens: the first steps still fill the
