@@ -14,7 +14,7 @@ from pathlib import Path
 
 from dflash.decode.engine import Engine
 from dflash.decode.generate import eos_ids_of, generate_batch, sample_seed
-from dflash.spec import load_spec
+from dflash.spec.load import load_spec
 from dflash.data.sources import build_samples, tokenizer_for
 from dflash.eval.evalsets import eval_overlap
 from dflash.data.chunks import make_chunks

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dflash.errors import DFlashError
-from dflash.manifest import atomic_write_text
+from dflash.artifacts.manifest import atomic_write_text
 
 
 def run(main: Callable[[], int | None]) -> None:

@@ -21,7 +21,7 @@ from dflash.train.anchors import sample_anchors
 from dflash.models.drafter import DFlashConfig, DFlashDrafter
 from dflash.train.objective import Objective
 from dflash.train.replica import lr_lambda
-from dflash.spec import load_spec
+from dflash.spec.load import load_spec
 from dflash.models.target import load_target, target_embeddings
 
 torch.set_num_threads(1)

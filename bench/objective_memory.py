@@ -17,7 +17,7 @@ import torch
 from dflash.models.features import FeatureExtractor
 from dflash.models.target import load_target
 from dflash.models.target_output import soft_positions
-from dflash.spec import section_spec
+from dflash.spec.load import section_spec
 from dflash.train.flops import target_flops
 from dflash.train.warm import synthetic_row
 

@@ -32,7 +32,7 @@ import time
 import pyarrow.parquet as pq
 
 from dflash.data.sources import synthetic_responses, synthetic_samples
-from dflash.spec import load_spec
+from dflash.spec.load import load_spec
 from dflash.train import packing
 
 

@@ -25,7 +25,7 @@ import torch
 
 import dflash.stages.bench as bench
 import dflash.stages.data as data_stage
-from dflash.spec import load_spec
+from dflash.spec.load import load_spec
 from dflash.stages import StageContext
 from dflash.train.flops import datasheet_peak
 

@@ -41,7 +41,7 @@ import torch
 
 from dflash.models.drafter import DFlashConfig, DFlashDrafter
 from dflash.models.target import hf_config, layer_ids
-from dflash.spec import load_spec
+from dflash.spec.load import load_spec
 from dflash.train.flops import drafter_flops_per_step
 
 REPO = Path(__file__).resolve().parents[1]  # dflash itself: the installed package

@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from dflash.runtime.harness import REPO, copy_workflow, snakemake
-from dflash.sweeps import load_sweep
+from dflash.spec.sweeps import load_sweep
 
 
 def _job_stats(out: str) -> dict[str, int]:

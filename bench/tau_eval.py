@@ -35,7 +35,7 @@ from dflash.eval.tau import evaluate_sets
 from dflash.models.drafter import load_drafter
 from dflash.models.dtypes import dtype_of
 from dflash.models.target import load_target, target_embeddings
-from dflash.spec import load_spec
+from dflash.spec.load import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 

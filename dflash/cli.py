@@ -16,13 +16,13 @@ from .errors import DFlashError
 # The one dispatch table. Stages: dflash.stages.<name>.run(ctx), what Snakemake's rules run;
 # imported by name, and no stage module imports another (what two stages share lives in the
 # library: the bench stage's timed run is dflash.train.trainer), so no stage's code fingerprint
-# (dflash.code_fingerprint) includes another stage module. Tools: dflash.<module>.main(argv)
+# (dflash.artifacts.code_fingerprint) includes another stage module. Tools: dflash.<module>.main(argv)
 # takes the rest of the command line.
 STAGES = ("env", "warmup", "data", "train", "bench")
 TOOLS = {
     "audit": ("env.audit", "pinned vs live environment; non-zero on drift"),
     "check-env": ("env.drift", "this interpreter against results/<spec>/env; exit 1 on drift"),
-    "link": ("sharing", "results/<spec>/<stage> as hard links to a shared store entry"),
+    "link": ("artifacts.sharing", "results/<spec>/<stage> as hard links to a shared store entry"),
     "lock-from-freeze": ("env.freeze", "an adopt-mode lock from `pip list --format=freeze`"),
     "generate": ("generate", "try a trained drafter on prompts: answers, τ, speed-up, lossless"),
     "export-check": ("models.export_check", "is an exported drafter folder intact (checksums)"),
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("spec", help="specs/<name>.yaml")
         p.add_argument("--results", default="results", help="results root (default: results)")
         p.add_argument("--at", help="the folder the stage writes its <stage>/ into "
-                       "(default: <results>/<spec>; Snakemake's shared store, dflash.sharing)")
+                       "(default: <results>/<spec>; Snakemake's shared store, dflash.artifacts.sharing)")
         p.add_argument("--env-at", help="the folder whose env/ the stage checks (default: --at)")
     p = sub.add_parser("validate", help="check specs or sweeps (schema, cross-field rules, data, "
                                         "devices) and print their budgets")
@@ -85,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
             return importlib.import_module(f"dflash.{TOOLS[a.cmd][0]}").main(argv[1:])
         if a.cmd == "validate":
             # by name, like the stages: validate's checks stay out of every stage's code
-            # fingerprint (dflash.code_fingerprint follows static imports only)
-            return importlib.import_module("dflash.validate").validate(
+            # fingerprint (dflash.artifacts.code_fingerprint follows static imports only)
+            return importlib.import_module("dflash.spec.validate").validate(
                 a.specs, not a.no_devices, a.results, show=a.show)
         run_stage(a.cmd, a.spec, a.results, a.at, a.env_at)
         return 0

@@ -18,7 +18,7 @@ from .eval.serving import pair
 from .models.drafter import load_drafter, verify_export
 from .models.dtypes import dtype_of
 from .models.target import load_target, target_embeddings
-from .spec import load_spec
+from .spec.load import load_spec
 
 
 def read_prompts(args) -> list[str]:

@@ -22,7 +22,7 @@ class Setting:
 
 SETTINGS = (
     Setting("DFLASH_CACHE", ".cache/dflash",
-            "converted targets and the per-environment compile caches (dflash.cache)"),
+            "converted targets and the per-environment compile caches (dflash.artifacts.cache)"),
     Setting("DFLASH_VENV_DIR", "", "where build-mode venvs live; unset: ./.venvs (dflash.env.venv)"),
     Setting("DFLASH_WHEEL_DIR", "", "adopt mode: the wheels of the image's overlay lock when "
             "env.wheel_dir is unset (dflash.env.overlay)"),

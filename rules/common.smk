@@ -13,14 +13,14 @@ sys.path.insert(0, workflow.basedir)
 
 from snakemake.cli import get_argument_parser
 
-from dflash.code_fingerprint import stage_code_fingerprint
+from dflash.artifacts.code_fingerprint import stage_code_fingerprint
 from dflash.data.check import check_data
 from dflash.errors import DFlashError
 from dflash.eval.report import PLOTS
-from dflash.manifest import check_output, sha256_file
+from dflash.artifacts.manifest import check_output, sha256_file
 from dflash.runtime import resources
-from dflash.spec import load_spec
-from dflash.sweeps import load_sweeps, materialise
+from dflash.spec.load import load_spec
+from dflash.spec.sweeps import load_sweeps, materialise
 
 
 def _load_specs():
@@ -103,7 +103,7 @@ GPU_JOBS = config["gpu_jobs"]  # jobs per CUDA device (config/config.schema.yaml
 
 
 def _load_sweep_arms():
-    """sweeps/<name>.yaml: each arm becomes a spec (dflash/sweeps.py), its merged file (under
+    """sweeps/<name>.yaml: each arm becomes a spec (dflash/spec/sweeps.py), its merged file (under
     results/<sweep>.sweep/specs/, for the stages to read) written by `spec_file` when a job of
     the arm is planned, never at parse; rules/sweeps.smk adds bench_<sweep>."""
     try:
@@ -121,7 +121,7 @@ wildcard_constraints:
 
 def code_hash(stage):
     """Content hash of the package code and data the stage runs: its module's import closure
-    inside dflash/ (computed, see dflash/code_fingerprint.py). Editing dflash/train/scheduler.py
+    inside dflash/ (computed, see dflash/artifacts/code_fingerprint.py). Editing dflash/train/scheduler.py
     reruns warmup, train and bench; editing the report template reruns bench only."""
     return stage_code_fingerprint(stage, Path(workflow.basedir, "dflash"))
 
@@ -167,7 +167,7 @@ onstart:
 
 def intact(stage):
     """An input function that adds no input: it checks the stage's own output by content first
-    (dflash.manifest.check_output). A damaged one (an edited manifest, a changed dataset or
+    (dflash.artifacts.manifest.check_output). A damaged one (an edited manifest, a changed dataset or
     drafter file) is set aside, so the output is missing and Snakemake reruns the stage, even
     in a dry run (`snakemake -n` shows it), with no --forcerun."""
 

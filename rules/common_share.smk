@@ -1,5 +1,5 @@
 # Functions of the shared stores and sweeps (rules/share.smk, rules/sweeps.smk): upstream stages
-# shared by content (dflash/sharing.py). The env, warmup and data rules run once
+# shared by content (dflash/artifacts/sharing.py). The env, warmup and data rules run once
 # per store key: results/.shared/<stage>-<key>/<stage>/, the key being the content their params
 # carry (spec fields + code fingerprint + lock, or the env's key). `link_stage` then makes each
 # spec's results/<spec>/<stage>/ a folder of hard links to it (a local job, well under a second),
@@ -7,8 +7,8 @@
 # fields (a γ sweep) run the data stage once.
 from types import SimpleNamespace
 
-from dflash.sharing import SHARED_STAGES, share_key, store_root
-from dflash.sweeps import sweep_dir
+from dflash.artifacts.sharing import SHARED_STAGES, share_key, store_root
+from dflash.spec.sweeps import sweep_dir
 
 CODE = {st: code_hash(st) for st in SHARED_STAGES}
 
@@ -116,7 +116,7 @@ def shared_params(stage):
 
 def link_cmd():
     """The link_stage job: results/<spec>/<stage>/ = hard links to the store entry, and the
-    entry's log and Snakemake benchmark under the spec's names (dflash/sharing.py main)."""
+    entry's log and Snakemake benchmark under the spec's names (dflash/artifacts/sharing.py main)."""
     return ("{params.python:q} -m dflash link {params.store:q} {wildcards.stage:q} "
             "{params.dest:q} --log {log:q} --also {params.src_log:q} {log:q} "
             "--also {params.src_bench:q} {params.dst_bench:q}")

@@ -1,4 +1,4 @@
-# Upstream stages shared by content (dflash/sharing.py; functions in rules/common_share.smk):
+# Upstream stages shared by content (dflash/artifacts/sharing.py; functions in rules/common_share.smk):
 # the env, warmup and data rules run once per store key, results/.shared/<stage>-<key>/<stage>/;
 # `link_stage` makes each spec's results/<spec>/<stage>/ a folder of hard links to it (a local
 # job, well under a second), so train and bench read their inputs where they always did.

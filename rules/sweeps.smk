@@ -1,4 +1,4 @@
-# Sweeps (sweeps/<name>.yaml, dflash/sweeps.py): every arm is a spec (rules/common.smk loads
+# Sweeps (sweeps/<name>.yaml, dflash/spec/sweeps.py): every arm is a spec (rules/common.smk loads
 # them), with the usual env_/warmup_/data_/train_/bench_<sweep>-<arm> targets. Here:
 # bench_<sweep> = every arm through bench + the sweep report (one table and plot over the arms,
 # results/<sweep>.sweep/report.{json,md} and sweep.png, also in `snakemake --report`).

@@ -2,7 +2,7 @@
 
 A table of malformed specs, each made from a valid copy of specs/tiny.yaml: every one is refused
 with ONE message that names the spec file and the field path, a non-zero exit, no traceback and
-nothing under results/. Most cases run in-process through ``dflash.spec.load_spec`` (what every
+nothing under results/. Most cases run in-process through ``dflash.spec.load.load_spec`` (what every
 command calls first); a representative handful run through the real CLI (`dflash validate`, and
 stage commands) to prove the user-facing path. Plus: broken data lines, a lock file with a bad
 hash, a missing lock and a missing target model.
@@ -24,8 +24,8 @@ from dflash.cli import main
 from dflash.data.prompts import load_prompts
 from dflash.errors import DFlashError, SpecError
 from dflash.models import target as T
-from dflash.spec import check_devices, load_spec, parse_spec
-from dflash.spec_types import TargetSpec
+from dflash.spec.load import check_devices, load_spec, parse_spec
+from dflash.spec.types import TargetSpec
 from dflash.stages import StageContext
 from dflash.stages import env as env_stage
 

@@ -12,7 +12,7 @@ import torch
 from dflash.env.facts import hardware_facts
 from dflash.eval.report import render_report_md
 from dflash.models.drafter import DFlashConfig
-from dflash.spec import load_spec
+from dflash.spec.load import load_spec
 from dflash.train.flops import (datasheet_peak, drafter_cost, mfu_against_datasheet, project_tokens_per_s,
                                target_side, worker_balance)
 

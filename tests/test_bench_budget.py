@@ -7,8 +7,8 @@ from pathlib import Path
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
 from dflash.eval.report import ci, fmt
-from dflash.manifest import write_manifest
-from dflash.spec import load_spec
+from dflash.artifacts.manifest import write_manifest
+from dflash.spec.load import load_spec
 from dflash.stages import StageContext
 from dflash.stages.bench import gpu_minutes
 

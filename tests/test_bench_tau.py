@@ -19,7 +19,7 @@ from dflash.models.drafter import DFlashConfig, DFlashDrafter, export_drafter
 from dflash.models.masks import PackedRow
 from dflash.train.anchors import sample_anchors
 from dflash.models.target import load_target
-from dflash.spec import load_spec
+from dflash.spec.load import load_spec
 from dflash.stages.bench import decode_speed, evaluate_tau
 from dflash.train.workers import initial_state, make_replicas
 

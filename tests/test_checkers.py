@@ -10,7 +10,7 @@ import torch
 
 from dflash.models.drafter import DFlashConfig
 from dflash.runtime import faults as fi
-from dflash.spec import load_spec
+from dflash.spec.load import load_spec
 from dflash.train.books import EpochLedger
 from dflash.train.trainer import check_replicas
 from dflash.train.workers import initial_state, make_replicas

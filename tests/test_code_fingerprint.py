@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from dflash.code_fingerprint import PACKAGE_DIR, stage_code_fingerprint, stage_files
+from dflash.artifacts.code_fingerprint import PACKAGE_DIR, stage_code_fingerprint, stage_files
 
 STAGES = ("env", "warmup", "data", "train", "bench")
 
@@ -19,7 +19,7 @@ def _names(stage, root=PACKAGE_DIR) -> set[str]:
 def test_every_stage_runs_the_cli_and_reads_the_schema():
     for stage in STAGES:
         names = _names(stage)
-        assert {"__init__.py", "__main__.py", "cli.py", "schema/spec.schema.yaml"} <= names, stage
+        assert {"__init__.py", "__main__.py", "cli.py", "spec/schema/spec.schema.yaml"} <= names, stage
 
 
 def test_the_report_template_belongs_to_bench_only():

@@ -11,7 +11,7 @@ import pytest
 from dflash.data import sources
 from dflash.data.self_written import CATEGORIES, CATEGORIES_FILE, user_turn_prefix, write_prompts
 from dflash.eval.evalsets import eval_overlap, load_humaneval
-from dflash.spec import load_spec
+from dflash.spec.load import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 

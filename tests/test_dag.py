@@ -15,7 +15,7 @@ import sys
 import pytest
 import yaml
 
-from dflash.manifest import read_manifest, write_manifest
+from dflash.artifacts.manifest import read_manifest, write_manifest
 from dflash.runtime.harness import REPO, copy_workflow, job_counts, snakemake, stage_env
 
 pytestmark = pytest.mark.e2e
@@ -187,9 +187,9 @@ def test_module_edit_reruns_every_stage_that_imports_it(wf, module, reruns):
 
 
 def test_comment_or_docstring_edit_reruns_nothing(wf):
-    """Code fingerprints hash what runs: a comment in manifest.py (every stage imports it) or a
+    """Code fingerprints hash what runs: a comment in artifacts/manifest.py (every stage imports it) or a
     reworded docstring reruns no stage."""
-    with _rewritten(wf / "dflash" / "manifest.py", lambda t: t + "\n# a note\n"), \
+    with _rewritten(wf / "dflash" / "artifacts" / "manifest.py", lambda t: t + "\n# a note\n"), \
             _rewritten(wf / "dflash" / "train" / "scheduler.py",
                        lambda t: t.replace('"""', '"""Reworded. ', 1)):
         assert _would_run(wf) == {}

@@ -21,7 +21,7 @@ from dflash.errors import DFlashError, StaleArtifact
 from dflash.eval.evalsets import mtbench_questions
 from dflash.models.target import load_target, tokenizer_dir
 from dflash.runtime import faults
-from dflash.spec import parse_spec
+from dflash.spec.load import parse_spec
 from dflash.stages import StageContext
 from dflash.stages import data as data_stage
 

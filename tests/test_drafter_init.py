@@ -11,7 +11,7 @@ from dflash.models.drafter import DFlashConfig, DFlashDrafter
 from dflash.models.drafter_init import target_layers_state
 from dflash.models.masks import PackedRow
 from dflash.models.target import load_target
-from dflash.spec import load_spec
+from dflash.spec.load import load_spec
 from dflash.train.workers import initial_state, make_replicas
 
 REPO = Path(__file__).resolve().parents[1]

@@ -26,8 +26,8 @@ from dflash.env import lock as env_lock
 from dflash.env import overlay
 from dflash.env import venv as env_venv
 from dflash.errors import DFlashError, EnvDrift, SpecError
-from dflash.manifest import read_manifest
-from dflash.spec import parse_spec
+from dflash.artifacts.manifest import read_manifest
+from dflash.spec.load import parse_spec
 from dflash.stages import StageContext
 from dflash.stages import env as env_stage
 

@@ -18,7 +18,7 @@ from test_scheduler import SPEC, _dataset
 from dflash.cli import main
 from dflash.errors import SpecError
 from dflash.models.drafter import DFlashConfig
-from dflash.spec import parse_spec
+from dflash.spec.load import parse_spec
 from dflash.train import checkpoint as ckpt
 from dflash.train import cache_budget as cb
 from dflash.train import feature_cache as fc

@@ -12,7 +12,7 @@ import pytest
 from bench import mfu_denominators
 from bench.gpu import drafter_step
 from dflash.models.drafter import DFlashConfig
-from dflash.spec import load_spec
+from dflash.spec.load import load_spec
 from dflash.train.flops import datasheet_peak, drafter_flops_per_step, drafter_useful_flops, mfu_against_datasheet
 
 REPO = Path(__file__).resolve().parents[1]

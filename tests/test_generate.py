@@ -15,7 +15,7 @@ from dflash.data.generate import generate_chunks
 from dflash.data.prompts import load_prompts, render_prompt
 from dflash.errors import DFlashError
 from dflash.models.target import load_target
-from dflash.spec import section_spec
+from dflash.spec.load import section_spec
 
 TARGET = section_spec("target", {"model": "smollm2-135m-instruct", "init": "pretrained",
                                  "dtype": "float32", "num_feature_layers": 5})

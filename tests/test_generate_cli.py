@@ -7,7 +7,7 @@ import torch
 from dflash.cli import main
 from dflash.models.drafter import DFlashConfig, DFlashDrafter, export_drafter
 from dflash.models.target import hf_config, layer_ids
-from dflash.spec import load_spec
+from dflash.spec.load import load_spec
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from dflash.errors import SpecError
 from dflash.models.drafter import DFlashConfig
 from dflash.models.masks import IGNORE_INDEX, PackedRow
 from dflash.models.target_output import TargetOutput
-from dflash.spec import parse_spec
+from dflash.spec.load import parse_spec
 from dflash.train.graph_step import GraphStep, graph_step_on, restore, snapshot
 from dflash.train.objective import Objective
 from dflash.train.replica import lr_lambda, make_optimizer

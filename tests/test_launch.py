@@ -12,7 +12,7 @@ from dflash.errors import SpecError
 from dflash.runtime.distributed import select_local_gpus
 from dflash.runtime.harness import REPO, copy_workflow, snakemake
 from dflash.runtime.launch import first_host, torchrun_args
-from dflash.spec import load_spec
+from dflash.spec.load import load_spec
 
 
 def _spec(tmp_path, nodes=2, rendezvous="auto", targets=("cpu",), drafters=("cpu", "cpu")):

@@ -10,16 +10,20 @@ PKG = Path(dflash.__file__).parent
 # room -> the rooms it may import (the top-level modules are the room "top")
 MAY_IMPORT = {
     "top": {"top"},
-    "runtime": {"top", "runtime"},
-    "models": {"top", "models"},
-    "decode": {"top", "runtime", "models", "decode"},
-    "data": {"top", "runtime", "models", "decode", "data"},
-    "train": {"top", "runtime", "models", "data", "train"},
-    "eval": {"top", "runtime", "models", "data", "decode", "eval"},
-    "env": {"top", "env"},
-    "stages": {"top", "runtime", "models", "decode", "data", "train", "eval", "env", "stages"},
+    "artifacts": {"top", "artifacts"},
+    "spec": {"top", "artifacts", "spec"},
+    "runtime": {"top", "artifacts", "spec", "runtime"},
+    "models": {"top", "artifacts", "spec", "models"},
+    "decode": {"top", "artifacts", "spec", "runtime", "models", "decode"},
+    "data": {"top", "artifacts", "spec", "runtime", "models", "decode", "data"},
+    "train": {"top", "artifacts", "spec", "runtime", "models", "data", "train"},
+    "eval": {"top", "artifacts", "spec", "runtime", "models", "data", "decode", "eval"},
+    "env": {"top", "artifacts", "spec", "env"},
+    "stages": {"top", "artifacts", "spec", "runtime", "models", "decode", "data", "train", "eval", "env",
+               "stages"},
 }
-ENTRY_POINTS = {"dflash.cli", "dflash.__main__", "dflash.validate", "dflash.generate"}  # above every room: commands
+# above every room: commands
+ENTRY_POINTS = {"dflash.cli", "dflash.__main__", "dflash.spec.validate", "dflash.generate"}
 
 
 def _module(pkg: Path, path: Path) -> str:
@@ -37,23 +41,33 @@ def _is_module(pkg: Path, mod: str) -> bool:
     return p.with_suffix(".py").is_file() or (p / "__init__.py").is_file()
 
 
-def _imports(pkg: Path, path: Path, top_level_only: bool) -> set[str]:
-    """The dflash modules ``path`` imports (at any depth, or at its head only)."""
+def _import_froms(pkg: Path, path: Path, top_level_only: bool = False):
+    """``(base, name, asname, is_module)`` of each ``from X import name`` in ``path`` whose
+    (resolved) base is in dflash, and ``(name, None, asname, True)`` of each ``import dflash.x``:
+    the one walk both checks below read imports with."""
     mod = _module(pkg, path)
     here = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
     tree = ast.parse(path.read_text())
-    out = set()
     for n in (tree.body if top_level_only else ast.walk(tree)):
         if isinstance(n, ast.Import):
-            out |= {a.name for a in n.names}
+            for a in n.names:
+                if a.name.startswith("dflash."):
+                    yield a.name, None, a.asname, True
         elif isinstance(n, ast.ImportFrom):
             base = n.module or ""
             if n.level:
                 up = here.split(".")[:len(here.split(".")) - (n.level - 1)]
                 base = ".".join(up + ([base] if base else []))
+            if base != "dflash" and not base.startswith("dflash."):
+                continue
             for a in n.names:
-                sub = f"{base}.{a.name}"
-                out.add(sub if _is_module(pkg, sub) else base)
+                yield base, a.name, a.asname, _is_module(pkg, f"{base}.{a.name}")
+
+
+def _imports(pkg: Path, path: Path, top_level_only: bool) -> set[str]:
+    """The dflash modules ``path`` imports (at any depth, or at its head only)."""
+    out = {f"{base}.{name}" if name and is_mod else base
+           for base, name, _, is_mod in _import_froms(pkg, path, top_level_only)}
     return {m for m in out if m.startswith("dflash.")}
 
 
@@ -97,24 +111,15 @@ def private_imports(pkg: Path) -> list[str]:
     bad = []
     for path in _files(pkg):
         mod = _module(pkg, path)
-        here = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
-        tree = ast.parse(path.read_text())
         modules = set()  # local names bound to dflash modules
-        for n in ast.walk(tree):
-            if isinstance(n, ast.ImportFrom):
-                base = n.module or ""
-                if n.level:
-                    up = here.split(".")[:len(here.split(".")) - (n.level - 1)]
-                    base = ".".join(up + ([base] if base else []))
-                if not base.startswith("dflash"):
-                    continue
-                for a in n.names:
-                    if _is_module(pkg, f"{base}.{a.name}"):
-                        modules.add(a.asname or a.name)
-                    elif a.name.startswith("_") and not a.name.startswith("__"):
-                        bad.append(f"{mod} imports {base}.{a.name}")
-            elif isinstance(n, ast.Import):
-                modules |= {a.asname for a in n.names if a.asname and a.name.startswith("dflash.")}
+        for base, name, asname, is_mod in _import_froms(pkg, path):
+            if name is None:  # `import dflash.x as y`
+                modules |= {asname} if asname else set()
+            elif is_mod:
+                modules.add(asname or name)
+            elif name.startswith("_") and not name.startswith("__"):
+                bad.append(f"{mod} imports {base}.{name}")
+        tree = ast.parse(path.read_text())
         bad += [f"{mod} uses {n.value.id}.{n.attr}" for n in ast.walk(tree)
                 if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
                 and n.value.id in modules and n.attr.startswith("_")
@@ -130,9 +135,9 @@ def test_a_private_import_is_seen(tmp_path):
     pkg = tmp_path / "dflash"
     shutil.copytree(PKG, pkg, ignore=shutil.ignore_patterns("__pycache__"))
     ckpt = pkg / "train" / "checkpoint.py"
-    ckpt.write_text(ckpt.read_text() + "\nfrom ..manifest import _x\nfrom ..runtime import faults\n"
+    ckpt.write_text(ckpt.read_text() + "\nfrom ..artifacts.manifest import _x\nfrom ..runtime import faults\n"
                     "faults._y\n")
-    assert private_imports(pkg) == ["dflash.train.checkpoint imports dflash.manifest._x",
+    assert private_imports(pkg) == ["dflash.train.checkpoint imports dflash.artifacts.manifest._x",
                                     "dflash.train.checkpoint uses faults._y"]
 
 
@@ -151,3 +156,8 @@ def test_an_upward_import_and_a_cycle_are_seen(tmp_path):
     masks.write_text(masks.read_text() + "\nfrom ..train.objective import Objective\n")
     assert "dflash.models.masks -> dflash.train.objective" in upward_imports(pkg)
     assert any("dflash.models.masks" in c for c in import_cycles(pkg))  # objective imports masks
+    # artifacts/ stands below spec/ (the spec's types fingerprint through the manifest helper)
+    manifest = pkg / "artifacts" / "manifest.py"
+    manifest.write_text(manifest.read_text() + "\nfrom ..spec.load import load_spec\n")
+    assert "dflash.artifacts.manifest -> dflash.spec.load" in upward_imports(pkg)
+    assert any("dflash.artifacts.manifest" in c for c in import_cycles(pkg))

@@ -15,7 +15,7 @@ from dflash.decode.generate import eos_ids_of
 from dflash.errors import DFlashError
 from dflash.eval.evalsets import heldout_prompts
 from dflash.eval.tau import greedy_continuations, target_features
-from dflash.manifest import atomic_write_json
+from dflash.artifacts.manifest import atomic_write_json
 from dflash.models.drafter import (
     DFlashConfig,
     DFlashDrafter,
@@ -30,7 +30,7 @@ from dflash.models.drafter import (
 from dflash.models.masks import IGNORE_INDEX, PackedRow, dense_mask, flex_block_mask
 from dflash.train.anchors import sample_anchors
 from dflash.models.target import default_layer_ids, load_target, target_embeddings
-from dflash.spec import load_spec
+from dflash.spec.load import load_spec
 from dflash.train.objective import Objective
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

@@ -23,7 +23,7 @@ from dflash.eval.report import fmt, tau_from_accuracy, throughput_windows
 from dflash.runtime.gate import Gate
 from dflash.runtime.harness import REPO, copy_workflow, snakemake
 from dflash.runtime.status import StatusReporter, main
-from dflash.spec import parse_spec
+from dflash.spec.load import parse_spec
 from dflash.stages.warmup import heartbeat
 from dflash.train import budget as bud
 from dflash.train import tracker

@@ -19,7 +19,7 @@ from dflash.models.masks import IGNORE_INDEX, PackedRow
 from dflash.train.anchors import loss_weights, sample_anchors
 from dflash.models.target import load_target
 from dflash.models.target_output import SoftLabels, TargetOutput, soft_positions
-from dflash.spec import parse_spec, section_spec
+from dflash.spec.load import parse_spec, section_spec
 from dflash.train.head_loss import balanced_chunk, head_backend, head_cross_entropy
 from dflash.train.objective import Objective
 from dflash.train.warm import synthetic_output, synthetic_row, warm_replica

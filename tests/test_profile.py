@@ -15,7 +15,7 @@ from dflash.env.facts import hardware_facts
 from dflash.runtime.harness import REPO
 
 from dflash.eval.report import render_report_md
-from dflash.spec import parse_spec
+from dflash.spec.load import parse_spec
 from dflash.train.packing import StepMap, bucket_for, pack_row, plan_epoch
 from dflash.train.profile import LABEL, OFFSET_STEPS, Ev, StepProfiler, summarise, window_for
 from dflash.train.scheduler import Pipeline

@@ -21,7 +21,7 @@ from dflash.data.sources import build_samples
 from dflash.errors import DFlashError
 from dflash.eval.evalsets import eval_overlap, is_mtbench, mtbench_questions
 from dflash.models.target import tokenizer_dir
-from dflash.spec import parse_spec
+from dflash.spec.load import parse_spec
 
 
 def load_mtbench(n=None):

@@ -16,7 +16,7 @@ from dflash.eval.evalsets import load_eval_sets, train_prompts, user_prompt
 from dflash.eval.reference import reference_questions, second_turn_prompt
 from dflash.eval.tau import greedy_continuations, summarize, target_features, walk_chain
 from dflash.models.target import load_target
-from dflash.spec import load_spec
+from dflash.spec.load import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -13,7 +13,7 @@ import torch
 
 from dflash.models.drafter import DFlashConfig
 from dflash.runtime.status import busy_fractions
-from dflash.spec import parse_spec
+from dflash.spec.load import parse_spec
 from dflash.train.packing import bucket_for, pack_row, plan_epoch
 from dflash.train.packing import StepMap
 from dflash.train.scheduler import Pipeline, WorkerFailed

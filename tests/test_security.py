@@ -27,7 +27,7 @@ import dflash.stages.env
 from dflash.cli import main
 from dflash.errors import SpecError
 from dflash.runtime.resources import srun
-from dflash.spec import load_spec, parse_spec, schema
+from dflash.spec.load import load_spec, parse_spec, schema
 from dflash.stages import results_dir
 
 REPO = Path(__file__).resolve().parents[1]

@@ -21,7 +21,7 @@ from dflash.eval.evalsets import (
     load_humaneval,
     mtbench_questions,
 )
-from dflash.spec import parse_spec, section_spec
+from dflash.spec.load import parse_spec, section_spec
 from dflash.stages import StageContext
 from dflash.stages import data as data_stage
 

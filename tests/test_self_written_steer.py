@@ -23,10 +23,10 @@ from dflash.data.self_written import (
 )
 from dflash.errors import DFlashError, SpecError
 from dflash.eval.evalsets import eval_overlap
-from dflash.spec import load_spec, parse_spec, schema, section_spec
+from dflash.spec.load import load_spec, parse_spec, schema, section_spec
 from dflash.stages import StageContext
 from dflash.stages import data as data_stage
-from dflash.sweeps import load_sweep
+from dflash.spec.sweeps import load_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 SW = section_spec("data", {"source": CHATTERBOT}).self_written

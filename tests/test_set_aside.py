@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from dflash.errors import StaleArtifact
-from dflash.manifest import check_output, set_aside_note, sha256_file, write_manifest
-from dflash.spec import load_spec
+from dflash.artifacts.manifest import check_output, set_aside_note, sha256_file, write_manifest
+from dflash.spec.load import load_spec
 from dflash.stages import StageContext
 from dflash.stages.bench import verify_train
 

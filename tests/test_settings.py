@@ -8,7 +8,7 @@ import re
 import pytest
 
 from dflash import settings
-from dflash.code_fingerprint import PACKAGE_DIR
+from dflash.artifacts.code_fingerprint import PACKAGE_DIR
 from dflash.runtime.harness import REPO
 
 NAMES = {s.name for s in settings.SETTINGS}

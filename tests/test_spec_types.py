@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from dflash.errors import SpecError
-from dflash.spec import load_spec, schema, section_spec
-from dflash.spec_types import SECTIONS, SelfWrittenSpec, SourceSpec, Spec
+from dflash.spec.load import load_spec, schema, section_spec
+from dflash.spec.types import SECTIONS, SelfWrittenSpec, SourceSpec, Spec
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC_FILES = sorted((REPO / "specs").glob("*.yaml")) + [REPO / "tests" / "specs" / "micro.yaml"]

@@ -15,7 +15,7 @@ import shutil
 import pytest
 import yaml
 
-from dflash.manifest import sha256_file
+from dflash.artifacts.manifest import sha256_file
 from dflash.runtime.harness import copy_workflow, job_counts, snakemake
 
 pytestmark = pytest.mark.e2e

@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from dflash.eval.sweep_report import frontier, write
-from dflash.manifest import write_manifest
+from dflash.artifacts.manifest import write_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 # arm -> (train wall s, data s, τ mtbench, τ coding, τ humaneval)

@@ -1,5 +1,5 @@
-"""Spec inheritance (dflash.inherit), sweep files (dflash.sweeps) and the shared-stage store's
-hard links (dflash.sharing), without running a stage: seconds in all."""
+"""Spec inheritance (dflash.spec.inherit), sweep files (dflash.spec.sweeps) and the shared-stage store's
+hard links (dflash.artifacts.sharing), without running a stage: seconds in all."""
 from __future__ import annotations
 
 import os
@@ -13,9 +13,9 @@ import yaml
 
 from dflash.errors import SpecError, StaleArtifact
 from dflash.runtime.harness import REPO
-from dflash.sharing import link_stage, share_key
-from dflash.spec import load_spec
-from dflash.sweeps import load_sweep, load_sweeps, materialise
+from dflash.artifacts.sharing import link_stage, share_key
+from dflash.spec.load import load_spec
+from dflash.spec.sweeps import load_sweep, load_sweeps, materialise
 
 MICRO = REPO / "tests" / "specs" / "micro.yaml"
 

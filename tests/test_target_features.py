@@ -17,7 +17,7 @@ from dflash.models.drafter import extract_features
 from dflash.models.masks import document_block_mask, document_dense_mask
 from dflash.models.features import FeatureExtractor, compile_backend
 from dflash.models.target import hf_config, layer_ids, load_target
-from dflash.spec import load_spec, section_spec
+from dflash.spec.load import load_spec, section_spec
 from dflash.train.warm import synthetic_row, warm_target_features, warm_targets
 from dflash.train.workers import buckets
 

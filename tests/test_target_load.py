@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from dflash.models.target import dropped_layer_keys, hf_config, load_target
-from dflash.spec import section_spec
+from dflash.spec.load import section_spec
 
 MICRO = section_spec("target", {"model": "llama-micro", "init": "random", "dtype": "float32",
                                 "num_feature_layers": 3})

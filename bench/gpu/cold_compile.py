@@ -60,7 +60,7 @@ from pathlib import Path
 import torch._inductor.config as inductor_config
 
 from bench.gpu.cold_probe import ARMS, ENV_KEYS, ROOT, cache_counts, child, usable_cores
-from dflash.manifest import atomic_write_json
+from dflash.artifacts.manifest import atomic_write_json
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from torch.nn.attention.flex_attention import flex_attention
 from transformers import Qwen3Config
 
 from dflash import settings
-from dflash.manifest import atomic_write_json, file_lock
+from dflash.artifacts.manifest import atomic_write_json, file_lock
 from dflash.models.drafter import head_dim_of
 from dflash.models.features import FeatureExtractor
 from dflash.models.masks import document_block_mask, document_dense_mask
@@ -28,7 +28,7 @@ from dflash.models.target import hf_config, load_target
 from dflash.models.target_graph import CapturedFeatures
 from dflash.runtime.gate import get_gate
 from dflash.runtime.tracing import worker_thread_setup
-from dflash.spec import section_spec
+from dflash.spec.load import section_spec
 from dflash.train.warm import synthetic_row
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -56,7 +56,7 @@ from dflash.eval.tau import simulate, summarize
 from dflash.models.drafter import DFlashConfig, DFlashDrafter, load_drafter
 from dflash.models.dtypes import dtype_of
 from dflash.models.target import default_layer_ids, load_target
-from dflash.spec import load_spec
+from dflash.spec.load import load_spec
 
 
 REPO = Path(__file__).resolve().parents[2]

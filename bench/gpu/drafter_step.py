@@ -23,7 +23,7 @@ from dflash.models.drafter import DFlashConfig
 from dflash.models.dtypes import dtype_of
 from dflash.runtime.gate import get_gate
 from dflash.runtime.tracing import worker_thread_setup
-from dflash.spec import load_spec
+from dflash.spec.load import load_spec
 from dflash.train.flops import drafter_useful_flops, measure_peak_flops
 from dflash.train.warm import synthetic_output, synthetic_row, warm_replica
 from dflash.train.workers import buckets, initial_state, make_replicas

@@ -59,7 +59,7 @@ from dflash.models.drafter import DFlashConfig
 from dflash.models.dtypes import dtype_of
 from dflash.runtime.gate import get_gate
 from dflash.runtime.tracing import worker_thread_setup
-from dflash.spec import load_spec
+from dflash.spec.load import load_spec
 from dflash.train.flops import drafter_useful_flops, measure_peak_flops
 from dflash.train.graph_step import GraphStep, restore, snapshot
 from dflash.train.replica import make_optimizer

@@ -50,7 +50,7 @@ from dflash.models.masks import document_block_mask, document_mask_mod
 from dflash.models.features import FeatureExtractor
 from dflash.models.target import hf_config, layer_ids, load_target
 from dflash.runtime.tracing import worker_thread_setup
-from dflash.spec import section_spec
+from dflash.spec.load import section_spec
 from dflash.train.flops import best_seconds_per_call as timed
 from dflash.train.flops import measure_peak_flops, target_flops
 

@@ -34,7 +34,7 @@ from dflash.models.masks import attention_backend, document_block_mask, document
 from dflash.models.features import FeatureExtractor
 from dflash.models.target import hf_config, layer_ids, load_target
 from dflash.models.target_graph import CapturedFeatures
-from dflash.spec import section_spec
+from dflash.spec.load import section_spec
 from dflash.train import cache_budget as cb
 from dflash.train import feature_cache as fc
 from dflash.train.packing import pack_row

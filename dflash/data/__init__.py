@@ -3,6 +3,6 @@ the data stage's generation worker pool (generate.py; the engines are decode/'s)
 chunks and their shards (chunks.py: plan, resume, merge), the shards by content (shards.py), the
 tokenized dataset.
 
-May import: the top-level modules, models/, runtime/, decode/. Nothing from train/, eval/ or
-stages/.
+May import: the top-level modules, artifacts/, spec/, models/, runtime/, decode/. Nothing from
+train/, eval/ or stages/.
 """

@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 
 from ..errors import DFlashError, SpecError
-from ..spec_types import SourceSpec
+from ..spec.types import SourceSpec
 from .prompts import CHATTERBOT, load_prompts
 
 SELF_WRITTEN = "self-written"

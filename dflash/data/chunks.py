@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import DFlashError
-from ..manifest import atomic_write_json, rerun_command
+from ..artifacts.manifest import atomic_write_json, rerun_command
 from . import shards
 from .sources import Sample, log
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from ..manifest import expect, read_manifest, verify_files
+from ..artifacts.manifest import expect, read_manifest, verify_files
 from ..models.target import target_fingerprint
 
 DATASET = "dataset.parquet"

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ..errors import DFlashError
-from ..manifest import atomic_write_json, fingerprint
+from ..artifacts.manifest import atomic_write_json, fingerprint
 from .prompts import Prompt, normalize
 
 SOURCE = "self-written"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from ..manifest import atomic_path, atomic_write_text, sha256_file
+from ..artifacts.manifest import atomic_path, atomic_write_text, sha256_file
 
 SIDECAR = ".sha256"
 

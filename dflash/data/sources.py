@@ -18,7 +18,7 @@ from typing import Callable
 from transformers import AutoTokenizer
 
 from ..errors import DFlashError
-from ..manifest import fingerprint
+from ..artifacts.manifest import fingerprint
 from ..models.target import hf_config, load_target, target_fingerprint, tokenizer_dir
 from .check import SELF_WRITTEN, SYNTHETIC, source_quotas
 from ..decode.generate import eos_ids_of, open_generator, resolve_engine, sample_seed

@@ -7,5 +7,6 @@ speculative_step.py; what it returns and the lossless evidence: decoded.py; one 
 and the eager references: eager.py; whether to speculate at a batch size, from measured step
 costs: adaptive.py).
 
-May import: the top-level modules, models/, runtime/. Nothing from data/, train/, eval/ or stages/.
+May import: the top-level modules, artifacts/, spec/, models/, runtime/. Nothing from data/,
+train/, eval/ or stages/.
 """

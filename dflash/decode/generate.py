@@ -23,7 +23,7 @@ from typing import Iterable, Iterator, Sequence
 import torch
 
 from ..errors import DFlashError
-from ..manifest import fingerprint
+from ..artifacts.manifest import fingerprint
 from ..models.target import kv_cache
 from .engine import Engine, unsupported_reason
 

@@ -3,6 +3,7 @@ check every later stage runs first (:mod:`.drift`), build-mode venvs (:mod:`.ven
 locks from a package listing (:mod:`.freeze`) and the audit (:mod:`.audit`). The env stage itself
 is :mod:`dflash.stages.env`.
 
-Standard library only at import time (plus ``dflash.manifest``/``dflash.errors``), so
-``dflash check-env`` works in any interpreter that has the repository on its path.
+Standard library only at import time (plus ``dflash.artifacts.manifest``/``dflash.errors``; the
+spec only inside a function), so ``dflash check-env`` works in any interpreter that has the
+repository on its path.
 """

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from ..errors import DFlashError
-from ..manifest import read_manifest
+from ..artifacts.manifest import read_manifest
 from .drift import diff_manifest, diff_pins
 from .facts import STACK_KEYS, key_stack, live_env
 from .lock import locked_pins, normalize, version_matches

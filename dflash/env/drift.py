@@ -11,7 +11,7 @@ from typing import Any
 
 from .. import settings
 from ..errors import DFlashError, EnvDrift
-from ..manifest import read_manifest, rerun_command, sha256_file
+from ..artifacts.manifest import read_manifest, rerun_command, sha256_file
 from .facts import PROBE_ONLY, STACK_KEYS, key_stack, live_env
 from .lock import version_matches
 

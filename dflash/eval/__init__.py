@@ -3,6 +3,6 @@
 serving comparison, the bench report, and the sweep report over a sweep's arms (sweep_report.py,
 `dflash sweep-report`).
 
-May import: the top-level modules, models/, data/, decode/, runtime/. Nothing from train/ or
-stages/.
+May import: the top-level modules, artifacts/, spec/, models/, data/, decode/, runtime/. Nothing
+from train/ or stages/.
 """

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
-from ..manifest import atomic_path, atomic_write_json, atomic_write_text
+from ..artifacts.manifest import atomic_path, atomic_write_json, atomic_write_text
 
 # The bench rule declares these as report outputs (rules/bench.smk; tests/test_report.py holds
 # them to this list) and the default target asks for them (rules/common.smk), so every run

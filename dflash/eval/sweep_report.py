@@ -7,7 +7,7 @@ final loss, train minutes and GPU-minutes (train wall time × the GPUs its spec 
 stage's seconds on its one target GPU apart), τ − 1 per GPU-minute and the frontier
 (:func:`frontier`: the arms no cheaper arm beats on MT-Bench τ; bench/frontier.py uses the same
 rule on the committed H200 runs), and how many distinct env, warm-up and data stages the arms
-used (shared by content, dflash.sharing: a γ sweep shows data 1).
+used (shared by content, dflash.artifacts.sharing: a γ sweep shows data 1).
 It reads the arms' reports like the bench stage writes its own: JSON, a jinja2 template from
 ``dflash/templates``, matplotlib.
 """
@@ -21,8 +21,8 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
 from ..errors import DFlashError
 from .report import fmt
-from ..manifest import atomic_path, atomic_write_json, atomic_write_text, read_manifest
-from ..sweeps import Sweep, load_sweep, sweep_dir
+from ..artifacts.manifest import atomic_path, atomic_write_json, atomic_write_text, read_manifest
+from ..spec.sweeps import Sweep, load_sweep, sweep_dir
 
 TEMPLATE = "sweep.md.j2"
 

@@ -6,6 +6,6 @@ export-check`: export_check.py), the decoder layer's math that the feature extra
 decode/'s two engines share (layers.py), the one CUDA-graph capture helper (graphs.py), and the
 attention masks of packed rows.
 
-May import: the top-level modules (errors, manifest, cache, spec, settings). Nothing from data/,
-decode/, train/, eval/, runtime/ or stages/.
+May import: the top-level modules (errors, settings), artifacts/ (manifest, cache), spec/. Nothing
+from data/, decode/, train/, eval/, runtime/ or stages/.
 """

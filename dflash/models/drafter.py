@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
 
 from ..errors import DFlashError
-from ..manifest import atomic_path, atomic_write_json, sha256_file
+from ..artifacts.manifest import atomic_path, atomic_write_json, sha256_file
 from .masks import compiled_flex_attention
 from .target import hf_config, layer_ids
 

@@ -15,7 +15,7 @@ from transformers import AttentionInterface
 
 from .. import settings
 from ..errors import SpecError
-from ..spec_types import TargetSpec
+from ..spec.types import TargetSpec
 from .layers import compile_region, out_mlp, qkv, rope_of, unsupported_reason
 from .masks import compiled_flex_attention, document_block_mask, document_dense_mask
 from .target_output import SoftLabels, TargetOutput, soft_positions

@@ -22,10 +22,10 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from ..cache import cache_root
+from ..artifacts.cache import cache_root
 from ..errors import SpecError
-from ..manifest import file_lock, fingerprint
-from ..spec_types import TargetSpec
+from ..artifacts.manifest import file_lock, fingerprint
+from ..spec.types import TargetSpec
 from .dtypes import dtype_of
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

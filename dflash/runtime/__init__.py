@@ -3,5 +3,5 @@ tracing hazards it guards (tracing.py), a device's busy time (busy.py), multi-no
 launch, live status, fault injection; test and benchmark tools (harness, stress) are marked
 as tools in their own docstrings.
 
-May import: the top-level modules only.
+May import: the top-level modules, artifacts/, spec/ only.
 """

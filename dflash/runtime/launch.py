@@ -27,7 +27,7 @@ import sys
 
 from .. import settings
 from ..errors import SpecError
-from ..spec import load_spec
+from ..spec.load import load_spec
 from .distributed import is_worker
 
 DEFAULT_PORT = 29500

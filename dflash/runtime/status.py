@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..manifest import atomic_write_json
+from ..artifacts.manifest import atomic_write_json
 
 STEADY_SKIP = 0.2  # the first 20 % of steps are not steady state (allocator, caches)
 

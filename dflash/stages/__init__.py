@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..env.drift import check_env
-from ..manifest import read_manifest
-from ..spec import load_spec
-from ..spec_types import Spec
+from ..artifacts.manifest import read_manifest
+from ..spec.load import load_spec
+from ..spec.types import Spec
 
 
 @dataclass
@@ -34,7 +34,7 @@ def begin(spec_path: str | Path, stage: str, root: str | Path = "results",
 
     ``at``: the results folder the stage writes its ``<stage>/`` into (default
     ``root/<spec>``); ``env_at``: the one whose ``env/`` it checks (default ``at``). Snakemake
-    points both into the shared store for env, warm-up and data (:mod:`dflash.sharing`)."""
+    points both into the shared store for env, warm-up and data (:mod:`dflash.artifacts.sharing`)."""
     if stage == "env":  # it checks the devices itself, without torch (build mode has none)
         spec = load_spec(spec_path)
         return StageContext(spec=spec, results=Path(at) if at else results_dir(spec, root))

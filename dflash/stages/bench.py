@@ -25,7 +25,7 @@ from ..eval.reference import evaluate_reference, reference_questions
 from ..eval.report import training_curves, write_report
 from ..eval.serving import goal, sweep
 from ..eval.tau import evaluate_sets
-from ..manifest import atomic_write_text, expect, read_manifest, verify_files
+from ..artifacts.manifest import atomic_write_text, expect, read_manifest, verify_files
 from ..models.drafter import DFlashConfig, load_drafter, verify_export
 from ..models.dtypes import dtype_of
 from ..models.target import hf_config, load_target, target_embeddings

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from ..code_fingerprint import stage_code_fingerprint
+from ..artifacts.code_fingerprint import stage_code_fingerprint
 from ..data.check import check_data
 from ..data.chunks import SHARDS, keep_shards, make_chunks, merge_shards, write_chunk
 from ..data.dataset import DATASET
@@ -45,7 +45,7 @@ from ..data.sources import (
     tokenizer_for,
 )
 from ..eval.evalsets import eval_overlap
-from ..manifest import atomic_path, fingerprint, sha256_file, write_manifest
+from ..artifacts.manifest import atomic_path, fingerprint, sha256_file, write_manifest
 from ..models.target import load_target, target_fingerprint
 from ..runtime import faults
 from ..train.budget import check_disk  # no rerun trigger: code_fingerprint.NOT_RERUN_TRIGGERS
@@ -186,7 +186,7 @@ def _write(spec, data_dir: Path, table, fingerprints, plan_fp, report, prompts, 
                     if gen["seconds"] else None},
         seed=spec.seed,
         dataset={"path": DATASET, "rows": table.num_rows, "sha256": sha},
-        files={DATASET: sha},  # by content (dflash.manifest.verify_files)
+        files={DATASET: sha},  # by content (dflash.artifacts.manifest.verify_files)
         seconds=round(seconds, 2),
         env_drift_overridden=drift,
     )

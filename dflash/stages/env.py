@@ -25,8 +25,8 @@ from ..env.lock import check_python_tag, installs_no_deps, lock_digest, lock_fil
 from ..env.overlay import install_overlay
 from ..env.venv import build_venv
 from ..errors import EnvDrift
-from ..manifest import sha256_file, write_manifest
-from ..spec import check_devices
+from ..artifacts.manifest import sha256_file, write_manifest
+from ..spec.load import check_devices
 from . import StageContext
 
 

@@ -13,8 +13,8 @@ import contextlib
 import threading
 import time
 
-from ..cache import compile_cache_dir
-from ..manifest import write_manifest
+from ..artifacts.cache import compile_cache_dir
+from ..artifacts.manifest import write_manifest
 from ..models.drafter import DFlashConfig
 from ..models.dtypes import dtype_of
 from ..runtime.gate import get_gate

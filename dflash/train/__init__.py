@@ -5,5 +5,6 @@ map), checkpoints, the feature cache (feature_cache.py) and its budget (cache_bu
 worker factory, warm-up, the FLOP/balance model, and the step profile (profile.py:
 monitor.profile_steps).
 
-May import: the top-level modules, models/, data/, runtime/. Nothing from eval/ or stages/.
+May import: the top-level modules, artifacts/, spec/, models/, data/, runtime/. Nothing from eval/
+or stages/.
 """

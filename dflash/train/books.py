@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ..manifest import atomic_write_text
+from ..artifacts.manifest import atomic_write_text
 from ..runtime.status import StatusReporter
 from . import checkpoint as ckpt
 

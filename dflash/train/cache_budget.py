@@ -17,7 +17,7 @@ from ..data.dataset import load_dataset
 from ..errors import SpecError
 from ..models.dtypes import dtype_of
 from ..models.target import hf_config, layer_ids
-from ..spec_types import cache_mode
+from ..spec.types import cache_mode
 from .objective import SOFT_KINDS
 
 FP8 = torch.float8_e4m3fn

@@ -6,7 +6,7 @@ counters, the sample ids each epoch trained on, the sha256 of both tensor files)
 written under a temporary name and renamed, so it exists complete or not at all. Nothing is
 unpickled: tensors via safetensors, the rest JSON. The sampler position and the anchor RNG are
 functions of (seed, step), so the step number is the whole data-order state. ``state.json`` is
-sealed (:func:`dflash.manifest.seal`): it is part of the checksummed set, so a checkpoint whose
+sealed (:func:`dflash.artifacts.manifest.seal`): it is part of the checksummed set, so a checkpoint whose
 step or schedule was edited is refused like one with damaged tensors.
 
 :func:`resume_point` is the resume policy: which checkpoint (if any) a run continues from.
@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..errors import SpecError
-from ..manifest import fsync_dir, atomic_write_json, is_sealed, plain_mode, seal, sha256_file
+from ..artifacts.manifest import fsync_dir, atomic_write_json, is_sealed, plain_mode, seal, sha256_file
 
 CKPT_VERSION = 2  # 2: state.json sealed
 

@@ -46,10 +46,10 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import torch
 
-from ..manifest import atomic_write_json, fingerprint
+from ..artifacts.manifest import atomic_write_json, fingerprint
 from ..models.target_output import SoftLabels, TargetOutput, soft_positions
 from ..runtime.gate import get_gate
-from ..spec_types import cache_mode
+from ..spec.types import cache_mode
 from .cache_budget import FP8, Plane, cache_dir, planes_for
 
 FP8_MAX = 448.0

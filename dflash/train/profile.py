@@ -16,7 +16,7 @@ how the compiled target's kernels, launched through the driver API the profiler 
 record, are found). Those device spans are not kernels: they are reported per worker and never
 counted in kernel time. The raw trace is not kept: the summary is small, a trace is not.
 
-Owns: the profile window and its summary. Imports torch and ``dflash.manifest`` only.
+Owns: the profile window and its summary. Imports torch and ``dflash.artifacts.manifest`` only.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from ..manifest import atomic_write_text
+from ..artifacts.manifest import atomic_write_text
 
 LABEL = "dflash.worker/"
 # steps past the run's first step before the window opens: the first steps still fill the

@@ -22,7 +22,7 @@ from .head_loss import head_backend
 from .objective import Objective
 
 if TYPE_CHECKING:
-    from ..spec_types import OptimSpec
+    from ..spec.types import OptimSpec
 
 
 @dataclass

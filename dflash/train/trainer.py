@@ -25,11 +25,11 @@ from typing import Any, Callable
 
 import torch
 
-from ..cache import compile_cache_dir
-from ..code_fingerprint import stage_code_fingerprint
+from ..artifacts.cache import compile_cache_dir
+from ..artifacts.code_fingerprint import stage_code_fingerprint
 from ..data.dataset import load_dataset
 from ..errors import SpecError
-from ..manifest import expect, read_manifest, write_manifest
+from ..artifacts.manifest import expect, read_manifest, write_manifest
 from ..models.drafter import DFlashConfig, export_checksums, export_drafter
 from ..runtime import distributed
 from ..runtime.distributed import PeerFailed
@@ -37,7 +37,7 @@ from ..runtime.faults import injected_failures
 from ..runtime.gate import get_gate
 from ..runtime.status import StatusReporter, by_role
 from ..models.dtypes import dtype_of
-from ..spec_types import cache_mode
+from ..spec.types import cache_mode
 from . import checkpoint as ckpt
 from .tracker import open_tracker
 from .books import EpochLedger, StepBooks
@@ -334,7 +334,7 @@ def write_train_manifest(job: Job, progress: Progress, trained: Trained, warm_st
         replicas=len(job.replicas), replicas_identical=replicas_identical,
         exactly_once=trained.ledger.report(),
         drafter_dir=str(job.out / "drafter"), env_drift_overridden=ctx.drift,
-        # the export by content: bench (dflash.manifest.verify_files) and Snakemake check it
+        # the export by content: bench (dflash.artifacts.manifest.verify_files) and Snakemake check it
         files={f"drafter/{f}": sha for f, sha in export_checksums(job.out / "drafter").items()}
         if job.persist else {},
         topology=asdict(spec.topology), distributed=across or {"nodes": 1},

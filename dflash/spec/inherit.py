@@ -6,12 +6,12 @@
     loss: {gamma: 4}             # deep-merged into the base: mappings merge, anything else replaces
 
 This module owns reading a spec file with its chain of bases into ONE raw mapping (what
-:func:`dflash.spec.parse_spec` then validates as a whole: schema, defaults, cross-field rules)
+:func:`dflash.spec.load.parse_spec` then validates as a whole: schema, defaults, cross-field rules)
 and the provenance of every field (which file set it), so an error about a field names the file
 that set it: the child or a base. A ``null`` in a child is an explicit value (e.g.
 ``optim.epochs: null`` with ``max_steps`` to switch a budget), and a null whose schema default
 is null means "absent" as in any spec (``data.sources: null`` to give ``data.source`` instead).
-Sweep arms (:mod:`dflash.sweeps`) use the same merge.
+Sweep arms (:mod:`dflash.spec.sweeps`) use the same merge.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from .errors import SpecError
+from ..errors import SpecError
 
 MAX_DEPTH = 16  # a chain of bases deeper than this is a mistake (or a cycle we report as one)
 Provenance = dict[tuple, str]  # field path -> the file whose text set it

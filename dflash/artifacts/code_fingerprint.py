@@ -28,7 +28,7 @@ from pathlib import Path
 from .manifest import fingerprint, sha256_bytes, sha256_file
 
 PACKAGE = "dflash"
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parent.parent  # dflash/ (this file is dflash/artifacts/)
 ENTRY_MODULES = ("dflash.__main__", "dflash.cli")  # `python -m dflash <stage>` runs these too
 # stage -> {module: why an edit of it does not change that stage's output}; the closure of the
 # stage does not follow imports of these modules (nor what only they import)

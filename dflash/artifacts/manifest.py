@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from .errors import StaleArtifact
+from ..errors import StaleArtifact
 
 MANIFEST_VERSION = 1
 

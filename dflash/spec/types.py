@@ -1,4 +1,4 @@
-"""The typed spec: frozen dataclasses built from a validated spec dict (:func:`dflash.spec.parse_spec`
+"""The typed spec: frozen dataclasses built from a validated spec dict (:func:`dflash.spec.load.parse_spec`
 builds them), one per section, and which fields each stage's output depends on (:func:`stage_fields`).
 
 Field names mirror the schema's properties exactly (``tests/test_spec_types.py`` holds them
@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from .manifest import fingerprint
+from ..artifacts.manifest import fingerprint
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,7 +254,7 @@ class Spec:
                 data[name] = {**data[name], **values}
             else:
                 data[name] = values
-        from .spec import absent_nulls, parse_spec, schema  # a cycle: the loader builds a Spec
+        from .load import absent_nulls, parse_spec, schema  # a cycle: the loader builds a Spec
 
         return parse_spec(absent_nulls(_thawed(data), schema()), str(self.path))
 

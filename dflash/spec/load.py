@@ -2,7 +2,7 @@
 
 Every error names the spec file and the field path. Nothing heavy (torch, models) is loaded here
 except for the optional device-presence check, which imports torch only to count GPUs. The typed
-spec it returns (frozen dataclasses, the fields each stage depends on) is :mod:`dflash.spec_types`.
+spec it returns (frozen dataclasses, the fields each stage depends on) is :mod:`dflash.spec.types`.
 """
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from typing import Any
 import jsonschema
 import yaml
 
-from .errors import SpecError
+from ..errors import SpecError
 from .inherit import attribute, resolve
-from .spec_types import Spec, build_section, cache_mode
+from .types import Spec, build_section, cache_mode
 
 SCHEMA_PATH = Path(__file__).with_name("schema") / "spec.schema.yaml"
 DEVICE_RE = re.compile(r"^(cpu|cuda:(0|[1-9][0-9]{0,2}))$")
@@ -135,7 +135,7 @@ def parse_spec(data: Any, file: str = "<spec>") -> Spec:
 
 
 def load_spec(path: str | Path, check_devices_present: bool = False) -> Spec:
-    """Read (with its ``base`` specs merged in, :mod:`dflash.inherit`), validate and
+    """Read (with its ``base`` specs merged in, :mod:`dflash.spec.inherit`), validate and
     (optionally) check that the spec's devices exist on this machine."""
     path = Path(path)
     file = str(path)

@@ -24,7 +24,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .errors import StaleArtifact
+from ..errors import StaleArtifact
 from .manifest import fingerprint
 
 STORE = ".shared"

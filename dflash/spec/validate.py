@@ -12,15 +12,15 @@ from pathlib import Path
 
 import yaml
 
-from .data.check import check_data
-from .errors import DFlashError
-from .spec import check_devices as devices_present
-from .spec import load_spec
-from .spec_types import cache_mode
-from .stages import results_dir
+from ..data.check import check_data
+from ..errors import DFlashError
+from ..stages import results_dir
+from ..train.budget import budget, check_disk, render
+from ..train.tracker import check_tracker
+from .load import check_devices as devices_present
+from .load import load_spec
 from .sweeps import load_sweep
-from .train.budget import budget, check_disk, render
-from .train.tracker import check_tracker
+from .types import cache_mode
 
 
 def _print_cache_budget(spec, root: str) -> None:

@@ -29,11 +29,11 @@ from pathlib import Path
 import jsonschema
 import yaml
 
-from .errors import SpecError
+from ..artifacts.manifest import atomic_write_text
+from ..errors import SpecError
 from .inherit import Provenance, attribute, deep_merge, provenance, read_yaml, resolve
-from .manifest import atomic_write_text
-from .spec import absent_nulls, fmt_path, parse_spec, schema
-from .spec_types import Spec
+from .load import absent_nulls, fmt_path, parse_spec, schema
+from .types import Spec
 
 SCHEMA_PATH = Path(__file__).with_name("schema") / "sweep.schema.yaml"
 NAME_RE = re.compile(r"^[a-z0-9_-]{1,64}$")  # a spec name (spec.schema.yaml: name)
