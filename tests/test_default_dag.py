@@ -9,22 +9,28 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from dflash.runtime.harness import job_counts
+from dflash.runtime.harness import REPO, copy_workflow, job_counts
 
 pytestmark = pytest.mark.e2e
 
 
+def _prepare(tmp: Path) -> Path:
+    return copy_workflow(tmp, [REPO / "specs" / "tiny.yaml"])
+
+
+BACKGROUND_DAG = (_prepare, ["bench_tiny"])  # started with the session (tests/conftest.py)
+
+
 @pytest.fixture(scope="module")
-def tiny(background_tiny):
-    """The run tests/conftest.py started with the session (these tests run last): its end."""
-    rc = background_tiny.wait(timeout=1800)
-    out = background_tiny.text()
+def tiny(background_dag):
+    wf, rc, out = background_dag
     assert rc == 0, out[-8000:]
     assert job_counts(out) == {"env": 1, "warmup": 1, "data": 1, "train": 1, "bench": 1}
-    return background_tiny.log.parent
+    return wf
 
 
 def _json(path):
