@@ -78,7 +78,9 @@ def background_lane(request, tmp_path_factory):
     jobs, seen = [], set()
     for item in request.session.items:
         spec = getattr(getattr(item, "module", None), "BACKGROUND_DAG", None)
-        if spec is not None and item.module.__name__ not in seen:
+        # only for a selected test that takes the run (fixturenames: the whole closure)
+        if spec is not None and "background_dag" in getattr(item, "fixturenames", ()) \
+                and item.module.__name__ not in seen:
             seen.add(item.module.__name__)
             prepare, targets = spec
             name = item.module.__name__
