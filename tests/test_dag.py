@@ -1,6 +1,7 @@
 """End to end: the real DAG through Snakemake on the micro spec, then what reruns after edits.
 
-One full run (env → warmup → data → train → bench) is shared by the module; each edit test
+One full run (env → warmup → data → train → bench, started in the background with the session:
+tests/conftest.py) is shared by the module; each edit test
 asks Snakemake (dry run, the same decision a real run makes) which stages it would rerun, and
 the failure test runs the stages for real.
 """
