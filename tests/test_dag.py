@@ -1,6 +1,7 @@
 """End to end: the real DAG through Snakemake on the micro spec, then what reruns after edits.
 
-One full run (env → warmup → data → train → bench) is shared by the module; each edit test
+One full run (env → warmup → data → train → bench, started in the background with the session:
+tests/conftest.py) is shared by the module; each edit test
 asks Snakemake (dry run, the same decision a real run makes) which stages it would rerun, and
 the failure test runs the stages for real.
 """
@@ -21,13 +22,18 @@ from dflash.runtime.harness import REPO, copy_workflow, job_counts, snakemake, s
 pytestmark = pytest.mark.e2e
 
 
+def _prepare(tmp):
+    return copy_workflow(tmp, [REPO / "tests" / "specs" / "micro.yaml"])
+
+
+BACKGROUND_DAG = (_prepare, ["bench_micro"])  # started with the session (tests/conftest.py)
+
+
 @pytest.fixture(scope="module")
-def wf(tmp_path_factory, micro_spec):
-    wf = copy_workflow(tmp_path_factory.mktemp("wf"), [micro_spec])
-    r = snakemake(wf, "bench_micro")
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert job_counts(r.stdout + r.stderr) == {"env": 1, "warmup": 1, "data": 1, "train": 1,
-                                                "bench": 1}
+def wf(background_dag):
+    wf, rc, out = background_dag
+    assert rc == 0, out[-6000:]
+    assert job_counts(out) == {"env": 1, "warmup": 1, "data": 1, "train": 1, "bench": 1}
     return wf
 
 

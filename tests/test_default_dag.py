@@ -1,28 +1,35 @@
 """The embedded default spec (specs/tiny.yaml) end to end, as `make run` runs it.
 
 Real target (SmolLM2-135M-Instruct), real prompts, inductor compile, two drafter threads through
-the compile gate, speculative decoding on MT-Bench. About 7 minutes on 2 quiet cores.
+the compile gate, speculative decoding on MT-Bench. About 4 minutes on 2 quiet cores; the run
+starts in the background with the session (tests/conftest.py) and these tests run last.
 """
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from dflash.runtime.harness import REPO, copy_workflow, job_counts, snakemake
+from dflash.runtime.harness import REPO, copy_workflow, job_counts
 
 pytestmark = pytest.mark.e2e
 
 
+def _prepare(tmp: Path) -> Path:
+    return copy_workflow(tmp, [REPO / "specs" / "tiny.yaml"])
+
+
+BACKGROUND_DAG = (_prepare, ["bench_tiny"])  # started with the session (tests/conftest.py)
+
+
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    wf = copy_workflow(tmp_path_factory.mktemp("tiny"), [REPO / "specs" / "tiny.yaml"])
-    r = snakemake(wf, "bench_tiny", timeout=1800)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    assert job_counts(r.stdout + r.stderr) == {"env": 1, "warmup": 1, "data": 1, "train": 1,
-                                                "bench": 1}
+def tiny(background_dag):
+    wf, rc, out = background_dag
+    assert rc == 0, out[-8000:]
+    assert job_counts(out) == {"env": 1, "warmup": 1, "data": 1, "train": 1, "bench": 1}
     return wf
 
 

@@ -31,9 +31,10 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from dflash.runtime import faults as fi
-from dflash.runtime.harness import job_counts, snakemake
+from dflash.runtime.harness import copy_workflow, job_counts, snakemake
 from dflash.train import checkpoint as ckpt
 
 pytestmark = pytest.mark.e2e
@@ -42,10 +43,23 @@ SPEC = "resume"
 STEPS, EVERY = 24, 3
 
 
-@pytest.fixture(scope="module")
-def w(tmp_path_factory) -> fi.Workflow:
+def _prepare(tmp: Path) -> Path:
+    wf = copy_workflow(tmp, [])
     spec = fi.derived_spec(SPEC, STEPS, EVERY, keep=2, gen_batch_size=2)
-    return fi.prepare(tmp_path_factory.mktemp("resume"), spec)
+    (wf / "specs" / f"{SPEC}.yaml").write_text(yaml.safe_dump(spec))
+    return wf
+
+
+# env -> warmup -> data (what fi.prepare runs), started with the session (tests/conftest.py);
+# the kills and resumes run in the foreground
+BACKGROUND_DAG = (_prepare, [f"data_{SPEC}", f"warmup_{SPEC}"])
+
+
+@pytest.fixture(scope="module")
+def w(background_dag) -> fi.Workflow:
+    wf, rc, out = background_dag
+    assert rc == 0, out[-6000:]
+    return fi.Workflow(wf, SPEC)
 
 
 @pytest.fixture(scope="module")

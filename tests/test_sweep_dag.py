@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import yaml
 
 from dflash.artifacts.manifest import sha256_file
-from dflash.runtime.harness import copy_workflow, job_counts, snakemake
+from dflash.runtime.harness import REPO, copy_workflow, job_counts, snakemake
 
 pytestmark = pytest.mark.e2e
 
@@ -31,14 +32,20 @@ def _all_jobs(out: str) -> dict[str, int]:
     return {r.split()[0]: int(r.split()[1]) for r in rows if len(r.split()) == 2}
 
 
-@pytest.fixture(scope="module")
-def wf(tmp_path_factory, micro_spec):
-    wf = copy_workflow(tmp_path_factory.mktemp("sweep"), [micro_spec])
+def _prepare(tmp: Path) -> Path:
+    wf = copy_workflow(tmp, [REPO / "tests" / "specs" / "micro.yaml"])
     (wf / "sweeps").mkdir()
     (wf / "sweeps" / "micro-lr.yaml").write_text(yaml.safe_dump(SWEEP, sort_keys=False))
-    r = snakemake(wf, "bench_micro-lr")
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-4000:]
+    return wf
+
+
+BACKGROUND_DAG = (_prepare, ["bench_micro-lr"])  # started with the session (tests/conftest.py)
+
+
+@pytest.fixture(scope="module")
+def wf(background_dag):
+    wf, rc, out = background_dag
+    assert rc == 0, out[-4000:]
     # the data and warm-up stages (and env) ran ONCE for the two arms
     assert job_counts(out) == {"env": 1, "warmup": 1, "data": 1, "train": 2, "bench": 2}, out
     assert _all_jobs(out)["link_stage"] == 6 and _all_jobs(out)["sweep_report"] == 1
