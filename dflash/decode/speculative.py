@@ -62,8 +62,9 @@ from ..models.layers import (attend_cache, cached_layer, compile_region, fused_w
                               rope_of, write_kv)
 from ..models.layers import unsupported_reason as _layers_unsupported
 from .decoded import Decoded, decoded_of
-from .speculative_step import StepGlue, argmax_head, context_kv, drafter_rope, greedy_head
-from .static import CapturedStep, DraftPair, TargetCache, round_up
+from .speculative_step import (DraftPair, StepGlue, argmax_head, context_kv, drafter_rope,
+                               greedy_head)
+from .static import CapturedStep, TargetCache, round_up
 from ..runtime.busy import DeviceBusy
 from ..runtime.gate import get_gate
 from ..runtime.tracing import worker_thread_setup
@@ -317,8 +318,7 @@ class Decoder(StepGlue):
         self.stats["graph"] = self._captured.graph is not None
 
     @property
-    def _graph(self):
-        """The captured step's graph (None: eager), for bench/gpu/step_profile.py."""
+    def _graph(self):  # the captured step's graph (None: eager), for bench/gpu/step_profile.py
         return self._captured.graph
 
     def _compile_and_warm_up(self) -> None:

@@ -1,19 +1,22 @@
 """The speculative decoder's own step pieces (:mod:`dflash.decode.speculative`), beside the layer
 pieces it shares with the data engine (:mod:`dflash.models.layers`): the greedy head with its
 top-2 margin, the drafter's RoPE in the shared pieces' calling convention, and the drafter's
-context K/V of verified positions; and :class:`StepGlue`, the step's glue between the layers
+context K/V of verified positions; :class:`DraftPair`, the drafter's side of the target +
+drafter pair the decoder drives (its static KV cache and RoPE rows, the embedding and lm_head it
+shares with the target, its fused GEMM weights); and :class:`StepGlue`, the step's glue between the layers
 (prologues, the drafter's context write, acceptance) as methods over the decoder's buffers.
 
 Owns those; the decoder compiles each as one region and captures them in its step. Imports
-``models.drafter``, ``models.layers``.
+``models.drafter``, ``models.layers``, :mod:`dflash.decode.static` (``kv_cache``).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from ..models.drafter import apply_rope
-from ..models.layers import write_kv
+from ..models.drafter import apply_rope, rope_cos_sin
+from ..models.layers import fused_weights, write_kv
+from .static import kv_cache
 
 
 def drafter_rope(q, k, cos, sin):
@@ -61,6 +64,34 @@ def context_kv_weights(drafter):
 def argmax_head(norm, lm_w, x):
     """final norm + lm_head -> greedy token per position (the drafter's head: no margin)."""
     return F.linear(norm(x), lm_w).argmax(-1)
+
+
+class DraftPair:
+    """The drafter's side of the target + drafter pair the speculative decoder drives:
+    ``layers``, its static KV cache ``k`` / ``v`` (per layer ``[rows, kv heads, S, head dim]``),
+    ``cos`` / ``sin`` [S, D] (the drafter's RoPE), ``embed`` / ``lm_w`` (the weights shared with
+    the target, default the target's own, in the drafter's dtype), ``feature_ids`` (the target
+    layers feeding it), ``mask_id``; with ``fused`` the concatenated GEMM weights per layer
+    (:func:`fused_weights`) and the context K/V projections (``ctx_w``), else None each."""
+
+    def __init__(self, drafter, target, *, rows: int, S: int, pos_ar: torch.Tensor,
+                 fused: bool, embed: torch.Tensor | None = None,
+                 lm_head: torch.Tensor | None = None):
+        c, dev, dt = drafter.cfg, pos_ar.device, drafter.dtype
+        self.drafter, self.dtype = drafter, dt
+        self.feature_ids = set(c.target_layer_ids)
+        self.layers = list(drafter.layers)
+        self.fused = [fused_weights(lay) if fused else None for lay in self.layers]
+        self.ctx_w = context_kv_weights(drafter) if fused else None
+        self.k = kv_cache(rows, c.num_key_value_heads, S, c.head_dim, len(self.layers), dt, dev)
+        self.v = [torch.zeros_like(t) for t in self.k]
+        cos, sin = rope_cos_sin(pos_ar[None], c.head_dim, c.rope_theta, dt)
+        self.cos, self.sin = cos[0, 0].contiguous(), sin[0, 0].contiguous()
+        emb = embed if embed is not None else target.get_input_embeddings().weight
+        head = lm_head if lm_head is not None else target.lm_head.weight
+        self.embed = emb.to(device=dev, dtype=dt)
+        self.lm_w = head.to(device=dev, dtype=dt)
+        self.mask_id = int(c.mask_token_id)
 
 
 class StepGlue:

@@ -5,16 +5,15 @@ them is compiled, warmed up and captured once, then replayed.
 
 * :class:`TargetCache`: the target's static KV cache (one K and one V tensor per layer, ``rows``
   sequences × ``S`` positions) and the model's own RoPE rows for those positions.
-* :class:`DraftPair`: what the speculative decoder adds for its drafter: the drafter's own
-  static KV cache and RoPE rows, the embedding and lm_head it shares with the target (cast to
-  the drafter's dtype), its fused GEMM weights where the compile scope uses them.
 * :class:`CapturedStep`: one step run ``n`` times: compiled and warmed up (the caller's
   ``warm_up``), captured into a CUDA graph under the compile gate's exclusive side, replayed
   under its shared side; eager where there is no graph (CPU, or a capture that failed: loud,
   recorded, slower, never wrong).
 
-Owns those three and :func:`round_up`. Imports ``models`` (layers, drafter rope, graphs) and
-``runtime`` (the gate, the dynamo thread setup).
+Owns those two, :func:`kv_cache` and :func:`round_up`. Imports ``models.graphs`` and
+``runtime.gate`` only: the data stage's engine imports this module, so nothing of the drafter
+belongs here (an edit there would rerun the data stage; the drafter's side of the pair,
+:class:`dflash.decode.speculative_step.DraftPair`, is the decoder's own).
 """
 from __future__ import annotations
 
@@ -23,18 +22,16 @@ from typing import Any, Callable
 
 import torch
 
-from ..models.drafter import rope_cos_sin
 from ..models.graphs import capture, capture_or_warn, replay_or_run
-from ..models.layers import fused_weights
 from ..runtime.gate import get_gate
-from .speculative_step import context_kv_weights
 
 
 def round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def _kv(rows: int, heads: int, S: int, D: int, n: int, dtype, device) -> list[torch.Tensor]:
+def kv_cache(rows: int, heads: int, S: int, D: int, n: int, dtype, device) -> list[torch.Tensor]:
+    """``n`` zeroed ``[rows, heads, S, D]`` tensors (one per layer)."""
     # one tensor per layer: views of one big tensor would differ only in storage offset, which
     # compiled code may specialise on
     return [torch.zeros(rows, heads, S, D, device=device, dtype=dtype) for _ in range(n)]
@@ -50,40 +47,12 @@ class TargetCache:
         p = next(model.parameters())
         kvh = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
         D = int(layers[0].self_attn.head_dim)
-        self.k = _kv(rows, kvh, S, D, len(layers), p.dtype, p.device)
-        self.v = _kv(rows, kvh, S, D, len(layers), p.dtype, p.device)
+        self.k = kv_cache(rows, kvh, S, D, len(layers), p.dtype, p.device)
+        self.v = kv_cache(rows, kvh, S, D, len(layers), p.dtype, p.device)
         self.pos_ar = torch.arange(S, device=p.device)
         probe = torch.zeros(1, 1, dtype=p.dtype, device=p.device)
         cos, sin = model.model.rotary_emb(probe, self.pos_ar[None])  # [1, S, D]
         self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
-
-
-class DraftPair:
-    """The drafter's side of the target + drafter pair the speculative decoder drives:
-    ``layers``, its static KV cache ``k`` / ``v`` (per layer ``[rows, kv heads, S, head dim]``),
-    ``cos`` / ``sin`` [S, D] (the drafter's RoPE), ``embed`` / ``lm_w`` (the weights shared with
-    the target, default the target's own, in the drafter's dtype), ``feature_ids`` (the target
-    layers feeding it), ``mask_id``; with ``fused`` the concatenated GEMM weights per layer
-    (:func:`fused_weights`) and the context K/V projections (``ctx_w``), else None each."""
-
-    def __init__(self, drafter, target, *, rows: int, S: int, pos_ar: torch.Tensor,
-                 fused: bool, embed: torch.Tensor | None = None,
-                 lm_head: torch.Tensor | None = None):
-        c, dev, dt = drafter.cfg, pos_ar.device, drafter.dtype
-        self.drafter, self.dtype = drafter, dt
-        self.feature_ids = set(c.target_layer_ids)
-        self.layers = list(drafter.layers)
-        self.fused = [fused_weights(lay) if fused else None for lay in self.layers]
-        self.ctx_w = context_kv_weights(drafter) if fused else None
-        self.k = _kv(rows, c.num_key_value_heads, S, c.head_dim, len(self.layers), dt, dev)
-        self.v = [torch.zeros_like(t) for t in self.k]
-        cos, sin = rope_cos_sin(pos_ar[None], c.head_dim, c.rope_theta, dt)
-        self.cos, self.sin = cos[0, 0].contiguous(), sin[0, 0].contiguous()
-        emb = embed if embed is not None else target.get_input_embeddings().weight
-        head = lm_head if lm_head is not None else target.lm_head.weight
-        self.embed = emb.to(device=dev, dtype=dt)
-        self.lm_w = head.to(device=dev, dtype=dt)
-        self.mask_id = int(c.mask_token_id)
 
 
 class CapturedStep:
@@ -138,4 +107,4 @@ class CapturedStep:
             replay_or_run(self.graph, self.step, n)
 
 
-__all__ = ["round_up", "TargetCache", "DraftPair", "CapturedStep"]
+__all__ = ["round_up", "kv_cache", "TargetCache", "CapturedStep"]
