@@ -26,8 +26,9 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT = REPO / "bench" / "results" / "h200" / "decode_speed.json"
 BEGIN, END = "<!-- ours:decode_speed:begin -->", "<!-- ours:decode_speed:end -->"
 HEADER = ("| batch | verify tokens | target-only tok/s | speculative tok/s | τ real | speed-up | "
-          "HF static tok/s | lossless (checked / not argmax) | source |\n"
-          "|---|---|---|---|---|---|---|---|---|")
+          "choice | speed-up of the choice | HF static tok/s | lossless (checked / not argmax) | "
+          "source |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def _num(x, fmt="{:,.1f}") -> str:
@@ -50,12 +51,13 @@ def rows(path: Path) -> list[str]:
             f"| {r['batch']} | {d.get('verify_tokens', 'n/a')} | "
             f"{_num(r.get('target_only_tokens_per_s'))} | "
             f"{_num(r.get('speculative_tokens_per_s'))} | {_num(r.get('tau'), '{:.3f}')} | "
-            f"**{_num(r.get('speedup'), '{:.2f}')}×** | {_num(hf)} | "
+            f"**{_num(r.get('speedup'), '{:.2f}')}×** | {r.get('choice', 'n/a')} | "
+            f"{_num(r.get('choice_speedup'), '{:.2f}×')} | {_num(hf)} | "
             f"{ev.get('lossless')} ({ev.get('emitted_checked')} / "
             f"{ev.get('emitted_not_argmax')}) | `{rel}` |")
     for sk in d.get("skipped") or []:  # a batch size the run's --budget-s left out
         out.append(f"| {sk.get('batch')} | {d.get('verify_tokens', 'n/a')} | not measured: "
-                   f"{sk.get('reason')} | | | | | | `{rel}` |")
+                   f"{sk.get('reason')} | | | | | | | | `{rel}` |")
     return out
 
 

@@ -2,9 +2,11 @@
 
 Loads the spec's target and the exported drafter (default ``results/<spec>/train/drafter``),
 decodes every prompt target-only and speculatively through the one decoder
-(:func:`dflash.eval.serving.pair`: both timed the same way, after the compile and capture), and
-prints the answers, τ, tokens/s, the speed-up and the lossless check (speculative output ==
-target-only greedy output). An entry point like ``validate``: above every room.
+(:func:`dflash.eval.serving.pair`: both timed the same way, after the compile and capture), lets
+the adaptive policy choose between them at ``--batch`` from their measured step times, and
+serves the prompts with the chosen engine, timed. Prints the served answers, τ, tokens/s, the
+speed-up, the lossless check (speculative output == target-only greedy output), and what was
+served with its measured speed-up over target-only. An entry point like ``validate``: above every room.
 """
 from __future__ import annotations
 
@@ -56,12 +58,17 @@ def run(args) -> dict:
                eos_ids_of(tgt), embed=embed.to(device=device, dtype=drafter.dtype),
                lm_head=head.to(device=device, dtype=drafter.dtype))
     lossless = [r.tokens for r in got["results"]] == [r.tokens for r in got["greedy"]]
-    for p, r in zip(prompts, got["results"]):
+    served = got["served"]
+    for p, r in zip(prompts, got["served_results"]):
         print(f"> {p}\n{tgt.tokenizer.decode(r.tokens, skip_special_tokens=True)}\n")
+    why = (got["adaptive"] or {}).get("why", "no step times to decide")
     print(f"τ {got['tau']:.3f} · speculative {got['speculative_tokens_per_s']:.1f} tok/s · "
           f"target-only {got['target_only_tokens_per_s']:.1f} tok/s · speed-up "
           f"{got['speedup']:.2f}× · lossless: {'yes' if lossless else 'NO'} "
           f"(speculative == target-only greedy on {len(prompts)} prompts; {device})")
+    print(f"served at batch {got['batch']}: {got['choice']} ({why}) · "
+          f"{served['tokens_per_s']:.1f} tok/s, {got['choice_speedup']:.2f}× target-only · "
+          f"identical to greedy on {served['identical_to_greedy']}/{len(prompts)} prompts")
     return {**got, "lossless": lossless}
 
 

@@ -26,6 +26,8 @@ def test_generate_prints_answers_tau_speedup_and_lossless(micro_spec, drafter_di
     out = capsys.readouterr().out
     assert out.count("> ") >= 2 and "τ 1." in out and "speed-up" in out
     assert "lossless: yes" in out
+    # what the adaptive choice served at batch 2, run and timed: every answer still greedy's
+    assert "served at batch 2: " in out and "identical to greedy on 2/2 prompts" in out
 
 
 def test_bad_input_is_one_error_naming_the_file(micro_spec, drafter_dir, tmp_path, capsys):

@@ -27,7 +27,17 @@ def test_rows_carry_the_json_figures(st):
     assert cells[2] == f"{b1['target_only_tokens_per_s']:,.1f}"
     assert cells[3] == f"{b1['speculative_tokens_per_s']:,.1f}"
     assert cells[5] == f"**{b1['speedup']:.2f}×**"
-    assert cells[6] == f"{b1['hf_static']['tokens_per_s']:,.1f}"
+    assert cells[6] == b1.get("choice", "n/a")
+    assert cells[8] == f"{b1['hf_static']['tokens_per_s']:,.1f}"
+
+
+def test_rows_carry_the_choice_and_its_measured_speedup(st, tmp_path):
+    d = json.loads(RANDOM.read_text())
+    d["batches"][0].update(choice="target-only", choice_speedup=0.987)
+    p = tmp_path / "decode_speed.json"
+    p.write_text(json.dumps(d))
+    cells = [c.strip() for c in st.rows(p)[0].strip("|").split("|")]
+    assert cells[6:8] == ["target-only", "0.99×"]
 
 
 def test_write_then_check_and_stale_detection(st, tmp_path):

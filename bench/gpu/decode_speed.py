@@ -280,6 +280,7 @@ def one_batch(a, target, drafter, ps, b, hf_b, sim, budget, save=None) -> dict |
     r["tau_per_prompt"] = [x.tau for x in r["results"]]
     r.pop("results")
     r.pop("greedy")
+    r.pop("served_results", None)
     r["goal"] = goal(r)
     r["wall_s"]["total"] = time.time() - t0
     return r

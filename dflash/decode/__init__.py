@@ -5,7 +5,10 @@ generation for the data stage (generate.py: the engine choice, the hf loop and t
 decoding for the bench stage and users (speculative.py: the :class:`Decoder`; its own step pieces:
 speculative_step.py; what it returns and the lossless evidence: decoded.py; one prompt at a time
 and the eager references: eager.py; whether to speculate at a batch size, from measured step
-costs: adaptive.py).
+costs: adaptive.py). What both front doors share is static.py: the target's static KV cache
+(``TargetCache``) and the one compile / capture / replay cycle (``CapturedStep``); the
+drafter's side of the speculative pair (``DraftPair``) is speculative_step.py's, so that the
+data stage's engine imports nothing of the drafter.
 
 May import: the top-level modules, artifacts/, spec/, models/, runtime/. Nothing from data/,
 train/, eval/ or stages/.

@@ -28,6 +28,21 @@ class Decoded:
     margins: list[float] = field(default_factory=list)
 
 
+def decoded_of(K: int, gen, steps, toks, margins, acc, lens) -> list[Decoded]:
+    """One :class:`Decoded` per sequence from the decoder's buffers read back to the host (per
+    sequence: tokens emitted, verify steps, the output and margin rows, the per-step accepted
+    drafts and emitted lengths); ``K`` the verify width (anchor + drafts)."""
+    res = []
+    for i, st in enumerate(steps):
+        a = acc[i][:st]
+        res.append(Decoded(
+            tokens=toks[i][:gen[i]], target_forwards=st,
+            tau=sum(lens[i][:st]) / st if st else float("nan"),
+            accept_counts=[sum(x > k for x in a) for k in range(K - 1)],
+            block_lengths=lens[i][:st], accepted=a, margins=margins[i][:gen[i]]))
+    return res
+
+
 def divergence(spec: Decoded, plain: Decoded) -> dict | None:
     """Where a speculative answer first differs from plain greedy decoding (None if nowhere),
     and the target's top-2 logit margin there in both runs (a near-tie: below

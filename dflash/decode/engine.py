@@ -43,10 +43,11 @@ projections, optional q_norm/k_norm as in Qwen3) â†’ post_attention_layernorm â†
 full attention (``llama``, ``qwen2``, ``qwen3``); :func:`unsupported_reason` says why another
 model is not, and the ``hf`` engine (:func:`dflash.decode.generate.generate_batch`) serves it.
 
-Owns: :class:`Engine` (its static caches, the decode and prefill math, capture, replay and slot
-scheduling), :func:`unsupported_reason`. Imports the top-level modules, ``models.layers``,
-``models.graphs``, ``runtime.gate``, :mod:`dflash.decode.sampling` (the step's math and its
-sampling) and :mod:`dflash.decode.prefill` (the prefill's shapes, buffers, graphs and host packing).
+Owns: :class:`Engine` (the decode and prefill math, slot scheduling), :func:`unsupported_reason`.
+Imports the top-level modules, ``models.layers``, ``runtime.gate``, :mod:`dflash.decode.static`
+(the static KV cache and the compile / capture / replay cycle it shares with the speculative
+decoder), :mod:`dflash.decode.sampling` (the step's math and its sampling) and
+:mod:`dflash.decode.prefill` (the prefill's shapes, buffers, graphs and host packing).
 """
 from __future__ import annotations
 
@@ -66,9 +67,9 @@ from ..models.layers import out_mlp as _out_mlp
 from ..models.layers import qkv as _qkv
 from ..models.layers import unsupported_reason as _layers_unsupported
 from ..runtime.gate import get_gate
-from ..models.graphs import capture, capture_or_warn, replay_or_run
 from .sampling import M32, DECODE_ATTENTION, mix32, pick_token, seed_keys
 from .prefill import Prefill
+from .static import CapturedStep, TargetCache, round_up
 
 
 
@@ -81,10 +82,6 @@ def unsupported_reason(model) -> str | None:
         return "no lm_head (a truncated target cannot generate)"
     return None
 
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 
 class Engine:
@@ -125,7 +122,7 @@ class Engine:
         cuda = self.device.type == "cuda"
         self.B = int(slots)
         self.max_new = int(max_new_tokens)
-        self.S = _round_up(max(int(max_len), self.max_new + 1), 16)
+        self.S = round_up(max(int(max_len), self.max_new + 1), 16)
         self.temperature = float(temperature)
         self.attention = attention
         self.compile = (cuda if compile is None else compile)
@@ -141,26 +138,15 @@ class Engine:
                                       "prefill_calls": 0, "prefill_seconds": 0.0,
                                       "decode_steps": 0, "new_tokens": 0, "answers": 0}
 
-        cfg = model.config
-        attn0 = self.layers[0].self_attn
-        kvh = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-        D = int(attn0.head_dim)
         dev, B, S = self.device, self.B, self.S
         R = B + 1  # row B is a spare: padded prefill rows write there, decode never reads it
         with torch.inference_mode():
-            # one cache tensor per layer (views of one big tensor would differ only in storage
-            # offset, which compiled code may specialise on); decode uses the first B rows
-            self.k_rows = [torch.zeros(R, kvh, S, D, device=dev, dtype=self.dtype)
-                           for _ in self.layers]
-            self.v_rows = [torch.zeros(R, kvh, S, D, device=dev, dtype=self.dtype)
-                           for _ in self.layers]
+            # decode uses the first B rows of the cache
+            cache = TargetCache(model, rows=R, S=S)
+            self.k_rows, self.v_rows = cache.k, cache.v
             self.k_cache = [t[:B] for t in self.k_rows]
             self.v_cache = [t[:B] for t in self.v_rows]
-            pos = torch.arange(S, device=dev)
-            probe = torch.zeros(1, 1, dtype=self.dtype, device=dev)
-            cos, sin = self.base.rotary_emb(probe, pos[None])  # [1, S, D], the model's own rope
-            self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
-            self.pos_ar = pos
+            self.cos, self.sin, self.pos_ar = cache.cos, cache.sin, cache.pos_ar
             self.slot_ar = torch.arange(B, device=dev)
             self.eos = torch.tensor(sorted({int(e) for e in eos_ids}), device=dev)
             self.vocab_hash = mix32(torch.arange(self.model.lm_head.out_features, device=dev,
@@ -174,11 +160,13 @@ class Engine:
             self.active, self.keys = self.rows["active"][:B], self.rows["keys"][:B]
             self.out = self.out_rows[:B]
         self._pre, self._post, self._head = _qkv, DECODE_ATTENTION[attention], pick_token
-        self._graph = None
+        self._captured = CapturedStep(self._decode_step, device=dev,
+                                      enabled=bool(self.compile or self.cuda_graph),
+                                      cuda_graph=self.cuda_graph, stats=self.stats,
+                                      tag="generate", gate=self.gate)
         self.prefill = Prefill(self._prefill_body, rows=self.prefill_batch, spare_row=B,
                                cache_len=S, max_new=self.max_new, padded=self.padded_prefill,
                                device=dev, gate=self.gate, stats=self.stats)
-        self._ready = False
         self.setup_seconds = 0.0
 
     # -------------------------------------------------------------------------------------
@@ -192,7 +180,7 @@ class Engine:
     def settings(self) -> dict:
         """What the data manifest records about this engine (``engine_settings``)."""
         return {"slots": self.B, "cache_len": self.S, "compiled": bool(self.compile),
-                "cuda_graph": self._graph is not None, "sync_every": self.sync_every,
+                "cuda_graph": self._captured.graph is not None, "sync_every": self.sync_every,
                 "setup_seconds": round(self.setup_seconds, 2),
                 "decode_steps": self.stats["decode_steps"],
                 "prefill_calls": self.stats["prefill_calls"],
@@ -262,40 +250,24 @@ class Engine:
 
     def _prepare(self) -> None:
         """Compile the per-layer pieces and capture the decode step and the padded prefills
-        (once, exclusive gate)."""
-        if self._ready:
-            return
+        (once, exclusive gate); a failed capture leaves the prefills uncaptured."""
+        also = self.prefill.capture if self.padded_prefill else None
+        if not self._captured.prepare(self._warm_up, "generate: compile + capture the decode "
+                                      "step", also_capture=also):
+            self.prefill.graphs.clear()
 
-        if not (self.compile or self.cuda_graph):
-            self._ready = True
-            return
-        with self.gate.exclusive("generate: compile + capture the decode step"):
-            t0 = time.time()
-            if self.compile:
-                backend = self.compile if isinstance(self.compile, str) else "inductor"
-                self._pre = compile_region(_qkv, backend)
-                self._post = compile_region(DECODE_ATTENTION[self.attention], backend)
-                self._head = compile_region(pick_token, backend)
-            with torch.inference_mode():
-                saved = self._snapshot()
-                for _ in range(2):  # compile, then one warm run (autotune, lazy inits)
-                    self._decode_step()
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                self.stats["compile_seconds"] = round(time.time() - t0, 3)
-                if self.cuda_graph and capture_or_warn(self._capture, self.stats,
-                                                       "generate") is None:
-                    self.prefill.graphs.clear()
-                self._restore(saved)
-        self._ready = True
-
-    def _capture(self) -> bool:
-        """The decode step, then (``padded_prefill``) every padded prefill length."""
-        self._graph = capture(self._decode_step)[0]
-        torch.cuda.synchronize(self.device)
-        if self.padded_prefill:
-            self.prefill.capture()
-        return True
+    def _warm_up(self) -> None:
+        """The pieces compiled, then two decode steps (compile, then one warm run: autotune,
+        lazy inits) on a snapshot of the slot state, restored after."""
+        if self.compile:
+            backend = self.compile if isinstance(self.compile, str) else "inductor"
+            self._pre = compile_region(_qkv, backend)
+            self._post = compile_region(DECODE_ATTENTION[self.attention], backend)
+            self._head = compile_region(pick_token, backend)
+        saved = self._snapshot()
+        for _ in range(2):
+            self._decode_step()
+        self._restore(saved)
 
     def _snapshot(self):
         return [t.clone() for t in self.rows.values()]
@@ -305,8 +277,7 @@ class Engine:
             t.copy_(s)
 
     def _replay(self, n: int) -> None:
-        with self.gate.shared():
-            replay_or_run(self._graph, self._decode_step, n)
+        self._captured.replay(n)
         self.stats["decode_steps"] += n
 
     # -------------------------------------------------------------------------------------

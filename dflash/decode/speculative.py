@@ -43,8 +43,11 @@ of K tokens rounds differently from K one-token forwards), which can only flip a
 margins say how near (:func:`dflash.decode.decoded.divergence`). In float32 the outputs are identical
 (tests/test_decoder.py).
 
-Owns: :class:`Decoder` (its static caches, step, capture, replay and harvest). Its own step pieces
-(greedy head, drafter RoPE, drafter context K/V) are :mod:`dflash.decode.speculative_step`.
+Owns: :class:`Decoder` (its step, compile scopes, prefill and harvest). Its own step pieces
+(greedy head, drafter RoPE, drafter context K/V, and the glue between the layers: prologues,
+context write, acceptance: :class:`~dflash.decode.speculative_step.StepGlue`) are
+:mod:`dflash.decode.speculative_step`; the static caches and the compile / capture / replay
+cycle it shares with the data engine are :mod:`dflash.decode.static`.
 """
 from __future__ import annotations
 
@@ -53,16 +56,15 @@ import time
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import DFlashError
 from ..models.layers import (attend_cache, cached_layer, compile_region, fused_weights, qkv,
                               rope_of, write_kv)
 from ..models.layers import unsupported_reason as _layers_unsupported
-from ..models.drafter import rope_cos_sin
-from ..models.graphs import capture, capture_or_warn, replay_or_run
-from .decoded import Decoded
-from .speculative_step import argmax_head, context_kv, context_kv_weights, drafter_rope, greedy_head
+from .decoded import Decoded, decoded_of
+from .speculative_step import (DraftPair, StepGlue, argmax_head, context_kv, drafter_rope,
+                               greedy_head)
+from .static import CapturedStep, TargetCache, round_up
 from ..runtime.busy import DeviceBusy
 from ..runtime.gate import get_gate
 from ..runtime.tracing import worker_thread_setup
@@ -72,10 +74,6 @@ def _graph_count() -> int:
     """Graphs dynamo has compiled in this process (stats only: the decoder compiles under the
     gate's exclusive side, so no other thread adds to it meanwhile)."""
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 
 # what is one compiled region on CUDA (``compile_scope``); the step is captured whole either way
@@ -97,7 +95,7 @@ FUSED_GEMM_SCOPES = ("fused", "step")
 DraftHook = Callable[[int, int, int], Sequence[int]]  # (prompt index, anchor, anchor_pos)
 
 
-class Decoder:
+class Decoder(StepGlue):
     """Greedy decoding of ``batch`` sequences at once; speculative with ``drafter``, target-only
     without. ``max_len``: longest prompt + ``max_new_tokens`` (the caches add one block).
     ``embed`` / ``lm_head``: the weights the drafter shares with the target (default: the
@@ -149,7 +147,7 @@ class Decoder:
         if verify_tokens is not None and self.K > 1:
             self.K = max(2, min(int(verify_tokens), self.Kd))
         self.N, self.max_new = int(batch), int(max_new_tokens)
-        self.S = _round_up(max(int(max_len), self.max_new + 1) + self.Kd, 16)
+        self.S = round_up(max(int(max_len), self.max_new + 1) + self.Kd, 16)
         self.eos = torch.tensor(sorted({int(e) for e in eos_ids}), device=self.device)
         self.compile = cuda if compile is None else compile
         self.cuda_graph = bool(cuda if cuda_graph is None else cuda_graph) and cuda
@@ -157,13 +155,16 @@ class Decoder:
         self.gate = gate or get_gate()
         self.rope = rope_of(self.layers[0])
         self._eager_pieces()
-        self._graph, self._wave = None, 0
+        self._wave = 0
         self._busy = {k: DeviceBusy(str(self.device)) for k in ("prefill", "steps")}
-        self._ready = False
         self.stats: dict[str, Any] = {"compile_seconds": 0.0, "capture_seconds": 0.0,
                                       "steps": 0, "syncs": 0, "graph": False,
                                       "compile_scope": self.scope,
                                       "compile_mode": compile_mode}
+        self._captured = CapturedStep(self._step, device=self.device,
+                                      enabled=bool(self.compile or self.cuda_graph),
+                                      cuda_graph=self.cuda_graph, stats=self.stats,
+                                      tag="decoder", gate=self.gate)
         with torch.inference_mode():
             self._alloc_target()
             if drafter is not None:
@@ -180,20 +181,9 @@ class Decoder:
     # static buffers (the captured step reads and writes these addresses)
     # -------------------------------------------------------------------------------------
     def _alloc_target(self) -> None:
-        cfg, dev, N, S = self.target.config, self.device, self.N, self.S
-        kvh = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-        D = int(self.layers[0].self_attn.head_dim)
-        # one tensor per layer (views of one tensor would differ only in storage offset, which
-        # compiled code may specialise on)
-        self.k_cache = [torch.zeros(N, kvh, S, D, device=dev, dtype=self.dtype)
-                        for _ in self.layers]
-        self.v_cache = [torch.zeros(N, kvh, S, D, device=dev, dtype=self.dtype)
-                        for _ in self.layers]
-        pos = torch.arange(S, device=dev)
-        probe = torch.zeros(1, 1, dtype=self.dtype, device=dev)
-        cos, sin = self.target.model.rotary_emb(probe, pos[None])  # the model's own rope
-        self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
-        self.pos_ar = pos
+        cache = TargetCache(self.target, rows=self.N, S=self.S)
+        self.k_cache, self.v_cache = cache.k, cache.v
+        self.cos, self.sin, self.pos_ar = cache.cos, cache.sin, cache.pos_ar
         self.lm_w = self.target.lm_head.weight
         self.feature_ids = set()
         self.t_fused = self._fused_of(self.layers)
@@ -204,24 +194,12 @@ class Decoder:
         return [fused_weights(lay) if self.scope in FUSED_GEMM_SCOPES else None for lay in layers]
 
     def _alloc_drafter(self, embed, lm_head) -> None:
-        d, dev, N, S = self.drafter, self.device, self.N, self.S
-        c = d.cfg
-        dt = d.dtype
-        self.d_dtype = dt
-        self.feature_ids = set(c.target_layer_ids)
-        self.d_layers = list(d.layers)
-        self.d_fused = self._fused_of(self.d_layers)
-        self.d_ctx_w = context_kv_weights(d) if self.scope in FUSED_GEMM_SCOPES else None
-        self.dk_cache = [torch.zeros(N, c.num_key_value_heads, S, c.head_dim, device=dev,
-                                     dtype=dt) for _ in self.d_layers]
-        self.dv_cache = [torch.zeros_like(t) for t in self.dk_cache]
-        cos, sin = rope_cos_sin(self.pos_ar[None], c.head_dim, c.rope_theta, dt)
-        self.d_cos, self.d_sin = cos[0, 0].contiguous(), sin[0, 0].contiguous()  # [S, D]
-        emb = embed if embed is not None else self.target.get_input_embeddings().weight
-        head = lm_head if lm_head is not None else self.lm_w
-        self.d_embed = emb.to(device=dev, dtype=dt)
-        self.d_lm_w = head.to(device=dev, dtype=dt)
-        self.mask_id = int(c.mask_token_id)
+        d = DraftPair(self.drafter, self.target, rows=self.N, S=self.S, pos_ar=self.pos_ar,
+                      fused=self.scope in FUSED_GEMM_SCOPES, embed=embed, lm_head=lm_head)
+        self.d_dtype, self.feature_ids, self.d_layers = d.dtype, d.feature_ids, d.layers
+        self.d_fused, self.d_ctx_w, self.dk_cache, self.dv_cache = d.fused, d.ctx_w, d.k, d.v
+        self.d_cos, self.d_sin, self.d_embed, self.d_lm_w = d.cos, d.sin, d.embed, d.lm_w
+        self.mask_id = d.mask_id
 
     def _alloc_state(self) -> None:
         dev, N, K = self.device, self.N, self.K
@@ -272,18 +250,6 @@ class Decoder:
                 feats.append(x)
         return x, feats
 
-    def _target_in(self, ids, qpos):
-        """The target's prologue: embeddings, RoPE rows and causal cache mask [N, 1, L, S]."""
-        x = self.target.model.embed_tokens(ids)
-        mask = (self.pos_ar[None, None, :] <= qpos[:, :, None])[:, None]
-        return x, self.cos[qpos], self.sin[qpos], mask
-
-    def _verify_in(self, drafts):
-        """The verify's inputs: ids ``[anchor, drafts]``, their positions, the prologue."""
-        qpos = self.pos[:, None] + self.k_ar                                  # [N, K]
-        ids = self.tok[:, None] if drafts is None else torch.cat([self.tok[:, None], drafts], 1)
-        return (qpos, *self._target_in(ids, qpos))
-
     def _target_forward(self, ids, qpos, layer):
         """The target over ``ids`` [N, L] at positions ``qpos`` [N, L]: K/V written into the
         cache, causal over it. -> final hidden states [N, L, H], feature-layer states."""
@@ -291,38 +257,12 @@ class Decoder:
         return self._layers_over(self.layers, self.k_cache, self.v_cache, self.rope, x, cos,
                                  sin, qpos, mask, layer, self.feature_ids)
 
-    def _context(self, feats, qpos, fn=None) -> None:
-        """The drafter's context K/V of these verified positions into its cache."""
-        rows = self.slot_ar[:, None]
-        cos, sin = self.d_cos[qpos][:, None], self.d_sin[qpos][:, None]
-        kv = (fn or self._ctx)(self.drafter, torch.cat(feats, dim=-1).to(self.d_dtype), cos, sin,
-                               self.d_ctx_w)
-        for (k, v), kc, vc in zip(kv, self.dk_cache, self.dv_cache):
-            write_kv(kc, vc, rows, qpos, k, v)
-
-    def _draft_in(self):
-        """The drafter's prologue: block ``[anchor, mask × (Kd-1)]`` embedded at positions
-        ``pos .. pos+Kd-1``, its RoPE rows, the mask over the cache up to the block's end."""
-        qpos = self.pos[:, None] + self.d_ar                                  # [N, Kd]
-        block = torch.where(self.d_ar == 0, self.tok[:, None], self.mask_id)
-        x = F.embedding(block, self.d_embed)
-        mask = (self.pos_ar[None, :] <= qpos[:, -1:])[:, None, None].expand(
-            self.N, 1, self.Kd, self.S)
-        return qpos, x, self.d_cos[qpos], self.d_sin[qpos], mask
-
     def _draft(self):
         """The drafter's greedy drafts after each anchor [N, K-1]."""
         qpos, x, cos, sin, mask = self._draft_in_fn()
         x, _ = self._layers_over(self.d_layers, self.dk_cache, self.dv_cache, drafter_rope, x,
                                  cos, sin, qpos, mask, self._layer, ())
         return self._dhead(self.drafter.norm, self.d_lm_w, x[:, 1:self.K])
-
-    def _hook_drafts(self):
-        """Drafts from the test hook, one sequence at a time (eager only)."""
-        rows = [list(self.hook(self._wave + i, int(t), int(p)))[:self.K - 1] if a else
-                [0] * (self.K - 1) for i, (t, p, a) in
-                enumerate(zip(self.tok.tolist(), self.pos.tolist(), self.active.tolist()))]
-        return torch.tensor(rows, dtype=torch.long, device=self.device).reshape(self.N, -1)
 
     def _step(self) -> None:
         """One verify step for every sequence; finished ones compute but change nothing."""
@@ -339,42 +279,6 @@ class Decoder:
         self._accept_fn(drafts, greedy, margin)
         if self.drafter is not None and self.hook is None:
             self._context_fn(feats, qpos)
-
-    def _accept_all(self, drafts, greedy, margin) -> None:
-        """The accepted prefix ``n`` of the drafts (the longest equal to the target's greedy
-        tokens), what is emitted, and :meth:`_accept`."""
-        if drafts is None:
-            return self._accept(greedy, greedy, margin, torch.zeros_like(self.pos))
-        n_acc = (drafts == greedy[:, :-1]).long().cumprod(1).sum(1)           # [N]
-        proposed = torch.cat([drafts, greedy[:, -1:]], dim=1)
-        emitted = torch.where(self.k_ar < n_acc[:, None], proposed, greedy)
-        self._accept(emitted, greedy, margin, n_acc)
-
-    def _accept(self, emitted, greedy, margin, n_acc) -> None:
-        """Per sequence: emit the accepted drafts + bonus (up to eos / max_new), log, advance."""
-        K, act, ar = self.K, self.active, self.k_ar[None]
-        valid = (ar <= n_acc[:, None]) & act[:, None]
-        self.checked += valid.sum()
-        self.mismatches += (valid & (emitted != greedy)).sum()
-        eos = (emitted[:, :, None] == self.eos).any(-1) & valid
-        first_eos = torch.where(eos, ar, K).amin(1)
-        count = torch.minimum(torch.minimum(n_acc + 1, first_eos + 1), self.max_new - self.gen)
-        count = torch.where(act, count, torch.zeros_like(count))
-        write = ar < count[:, None]
-        at = self.gen[:, None] + ar
-        rows = self.slot_ar[:, None]
-        self.out[rows, at] = torch.where(write, emitted, self.out[rows, at])
-        self.margin[rows, at] = torch.where(write, margin, self.margin[rows, at])
-        s = self.steps.clamp(max=self.max_new)
-        self.acc_log[self.slot_ar, s] = torch.where(act, n_acc, self.acc_log[self.slot_ar, s])
-        self.len_log[self.slot_ar, s] = torch.where(act, count, self.len_log[self.slot_ar, s])
-        finished = act & ((first_eos < count) | (self.gen + count >= self.max_new))
-        bonus = greedy.gather(1, n_acc[:, None])[:, 0]
-        self.steps += act.long()
-        self.gen += count
-        self.pos += torch.where(act, n_acc + 1, torch.zeros_like(n_acc))
-        self.tok.copy_(torch.where(act, bonus, self.tok))
-        self.active &= ~finished
 
     def _prefill(self, prompts: Sequence[Sequence[int]]) -> None:
         """Right-padded prompts into the caches (eager), first tokens from their last positions;
@@ -409,30 +313,26 @@ class Decoder:
         """Compile the per-layer pieces and capture the step (once, exclusive gate). The warm-up
         and capture steps run on inactive sequences: they write only cache positions that the
         next prefill overwrites or masks, and the prefill resets every state buffer."""
-        if self._ready:
-            return
-        if not (self.compile or self.cuda_graph):
-            self._ready = True
-            return
+        self._captured.prepare(self._compile_and_warm_up,
+                               "decoder: compile + capture the verify / draft step")
+        self.stats["graph"] = self._captured.graph is not None
 
-        with self.gate.exclusive("decoder: compile + capture the verify / draft step"):
-            worker_thread_setup()  # recompile limit: one graph per (model, batch, block) shape
-            t0 = time.time()
-            graphs0 = _graph_count()
-            with torch.inference_mode():
-                self._compile_and_warm_up()
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                self.stats["compile_seconds"] = round(time.time() - t0, 3)
-                self.stats["graphs_compiled"] = _graph_count() - graphs0
-                if self.cuda_graph:
-                    self._capture()
-        self._ready = True
+    @property
+    def _graph(self):  # the captured step's graph (None: eager), for bench/gpu/step_profile.py
+        return self._captured.graph
 
     def _compile_and_warm_up(self) -> None:
         """Compile the scope's pieces and run the warm-up steps. A scope other than "regions"
         whose compile fails falls back to "regions" (the pieces first run compiled on the
         H200), loudly and recorded (``scope_compile_error``): slower, never wrong."""
+        worker_thread_setup()  # recompile limit: one graph per (model, batch, block) shape
+        graphs0 = _graph_count()
+        try:
+            self._compile_scope_and_warm_up()
+        finally:
+            self.stats["graphs_compiled"] = _graph_count() - graphs0
+
+    def _compile_scope_and_warm_up(self) -> None:
         backend = self.compile if not isinstance(self.compile, bool) else "inductor"
         try:
             if self.compile:
@@ -496,19 +396,8 @@ class Decoder:
             self._step()
         self._step()
 
-    def _capture(self) -> None:
-        def run():
-            graph = capture(self._step)[0]
-            torch.cuda.synchronize(self.device)
-            return graph
-
-        self._graph = capture_or_warn(run, self.stats, "decoder")
-        if self._graph is not None:
-            self.stats["graph"] = True
-
     def _run_steps(self, n: int) -> None:
-        with self.gate.shared():
-            replay_or_run(self._graph, self._step, n)
+        self._captured.replay(n)
         self.stats["steps"] += n
 
     # -------------------------------------------------------------------------------------
@@ -552,21 +441,10 @@ class Decoder:
         self.stats["waves"] = self.stats.get("waves", 0) + 1
 
     def _harvest(self, n: int) -> list[Decoded]:
-        gen, steps = self.gen[:n].tolist(), self.steps[:n].tolist()
-        toks, margins = self.out[:n].tolist(), self.margin[:n].tolist()
-        acc, lens = self.acc_log[:n].tolist(), self.len_log[:n].tolist()
         self.stats["checked"] = self.stats.get("checked", 0) + int(self.checked)
         self.stats["mismatches"] = self.stats.get("mismatches", 0) + int(self.mismatches)
-        res = []
-        for i in range(n):
-            st = steps[i]
-            a = acc[i][:st]
-            res.append(Decoded(
-                tokens=toks[i][:gen[i]], target_forwards=st,
-                tau=sum(lens[i][:st]) / st if st else float("nan"),
-                accept_counts=[sum(x > k for x in a) for k in range(self.K - 1)],
-                block_lengths=lens[i][:st], accepted=a, margins=margins[i][:gen[i]]))
-        return res
+        return decoded_of(self.K, *(t[:n].tolist() for t in (
+            self.gen, self.steps, self.out, self.margin, self.acc_log, self.len_log)))
 
 
 __all__ = ["Decoder"]

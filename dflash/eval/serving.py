@@ -7,6 +7,18 @@ Timing: each engine compiles and captures its steps first (untimed); a timed run
 decode of all prompts, ``batch`` at a time (a finished sequence idles until its wave ends),
 between two device syncs. tokens/s = emitted tokens / seconds. HF's static path gets one untimed
 warm-up wave (its compile), its prompts left-padded to one length so no wave recompiles.
+
+What is served (:func:`pair`): after both engines are timed, the adaptive policy
+(:mod:`dflash.decode.adaptive`) picks one from their measured step times, and the chosen
+engine, already compiled and captured, decodes the prompts again, timed: ``served`` and
+``choice_speedup`` (its tokens/s over target-only's) are that run's figures, not assumed.
+
+Cost per batch size of the sweep (where the bench stage's time goes): two decoders built,
+compiled and captured (the regions have static shapes: one compile per batch size and engine,
+2.5–11 s each on the H200 for SmolLM2-135M), three timed decodes of ``max(batch, min_prompts)``
+prompts (target-only, speculative, served), and HF's static-cache generate only at the batch
+sizes in ``hf_batches`` (default batch 1: each other batch size was one more transformers
+compile and one more slow timed run, for a reference the goal reads at batch 1 only).
 """
 from __future__ import annotations
 
@@ -24,6 +36,7 @@ from ..decode.speculative import Decoder
 from .spread import pooled_interval
 
 SWEEP_BATCHES = (1, 4, 16, 64)
+HF_BATCHES = (1,)  # HF static-cache generate, the outside reference, timed at these batch sizes
 SERVING_GAP = 0.05  # warn when real and simulated τ of a prompt differ by more than this share
 
 
@@ -44,22 +57,30 @@ def timed_decode(dec: Decoder, prompts: Sequence[Sequence[int]], inspect=None):
 def pair(target, drafter, prompts: Sequence[Sequence[int]], batch: int, max_new: int,
          eos: Sequence[int], embed=None, lm_head=None, inspect=None, **kw) -> dict:
     """Target-only and speculative decoding of ``prompts`` at one batch size, timed; the
-    per-prompt results and the lossless evidence (``inspect``: :func:`timed_decode`'s)."""
+    per-prompt results and the lossless evidence (``inspect``: :func:`timed_decode`'s); the
+    adaptive choice and the timed run of what it chose (``served``, ``served_results``)."""
     max_len = max(len(p) for p in prompts) + max_new
     common = dict(batch=batch, max_len=max_len, max_new_tokens=max_new, eos_ids=eos, **kw)
     base = Decoder(target, None, **{k: v for k, v in common.items() if k != "verify_tokens"})
     rb, tb = timed_decode(base, prompts, inspect)
     stats_base = dict(base.stats)
-    del base
+    # both engines stay built until the choice is made: the served run reuses the chosen one's
+    # compile and capture (its caches: one more set of the target's K/V while both live)
     spec = Decoder(target, drafter, embed=embed, lm_head=lm_head, **common)
     rs, ts = timed_decode(spec, prompts, inspect)
     st, width = dict(spec.stats), spec.K
-    del spec
     nb, ns = sum(len(r.tokens) for r in rb), sum(len(r.tokens) for r in rs)
     fwd = sum(r.target_forwards for r in rs)
     produced = sum(sum(r.block_lengths) for r in rs)
     speedup = (ns / ts) / (nb / tb) if ts and tb and nb else None
     adaptive = adaptive_choice(batch, stats_base, st, width, rs, max_new)
+    chosen = base if adaptive is not None and adaptive["choice"] == 0 else spec
+    del base, spec
+    served, served_s = timed_decode(chosen, prompts)
+    name = "target-only" if chosen.drafter is None else "speculative"
+    del chosen
+    n_served = sum(len(r.tokens) for r in served)
+    served_tok_s = n_served / served_s if served_s else None
     return {"batch": batch, "prompts": len(prompts), "results": rs, "greedy": rb,
             "target_only_s": tb, "speculative_s": ts,
             "target_only_tokens_per_s": nb / tb if tb else None,
@@ -71,7 +92,12 @@ def pair(target, drafter, prompts: Sequence[Sequence[int]], batch: int, max_new:
             "lossless_evidence": lossless_evidence(rs, rb, st.get("checked", 0),
                                                    st.get("mismatches", 0)),
             "engine": {"target_only": _engine(stats_base), "speculative": _engine(st)},
-            **_chosen(adaptive, speedup), "adaptive": adaptive}
+            **_chosen(adaptive, served_tok_s, nb / tb if tb else None),
+            "served": {"engine": name, "seconds": served_s, "tokens": n_served,
+                       "tokens_per_s": served_tok_s,
+                       "identical_to_greedy": sum(a.tokens == g.tokens
+                                                  for a, g in zip(served, rb))},
+            "served_results": served, "adaptive": adaptive}
 
 
 def adaptive_choice(batch: int, stats_base: dict, stats_spec: dict, width: int, results,
@@ -91,14 +117,16 @@ def adaptive_choice(batch: int, stats_base: dict, stats_spec: dict, width: int, 
     return {**rec, "accept_rate_by_position": accept}
 
 
-def _chosen(adaptive: dict | None, speedup: float | None) -> dict:
-    """The choice and the speed-up of what runs: 1.0 where target-only is chosen (it runs
-    target-only), the measured speculative speed-up where speculation is."""
+def _chosen(adaptive: dict | None, served_tok_s: float | None,
+            base_tok_s: float | None) -> dict:
+    """The choice and the speed-up of what ran: the served run's tokens/s over the target-only
+    run's (a target-only choice measures close to 1.0, not 1.0 by definition)."""
+    sp = served_tok_s / base_tok_s if served_tok_s and base_tok_s else None
     if adaptive is None:
-        return {"choice": "speculative (no step times to decide)", "choice_speedup": speedup}
+        return {"choice": "speculative (no step times to decide)", "choice_speedup": sp}
     if adaptive["choice"] == 0:
-        return {"choice": "target-only", "choice_speedup": 1.0}
-    return {"choice": f"speculative (verify {adaptive['choice']})", "choice_speedup": speedup}
+        return {"choice": "target-only", "choice_speedup": sp}
+    return {"choice": f"speculative (verify {adaptive['choice']})", "choice_speedup": sp}
 
 
 def _engine(stats: dict) -> dict:
@@ -167,25 +195,29 @@ def tau_gap(real: Sequence, simulated: Sequence[float | None]) -> dict:
 
 
 def sweep(target, drafter, prompts: Sequence[Sequence[int]], max_new: int, eos: Sequence[int],
-          batches: Sequence[int] = SWEEP_BATCHES, min_prompts: int = 8, hf: bool = True,
-          pad_id: int = 0, embed=None, lm_head=None, log=print, **kw) -> dict:
+          batches: Sequence[int] = SWEEP_BATCHES, min_prompts: int = 8,
+          hf_batches: Sequence[int] = HF_BATCHES, pad_id: int = 0, embed=None, lm_head=None,
+          log=print, **kw) -> dict:
     """The batch sweep: at each batch size ``max(batch, min_prompts)`` prompts (at most all),
-    target-only and speculative tokens/s, HF's static path, τ, lossless evidence."""
+    target-only and speculative tokens/s, the adaptive choice and the timed run of what it
+    chose, τ, lossless evidence; HF's static path at the batch sizes in ``hf_batches``."""
     rows, first = [], None
     for b in batches:
         ps = list(prompts[:max(b, min_prompts)])
         r = pair(target, drafter, ps, b, max_new, eos, embed, lm_head, **kw)
+        hf = b in hf_batches
         if hf:
             r["hf_static"] = hf_static_generate(target, ps, b, max_new, eos, pad_id)
         if first is None:
             first = r
-        row = {k: v for k, v in r.items() if k not in ("results", "greedy")}
+        row = {k: v for k, v in r.items() if k not in ("results", "greedy", "served_results")}
         ev = row["lossless_evidence"]
         ev["divergences"] = ev["divergences"][:16]
         rows.append(row)
         log(f"[decode] batch {b}: target-only {_f(r['target_only_tokens_per_s'])} tok/s, "
             f"speculative {_f(r['speculative_tokens_per_s'])} tok/s (τ {_f(r['tau'])}, "
-            f"speed-up {_f(r['speedup'])}), choice {r['choice']} ({_f(r['choice_speedup'])}x)"
+            f"speed-up {_f(r['speedup'])}), choice {r['choice']} served "
+            f"{_f(r['served']['tokens_per_s'])} tok/s ({_f(r['choice_speedup'])}x measured)"
             + (f", HF static {_f(r['hf_static']['tokens_per_s'])} tok/s" if hf else "")
             + f", lossless {ev['lossless']}")
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
@@ -208,6 +240,6 @@ def _f(x) -> str:
     return "n/a" if x is None else f"{x:.3f}"
 
 
-__all__ = ["SWEEP_BATCHES", "SERVING_GAP", "timed_decode", "pair", "adaptive_choice",
+__all__ = ["SWEEP_BATCHES", "HF_BATCHES", "SERVING_GAP", "timed_decode", "pair", "adaptive_choice",
            "hf_static_generate",
            "tau_gap", "sweep", "goal"]
