@@ -158,8 +158,9 @@ def _decode_speed_or_failure(tgt, drafter, embed, head, es, b, device, results_d
 
 def decode_speed(tgt, drafter, embed, head, es, b, device) -> dict:
     """Tokens/s target-only vs speculative at ``bench.decode_batches`` (1, 4, 16, 64) on the
-    primary set's prompts through the one decoder, HF static-cache ``generate`` in the same run,
-    and the issue's batch-1 goal ratios. CUDA only: on CPU the decoder runs eagerly and times
+    primary set's prompts through the one decoder, with the adaptive choice served at each,
+    HF static-cache ``generate`` in the same run at batch 1 only (``serving.HF_BATCHES``), and
+    the issue's batch-1 goal ratios. CUDA only: on CPU the decoder runs eagerly and times
     Python."""
     if not b.decode_batches:
         return {"skipped": "bench.decode_batches is []"}
