@@ -9,6 +9,7 @@ import json
 import random
 
 import pytest
+import torch
 
 from dflash.models.drafter import DFlashConfig
 from dflash.env.facts import hardware_facts
@@ -17,7 +18,8 @@ from dflash.runtime.harness import REPO
 from dflash.eval.report import render_report_md
 from dflash.spec.load import parse_spec
 from dflash.train.packing import StepMap, bucket_for, pack_row, plan_epoch
-from dflash.train.profile import LABEL, OFFSET_STEPS, Ev, StepProfiler, summarise, window_for
+from dflash.train.profile import (LABEL, OFFSET_STEPS, Ev, StepProfiler, events_of, is_label,
+                                  summarise, window_for)
 from dflash.train.scheduler import Pipeline
 from dflash.train.workers import buckets, initial_state, make_replicas, make_target_workers
 
@@ -199,3 +201,26 @@ def _report(profile):
                   mfu_datasheet=None, env_drift_overridden=[],
                   hardware=hardware_facts(["cpu"], {}), profile=profile)
     return report
+
+
+def test_events_of_reads_an_older_torch_s_events():
+    """torch 2.11's kineto events lack ``activity_type`` (the H200 image's torch: the round-7
+    profile died on it); the reader then gives kind '' and zeros for the missing links."""
+    class OldKinetoEvent:  # the accessors torch 2.11's _KinetoEvent has
+        def __init__(self, name, device):
+            self._n, self._d = name, device
+
+        def name(self): return self._n
+        def device_type(self): return self._d
+        def start_ns(self): return 10
+        def end_ns(self): return 30
+        def start_thread_id(self): return 7
+        def correlation_id(self): return 3
+        def device_index(self): return 0
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    evs = events_of([OldKinetoEvent("dflash.worker/drafter-0", cpu),
+                     OldKinetoEvent("void gemm_kernel", cuda)])
+    assert [(e.name, e.kind, e.device, e.linked, e.stream) for e in evs] == [
+        ("dflash.worker/drafter-0", "", False, 0, 0), ("void gemm_kernel", "", True, 0, 0)]
+    assert is_label(evs[0]) and not is_label(evs[1])

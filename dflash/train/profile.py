@@ -163,10 +163,20 @@ class Ev(NamedTuple):
 
 
 def events_of(raw) -> list[Ev]:
+    """kineto's events as :class:`Ev`. torch 2.11's ``_KinetoEvent`` has no ``activity_type``
+    (2.13's has): without it the kind is '' and the rules fall back on names (our labels, the
+    runtime calls' ``cuda*`` names); a missing link or stream reads 0."""
     cuda = torch.autograd.DeviceType.CUDA
-    return [Ev(e.name(), str(e.activity_type()), e.device_type() == cuda, e.start_ns(),
-               e.end_ns(), e.start_thread_id(), e.correlation_id(), e.linked_correlation_id(),
-               e.device_index(), e.device_resource_id()) for e in raw]
+    return [Ev(e.name(), str(_read(e, "activity_type", "")), e.device_type() == cuda,
+               e.start_ns(), e.end_ns(), e.start_thread_id(), e.correlation_id(),
+               _read(e, "linked_correlation_id", 0), e.device_index(),
+               _read(e, "device_resource_id", 0)) for e in raw]
+
+
+def _read(event, name: str, default):
+    """``event.name()`` where this torch's kineto event has that accessor, else ``default``."""
+    get = getattr(event, name, None)
+    return get() if get is not None else default
 
 
 def is_label(e: Ev) -> bool:
