@@ -263,7 +263,7 @@ def test_sweep_rows_and_their_report_section(world, tmp_path):
         assert len(acc) == B - 1 and all(1 >= p >= q >= 0 for p, q in zip(acc, acc[1:]))
         assert acc[0] > 0 and expected_tokens(acc, B) >= x["tau"] - 1e-9
         assert x["choice"] == ("target-only" if a["choice"] == 0 else f"speculative (verify {B})")
-        sv = x["served"]                     # what the choice served: run again and timed
+        sv = x["served"]                     # what the choice serves: its engine's timed decode
         assert sv["engine"] == ("target-only" if a["choice"] == 0 else "speculative")
         assert sv["tokens"] == 3 * 8 and sv["identical_to_greedy"] == 3 and sv["seconds"] > 0
         assert x["choice_speedup"] == pytest.approx(
