@@ -30,7 +30,6 @@ is printed as a change to apply: an arm that costs more must buy more than the e
 """
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import math
@@ -411,27 +410,8 @@ def dumps(data: dict) -> str:
     return json.dumps(data, indent=1, ensure_ascii=False) + "\n"
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", type=Path, default=OUT_JSON)
-    ap.add_argument("--png", type=Path, default=OUT_PNG)
-    g = ap.add_mutually_exclusive_group()
-    g.add_argument("--write", nargs="+", type=Path, metavar="MD")
-    g.add_argument("--check", nargs="+", type=Path, metavar="MD")
-    a = ap.parse_args(argv)
-    data = collect()
-    block = render(data)
-    if not (a.write or a.check):
-        print(block)
-        return 0
-    stale = []
-    if a.write:
-        a.json.write_text(dumps(data))
-        plot(data, a.png)
-    elif not a.json.is_file() or a.json.read_text() != dumps(data):
-        stale.append(str(a.json))
-    return md_block.write_or_check(a.write or a.check, block, begin=BEGIN, end=END,
-                                   write=bool(a.write), stale=stale)
+main = md_block.main_of(__doc__.split("\n")[0], collect=collect, render=render, plot=plot,
+                        dumps=dumps, json_path=OUT_JSON, png_path=OUT_PNG, begin=BEGIN, end=END)
 
 
 if __name__ == "__main__":

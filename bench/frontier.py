@@ -24,14 +24,13 @@ MT-Bench τ against the total, and among points whose total is known.
 """
 from __future__ import annotations
 
-import argparse
 import json
 from functools import partial
 from pathlib import Path
 
 from bench import md_block
 from bench.ablation_table import H200, REPO, metrics_of, read_json, read_metrics, sibling, timeline
-from bench.entry import run, write_result
+from bench.entry import run
 from bench.figures_from_log import figures
 from dflash.errors import DFlashError
 from dflash.eval.sweep_report import frontier as pareto
@@ -172,30 +171,11 @@ splice = partial(md_block.splice, begin=BEGIN, end=END)
 
 
 def dumps(data: dict) -> str:
-    return json.dumps(data, indent=1) + "\n"  # what write_result writes
+    return json.dumps(data, indent=1) + "\n"
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", type=Path, default=OUT_JSON)
-    ap.add_argument("--png", type=Path, default=OUT_PNG)
-    g = ap.add_mutually_exclusive_group()
-    g.add_argument("--write", nargs="+", type=Path, metavar="MD")
-    g.add_argument("--check", nargs="+", type=Path, metavar="MD")
-    a = ap.parse_args(argv)
-    data = collect()
-    block = render(data)
-    if not (a.write or a.check):
-        print(block)
-        return 0
-    stale = []
-    if a.write:
-        write_result(a.json, data)
-        plot(data, a.png)
-    elif not a.json.is_file() or a.json.read_text() != dumps(data):
-        stale.append(str(a.json))
-    return md_block.write_or_check(a.write or a.check, block, begin=BEGIN, end=END,
-                                   write=bool(a.write), stale=stale)
+main = md_block.main_of(__doc__.split("\n")[0], collect=collect, render=render, plot=plot,
+                        dumps=dumps, json_path=OUT_JSON, png_path=OUT_PNG, begin=BEGIN, end=END)
 
 
 if __name__ == "__main__":
