@@ -1,6 +1,8 @@
-"""A generated block inside a markdown file, and the main of the scripts that make one: the text between ``<!-- ours:KEY:begin -->`` and
+"""A generated block inside a markdown file: the text between ``<!-- ours:KEY:begin -->`` and
 ``<!-- ours:KEY:end -->``, rendered by a bench script from committed JSON, written with
-``--write`` and checked with ``--check`` (bench/speedup_table.py, bench/ablation_table.py).
+``--write`` and checked with ``--check`` (bench/speedup_table.py, bench/ablation_table.py,
+bench/frontier.py); and :func:`main_of`, the ``main`` of the scripts that also write a JSON and
+a plot.
 """
 from __future__ import annotations
 
