@@ -44,3 +44,19 @@ def test_no_target_only_time_is_one_clear_error():
     with pytest.raises(DFlashError, match="target-only"):
         choose(4, {16: 1.3}, ACCEPT)
     assert choose(4, {0: 1.0}, ACCEPT)["choice"] == 0
+
+
+def test_a_decoded_wave_s_tokens_per_step_replace_the_model():
+    """Round 7 on the H200, batch 16 (the committed report's figures): the wave model promised
+    1.93 tokens a step and 1.20x; the decoded wave realized 1.34 for speculation and 0.90 for
+    target-only (sequences that end early idle in their wave) at all-in 2.822 and 1.755 ms a
+    step: 0.95x, so target-only. Where a width has no decoded wave the model still decides."""
+    step_ms = {0: 1.755, 16: 2.822}
+    modelled = choose(16, step_ms, ACCEPT)
+    assert {c["source"] for c in modelled["candidates"]} == {"wave model"}
+    r = choose(16, step_ms, ACCEPT, tokens_per_step={0: 0.9026, 16: 1.3434})
+    assert [c["source"] for c in r["candidates"]] == ["decoded wave", "decoded wave"]
+    assert r["choice"] == 0 and r["expected_gain"] == pytest.approx(
+        (1.3434 / 2.822) / (0.9026 / 1.755))
+    part = choose(16, step_ms, ACCEPT, tokens_per_step={16: 1.3434})
+    assert [c["source"] for c in part["candidates"]] == ["wave model", "decoded wave"]

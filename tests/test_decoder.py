@@ -259,6 +259,13 @@ def test_sweep_rows_and_their_report_section(world, tmp_path):
         a = x["adaptive"]                    # the choice, from this pair's measured step ms
         assert a["batch"] == x["batch"] and [c["width"] for c in a["candidates"]] == [0, B]
         assert all(c["step_ms"] > 0 for c in a["candidates"])
+        # decided on each engine's warm wave (all-in ms a step, realized tokens a step), judged
+        # by the timed decode after it
+        assert [c["source"] for c in a["candidates"]] == ["decoded wave"] * 2
+        warm = x["engine"]["target_only"]["warm"]
+        assert warm["tokens"] == 3 * 8 and warm["steps"] > 0 and warm["seconds"] > 0
+        assert a["candidates"][0]["expected_tokens_per_step"] == pytest.approx(
+            warm["tokens"] / (warm["steps"] * x["batch"]), abs=1e-4)
         acc = a["accept_rate_by_position"]   # cumulative shares: never rising, 1 + Σ ≥ τ
         assert len(acc) == B - 1 and all(1 >= p >= q >= 0 for p, q in zip(acc, acc[1:]))
         assert acc[0] > 0 and expected_tokens(acc, B) >= x["tau"] - 1e-9

@@ -42,11 +42,20 @@ SERVING_GAP = 0.05  # warn when real and simulated τ of a prompt differ by more
 
 def timed_decode(dec: Decoder, prompts: Sequence[Sequence[int]], inspect=None, warm: int = 0):
     """(results, seconds) of decoding ``prompts`` after the (untimed) compile + capture and
-    ``warm`` untimed decodes of the same prompts; ``inspect(dec) -> dict``, run before the
-    timed decode, adds to ``dec.stats`` (e.g. a kernel count of one step)."""
+    ``warm`` decodes of the same prompts; ``inspect(dec) -> dict``, run before the timed decode,
+    adds to ``dec.stats`` (e.g. a kernel count of one step). With ``warm``, ``dec.stats["warm"]``
+    is the last warm decode's seconds, steps and tokens: what the adaptive choice decides from,
+    so the timed decode it is judged by is not the one it chose on."""
     dec.prepare()
     for _ in range(warm):
-        dec.decode(prompts)
+        steps = dec.stats.get("steps", 0)
+        sync(dec.device)
+        t = time.perf_counter()
+        res = dec.decode(prompts)
+        sync(dec.device)
+        dec.stats["warm"] = {"seconds": time.perf_counter() - t,
+                             "steps": dec.stats.get("steps", 0) - steps,
+                             "tokens": sum(len(r.tokens) for r in res)}
     if inspect is not None:
         dec.stats.update(inspect(dec))
     sync(dec.device)
@@ -104,18 +113,28 @@ def pair(target, drafter, prompts: Sequence[Sequence[int]], batch: int, max_new:
 
 def adaptive_choice(batch: int, stats_base: dict, stats_spec: dict, width: int, results,
                     max_new: int) -> dict | None:
-    """:func:`dflash.decode.adaptive.choose` on what this pair measured: ms per step of each
-    engine (``steps_ms`` / ``steps``: the device time of the steps, prefill and harvest apart)
-    and the served accept shares by position (share of verify steps whose drafts 1..k were all
-    accepted). None where a step time is missing."""
+    """:func:`dflash.decode.adaptive.choose` on what this pair measured. Where both engines
+    decoded a warm wave (``stats["warm"]``): each engine's all-in ms per step of that wave
+    (prefill and harvest included) and the tokens per step and sequence it realized. Otherwise
+    the device time of the steps (``steps_ms`` / ``steps``) and the wave model. The served
+    accept shares by position (share of verify steps whose drafts 1..k were all accepted) are
+    recorded either way. None where a step time is missing."""
     def ms(s):
+        if s.get("warm", {}).get("steps"):
+            return s["warm"]["seconds"] * 1e3 / s["warm"]["steps"]
         return s["steps_ms"] / s["steps"] if s.get("steps_ms") and s.get("steps") else None
+
+    def realized(s):
+        w = s.get("warm", {})
+        return w["tokens"] / (w["steps"] * batch) if w.get("steps") else None
 
     fwd = sum(r.target_forwards for r in results)
     if ms(stats_base) is None or not fwd:
         return None
     accept = [sum(r.accept_counts[k] for r in results) / fwd for k in range(width - 1)]
-    rec = choose(batch, {0: ms(stats_base), width: ms(stats_spec)}, accept, new_tokens=max_new)
+    tps = {w: t for w, t in ((0, realized(stats_base)), (width, realized(stats_spec))) if t}
+    rec = choose(batch, {0: ms(stats_base), width: ms(stats_spec)}, accept, new_tokens=max_new,
+                 tokens_per_step=tps or None)
     return {**rec, "accept_rate_by_position": accept}
 
 
@@ -134,7 +153,7 @@ def _chosen(adaptive: dict | None, served_tok_s: float | None,
 def _engine(stats: dict) -> dict:
     keep = ("compile_scope", "compile_mode", "compile_seconds", "capture_seconds", "graphs_compiled", "steps",
             "syncs", "graph", "graph_error", "context_compile_error", "scope_compile_error",
-            "fused_weight_bytes", "waves", "prefill_ms", "steps_ms", "harvest_ms",
+            "fused_weight_bytes", "waves", "prefill_ms", "steps_ms", "harvest_ms", "warm",
             # what an inspect hook measured (bench/gpu/step_profile.py)
             "replay_ms", "kernels", "kernel_device_ms", "top_kernels", "kernels_cpu_proxy",
             "profile_error")
