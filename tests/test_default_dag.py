@@ -42,6 +42,12 @@ def test_warmup_lists_every_bucket_for_every_drafter_device(tiny):
     got = {(c["replica"], c["device"], c["bucket"]) for c in warm["compiled"]}
     assert got == {(r, "cpu", b) for r in (0, 1) for b in (512, 1024)}
     assert warm["fingerprints"]["env"] and warm["fingerprints"]["shape"]
+    # the stage's seconds by phase: building the replicas, the target's compile, the drafters'
+    phases = warm["seconds_by_phase"]
+    assert set(phases) == {"replicas_s", "target_s", "drafters_s"}
+    assert all(v >= 0 for v in phases.values()) and sum(phases.values()) <= warm["seconds_total"]
+    drafter_compiles = max(c["seconds"] for c in warm["compiled"] if "replica" in c)
+    assert phases["drafters_s"] >= drafter_compiles - 1e-3
 
 
 def test_training_is_warm_and_race_free(tiny):
