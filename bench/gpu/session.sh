@@ -10,12 +10,15 @@
 # in its own process session (it outlives the call), then watches it; `watch` watches until
 # WATCH_S and collects. Run state lives in /tmp (a carried folder is replaced by the next call);
 # what comes back is one archive, results.tgz (at most 8 files come back).
-# The plan (round 7, issues #34-#37): call 1 (`probes`) times the two BlockMask builds against
-# create_block_mask (captured too) and the 8B target's cold first call; then the whole
-# smollm2-quality DAG alone on the GPU; after it, the qwen3-8b-1gpu warm-up cold (empty compile
-# cache) and warm (the same cache) in its own results folder, the train step under
-# torch.profiler (smollm2-quality-profile), the code drafter's DAG (smollm2-code), and both
-# decoding loops in bf16 on the trained drafter.
+# The plan (round 7, issues #34-#37; round 7's README says what ran): call 1 (`probes`) times the
+# two BlockMask builds against create_block_mask (captured too) and the 8B target's cold first
+# call; then the whole smollm2-quality DAG alone on the GPU; after it, the qwen3-8b-1gpu warm-up
+# cold (empty compile cache) and warm (the same cache) in its own results folder, the train step
+# under torch.profiler (smollm2-quality-profile), the code drafter's DAG (smollm2-code), and both
+# decoding loops in bf16 on the trained drafter. Round 7 ran out of the hold during the code DAG
+# (29 device-minutes for all but steps 4-5): a next round that needs the profile and the code
+# drafter should skip call 1's probes (their figures are committed) and the 8B warm-up's warm
+# run, or give the quality DAG's bench stage fewer parts (bench.protocols, decode_batches).
 #   calls 1, 2:  bash bench/gpu/session.sh stash   (carry .whl, then .whl2)
 #   (or call 1: `probes`, which also installs the small wheels and runs the probes alone)
 #   last:    bash bench/gpu/session.sh launch     (carry the last .whlN, .zlab; watches WATCH_S)
