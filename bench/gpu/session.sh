@@ -15,8 +15,8 @@
 # call; then the whole smollm2-quality DAG alone on the GPU; after it, the qwen3-8b-1gpu warm-up
 # cold (empty compile cache) and warm (the same cache) in its own results folder, the train step
 # under torch.profiler (smollm2-quality-profile), the code drafter's DAG (smollm2-code), and both
-# decoding loops in bf16 on the trained drafter. Round 7 ran out of the hold during the code DAG
-# (29 device-minutes for all but steps 4-5): a next round that needs the profile and the code
+# decoding loops in bf16 on the trained drafter. In round 7 (29 device-minutes) the profile step
+# crashed (fixed since) and the hold ended during the code DAG's training: a next round that needs the profile and the code
 # drafter should skip call 1's probes (their figures are committed) and the 8B warm-up's warm
 # run, or give the quality DAG's bench stage fewer parts (bench.protocols, decode_batches).
 #   calls 1, 2:  bash bench/gpu/session.sh stash   (carry .whl, then .whl2)
