@@ -113,28 +113,24 @@ def pair(target, drafter, prompts: Sequence[Sequence[int]], batch: int, max_new:
 
 def adaptive_choice(batch: int, stats_base: dict, stats_spec: dict, width: int, results,
                     max_new: int) -> dict | None:
-    """:func:`dflash.decode.adaptive.choose` on what this pair measured. Where both engines
-    decoded a warm wave (``stats["warm"]``): each engine's all-in ms per step of that wave
-    (prefill and harvest included) and the tokens per step and sequence it realized. Otherwise
-    the device time of the steps (``steps_ms`` / ``steps``) and the wave model. The served
-    accept shares by position (share of verify steps whose drafts 1..k were all accepted) are
-    recorded either way. None where a step time is missing."""
-    def ms(s):
-        if s.get("warm", {}).get("steps"):
-            return s["warm"]["seconds"] * 1e3 / s["warm"]["steps"]
-        return s["steps_ms"] / s["steps"] if s.get("steps_ms") and s.get("steps") else None
-
-    def realized(s):
+    """:func:`dflash.decode.adaptive.choose` on each engine's warm wave (``stats["warm"]``, as
+    :func:`pair` decodes it): its all-in ms per step (prefill and harvest included) and the
+    tokens per step and sequence it realized; the served accept shares by position (share of
+    verify steps whose drafts 1..k were all accepted) are recorded beside. None where a wave
+    has no steps."""
+    def wave(s):
         w = s.get("warm", {})
-        return w["tokens"] / (w["steps"] * batch) if w.get("steps") else None
+        return (w["seconds"] * 1e3 / w["steps"], w["tokens"] / (w["steps"] * batch)) \
+            if w.get("steps") else (None, None)
 
+    (ms_base, tps_base), (ms_spec, tps_spec) = wave(stats_base), wave(stats_spec)
     fwd = sum(r.target_forwards for r in results)
-    if ms(stats_base) is None or not fwd:
+    if ms_base is None or not fwd:
         return None
     accept = [sum(r.accept_counts[k] for r in results) / fwd for k in range(width - 1)]
-    tps = {w: t for w, t in ((0, realized(stats_base)), (width, realized(stats_spec))) if t}
-    rec = choose(batch, {0: ms(stats_base), width: ms(stats_spec)}, accept, new_tokens=max_new,
-                 tokens_per_step=tps or None)
+    tps = {w: t for w, t in ((0, tps_base), (width, tps_spec)) if t}
+    rec = choose(batch, {0: ms_base, width: ms_spec}, accept, new_tokens=max_new,
+                 tokens_per_step=tps)
     return {**rec, "accept_rate_by_position": accept}
 
 
