@@ -10,15 +10,13 @@
 # in its own process session (it outlives the call), then watches it; `watch` watches until
 # WATCH_S and collects. Run state lives in /tmp (a carried folder is replaced by the next call);
 # what comes back is one archive, results.tgz (at most 8 files come back).
-# The plan (round 7, issues #34-#37; round 7's README says what ran): call 1 (`probes`) times the
-# two BlockMask builds against create_block_mask (captured too) and the 8B target's cold first
-# call; then the whole smollm2-quality DAG alone on the GPU; after it, the qwen3-8b-1gpu warm-up
-# cold (empty compile cache) and warm (the same cache) in its own results folder, the train step
-# under torch.profiler (smollm2-quality-profile), the code drafter's DAG (smollm2-code), and both
-# decoding loops in bf16 on the trained drafter. In round 7 (29 device-minutes) the profile step
-# crashed (fixed since) and the hold ended during the code DAG's training: a next round that needs the profile and the code
-# drafter should skip call 1's probes (their figures are committed) and the 8B warm-up's warm
-# run, or give the quality DAG's bench stage fewer parts (bench.protocols, decode_batches).
+# The plan (round 8, issues #34-#37): the host cache's read path (old vs new gather); the whole
+# smollm2-quality DAG alone on the GPU; the train step under torch.profiler in epoch 0
+# (smollm2-quality-profile); the code drafter's DAG (smollm2-code) with, beside its data stage,
+# the qwen3-8b-1gpu warm-up cold and both decoding loops on the quality drafter (bf16, and the
+# float32 parity that locates the logit gap); last, the profiler in a cached epoch
+# (smollm2-quality-profile-cached). PLAN_S (26 min) bounds the plan; round 7's probes are
+# committed and not rerun (call 1 is a plain `stash`).
 #   calls 1, 2:  bash bench/gpu/session.sh stash   (carry .whl, then .whl2)
 #   (or call 1: `probes`, which also installs the small wheels and runs the probes alone)
 #   last:    bash bench/gpu/session.sh launch     (carry the last .whlN, .zlab; watches WATCH_S)
@@ -71,31 +69,51 @@ warmup_8b() {  # the qwen3-8b-1gpu warm-up stage: $1 = cold (empty compile cache
   cp /tmp/l8/qwen3-8b-1gpu/warmup.log "$RES/warmup_8b_$1__warmup.log" 2>/dev/null; return 0
 }
 
-plan() {  # the round's GPU work, in the order the issues need it (what the lease cuts is last)
+plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the hold cuts is last)
   cd /tmp/repo
-  stamp "start"
+  stamp "start"; T0=$(date +%s)
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$RES/gpu.txt" 2>&1
+  # 0. the host feature cache's read path, old vs new gather, pinned + H2D (#34 item 3; ~30 s)
+  timeout 60 python3 -m bench.cache_read --out "$RES/cache_read.json" > "$RES/cache_read.log" 2>&1
+  stamp "cache_read rc=$?"
   # 1. the whole quality DAG, alone on the GPU (#34 tokens/s, MFU, busy; #35 τ and the bench
-  #    stage's own cost; #36 the decode sweep with the adaptive choice)
-  timeout ${DAG_S:-1020} $SNAKE bench_smollm2-quality --config $CONF > "$RES/dag_quality.log" 2>&1
+  #    stage's own cost; #36 the decode sweep with the warm-wave choice)
+  timeout $(left ${DAG_S:-1020}) $SNAKE bench_smollm2-quality --config $CONF > "$RES/dag_quality.log" 2>&1
   stamp "dag rc=$?"
-  # 2. the 8B warm-up stage, cold then warm (#34 item 4)
-  warmup_8b cold; warmup_8b warm
-  # 3. the step under torch.profiler inside the DAG (the same env/warm-up/data, 200 steps)
-  timeout 180 $SNAKE train_smollm2-quality-profile --config $CONF > "$RES/dag_profile.log" 2>&1
+  # 2. the train step under torch.profiler inside the DAG: epoch 0 (the target runs and writes
+  #    the host cache), 200 steps, sharing the quality DAG's env, warm-up and data (#34 item 1)
+  timeout $(left 150) $SNAKE train_smollm2-quality-profile --config $CONF > "$RES/dag_profile.log" 2>&1
   stamp "profile rc=$?"; cp /tmp/r/smollm2-quality-profile/train/profile.json "$RES/" 2>/dev/null
-  # 4. the in-domain code drafter (#35 item 3): its own data and train, the shared env/warm-up
-  timeout ${CODE_S:-600} $SNAKE bench_smollm2-code --config $CONF > "$RES/dag_code.log" 2>&1
-  stamp "code dag rc=$?"
-  # 5. both loops, ours and the reference's, on the trained drafter in bf16 (#36 item 2)
-  D=/tmp/r/smollm2-quality/train/drafter
-  if [ -d "$D" ]; then
-    timeout ${REF_S:-240} python3 -m bench.gpu.reference_tau --spec specs/smollm2-quality.yaml \
-      --drafter "$D" ${REF_ARGS:---prompts 32 --max-new 128 --dtypes bfloat16} \
-      --out "$RES/reference_agreement_bf16.json" > "$RES/reference_agreement_bf16.log" 2>&1
-    stamp "reference_tau rc=$?"
-  fi
+  # 3. the in-domain code drafter (#35 item 3). Beside its data stage, on the same GPU: the
+  #    qwen3-8b-1gpu warm-up cold (#34 item 4: compile and set-up seconds by phase) and both
+  #    decoding loops on the quality drafter, bf16, plus the float32 parity that locates the
+  #    logit gap (#36 item 2): τ and logits do not depend on the GPU's load; the code spec's
+  #    data seconds are then an upper bound
+  ( warmup_8b cold ) &
+  ( refs ) &
+  timeout $(left ${CODE_S:-600}) $SNAKE bench_smollm2-code --config $CONF > "$RES/dag_code.log" 2>&1
+  stamp "code dag rc=$?"; wait
+  # 4. the step under torch.profiler in a cached epoch (the drafter alone on the device)
+  timeout $(left 200) $SNAKE train_smollm2-quality-profile-cached --config $CONF \
+    > "$RES/dag_profile_cached.log" 2>&1
+  stamp "profile cached rc=$?"
+  cp /tmp/r/smollm2-quality-profile-cached/train/profile.json "$RES/profile_cached.json" 2>/dev/null
   stamp "done"
+}
+
+left() {  # seconds for the next step: its own limit, or what is left of PLAN_S, if less
+  local rest=$(( ${PLAN_S:-1560} - ($(date +%s) - T0) )); [ $rest -lt 5 ] && rest=5
+  echo $(( $1 < rest ? $1 : rest ))
+}
+
+refs() {  # both decoding loops on the trained quality drafter (bf16), then the float32 parity
+  local D=/tmp/r/smollm2-quality/train/drafter
+  [ -d "$D" ] || { stamp "refs: no drafter"; return 0; }
+  timeout ${REF_S:-240} python3 -m bench.gpu.reference_tau --spec specs/smollm2-quality.yaml \
+    --drafter "$D" ${REF_ARGS:---prompts 32 --max-new 128 --dtypes bfloat16} \
+    --out "$RES/reference_agreement_bf16.json" > "$RES/reference_agreement_bf16.log" 2>&1
+  stamp "reference_tau bf16 rc=$?"
+  PARITY_CMD
 }
 
 watch() {  # progress every 45 s until the plan is done or WATCH_S have passed
@@ -104,7 +122,7 @@ watch() {  # progress every 45 s until the plan is done or WATCH_S have passed
     grep -q "\] done" "$RES/plan.log" 2>/dev/null && break
     sleep 45
     echo "--- $(date -u +%T)"; tail -3 "$RES/plan.log"
-    for f in "$RES"/dag_*.log; do [ -f "$f" ] && grep -E "Finished job|steps? [0-9]+/|Error in rule" "$f" | tail -2; done
+    for f in "$RES"/dag_*.log "$RES"/warmup_8b_*.log; do [ -f "$f" ] && grep -E "Finished job|steps? [0-9]+/|Error in rule" "$f" | tail -2; done
   done
   tail -20 "$RES/plan.log"
 }
