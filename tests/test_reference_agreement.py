@@ -138,3 +138,52 @@ def test_bad_dtypes_and_ref_dir_are_one_clear_error(tmp_path, capsys):
     assert e.value.code == 2 and "--dtypes: unknown ['fp8']" in capsys.readouterr().err
     with pytest.raises(rt.DFlashError, match="no dflash/model.py or model.py"):
         rt.main(["--tiny", "--ref-dir", str(tmp_path), "--out", str(tmp_path / "x.json")])
+
+
+@pytest.fixture(scope="module")
+def tiny_parity(tmp_path_factory):
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = tmp_path_factory.mktemp("parity") / "reference_parity.json"
+        rc = _bench("reference_parity").main(["--tiny", "--out", str(out)])
+    finally:
+        torch.set_num_threads(n)
+    return rc, json.loads(out.read_text())
+
+
+def test_parity_mode_pins_the_gap_on_weights_loaded_in_bf16(tiny_parity):
+    # what reference_tau.py compared on the GPU until now: the reference reads the export's
+    # float32 masters, ours was loaded at the spec's bfloat16 and upcast. On CPU that alone
+    # parts the two at the first module (fc) and moves the logits past the parity tolerance.
+    rc, d = tiny_parity
+    assert rc == 0 and d["export_dtypes"] == ["float32"] and d["loaded_dtype"] == "bfloat16"
+    assert d["features_max_abs_diff"] == 0
+    loaded, file = d["weights"]["as_loaded"], d["weights"]["from_file"]
+    assert loaded["tensors_differing"] == loaded["tensors"] == file["tensors"] > 10
+    assert 1e-4 < loaded["max_abs_diff"] < 1e-2                   # bf16 rounding, no more
+    assert file["max_abs_diff"] == 0 and not file["only_ours"] and not file["only_reference"]
+    a, b = d["arms"]["as_loaded"], d["arms"]["from_file"]
+    assert a["first_parting"] == "fc" and a["logits_max_abs_diff"] > 1e-4 * a["logits_max_abs"]
+    assert b["first_parting"] is None and b["logits_max_abs_diff"] == 0.0
+    assert [r["module"] for r in b["modules"]][:3] == ["fc", "hidden_norm",
+                                                       "layers.0.input_layernorm"]
+    assert b["modules"][-1]["module"] == "logits" and "from_file_cpu" not in d["arms"]  # CPU run
+    assert d["verdict"].startswith("our drafter's weights: loaded as bfloat16")
+
+
+def test_parity_verdict_names_a_cuda_only_gap_and_where_it_starts():
+    rp = _bench("reference_parity")
+    same = {"max_abs_diff": 0.0, "worst": "fc.weight"}
+    arm = lambda gap, dev, first: {"logits_max_abs_diff": gap, "logits_max_abs": 10.0,  # noqa: E731
+                                   "device": dev, "first_parting": first}
+    tol_of = lambda r: 1e-4 * max(1.0, r["logits_max_abs"])  # noqa: E731
+    arms = {"as_loaded": arm(0.05, "cuda:0", "fc"), "from_file": arm(0.05, "cuda:0",
+            "layers.0.self_attn.o_proj"), "from_file_cpu": arm(1e-6, "cpu", None)}
+    v = rp.verdict(same, same, arms, tol_of, "bfloat16", "float32")
+    assert v.startswith("CUDA only") and "o_proj" in v
+    arms["from_file_cpu"] = arm(0.05, "cpu", "layers.0.mlp")
+    assert rp.verdict(same, same, arms, tol_of, "bfloat16", "float32").startswith(
+        "a difference on CPU too")
+    bad = {"max_abs_diff": 0.5, "worst": "norm.weight"}
+    assert "loader difference" in rp.verdict(same, bad, arms, tol_of, "bfloat16", "float32")

@@ -5,7 +5,8 @@ MT-Bench first turns greedily with THEIR speculative loop (``dflash_generate``: 
 eager, batch 1), next to our decoder (:class:`dflash.decode.speculative.Decoder`, batch 1) on the same
 prompts and ``max_new_tokens``.
 
-Before decoding, the export contract's real test, in float32: the target features their
+Before decoding, the export contract's real test, in float32 (both models read from the
+export's own float32 tensors, never ours upcast from the spec's bf16): the target features their
 ``extract_context_feature`` picks equal ours (the layer-id offset convention), and their model's
 logits on our export equal our drafter's for one context + block (max abs diff recorded; past
 ``--parity-tol`` × max(1, max |logit|) the script still decodes, then exits 1). Loading fails at
@@ -26,8 +27,9 @@ attention kernels (:func:`reference_agree.precision_matrix`): which one makes a 
 Only the reference's model file is imported (under another module name: their package is also
 called ``dflash``). It needs torch, transformers (Qwen3 modules) and typing_extensions.
 
-``--dtypes``: one run per dtype, every model (target, drafter, reference) cast to it; ``spec``
-(the default) runs the models as the spec loads them. Per run, ``agreement``
+``--dtypes``: one run per dtype, every model (target, drafter, reference) cast to it, both
+drafters from the export's tensors; ``spec`` (the default) runs the models as the spec loads
+them. Where a gap remains, ``reference_parity.py`` says where it comes from. Per run, ``agreement``
 (:func:`reference_agree.agreement`) has the one τ definition on both sides: Σ acceptance lengths
 (accepted drafts + 1, before the cut at eos / max_new_tokens) / Σ target verify forwards, pooled
 over prompts, each loop's steps counted while its anchor lies before the budget's last token
@@ -65,7 +67,7 @@ from bench.gpu.reference_agree import agreement, precision_matrix, precision_sta
 from dflash.errors import DFlashError
 from dflash.decode.speculative import Decoder
 from dflash.eval.serving import timed_decode
-from dflash.models.drafter import extract_features
+from dflash.models.drafter import extract_features, load_drafter
 
 
 def load_reference(ref_dir: str):
@@ -260,7 +262,9 @@ def parse(argv):
 
 
 def decode_both(mod, ref32, target, drafter, prompts, max_new, eos, dtype) -> dict:
-    """Both loops on the same prompts, every model in ``dtype`` (None: as loaded)."""
+    """Both loops on the same prompts, every model in ``dtype`` (None: as loaded). ``drafter``:
+    ours as loaded (the spec's dtype) for None, else read from the export in float32 (as
+    ``ref32`` is), so both sides are cast from the same tensors."""
     if dtype is not None:
         target, drafter = copy.deepcopy(target).to(dtype), copy.deepcopy(drafter).to(dtype)
     ref = copy.deepcopy(ref32).to(drafter.dtype)
@@ -303,6 +307,10 @@ def main(argv=None) -> int:
     else:
         target, drafter, eos, _, prompts = real_models(a.spec, a.drafter, dev, a.prompts)
         ddir, max_new = Path(a.drafter), a.max_new
+    # float32 on both sides means the export's tensors on both sides: ours loaded at the spec's
+    # dtype (bfloat16) and upcast is the float32 masters rounded, which the reference never is.
+    # On CPU that rounding alone makes a gap of round 6's relative size (reference_parity.py)
+    drafter32 = load_drafter(ddir, dev, torch.float32)[0].eval()
     prompts = prompts[:a.prompts]
     out = {"command": " ".join(sys.argv if argv is None else ["reference_tau.py", *argv]),
            "device": torch.cuda.get_device_name() if dev == "cuda" else platform.processor(),
@@ -313,7 +321,7 @@ def main(argv=None) -> int:
                          "crop_shim": needs_crop_shim()},
            "drafter": str(ddir), "max_new_tokens": max_new, "precision": precision_state()}
     ref = load_reference_drafter(mod, ddir, dev, torch.float32)
-    out["parity"] = par = logits_parity(mod, ref, drafter, target, prompts[0])
+    out["parity"] = par = logits_parity(mod, ref, drafter32, target, prompts[0])
     _print_parity(par)
     # relative to the logits' scale: float32 kernels (their SDPA call, our attention) may sum
     # in another order on the GPU; a wrong tensor, rope or layer id is orders of magnitude more
@@ -325,7 +333,7 @@ def main(argv=None) -> int:
               f"{par['logits_max_abs_diff']:.3g} > {tol:.3g}, features "
               f"{par['features_max_abs_diff']:.3g})", file=sys.stderr, flush=True)
     if a.kernels:
-        out["kernels"] = rows = precision_matrix(mod, ref, drafter, target, prompts[0])
+        out["kernels"] = rows = precision_matrix(mod, ref, drafter32, target, prompts[0])
         for r in rows:
             got = (f"{r['logits_max_abs_diff']:.3g}" if r["logits_max_abs_diff"] is not None
                    else r["error"])
@@ -334,7 +342,9 @@ def main(argv=None) -> int:
                   f"{r['rope_max_abs_diff']:.3g}", flush=True)
     out["runs"] = []
     for d in a.dtypes.split(","):
-        run = decode_both(mod, ref, target, drafter, prompts, max_new, eos, DTYPES.get(d))
+        dt = DTYPES.get(d)
+        run = decode_both(mod, ref, target, drafter if dt is None else drafter32, prompts,
+                          max_new, eos, dt)
         out["runs"].append(run)
         _print_run(run, max_new)
     # the first run as the keys earlier files carry (per-prompt means, as the reference reports)
