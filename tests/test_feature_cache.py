@@ -18,6 +18,7 @@ from test_scheduler import SPEC, _dataset
 from dflash.cli import main
 from dflash.errors import SpecError
 from dflash.models.drafter import DFlashConfig
+from dflash.models.target_output import SoftLabels, TargetOutput, soft_positions
 from dflash.spec.load import parse_spec
 from dflash.train import checkpoint as ckpt
 from dflash.train import cache_budget as cb
@@ -320,3 +321,68 @@ def test_validate_prints_the_budget(tmp_path, capsys):
     assert main(["validate", str(path), "--no-devices", "--results", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "features.cache disk (float8_e4m3): <= " in out and ": fits" in out, out
+
+
+def _reference_read(cache, row, key):
+    """The per-sample gather the cache did before its one index_select: the stored bytes."""
+    src = fc._raw(cache.a.t[key])
+    buf = torch.zeros((row.input_ids.shape[0], src.shape[1]), dtype=src.dtype)
+    start = 0
+    for s in row.sample_ids:
+        i = cache.index[int(s)]
+        n = cache.lengths[i]
+        buf[start:start + n] = src[cache.offsets[i]:cache.offsets[i] + n]
+        start += n
+    return buf
+
+
+def _same_bytes(a, b):
+    return a.shape == b.shape and torch.equal(fc._raw(a).view(torch.uint8),
+                                              fc._raw(b).view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", ["target", "float8_e4m3"])
+def test_gather_read_equals_the_per_sample_reference_and_reuses_its_buffers(dtype):
+    """Epoch-1 rows (another packing, padded) read with the one gather equal, bit for bit, the
+    per-sample copies of the stored bytes (fp8 values and their scales, padding zeros, soft-label
+    planes), and once its buffers have grown to the largest row every read reuses the same two
+    staging slots."""
+    spec = _spec("host", dtype, loss={"kind": "ce+kd", "kd_top_k": 4})
+    samples = _dataset()
+    cache = _cache(spec, samples)
+    g = torch.Generator().manual_seed(0)
+    for r in _rows(spec, samples, 0):
+        L, p = r.input_ids.shape[0], cache.planes["features"]
+        pos = soft_positions(r.doc_ids, r.loss_mask)
+        soft = SoftLabels(pos, torch.randint(0, 1000, (pos.numel(), 4), generator=g,
+                                             dtype=torch.int32),
+                          torch.randn((pos.numel(), 4), generator=g))
+        cache.write(r, TargetOutput(torch.randn((1, L, p.width), generator=g).to(p.dtype), soft))
+    cache.flush()
+    rows1 = list(_rows(spec, samples, 1))
+    assert len(rows1) >= 3 and any(_real_tokens(r) < r.input_ids.shape[0] for r in rows1)
+    keys = [k for k in cache.a.t if k != "filled"]
+    assert ("features.scale" in keys) == (dtype == "float8_e4m3")
+    ptrs = []
+    for r in rows1 * 3:  # two passes grow both slots to the largest row; the third reuses
+        want = {k: _reference_read(cache, r, k) for k in keys}
+        got = cache.read(r, "cpu")
+        ring = cache._rings["read"]
+        assert ring.slots == 2
+        ptrs.append(ring.data_ptrs())
+        for k in keys:  # the staged bytes of this read, as the ring still holds them
+            slot = [b for b in ring._bufs if k in b]
+            assert any(_same_bytes(b[k][:r.input_ids.shape[0]], want[k]) for b in slot), k
+        f = cache.planes["features"]
+        ref = (fc.dequantize(want["features"].view(fc.FP8), want["features.scale"], f.groups,
+                             f.dtype) if dtype == "float8_e4m3" else want["features"])
+        assert _same_bytes(got.features[0], ref)
+        assert torch.equal(got.soft.token_ids, want["soft_ids"][got.soft.positions])
+        assert _same_bytes(got.soft.logprobs, want["soft_logprobs"][got.soft.positions])
+        n = _real_tokens(r)
+        assert not got.features[0, n:].any()  # padding: zeros
+        assert got.features.data_ptr() not in ring.data_ptrs()  # the value is not the buffer
+    third = ptrs[2 * len(rows1) - 1:]
+    assert all(p == third[0] for p in third) and len(third[0]) == 2 * len(keys)
+    assert cache._rings["write"].slots <= fc.MAX_PENDING_WRITES
+    cache.close(remove=True)
