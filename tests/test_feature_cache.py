@@ -25,6 +25,7 @@ from dflash.train import cache_budget as cb
 from dflash.train import feature_cache as fc
 from dflash.train.packing import bucket_for, pack_row, plan_epoch
 from dflash.train.packing import StepMap
+from dflash.train.profile import StepProfiler
 from dflash.train.scheduler import Pipeline
 from dflash.train.workers import buckets, captured, initial_state, make_replicas, make_target_workers
 
@@ -187,7 +188,8 @@ def test_cache_needs_one_node():
         _spec("host", nodes=2)
 
 
-def _pipeline(spec, samples, cache, start_step=0, total_epochs=3, state=None, on_step=None):
+def _pipeline(spec, samples, cache, start_step=0, total_epochs=3, state=None, on_step=None,
+              profile_at=None):
     cfg = DFlashConfig.of_spec(spec)
     b, bks = spec.batching, buckets(spec)
     lengths = [len(s[1]) for s in samples]
@@ -207,7 +209,9 @@ def _pipeline(spec, samples, cache, start_step=0, total_epochs=3, state=None, on
     pipe = Pipeline(target_workers=make_target_workers(spec), replicas=replicas,
                     step_map=step_map, make_row=make_row, start_step=start_step,
                     total_steps=total, seed=0, queue_depth=2, on_step=on_step,
-                    feature_cache=cache)
+                    feature_cache=cache,
+                    profiler=None if profile_at is None else StepProfiler(
+                        1, start_step, total, spec.devices(), at=profile_at))
     return pipe, replicas
 
 
@@ -385,4 +389,20 @@ def test_gather_read_equals_the_per_sample_reference_and_reuses_its_buffers(dtyp
     third = ptrs[2 * len(rows1) - 1:]
     assert all(p == third[0] for p in third) and len(third[0]) == 2 * len(keys)
     assert cache._rings["write"].slots <= fc.MAX_PENDING_WRITES
+    cache.close(remove=True)
+
+
+def test_a_profile_window_in_a_cached_epoch_says_where_it_sat():
+    """monitor.profile_start inside epoch 1 of a cached run: the summary names the window's step
+    and epoch, and counts the rows its target side read from the cache meanwhile."""
+    spec = _spec("host")
+    samples = _dataset()
+    cache = _cache(spec, samples)
+    pipe, _ = _pipeline(spec, samples, cache, profile_at=3)  # epoch 0 is steps 0..1
+    pipe.run()
+    assert pipe.step_map.starts[1] == 2
+    s = pipe.profiler.summary()
+    assert (s["first_step"], s["last_step"], s["epochs"]) == (3, 3, [1, 1])
+    assert isinstance(s["feature_cache_rows_read"], int) and s["feature_cache_rows_read"] >= 0
+    assert cache.stats["rows_read"] > 0
     cache.close(remove=True)
