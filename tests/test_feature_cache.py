@@ -18,12 +18,14 @@ from test_scheduler import SPEC, _dataset
 from dflash.cli import main
 from dflash.errors import SpecError
 from dflash.models.drafter import DFlashConfig
+from dflash.models.target_output import SoftLabels, TargetOutput, soft_positions
 from dflash.spec.load import parse_spec
 from dflash.train import checkpoint as ckpt
 from dflash.train import cache_budget as cb
 from dflash.train import feature_cache as fc
 from dflash.train.packing import bucket_for, pack_row, plan_epoch
 from dflash.train.packing import StepMap
+from dflash.train.profile import StepProfiler
 from dflash.train.scheduler import Pipeline
 from dflash.train.workers import buckets, captured, initial_state, make_replicas, make_target_workers
 
@@ -186,7 +188,8 @@ def test_cache_needs_one_node():
         _spec("host", nodes=2)
 
 
-def _pipeline(spec, samples, cache, start_step=0, total_epochs=3, state=None, on_step=None):
+def _pipeline(spec, samples, cache, start_step=0, total_epochs=3, state=None, on_step=None,
+              profile_at=None):
     cfg = DFlashConfig.of_spec(spec)
     b, bks = spec.batching, buckets(spec)
     lengths = [len(s[1]) for s in samples]
@@ -206,7 +209,9 @@ def _pipeline(spec, samples, cache, start_step=0, total_epochs=3, state=None, on
     pipe = Pipeline(target_workers=make_target_workers(spec), replicas=replicas,
                     step_map=step_map, make_row=make_row, start_step=start_step,
                     total_steps=total, seed=0, queue_depth=2, on_step=on_step,
-                    feature_cache=cache)
+                    feature_cache=cache,
+                    profiler=None if profile_at is None else StepProfiler(
+                        1, start_step, total, spec.devices(), at=profile_at))
     return pipe, replicas
 
 
@@ -320,3 +325,84 @@ def test_validate_prints_the_budget(tmp_path, capsys):
     assert main(["validate", str(path), "--no-devices", "--results", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "features.cache disk (float8_e4m3): <= " in out and ": fits" in out, out
+
+
+def _reference_read(cache, row, key):
+    """The per-sample gather the cache did before its one index_select: the stored bytes."""
+    src = fc._raw(cache.a.t[key])
+    buf = torch.zeros((row.input_ids.shape[0], src.shape[1]), dtype=src.dtype)
+    start = 0
+    for s in row.sample_ids:
+        i = cache.index[int(s)]
+        n = cache.lengths[i]
+        buf[start:start + n] = src[cache.offsets[i]:cache.offsets[i] + n]
+        start += n
+    return buf
+
+
+def _same_bytes(a, b):
+    return a.shape == b.shape and torch.equal(fc._raw(a).view(torch.uint8),
+                                              fc._raw(b).view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", ["target", "float8_e4m3"])
+def test_gather_read_equals_the_per_sample_reference_and_reuses_its_buffers(dtype):
+    """Epoch-1 rows (another packing, padded) read with the one gather equal, bit for bit, the
+    per-sample copies of the stored bytes (fp8 values and their scales, padding zeros, soft-label
+    planes), and once its buffers have grown to the largest row every read reuses the same two
+    staging slots."""
+    spec = _spec("host", dtype, loss={"kind": "ce+kd", "kd_top_k": 4})
+    samples = _dataset()
+    cache = _cache(spec, samples)
+    g = torch.Generator().manual_seed(0)
+    for r in _rows(spec, samples, 0):
+        L, p = r.input_ids.shape[0], cache.planes["features"]
+        pos = soft_positions(r.doc_ids, r.loss_mask)
+        soft = SoftLabels(pos, torch.randint(0, 1000, (pos.numel(), 4), generator=g,
+                                             dtype=torch.int32),
+                          torch.randn((pos.numel(), 4), generator=g))
+        cache.write(r, TargetOutput(torch.randn((1, L, p.width), generator=g).to(p.dtype), soft))
+    cache.flush()
+    rows1 = list(_rows(spec, samples, 1))
+    assert len(rows1) >= 3 and any(_real_tokens(r) < r.input_ids.shape[0] for r in rows1)
+    keys = [k for k in cache.a.t if k != "filled"]
+    assert ("features.scale" in keys) == (dtype == "float8_e4m3")
+    ptrs = []
+    for r in rows1 * 3:  # two passes grow both slots to the largest row; the third reuses
+        want = {k: _reference_read(cache, r, k) for k in keys}
+        got = cache.read(r, "cpu")
+        ring = cache._rings["read"]
+        assert ring.slots == 2
+        ptrs.append(ring.data_ptrs())
+        for k in keys:  # the staged bytes of this read, as the ring still holds them
+            slot = [b for b in ring._bufs if k in b]
+            assert any(_same_bytes(b[k][:r.input_ids.shape[0]], want[k]) for b in slot), k
+        f = cache.planes["features"]
+        ref = (fc.dequantize(want["features"].view(fc.FP8), want["features.scale"], f.groups,
+                             f.dtype) if dtype == "float8_e4m3" else want["features"])
+        assert _same_bytes(got.features[0], ref)
+        assert torch.equal(got.soft.token_ids, want["soft_ids"][got.soft.positions])
+        assert _same_bytes(got.soft.logprobs, want["soft_logprobs"][got.soft.positions])
+        n = _real_tokens(r)
+        assert not got.features[0, n:].any()  # padding: zeros
+        assert got.features.data_ptr() not in ring.data_ptrs()  # the value is not the buffer
+    third = ptrs[2 * len(rows1) - 1:]
+    assert all(p == third[0] for p in third) and len(third[0]) == 2 * len(keys)
+    assert cache._rings["write"].slots <= fc.MAX_PENDING_WRITES
+    cache.close(remove=True)
+
+
+def test_a_profile_window_in_a_cached_epoch_says_where_it_sat():
+    """monitor.profile_start inside epoch 1 of a cached run: the summary names the window's step
+    and epoch, and counts the rows its target side read from the cache meanwhile."""
+    spec = _spec("host")
+    samples = _dataset()
+    cache = _cache(spec, samples)
+    pipe, _ = _pipeline(spec, samples, cache, profile_at=3)  # epoch 0 is steps 0..1
+    pipe.run()
+    assert pipe.step_map.starts[1] == 2
+    s = pipe.profiler.summary()
+    assert (s["first_step"], s["last_step"], s["epochs"]) == (3, 3, [1, 1])
+    assert isinstance(s["feature_cache_rows_read"], int) and s["feature_cache_rows_read"] >= 0
+    assert cache.stats["rows_read"] > 0
+    cache.close(remove=True)

@@ -16,7 +16,7 @@ from dflash.env.facts import hardware_facts
 from dflash.runtime.harness import REPO
 
 from dflash.eval.report import render_report_md
-from dflash.spec.load import parse_spec
+from dflash.spec.load import load_spec, parse_spec
 from dflash.train.packing import StepMap, bucket_for, pack_row, plan_epoch
 from dflash.train.profile import (LABEL, OFFSET_STEPS, Ev, StepProfiler, events_of, is_label,
                                   summarise, window_for)
@@ -80,6 +80,10 @@ def test_cpu_profile_is_whole_and_attributes_work_to_every_worker(profiled):
     s, path, _ = profiled
     assert json.loads(path.read_text()) == json.loads(json.dumps(s))
     assert s["steps"] == 2 and s["first_step"] == OFFSET_STEPS and s["activities"] == ["cpu"]
+    # where the window sat: steps 3..4, in epoch 1 (30 samples of ~26 tokens, 128-token rows,
+    # two replicas: 3 steps an epoch); no feature cache in this run
+    assert s["last_step"] == OFFSET_STEPS + 1 and s["epochs"] == [1, 1]
+    assert s["feature_cache_rows_read"] is None
     # no device: the kernel fields are there, and zero / empty
     d = s["device"]
     assert d["kernel_time_s"] == 0 and d["kernels_per_step"] == 0 and d["top_kernels"] == []
@@ -188,7 +192,7 @@ def test_the_committed_h200_profile_still_renders():
 def test_report_renders_the_profile_table(profiled):
     s, _, _ = profiled
     md = render_report_md(_report(profile=s))
-    assert "## Profile" in md and "2 steps from step 3" in md
+    assert "## Profile" in md and "2 steps from step 3 (epoch 1)" in md
     assert "| drafter-0 |" in md and "| target-0 |" in md
     assert "No profile" in render_report_md(_report(profile=None))
 
@@ -224,3 +228,42 @@ def test_events_of_reads_an_older_torch_s_events():
     assert [(e.name, e.kind, e.device, e.linked, e.stream) for e in evs] == [
         ("dflash.worker/drafter-0", "", False, 0, 0), ("void gemm_kernel", "", True, 0, 0)]
     assert is_label(evs[0]) and not is_label(evs[1])
+
+
+@pytest.mark.parametrize("name", ["smollm2-quality-profile", "smollm2-quality-profile-cached"])
+def test_profile_specs_share_env_warmup_and_data_with_smollm2_quality(name):
+    """The profiling specs run the DAG's own step: the same env, warm-up and data (one shared
+    job each), the feature cache on as in smollm2-quality; the cached one's window sits in
+    epoch 1 (epoch 0 of smollm2-quality: steps 0..1306, the round-7 metrics)."""
+    quality = load_spec(REPO / "specs" / "smollm2-quality.yaml")
+    spec = load_spec(REPO / "specs" / f"{name}.yaml")
+    for stage in ("env", "warmup", "data"):
+        assert spec.fingerprint(stage) == quality.fingerprint(stage), stage
+    assert spec.features == quality.features and spec.features.cache == "host"
+    assert spec.fingerprint("train") != quality.fingerprint("train")
+    m, total = spec.monitor, spec.optim.max_steps
+    first, end = window_for(0, total, m.profile_steps, m.profile_start)
+    if name.endswith("cached"):
+        metrics = (REPO / "bench" / "results" / "h200" / "round7-2026-12-02" / "lease" / "r"
+                   / "smollm2-quality__train__metrics.jsonl").read_text().splitlines()
+        epoch1 = min(r["step"] for r in map(json.loads, metrics) if r["epoch"] == 1)
+        assert epoch1 == 1307 and epoch1 < first and end == first + 20 < total
+    else:
+        assert (first, end) == (OFFSET_STEPS, OFFSET_STEPS + 20)
+
+
+def test_profile_start_moves_the_window_and_the_train_fingerprint_only_when_profiling():
+    """profile_start opens the window at that global step (a resumed run still 3 past its own
+    start); it is no part of the train fingerprint while profile_steps is 0, nor at its default."""
+    assert window_for(0, 100, 5, at=50) == (50, 55)
+    assert window_for(60, 100, 5, at=50) == (63, 68)      # resumed past it: 3 past its start
+    assert window_for(0, 100, 5, at=98) == (95, 100)      # too late: the run's last 5 steps
+    base = parse_spec(SPEC, "prof.yaml")
+    off = {**SPEC, "monitor": {"profile_steps": 0}}
+
+    def fp(monitor):
+        return parse_spec({**SPEC, "monitor": monitor}, "prof.yaml").fingerprint("train")
+    assert fp({"profile_steps": 0, "profile_start": 1315}) == parse_spec(off, "x.yaml"
+                                                                         ).fingerprint("train")
+    assert fp({"profile_steps": 2, "profile_start": 3}) == base.fingerprint("train")
+    assert fp({"profile_steps": 2, "profile_start": 7}) != base.fingerprint("train")

@@ -128,6 +128,7 @@ class MonitorSpec:
     tau_max_new_tokens: int
     tensorboard: bool
     profile_steps: int = 0
+    profile_start: int = 3  # the global step the profile window opens at (dflash.train.profile)
 
 
 @dataclass(frozen=True)
@@ -321,10 +322,13 @@ def _compile_identity(c: CompileSpec) -> dict:
 
 def _monitor_identity(m: MonitorSpec) -> dict:
     """The monitor section as the train fingerprint sees it: ``profile_steps`` 0 (off) leaves
-    it as it was before the field existed."""
+    it as it was before the field existed, and so does ``profile_start`` when the profile is
+    off or the window opens where it did before the field existed (step 3)."""
     plain = _plain(m)
     if not m.profile_steps:
         del plain["profile_steps"]
+    if not m.profile_steps or m.profile_start == 3:
+        del plain["profile_start"]
     return plain
 
 

@@ -33,8 +33,9 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from ..artifacts.manifest import atomic_write_text
 
 LABEL = "dflash.worker/"
-# steps past the run's first step before the window opens: the first steps still fill the
-# queues and the caching allocator (the warm start has compiled everything already)
+# steps past the run's first step before the window may open: the first steps still fill the
+# queues and the caching allocator (the warm start has compiled everything already); also
+# monitor.profile_start's default (the global step the window opens at)
 OFFSET_STEPS = 3
 TOP = 15
 GAP_US = 10.0  # a device gap longer than this between two kernels is counted as a host gap
@@ -77,10 +78,13 @@ def classify(name: str, classes: list[tuple[str, str]]) -> str:
     return next((c for c, pat in classes if re.search(pat, low)), "other")
 
 
-def window_for(start_step: int, total_steps: int, n: int) -> tuple[int, int]:
-    """[first, end) of the profiled steps: ``OFFSET_STEPS`` past the start, or the run's last
-    ``n`` steps when it is too short for that."""
-    first = min(start_step + OFFSET_STEPS, max(start_step, total_steps - n))
+def window_for(start_step: int, total_steps: int, n: int,
+               at: int = OFFSET_STEPS) -> tuple[int, int]:
+    """[first, end) of the profiled steps: from global step ``at`` (``monitor.profile_start``:
+    e.g. inside a cached epoch) but never before ``OFFSET_STEPS`` past where this process
+    started (a resumed run fills its queues too), or the run's last ``n`` steps when it is too
+    short for that."""
+    first = min(max(at, start_step + OFFSET_STEPS), max(start_step, total_steps - n))
     return first, min(total_steps, first + n)
 
 
@@ -88,8 +92,10 @@ class StepProfiler:
     """Started by replica 0 before step ``first``, stopped before step ``end``
     (:meth:`at_step`); :meth:`summary` then reads what it recorded."""
 
-    def __init__(self, steps: int, start_step: int, total_steps: int, devices: list[str]):
-        self.first, self.end = window_for(start_step, total_steps, steps)
+    def __init__(self, steps: int, start_step: int, total_steps: int, devices: list[str],
+                 at: int = OFFSET_STEPS):
+        self.first, self.end = window_for(start_step, total_steps, steps, at)
+        self.epochs: list[int] = []  # the epochs of the window's first and last step
         self.cuda = sorted({d for d in devices if d.startswith("cuda")})
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         self.activities = ["cpu"] + (["cuda"] if self.cuda else [])
@@ -102,14 +108,17 @@ class StepProfiler:
         self.wall_s = 0.0  # the window's wall time, the profiler's start to its stop
 
     def _snapshot(self, pipe) -> dict:
+        cache = getattr(pipe, "cache", None)
         return {"busy": dict(pipe.busy_s), "wait": dict(pipe.wait_s),
-                "memory": {d: torch.cuda.memory_stats(d) for d in self.cuda}}
+                "memory": {d: torch.cuda.memory_stats(d) for d in self.cuda},
+                "cache_rows_read": cache.stats["rows_read"] if cache is not None else None}
 
     def at_step(self, step: int, pipe) -> None:
         """Replica 0, between steps: open the window before ``first``, close it before
         ``end`` (the devices drained first, so every kernel of the window is recorded)."""
         if step == self.first and not self.running and not self.done:
             self.before = self._snapshot(pipe)
+            self.epochs = [pipe.step_map.locate(s)[0] for s in (self.first, self.end - 1)]
             # the shared side: never while another thread holds the exclusive one (a capture
             # or a compile must not see the profiler switch on mid-way)
             with pipe.gate.shared():
@@ -137,9 +146,15 @@ class StepProfiler:
         if not self.done:
             return {"skipped": "the run ended before the profile window closed",
                     "first_step": self.first, "steps": 0}
-        return summarise(events_of(self.prof.profiler.kineto_results.events()),
-                         self.end - self.first, self.first, self.activities, self.before,
-                         self.after, self.wall_s)
+        s = summarise(events_of(self.prof.profiler.kineto_results.events()),
+                      self.end - self.first, self.first, self.activities, self.before,
+                      self.after, self.wall_s)
+        # where the window sat: its steps' epochs, and how many of the rows its target side
+        # handed over (counted when read, so a few steps ahead) came from the feature cache
+        read = [x.get("cache_rows_read") for x in (self.before, self.after)]
+        s.update(last_step=self.end - 1, epochs=self.epochs,
+                 feature_cache_rows_read=None if None in read else read[1] - read[0])
+        return s
 
     def write(self, path: Path) -> dict:
         s = self.summary()

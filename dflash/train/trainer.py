@@ -255,8 +255,8 @@ def train_steps(job: Job, progress: Progress, targets: list, fail_at: dict,
             cache.close(remove=pipe.steps_done >= job.total_steps and pipe.error is None)
     if profiler is not None:
         summary = profiler.write(job.out / "profile.json")
-        print(f"[train] profile: {summary['steps']} steps from step "
-              f"{summary['first_step']} -> {job.out / 'profile.json'}", flush=True)
+        print(f"[train] profile: {summary['steps']} steps from step {summary['first_step']} "
+              f"(epochs {summary.get('epochs')}) -> {job.out / 'profile.json'}", flush=True)
     return Trained(pipe=pipe, status=status, ledger=books.ledger,
                    seconds=time.perf_counter() - books.t0,
                    feature_cache=dict(cache.stats, mode=cache_mode(spec),
@@ -272,7 +272,8 @@ def open_profiler(job: Job, progress: Progress) -> StepProfiler | None:
         (job.out / "profile.json").unlink(missing_ok=True)
     if not (n and job.persist and job.main) or progress.start_step >= job.total_steps:
         return None
-    return StepProfiler(n, progress.start_step, job.total_steps, job.ctx.spec.devices())
+    return StepProfiler(n, progress.start_step, job.total_steps, job.ctx.spec.devices(),
+                        at=job.ctx.spec.monitor.profile_start)
 
 
 def check_replicas(job: Job) -> bool:
