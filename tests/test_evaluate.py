@@ -16,6 +16,7 @@ from dflash.eval.evalsets import EvalSet
 from dflash.decode.eager import DrafterCache, draft_block, speculative_generate, target_greedy
 from dflash.eval.tau import (
     Chain,
+    continuation_engine,
     draft_every_position,
     evaluate_sets,
     greedy_continuations,
@@ -209,6 +210,20 @@ def test_dtype_matrix(world, tdt, ddt):
     if tdt == ddt == torch.float32:
         assert r["real"]["lossless"] and r["real"]["blocks_equal_simulated"] == 1
         assert r["tau"] > 1.5
+
+
+def test_one_engine_serves_every_set_with_the_hf_loop_s_tokens(world):
+    """The eval sets' continuations come from ONE fast engine (sized for the largest set and
+    the longest prompt of all sets, reused by each), and they are the HF loop's greedy tokens
+    (float32: identical)."""
+    target, _, ps, conts, _ = world
+    sets = [ps[:1], ps]
+    eng = continuation_engine(target, sets, 24, EOS, slots=3)
+    assert eng is not None and eng.B == 3 and eng.S >= max(len(p) for p in ps) + 24
+    for prompts_ in sets:
+        got = greedy_continuations(target, prompts_, 24, EOS, engine=eng)
+        assert got == conts[:len(prompts_)]
+    assert continuation_engine(target, [[], []], 24, EOS, slots=3) is None
 
 
 def test_summary_of_an_untrained_drafter(world):

@@ -3,7 +3,8 @@
 Simulated acceptance for every eval set (docs/design.md §7; SpecForge's ``simulated_acc_len``). With
 greedy decoding every token speculative decoding emits is the target's own greedy token, so:
 
-1. the target's greedy continuation of each prompt, batched (:func:`greedy_continuations`);
+1. the target's greedy continuation of each prompt (:func:`greedy_continuations`), by one fast
+   generation engine that every eval set reuses (:func:`continuation_engine`);
 2. one target forward over prompt + continuation gives every feature the drafter would see
    (:func:`target_features`, batched and padded);
 3. the drafter drafts a block at EVERY continuation position in a few large batched calls: each
@@ -34,6 +35,7 @@ from typing import Sequence
 
 import torch
 
+from ..decode.engine import Engine, unsupported_reason
 from ..decode.generate import eos_ids_of, generate_batch
 from ..errors import DFlashError
 from ..models.drafter import extract_features
@@ -260,15 +262,33 @@ def teacher_forced_accuracy(drafts: Sequence[torch.Tensor], conts: Sequence[Sequ
 # ---------------------------------------------------------------------------------------------
 # the evaluation
 # ---------------------------------------------------------------------------------------------
+def continuation_engine(model, prompt_lists: Sequence[Sequence[Sequence[int]]], max_new: int,
+                        eos_ids: Sequence[int], slots: int) -> Engine | None:
+    """One fast generation engine for the greedy continuations of every prompt list (the
+    bench stage's eval sets): static KV cache, compiled and captured on CUDA, built once and
+    reused by each set. Without it each set's continuations ran HF's eager loop, one
+    launch-bound forward per token (26-34 s a set on the H200, round 7's bench_seconds);
+    continuous batching has no padding either. None where the engine cannot run the model
+    (:func:`greedy_continuations` then takes HF's loop)."""
+    prompts = [p for ps in prompt_lists for p in ps]
+    if not prompts or unsupported_reason(model) is not None:
+        return None
+    most = max(len(ps) for ps in prompt_lists)
+    return Engine(model, slots=max(1, min(slots, most)), max_new_tokens=max_new,
+                  max_len=max(len(p) for p in prompts) + max_new, eos_ids=list(eos_ids))
+
+
 def simulate(target_model, drafter, embed, lm_head, prompts: Sequence[Sequence[int]],
              max_new: int, eos_ids: Sequence[int], layer_ids: list[int], device: str,
              batch_size: int = 64, continuations: Sequence[Sequence[int]] | None = None,
-             feature_tokens: int | None = None) -> dict:
-    """Simulated acceptance of one prompt list: continuations (generated here unless given),
-    chains, timings. ``feature_tokens``: :func:`target_features`' ``max_tokens``."""
+             feature_tokens: int | None = None, engine: Engine | None = None) -> dict:
+    """Simulated acceptance of one prompt list: continuations (generated here unless given,
+    by ``engine`` where it fits: :func:`continuation_engine`), chains, timings.
+    ``feature_tokens``: :func:`target_features`' ``max_tokens``."""
     timings = {}
     t = time.perf_counter()
-    conts = (greedy_continuations(target_model, prompts, max_new, eos_ids, batch_size)
+    conts = (greedy_continuations(target_model, prompts, max_new, eos_ids, batch_size,
+                                  engine=engine)
              if continuations is None else [list(c) for c in continuations])
     sync(device)
     timings["generate_s"] = time.perf_counter() - t
@@ -329,6 +349,8 @@ def evaluate_sets(target_model, drafter, embed, lm_head, sets: Sequence[EvalSet]
     B = cfg.block_size
     embed = embed.to(device=device, dtype=drafter.dtype)
     lm_head = lm_head.to(device=device, dtype=drafter.dtype)
+    engine = continuation_engine(target_model, [es.prompts for es in sets], max_new, eos,
+                                 batch_size)
     out: dict = {}
     for n_set, es in enumerate(sets):
         if not es.prompts:
@@ -337,7 +359,7 @@ def evaluate_sets(target_model, drafter, embed, lm_head, sets: Sequence[EvalSet]
             continue
         t0 = time.perf_counter()
         sim = simulate(target_model, drafter, embed, lm_head, es.prompts, max_new, eos,
-                       cfg.target_layer_ids, device, batch_size)
+                       cfg.target_layer_ids, device, batch_size, engine=engine)
         rep = summarize(sim["chains"], B)
         rep["simulated_s"] = round(time.perf_counter() - t0, 3)
         rep["timings_s"] = {k: round(v, 3) for k, v in sim["timings"].items()}
@@ -441,6 +463,7 @@ def _f(x) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
 
 
-__all__ = ["Chain", "greedy_continuations", "target_features", "draft_every_position", "walk_chain",
+__all__ = ["Chain", "continuation_engine", "greedy_continuations", "target_features",
+           "draft_every_position", "walk_chain",
            "summarize", "teacher_forced_accuracy", "simulate", "real_decode", "real_chain",
            "evaluate_sets", "TauMonitor"]
