@@ -14,7 +14,8 @@ from dflash.errors import DFlashError, SpecError
 from dflash.eval.evalsets import heldout_prompts, load_eval_sets, user_prompt
 from dflash.eval.report import ci, fmt, write_plots
 from dflash.decode.eager import speculative_generate
-from dflash.eval.tau import TauMonitor, simulate, summarize
+from dflash.eval.tau import simulate, summarize
+from dflash.eval.tau_monitor import TauMonitor
 from dflash.models.drafter import DFlashConfig, DFlashDrafter, export_drafter
 from dflash.models.masks import PackedRow
 from dflash.train.anchors import sample_anchors

@@ -30,21 +30,17 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from ..decode.engine import Engine, unsupported_reason
-from ..decode.generate import eos_ids_of, generate_batch
-from ..errors import DFlashError
+from ..decode.generate import generate_batch
 from ..models.drafter import extract_features
 from ..models.masks import Blocks, dense_mask
-from ..models.target import layer_ids, load_target
 from ..runtime.busy import sync
-from ..runtime.gate import get_gate
 from .budget import budget_hits, budgets
-from .evalsets import EvalSet, heldout_prompts
+from .evalsets import EvalSet
 from .serving import pair, tau_gap
 from .spread import pooled_interval
 
@@ -416,49 +412,6 @@ def evaluate_sets(target_model, drafter, embed, lm_head, sets: Sequence[EvalSet]
     return out
 
 
-class TauMonitor:
-    """Periodic simulated τ of the drafter being trained, on held-out prompts
-    (``monitor.tau_every_steps``; off by default).
-
-    The target's part (greedy continuations and their features) is computed once, before
-    training, by a full target copy that is freed afterwards; each check is then only the
-    drafter's batched all-position drafts + the chain walk, run on the first replica under the
-    shared side of the gate (eager SDPA: nothing is compiled or traced).
-    """
-
-    def __init__(self, spec, results_dir: Path, device: str, log=print):
-        m = spec.monitor
-        t0 = time.perf_counter()
-        tgt = load_target(spec.target, spec.topology.targets[0], seed=spec.seed)
-        prompts, note = heldout_prompts(spec, results_dir, tgt.tokenizer, m.tau_prompts)
-        if not prompts:
-            raise DFlashError(f"monitor.tau_every_steps: no held-out prompts ({note})")
-        eos = eos_ids_of(tgt)
-
-        ids = layer_ids(spec.target, tgt.config)
-        conts = greedy_continuations(tgt.model, prompts, m.tau_max_new_tokens, eos)
-        self.seqs = [list(p) + list(c) for p, c in zip(prompts, conts)]
-        self.feats = [f.to(device) for f in target_features(tgt.model, self.seqs, ids)]
-        self.starts = [len(p) for p in prompts]
-        self.conts = conts
-        del tgt
-        self.seconds_setup = time.perf_counter() - t0
-        log(f"[train] τ monitor: {len(prompts)} held-out prompts, continuations and features "
-            f"ready in {self.seconds_setup:.1f}s")
-
-    @torch.no_grad()
-    def __call__(self, replica) -> dict:
-        t = time.perf_counter()
-        with get_gate().shared(), replica.autocast():
-            drafts = draft_every_position(replica.model, replica.embed, replica.lm_head,
-                                          self.seqs, self.feats, self.starts,
-                                          query_tokens=8192 if replica.device.startswith(
-                                              "cuda") else 2048)
-        chains = [walk_chain(d, c) for d, c in zip(drafts, self.conts)]
-        s = summarize(chains, replica.cfg.block_size)
-        return {"tau": s["tau"], "seconds": round(time.perf_counter() - t, 3)}
-
-
 def _f(x) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
 
@@ -466,4 +419,4 @@ def _f(x) -> str:
 __all__ = ["Chain", "continuation_engine", "greedy_continuations", "target_features",
            "draft_every_position", "walk_chain",
            "summarize", "teacher_forced_accuracy", "simulate", "real_decode", "real_chain",
-           "evaluate_sets", "TauMonitor"]
+           "evaluate_sets"]

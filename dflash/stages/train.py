@@ -12,7 +12,7 @@ the rank at fault, whatever fails.
 """
 from __future__ import annotations
 
-from ..eval.tau import TauMonitor
+from ..eval.tau_monitor import TauMonitor
 from ..runtime import distributed
 from ..runtime.faults import injected_failures
 from ..train.trainer import train

@@ -117,7 +117,7 @@ def timed_run(ctx, out: Path, steps: int) -> dict:
 def train(ctx, out: Path, persist: bool, max_steps: int | None = None,
           fail_at: dict | None = None, comm=None, monitor: MonitorFactory | None = None) -> dict:
     """The run, as its phases. ``monitor``: the τ monitor's factory (``monitor.tau_every_steps``;
-    the train stage hands in :class:`dflash.eval.tau.TauMonitor`)."""
+    the train stage hands in :class:`dflash.eval.tau_monitor.TauMonitor`)."""
     t_start = time.perf_counter()
     job = prepare(ctx, out, persist, max_steps, comm)
     progress = resume(job)
