@@ -112,3 +112,28 @@ def test_init_changes_the_train_fingerprint_only():
         init.section("train")["drafter.init"] == "target-layers"
     with pytest.raises(SpecError, match="drafter.init"):
         spec.replace(drafter={"init": "copy"})
+
+
+def test_replicas_start_bit_identical_from_the_initial_state_and_never_alias_it():
+    """make_replicas builds each drafter on the meta device and loads the initial state (no
+    random init of its own): every replica's weights equal that state bit for bit, the state
+    is today's seeded one (the same as a fresh seeded DFlashDrafter's), and training a replica
+    changes neither the state nor the other replica."""
+    base = load_spec(REPO / "specs" / "tiny.yaml")
+    spec = base.replace(compile={"backend": "eager"}, topology={"drafters": ["cpu", "cpu"]})
+    cfg = DFlashConfig.of_spec(spec)
+    state = initial_state(cfg, spec.seed)
+    torch.manual_seed(spec.seed)
+    fresh = DFlashDrafter(cfg).state_dict()
+    assert state.keys() == fresh.keys() and all(torch.equal(state[k], fresh[k]) for k in state)
+    before = {k: v.clone() for k, v in state.items()}
+    a, b = make_replicas(spec, cfg, state, total_steps=4)
+    for rep in (a, b):
+        got = rep.model.state_dict()
+        assert got.keys() == state.keys()
+        assert all(torch.equal(got[k], state[k]) for k in state)
+    for p in a.model.parameters():
+        with torch.no_grad():
+            p.add_(1.0)
+    assert all(torch.equal(state[k], before[k]) for k in state)
+    assert all(torch.equal(b.model.state_dict()[k], before[k]) for k in state)

@@ -38,7 +38,8 @@ def initial_state(cfg: DFlashConfig, seed: int, spec=None) -> dict:
     (:func:`dflash.models.drafter_init.target_layers_state`; warm-up compiles on the random
     ones: the shapes are the same)."""
     torch.manual_seed(seed)
-    state = {k: v.clone() for k, v in DFlashDrafter(cfg).state_dict().items()}
+    # the module is dropped here: its tensors are the state, no copy (4 GB at the 8B pair's)
+    state = dict(DFlashDrafter(cfg).state_dict())
     if spec is None or spec.drafter.init == "random":
         return state
 
