@@ -59,6 +59,9 @@ def test_a_shared_stage_names_the_specs_sharing_its_entry_and_writes_nothing(wf)
     assert sharers(micro, "data", other, repo=wf) is None
     assert shared_note(["a-lr-hi", "a-lr-lo"]) == " · shared with a-lr-hi, a-lr-lo"
     assert shared_note([]) == " · shared with no other spec" and shared_note(None) == ""
+    many = [f"s{i}" for i in range(9)]  # the log names six, the manifest every one
+    assert shared_note(many) == (" · shared with s0, s1, s2, s3, s4, s5 and 3 more "
+                                 "(the manifest's shared_with lists all 9)")
 
 
 def test_a_sweep_asked_for_writes_its_own_arm_files_only(wf):

@@ -59,8 +59,14 @@ def begin(spec_path: str | Path, stage: str, root: str | Path = "results",
                         shared_with=shared)
 
 
+NOTE_NAMES = 6  # a store env entry may serve dozens of specs: the log names a few, the manifest all
+
+
 def shared_note(shared: list[str] | None) -> str:
     """What the log line adds for a store entry: who else reads it (the spec named reads it too)."""
     if shared is None:
         return ""
+    if len(shared) > NOTE_NAMES:
+        return (f" · shared with {', '.join(shared[:NOTE_NAMES])} and {len(shared) - NOTE_NAMES} "
+                f"more (the manifest's shared_with lists all {len(shared)})")
     return " · shared with " + (", ".join(shared) if shared else "no other spec")
