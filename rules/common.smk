@@ -17,7 +17,8 @@ from dflash.artifacts.code_fingerprint import stage_code_fingerprint
 from dflash.data.check import check_data
 from dflash.errors import DFlashError
 from dflash.eval.report import PLOTS
-from dflash.artifacts.manifest import check_output, sha256_file
+from dflash.artifacts.manifest import check_output
+from dflash.artifacts.sharing import lock_digest
 from dflash.runtime import resources
 from dflash.spec.load import load_spec
 from dflash.spec.sweeps import load_sweeps, materialise
@@ -132,8 +133,7 @@ def spec_params(stage):
 
 
 def lock_sha(wc):
-    lock = Path(workflow.basedir, SPECS[wc.spec].env.lock)
-    return sha256_file(lock) if lock.exists() else f"missing:{lock}"
+    return lock_digest(SPECS[wc.spec], workflow.basedir)
 
 
 def python_for(wc):

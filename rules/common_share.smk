@@ -7,7 +7,7 @@
 # fields (a γ sweep) run the data stage once.
 from types import SimpleNamespace
 
-from dflash.artifacts.sharing import SHARED_STAGES, share_key, store_root
+from dflash.artifacts.sharing import SHARED_STAGES, lock_digest, spec_keys, store_root
 from dflash.spec.sweeps import sweep_dir
 
 CODE = {st: code_hash(st) for st in SHARED_STAGES}
@@ -44,17 +44,13 @@ def requested_specs():
 def _share_keys():
     """{(stage, spec): key} and {stage: {key: the spec whose file the shared job reads}}: the first
     requested spec with that key (any would do: they agree on every field the stage depends on),
-    so the stage's log names a spec the user asked for, never another sweep's arm."""
+    so the stage's log names a spec the user asked for, never another sweep's arm. The keys:
+    dflash.artifacts.sharing.spec_keys, which the stage uses too, to name in its log and manifest
+    the other specs that share its entry (dflash.spec.sharers: at run time, no param)."""
     keys, reps = {}, {st: {} for st in SHARED_STAGES}
     asked = requested_specs()
     for name in sorted(SPECS, key=lambda n: (asked is not None and n not in asked, n)):
-        wc = SimpleNamespace(spec=name)
-        for st in SHARED_STAGES:
-            up = {"lock": lock_sha(wc)} if st == "env" else {"env": keys[("env", name)]}
-            # the devices too: a shared job runs the stage with one of its specs' files, and every
-            # stage checks that spec's devices (an 8-GPU spec must not stand in for a 1-GPU one)
-            up["devices"] = sorted(set(SPECS[name].devices()))
-            k = share_key(st, SPECS[name].section(st), CODE[st], up)
+        for st, k in spec_keys(SPECS[name], CODE, lock_digest(SPECS[name], workflow.basedir)).items():
             keys[(st, name)] = k
             reps[st].setdefault(k, name)
     return keys, reps

@@ -117,9 +117,26 @@ def micro_spec() -> Path:
     return REPO / "tests" / "specs" / "micro.yaml"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def torch_one_thread_session():
+    """One intra-op thread for the whole session, as the stages the tests start already run
+    (Snakemake's jobs, harness.stage_env: in-process and stage sums then agree). On 2 cores the
+    foreground shares the CPU with the niced background lane (and, on a shared box, with others):
+    a 2-thread OpenMP region waits at each barrier for the thread that lost its core. Measured on
+    the 2-core box: test_generate beside two niced 1-thread torch loops 73 s with 2 threads, 56 s
+    with 1; without them 58 s either way (a 2-thread matmul loop: 0.34 s idle, 11.5 s once, on a
+    loaded box)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture
 def one_torch_thread():
-    """One intra-op thread for the test (tiny tensors; robust to a busy machine)."""
+    """One intra-op thread for the test (tiny tensors; robust to a busy machine). The session
+    runs with one already (torch_one_thread_session); this keeps a module that asks for it
+    right when run under another set-up."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -115,3 +115,16 @@ def test_an_import_added_in_the_same_process_is_followed(package_copy):
     env = package_copy / "stages" / "env.py"
     env.write_text(env.read_text() + "\nfrom ..eval import report  # noqa: E402,F401\n")
     assert "eval/report.py" in _names("env", package_copy)
+
+
+def test_the_sharers_note_reruns_no_stage(package_copy):
+    """stages/__init__.py imports spec/sharers.py (a shared entry names the other specs reading
+    it, at run time), declared no rerun trigger for every stage: editing it (or spec/sweeps.py,
+    which only it brings in for env and warm-up) changes no stage's fingerprint."""
+    assert [s for s in STAGES if "spec/sharers.py" in _names(s)] == []
+    assert [s for s in STAGES if "spec/sweeps.py" in _names(s)] == []
+    before = {s: stage_code_fingerprint(s, package_copy) for s in STAGES}
+    for mod in ("sharers.py", "sweeps.py"):
+        f = package_copy / "spec" / mod
+        f.write_text(f.read_text() + "\n_EDITED = 1\n")
+    assert {s: stage_code_fingerprint(s, package_copy) for s in STAGES} == before

@@ -276,25 +276,6 @@ def test_lock_content_change_reruns_everything(wf):
         lock.write_text(original)
 
 
-def test_failed_train_reruns_train_and_bench_only_and_resumes(wf):
-    with _edited(wf, lambda d: d["optim"].update(lr=7e-4)):
-        r = snakemake(wf, "bench_micro", env={"DFLASH_FAIL_AT": "drafter-1:3"})
-        assert r.returncode != 0
-        log = (wf / "logs" / "micro" / "train.log").read_text().strip().splitlines()
-        assert "drafter-1" in "\n".join(log[-5:]) and "what to do" in log[-1]
-        r = snakemake(wf, "bench_micro")
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        assert job_counts(r.stdout + r.stderr) == {"train": 1, "bench": 1}, r.stdout[-3000:] + r.stderr[-3000:]
-        train = json.loads((wf / "results" / "micro" / "train" / "manifest.json").read_text())
-        assert train["steps"]["resumed_from"] == 2  # checkpoint every 2 steps; failed at step 3
-        # the exactly-once record covers the steps before the resume too (from the checkpoint)
-        epochs = {json.loads(x)["epoch"] for x in
-                  (wf / "results" / "micro" / "train" / "metrics.jsonl").read_text().splitlines()}
-        assert set(train["exactly_once"]) == {str(e) for e in epochs}
-        assert train["exactly_once"]["0"] == {"samples": 12, "distinct": 12, "duplicates": 0,
-                                              "complete": True, "exactly_once": True}
-
-
 def test_stale_warmup_manifest_is_refused(wf):
     """Change a shape field behind Snakemake's back: train refuses the old warmup manifest."""
     with _edited(wf, lambda d: d["batching"].update(max_anchors=8)):
@@ -348,18 +329,26 @@ def test_drifted_env_is_refused_by_every_stage_and_the_override_recorded(wf, tmp
            f"found {live}" in md
 
 
-def test_code_edits_redo_the_work(wf):
-    """Edit the generation code and the training code (real statements, not comments): the
-    data stage generates the answers again (its shards were made by other code), train starts
-    over and says why, runs all its steps, and the bench report has figures. Last in the
-    module: it leaves results made by the edited code."""
+def test_code_edits_redo_the_work_and_a_failed_train_resumes(wf):
+    """Edit the generation code and the training code (real statements, not comments), with a
+    fault injected into training: the data stage generates the answers again (its shards were
+    made by other code), train starts over and says why, then fails at step 3 with its one line;
+    the rerun runs train and bench only, resumes train from its step-2 checkpoint, finishes all
+    its steps, and the bench report has figures. (One edited run for both: the failed run is the
+    code edit's run, so the DAG trains once from scratch instead of twice.) Last in the module:
+    it leaves results made by the edited code."""
     res = wf / "results" / "micro"
     edit = lambda t: t + "\n_EDITED = 1\n"  # noqa: E731
     with _rewritten(wf / "dflash" / "data" / "generate.py", edit), \
             _rewritten(wf / "dflash" / "train" / "scheduler.py", edit):
-        r = snakemake(wf, "bench_micro")
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        assert job_counts(r.stdout + r.stderr) == {"data": 1, "train": 1, "bench": 1}
+        r = snakemake(wf, "bench_micro", env={"DFLASH_FAIL_AT": "drafter-1:3"})
+        out = r.stdout + r.stderr
+        assert r.returncode != 0, out[-3000:]
+        log = (wf / "logs" / "micro" / "train.log").read_text().strip().splitlines()
+        assert "drafter-1" in "\n".join(log[-5:]) and "what to do" in log[-1]
+        # the failed run's train log, before the rerun replaces it (the stages tee it to stdout)
+        assert "[train] starting over from step 0" in out, out[-3000:]
+        assert "the train stage's code changed (code " in out, out[-3000:]
         data_log = (wf / "logs" / "micro" / "data.log").read_text()
         # the data store entry is keyed by the data code too (rules/share.smk): edited code is a
         # new entry, generated from scratch; a stage run by hand on the old folder discards its
@@ -369,11 +358,18 @@ def test_code_edits_redo_the_work(wf):
         data = json.loads((res / "data" / "manifest.json").read_text())
         assert data["generation"]["chunks_resumed"] == 0
         assert data["generation"]["new_tokens_generated"] > 0
-        train_log = (wf / "logs" / "micro" / "train.log").read_text()
-        assert "[train] starting over from step 0" in train_log, train_log[-3000:]
-        assert "the train stage's code changed (code " in train_log, train_log[-3000:]
+        r = snakemake(wf, "bench_micro")
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        assert job_counts(r.stdout + r.stderr) == {"train": 1, "bench": 1}, r.stdout[-3000:] + r.stderr[-3000:]
         train = json.loads((res / "train" / "manifest.json").read_text())
-        assert train["steps"]["resumed_from"] == 0 and train["steps"]["run_now"] == 6
+        # checkpoint every 2 steps; failed at step 3: the rest of the 6 steps run now
+        assert train["steps"]["resumed_from"] == 2 and train["steps"]["run_now"] == 4
+        # the exactly-once record covers the steps before the resume too (from the checkpoint)
+        epochs = {json.loads(x)["epoch"] for x in
+                  (res / "train" / "metrics.jsonl").read_text().splitlines()}
+        assert set(train["exactly_once"]) == {str(e) for e in epochs}
+        assert train["exactly_once"]["0"] == {"samples": 12, "distinct": 12, "duplicates": 0,
+                                              "complete": True, "exactly_once": True}
         assert train["final_loss"] is not None
         report = json.loads((res / "bench" / "report.json").read_text())
         assert report["tokens_per_s"] > 0 and report["final_loss"] is not None

@@ -61,6 +61,12 @@ def test_arms_share_one_store_entry_per_upstream_stage(wf):
         for arm in ARMS:  # the arm's folder holds links to the very same files
             assert os.path.samefile(res / arm / st / "manifest.json", store / "manifest.json")
         assert (wf / "logs" / ARMS[0] / f"{st}.log").stat().st_size > 0
+        # the job read the first arm asked for; it names the others reading this entry (micro
+        # itself shares it: the arms change a training field only), in its log and manifest
+        assert json.loads((store / "manifest.json").read_text())["shared_with"] == \
+            ["micro", "micro-lr-lo"], st
+        head = f"[{st}] spec results/micro-lr.sweep/specs/micro-lr-hi.yaml · shared with micro, micro-lr-lo"
+        assert head in (wf / "logs" / ARMS[0] / f"{st}.log").read_text(), st
     ds = next((res / ".shared").glob("data-*")) / "data" / "dataset.parquet"
     assert ds.stat().st_nlink == 3  # the store + two arms
     for arm, lr in zip(ARMS, (5.0e-4, 2.0e-3)):

@@ -32,9 +32,14 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent  # dflash/ (this file is df
 ENTRY_MODULES = ("dflash.__main__", "dflash.cli")  # `python -m dflash <stage>` runs these too
 # stage -> {module: why an edit of it does not change that stage's output}; the closure of the
 # stage does not follow imports of these modules (nor what only they import)
+_SHARERS = {"dflash.spec.sharers": "it names the other specs that share a store entry (the "
+                                    "log, the manifest's shared_with), true when the entry was "
+                                    "made; adding a spec does not rerun the entry, nor does this"}
 NOT_RERUN_TRIGGERS: dict[str, dict[str, str]] = {
     "data": {"dflash.train.budget": "the disk budget check (model shapes, FLOPs) refuses a run "
-                                    "before generation; it does not change the dataset"},
+                                    "before generation; it does not change the dataset",
+             **_SHARERS},
+    **{stage: dict(_SHARERS) for stage in ("env", "warmup", "train", "bench")},
 }
 
 

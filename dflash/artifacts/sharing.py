@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 from ..errors import StaleArtifact
-from .manifest import fingerprint
+from .manifest import fingerprint, sha256_file
 
 STORE = ".shared"
 SHARED_STAGES = ("env", "warmup", "data")
@@ -40,6 +40,36 @@ def share_key(stage: str, fields: dict, code: str, upstream: dict) -> str:
 def store_root(results: str | Path, stage: str, key: str) -> Path:
     """The results folder of a store entry: it holds ``<stage>/`` as results/<spec>/ would."""
     return Path(results) / STORE / f"{stage}-{key}"
+
+
+def lock_digest(spec, repo: str | Path) -> str:
+    """What the env key is made from: the sha256 of the spec's lock (``env.lock``, relative to
+    the workflow folder ``repo``), or a stand-in naming the missing file."""
+    lock = Path(repo, spec.env.lock)
+    return sha256_file(lock) if lock.exists() else f"missing:{lock}"
+
+
+def spec_keys(spec, code: dict[str, str], lock: str) -> dict[str, str]:
+    """{stage: store key} of one spec's shared stages (:func:`share_key`): env from the lock,
+    warm-up and data from env's key. The devices too: a shared job runs the stage with one of its
+    specs' files, and every stage checks that spec's devices (an 8-GPU spec must not stand in for
+    a 1-GPU one). ``code``: {stage: code fingerprint}. The DAG names its entries with this
+    (rules/common_share.smk), and a stage finds the specs sharing its entry with it
+    (:mod:`dflash.spec.sharers`)."""
+    keys: dict[str, str] = {}
+    devices = sorted(set(spec.devices()))
+    for st in SHARED_STAGES:
+        up = {"lock": lock} if st == "env" else {"env": keys["env"]}
+        keys[st] = share_key(st, spec.section(st), code[st], {**up, "devices": devices})
+    return keys
+
+
+def entry_key(at: str | Path, stage: str) -> str | None:
+    """The key of the store entry ``at`` (``<results>/.shared/<stage>-<key>``), None where ``at``
+    is a spec's own folder (a stage run by hand)."""
+    p = Path(at)
+    prefix = f"{stage}-"
+    return p.name[len(prefix):] if p.parent.name == STORE and p.name.startswith(prefix) else None
 
 
 def link_file(src: Path, dst: Path) -> None:

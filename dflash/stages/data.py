@@ -92,7 +92,8 @@ def run(ctx: StageContext) -> dict:
 
     table = merge_shards(shard_dir, chunks, samples)
     manifest = _write(spec, data_dir, table, fingerprints, plan_fp, report, prompts, chunks,
-                      resumed, gen, time.time() - t0, per_source, ctx.drift)
+                      resumed, gen, time.time() - t0, per_source,
+                      {"env_drift_overridden": ctx.drift, "shared_with": ctx.shared_with})
     log(f"wrote {data_dir / DATASET}: {table.num_rows} samples, "
          f"{manifest['tokens']['total_tokens']} tokens in {time.time() - t0:.1f}s")
     return manifest
@@ -151,7 +152,8 @@ def _generate(spec, todo, shard_dir: Path, n_chunks: int, resumed: int) -> dict:
 
 
 def _write(spec, data_dir: Path, table, fingerprints, plan_fp, report, prompts, chunks,
-           resumed, gen: dict, seconds, per_source: dict, drift: list) -> dict:
+           resumed, gen: dict, seconds, per_source: dict, of_run: dict) -> dict:
+    """``of_run``: what the stage context adds (the drift overridden, the specs sharing the entry)."""
     d = spec.data
     out = data_dir / DATASET
     with atomic_path(out) as tmp:
@@ -188,5 +190,5 @@ def _write(spec, data_dir: Path, table, fingerprints, plan_fp, report, prompts, 
         dataset={"path": DATASET, "rows": table.num_rows, "sha256": sha},
         files={DATASET: sha},  # by content (dflash.artifacts.manifest.verify_files)
         seconds=round(seconds, 2),
-        env_drift_overridden=drift,
+        **of_run,
     )

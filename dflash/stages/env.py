@@ -70,7 +70,7 @@ def run(ctx: StageContext) -> dict:
     files = lock_files(lock)
     body = write_manifest(
         out_dir / "manifest.json", "env", fingerprints=fps,
-        spec=spec.name, mode=mode,
+        spec=spec.name, shared_with=ctx.shared_with, mode=mode,
         lock={"path": str(lock), "sha256": digest["lock"]},
         lock_files=[{"path": str(f), "sha256": sha256_file(f), "no_deps": installs_no_deps(f)}
                     for f in files],

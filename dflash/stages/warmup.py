@@ -93,7 +93,7 @@ def run(ctx: StageContext) -> dict:
         seconds_by_phase={k: round(v, 3) for k, v in phases.items()},
         drafter_config=cfg.to_dict(), feature_width=feat_width,
         gate=get_gate().stats().summary(),
-        env_drift_overridden=ctx.drift)
+        env_drift_overridden=ctx.drift, shared_with=ctx.shared_with)
     print(f"[warmup] done: {len(records)} (device, bucket) compiles in {total:.1f}s; "
           f"cache {cache}", flush=True)
     return manifest
