@@ -97,7 +97,7 @@ def from_reports(specs: set[str]) -> list[dict]:
             continue
         line = timeline(metrics_of(rep_path))
         data = read_json(sibling(rep_path, "data", "manifest.json"))
-        out.append(point(f"{rep['spec']} ({rep_path.parent.name})",
+        out.append(point(f"{rep['spec']} ({rep_path.relative_to(H200).parts[0]})",
                          str(rep_path.relative_to(REPO)), tau, line[max(line)][0] / 60,
                          data["seconds"]))
     return out
