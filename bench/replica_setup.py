@@ -11,7 +11,7 @@
 Both arms end with the same weights (checked bit for bit).
 
     PYTHONPATH=$PWD python -m bench.replica_setup --spec specs/qwen3-8b-1gpu.yaml \\
-        --out bench/results/cpu/replica_setup_8b.json
+        --order new,old --out bench/results/cpu/replica_setup_8b_newfirst.json
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--spec", default="specs/qwen3-8b-1gpu.yaml")
     ap.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--out", default="bench/results/cpu/replica_setup_8b.json")
+    ap.add_argument("--out", default="bench/results/cpu/replica_setup_8b_newfirst.json")
     ap.add_argument("--order", default="new,old", help="arms in this order (the first pays "
                     "the process's first large allocations: run both orders to see it)")
     a = ap.parse_args()
