@@ -23,12 +23,11 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
-from ..decode.engine import Engine, unsupported_reason
 from ..data.prompts import render_prompt
 from ..runtime.busy import sync
 from .budget import budget_hits
 from .evalsets import across_categories, mtbench_conversations, user_prompt
-from .tau import greedy_continuations, simulate, summarize
+from .tau import continuation_engine, greedy_continuations, simulate, summarize
 
 
 def reference_questions(n: int, seed: int) -> list[dict]:
@@ -51,11 +50,9 @@ def _engine(model, prompts: Sequence[Sequence[int]], second: Sequence[Sequence[i
     """One fast engine for both turns: its cache holds the longest second-turn prompt there can
     be (first prompt + a full answer + the second user turn) plus ``max_new``, within the
     target's positions (a longer prompt falls back to the HF loop). None where it cannot run."""
-    if unsupported_reason(model) is not None:
-        return None
     longest = max(len(p) for p in prompts) + max_new + max(len(s) for s in second) + 16
-    return Engine(model, slots=max(1, min(slots, len(prompts))), max_new_tokens=max_new,
-                  max_len=min(max_context, longest + max_new), eos_ids=list(eos))
+    return continuation_engine(model, [prompts], max_new, eos, slots,
+                               max_len=min(max_context, longest + max_new))
 
 
 def evaluate_reference(target_model, tokenizer, drafter, embed, lm_head, questions: list[dict],

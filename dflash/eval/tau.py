@@ -259,19 +259,22 @@ def teacher_forced_accuracy(drafts: Sequence[torch.Tensor], conts: Sequence[Sequ
 # the evaluation
 # ---------------------------------------------------------------------------------------------
 def continuation_engine(model, prompt_lists: Sequence[Sequence[Sequence[int]]], max_new: int,
-                        eos_ids: Sequence[int], slots: int) -> Engine | None:
+                        eos_ids: Sequence[int], slots: int,
+                        max_len: int | None = None) -> Engine | None:
     """One fast generation engine for the greedy continuations of every prompt list (the
     bench stage's eval sets): static KV cache, compiled and captured on CUDA, built once and
     reused by each set. Without it each set's continuations ran HF's eager loop, one
     launch-bound forward per token (26-34 s a set on the H200, round 7's bench_seconds);
-    continuous batching has no padding either. None where the engine cannot run the model
+    continuous batching has no padding either. ``max_len``: the cache's length (default: the
+    longest prompt + ``max_new``). None where the engine cannot run the model
     (:func:`greedy_continuations` then takes HF's loop)."""
     prompts = [p for ps in prompt_lists for p in ps]
     if not prompts or unsupported_reason(model) is not None:
         return None
     most = max(len(ps) for ps in prompt_lists)
     return Engine(model, slots=max(1, min(slots, most)), max_new_tokens=max_new,
-                  max_len=max(len(p) for p in prompts) + max_new, eos_ids=list(eos_ids))
+                  max_len=max_len or max(len(p) for p in prompts) + max_new,
+                  eos_ids=list(eos_ids))
 
 
 def simulate(target_model, drafter, embed, lm_head, prompts: Sequence[Sequence[int]],

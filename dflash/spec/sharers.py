@@ -50,9 +50,11 @@ def sharers(spec: Spec, stage: str, at: str | Path, repo: str | Path = ".",
     if key is None or stage not in SHARED_STAGES:
         return None
     code = {st: stage_code_fingerprint(st) for st in SHARED_STAGES}
+    locks: dict[str, str] = {}  # lock path -> digest: the specs share a few locks, hashed once
 
     def key_of(s: Spec) -> str:
-        return spec_keys(s, code, lock_digest(s, repo))[stage]
+        lock = locks.get(s.env.lock) or locks.setdefault(s.env.lock, lock_digest(s, repo))
+        return spec_keys(s, code, lock)[stage]
 
     if key_of(spec) != key:
         return None

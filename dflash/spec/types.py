@@ -327,7 +327,7 @@ def _monitor_identity(m: MonitorSpec) -> dict:
     plain = _plain(m)
     if not m.profile_steps:
         del plain["profile_steps"]
-    if not m.profile_steps or m.profile_start == 3:
+    if not m.profile_steps or m.profile_start == MonitorSpec.profile_start:
         del plain["profile_start"]
     return plain
 
