@@ -163,9 +163,12 @@ def test_repo_sweeps_validate():
     recipe = {a.arm: a.spec for a in load_sweep(REPO / "sweeps" / "smollm2-recipe.yaml").arms}
     assert recipe["gamma4"].loss.gamma == 4 and recipe["beta2-0999"].optim.beta2 == 0.999
     assert {recipe[a].optim.lr for a in ("ref", "lr12e-4", "lr24e-4")} == {6e-4, 1.2e-3, 2.4e-3}
-    # every arm but the depth ones shares the base's one data and warm-up stage
+    # every arm shares the base's one data stage; its warm-up too, but for the arms that change
+    # a compiled shape: depth (the drafter), cap8 and kd / ce-kd (the loss's rows and inputs)
     assert len({s.fingerprint("data") for s in recipe.values()}) == 1
-    assert len({s.fingerprint("warmup") for k, s in recipe.items() if "depth" not in k}) == 1
+    own = ("depth3", "depth8", "cap8", "kd", "ce-kd")
+    assert len({s.fingerprint("warmup") for k, s in recipe.items() if k not in own}) == 1
+    assert len({s.fingerprint("warmup") for s in recipe.values()}) == 1 + len(own)
 
 
 def test_store_links_survive_deleting_one_spec(tmp_path):

@@ -10,16 +10,16 @@
 # in its own process session (it outlives the call), then watches it; `watch` watches until
 # WATCH_S and collects. Run state lives in /tmp (a carried folder is replaced by the next call);
 # what comes back is one archive, results.tgz (at most 8 files come back).
-# The plan (round 8, issues #34-#37): the host cache's read path (old vs new gather); the whole
-# smollm2-quality DAG alone on the GPU; the train step under torch.profiler in epoch 0
-# (smollm2-quality-profile); the code drafter's DAG (smollm2-code) with, beside its data stage,
-# the qwen3-8b-1gpu warm-up cold and both decoding loops on the quality drafter (bf16, and the
-# float32 parity that locates the logit gap); last, the profiler in a cached epoch
-# (smollm2-quality-profile-cached). PLAN_S (26 min) bounds the plan; round 7's probes are
-# committed and not rerun (call 1 is a plain `stash`).
+# The plan (round 9, issues #34-#36), most needed first: the code drafter's DAG (smollm2-code)
+# with the quality recipe's data stage beside it (two jobs per GPU: their data stages generate side
+# by side) and the qwen3-8b-1gpu warm-up cold beside the data stages; the quality recipe's cap-8
+# arm (smollm2-recipe-cap8: loss.max_position 8) through bench, alone on the GPU (its DAG tokens/s,
+# τ at equal steps, the decode sweep with several verify widths); both decoding loops in bf16 on
+# that drafter; the cached-epoch train step under torch.profiler, full positions then cap 8, in one
+# run (smollm2-quality-profile-cached, -cap8). PLAN_S (23 min) bounds the plan.
 #   calls 1, 2:  bash bench/gpu/session.sh stash   (carry .whl, then .whl2)
 #   (or call 1: `probes`, which also installs the small wheels and runs the probes alone)
-#   last:    bash bench/gpu/session.sh launch     (carry the last .whlN, .zlab; watches WATCH_S)
+#   last:    bash bench/gpu/session.sh launch     (carry the last .whlN; watches WATCH_S)
 #   then:    bash bench/gpu/session.sh watch      (WATCH_S seconds at most)
 set -uo pipefail
 what=$1
@@ -73,57 +73,43 @@ plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the 
   cd /tmp/repo
   stamp "start"; T0=$(date +%s)
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$RES/gpu.txt" 2>&1
-  # 0. the host feature cache's read path, old vs new gather, pinned + H2D (#34 item 3; ~30 s)
-  timeout 60 python3 -m bench.cache_read --out "$RES/cache_read.json" > "$RES/cache_read.log" 2>&1
-  stamp "cache_read rc=$?"
-  # 1. the whole quality DAG, alone on the GPU (#34 tokens/s, MFU, busy; #35 τ and the bench
-  #    stage's own cost; #36 the decode sweep with the warm-wave choice)
-  timeout $(left ${DAG_S:-1020}) $SNAKE bench_smollm2-quality --config $CONF > "$RES/dag_quality.log" 2>&1
-  stamp "dag rc=$?"
-  # the new host-cache staging (dflash/train/staging.py) first runs on a GPU here: if the train
-  # stage failed, rerun the DAG (data is kept) with the previous read/write path, carried in
-  # .fallback/ (round 8's launch call), so the lease still measures the DAG
-  if [ ! -f /tmp/r/smollm2-quality/bench/report.json ] && [ -f .fallback/feature_cache.py ]; then
-    cp "$RES/dag_quality.log" "$RES/dag_quality_failed.log"
-    cp .fallback/feature_cache.py dflash/train/feature_cache.py; stamp "fallback feature_cache"
-    timeout $(left ${DAG_S:-1020}) $SNAKE bench_smollm2-quality --config $CONF > "$RES/dag_quality.log" 2>&1
-    stamp "dag (fallback) rc=$?"
-  fi
-  # 2. the train step under torch.profiler inside the DAG: epoch 0 (the target runs and writes
-  #    the host cache), 200 steps, sharing the quality DAG's env, warm-up and data (#34 item 1)
-  timeout $(left 150) $SNAKE train_smollm2-quality-profile --config $CONF > "$RES/dag_profile.log" 2>&1
-  stamp "profile rc=$?"; cp /tmp/r/smollm2-quality-profile/train/profile.json "$RES/" 2>/dev/null
-  # 3. the in-domain code drafter (#35 item 3). Beside its data stage, on the same GPU: the
-  #    qwen3-8b-1gpu warm-up cold (#34 item 4: compile and set-up seconds by phase) and both
-  #    decoding loops on the quality drafter, bf16, plus the float32 parity that locates the
-  #    logit gap (#36 item 2): τ and logits do not depend on the GPU's load; the code spec's
-  #    data seconds are then an upper bound
-  ( warmup_8b cold ) &
-  ( refs ) &
-  timeout $(left ${CODE_S:-600}) $SNAKE bench_smollm2-code --config $CONF > "$RES/dag_code.log" 2>&1
-  stamp "code dag rc=$?"; wait
-  # 4. the step under torch.profiler in a cached epoch (the drafter alone on the device)
-  timeout $(left 200) $SNAKE train_smollm2-quality-profile-cached --config $CONF \
-    > "$RES/dag_profile_cached.log" 2>&1
-  stamp "profile cached rc=$?"
-  cp /tmp/r/smollm2-quality-profile-cached/train/profile.json "$RES/profile_cached.json" 2>/dev/null
+  # 1. the in-domain code drafter through bench (#35 item 3) and the quality recipe's data stage,
+  #    two jobs per GPU (gpu_jobs=2): the two data stages generate side by side, the quality data
+  #    is what steps 2 and 4 train on. Beside the data stages (GPU-bound, light on the CPUs), the
+  #    qwen3-8b-1gpu warm-up cold (#34 item 4): an upper bound on its seconds
+  ( for _ in $(seq 120); do [ -f /tmp/l/smollm2-code/data.log ] && break; sleep 2; done
+    warmup_8b cold ) &
+  timeout $(left ${CODE_S:-780}) $SNAKE bench_smollm2-code data_smollm2-quality \
+    --config $CONF gpu_jobs=2 > "$RES/dag_code.log" 2>&1
+  stamp "code dag + quality data rc=$?"; wait
+  # 2. the quality recipe with the block positions supervised capped at 8 (#34 item 2: the LM head
+  #    and loss on 8 of 15 positions; #35: τ at equal steps against round 8's 2.058; #36: the
+  #    decode sweep at 1/4/16/64 with several verify widths and the choice made at each), alone
+  timeout $(left ${ARM_S:-600}) $SNAKE bench_smollm2-recipe-cap8 --config $CONF > "$RES/dag_cap8.log" 2>&1
+  stamp "cap8 arm rc=$?"
+  # 3. both decoding loops in bf16 on that drafter (#36 items 2 and 5; float32: round 8)
+  refs /tmp/r/smollm2-recipe-cap8/train/drafter
+  # 4. the cached epoch's train step under torch.profiler (#34 item 1), full positions then cap 8,
+  #    each alone on the GPU, one run
+  for s in smollm2-quality-profile-cached smollm2-quality-profile-cached-cap8; do
+    timeout $(left 200) $SNAKE train_$s --config $CONF > "$RES/dag_$s.log" 2>&1
+    stamp "$s rc=$?"; cp /tmp/r/$s/train/profile.json "$RES/profile_${s#smollm2-quality-}.json" 2>/dev/null
+  done
   stamp "done"
 }
 
 left() {  # seconds for the next step: its own limit, or what is left of PLAN_S, if less
-  local rest=$(( ${PLAN_S:-1560} - ($(date +%s) - T0) )); [ $rest -lt 5 ] && rest=5
+  local rest=$(( ${PLAN_S:-1380} - ($(date +%s) - T0) )); [ $rest -lt 5 ] && rest=5
   echo $(( $1 < rest ? $1 : rest ))
 }
 
-refs() {  # the float32 parity that locates the logit gap, then both decoding loops on the
-  # trained quality drafter, float32 (identical streams expected) and bf16 (#36 items 2 and 5)
-  local D=/tmp/r/smollm2-quality/train/drafter
-  [ -d "$D" ] || { stamp "refs: no drafter"; return 0; }
-  timeout 120 python3 -m bench.gpu.reference_parity --spec specs/smollm2-quality.yaml \
-    --drafter "$D" --out "$RES/reference_parity.json" > "$RES/reference_parity.log" 2>&1
-  stamp "reference_parity rc=$?"
-  timeout ${REF_S:-300} python3 -m bench.gpu.reference_tau --spec specs/smollm2-quality.yaml \
-    --drafter "$D" ${REF_ARGS:---prompts 32 --max-new 128 --dtypes float32,bfloat16} \
+refs() {  # both decoding loops on a trained drafter ($1), bf16 (#36 items 2 and 5); the float32
+  # agreement (0 forks, 2,005/2,005 steps alike) is round 8's
+  local D=$1
+  [ -d "$D" ] || { stamp "refs: no drafter $D"; return 0; }
+  [ $(left 300) -ge 150 ] || { stamp "refs: skipped, $(left 300) s left"; return 0; }
+  timeout $(left ${REF_S:-240}) python3 -m bench.gpu.reference_tau --spec specs/smollm2-quality.yaml \
+    --drafter "$D" ${REF_ARGS:---prompts 32 --max-new 128 --dtypes bfloat16} \
     --out "$RES/reference_agreement.json" > "$RES/reference_agreement.log" 2>&1
   stamp "reference_tau rc=$?"
 }

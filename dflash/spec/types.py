@@ -294,7 +294,8 @@ def stage_fields(spec: Spec) -> dict[str, dict[str, Any]]:
                    "target.layer_ids": t.layer_ids, "target.compile": t.compile,
                    "drafter": _shape_only(spec.drafter),
                    "batching": spec.batching, "topology.drafters": spec.topology.drafters,
-                   "compile": _compile_identity(spec.compile), "seed": spec.seed},
+                   "compile": _compile_identity(spec.compile), "seed": spec.seed,
+                   **_loss_shape(spec.loss)},
         "data": {**target_identity, "data": _data_identity(spec.data), "seed": spec.seed},
         # features, when a cache is on: a cached epoch >= 1 row holds its samples' epoch-0
         # features (float8 storage rounds them), so the weights depend on it; off leaves the
@@ -340,6 +341,21 @@ def _data_identity(data: DataSpec) -> dict:
         plain["self_written"] = {k: v for k, v in plain["self_written"].items()
                                  if k != "categories"}
     return plain
+
+
+def _loss_shape(loss: LossSpec) -> dict:
+    """The loss fields the compiled drafter step's shapes and code depend on: ``max_position``
+    (the head and loss run on K = max_position rows per block) and ``kind`` (soft labels add
+    inputs; ``kd_top_k`` sizes them). Without them a cap-8 or KD arm shared the base's warm-up
+    entry, which had compiled the base's step, and compiled its own in the train stage's warm
+    start instead. The defaults (ce, every position) add nothing: the fingerprint stays as it
+    was before these were counted. γ is a device tensor input, not a shape: not counted."""
+    out: dict = {}
+    if loss.max_position is not None:
+        out["loss.max_position"] = loss.max_position
+    if loss.kind != "ce":
+        out.update({"loss.kind": loss.kind, "loss.kd_top_k": loss.kd_top_k})
+    return out
 
 
 def _shape_only(drafter: DrafterSpec) -> dict:
