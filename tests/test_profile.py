@@ -121,8 +121,12 @@ def test_cpu_totals_fit_the_window_and_no_label_counts_as_an_op_or_kernel(profil
     assert names and not any(n.startswith(LABEL) for n in names), names
 
 
-def _ev(name, kind, t0, t1, corr=0, linked=0, thread=0, device=True, stream=7):
-    return Ev(name, kind, device, t0 * 1000, t1 * 1000, thread, corr, linked, 0, stream)
+def _ev(name, kind, t0, t1, corr=0, linked=0, thread=0, device=True, stream=None, os=None):
+    """µs times; a device event on stream 7, a host event on OS thread ``os`` (default: a
+    stand-in, 400 + torch's thread id), kineto's resource id for both."""
+    res = stream if device else os
+    res = (7 if device else 400 + thread) if res is None else res
+    return Ev(name, kind, device, t0 * 1000, t1 * 1000, thread, corr, linked, 0, res)
 
 
 def _lease_shaped_events():
@@ -179,6 +183,71 @@ def test_device_spans_are_no_kernels_and_every_kernel_has_its_worker():
     # host side: the labels are ranges, not ops; the graph launch is runtime time
     assert set(s["cpu"]["op_time_s_by_class"]) == {"cuda runtime", "elementwise/fused triton"}
     assert s["cpu"]["op_time_s_by_class"]["elementwise/fused triton"] == pytest.approx(2e-6)
+
+
+def _round8_shaped_events(os_ids=True):
+    """One step of round 8's shared GPU (``lease/profile.json``), as torch records it
+    (bench/results/h200/round8-2026-12-02/profile_threads.log), in µs: the target (torch thread
+    12, OS thread 491) copies its row in (an aten op: its runtime call is on its thread) and
+    replays its captured forward, the drafter (11, OS 490) replays its captured step; both
+    cudaGraphLaunch calls ran inside no torch op, so torch gives both the thread that stopped
+    the profiler (11, replica 0's) and only the resource id tells the target's apart.
+    ``os_ids=False``: a torch that recorded no resource ids (0)."""
+    drafter, target = LABEL + "drafter-0", LABEL + "target-0"
+    host = (lambda t: dict(os=t)) if os_ids else (lambda t: dict(os=0))
+    return [
+        _ev(target, "user_annotation", 0, 40, thread=12, device=False, **host(491)),
+        _ev("aten::copy_", "cpu_op", 1, 4, corr=61, thread=12, device=False, **host(491)),
+        _ev("cudaMemcpyAsync", "cuda_runtime", 2, 3, corr=700, thread=12, device=False,
+            **host(491)),
+        _ev("cudaGraphLaunch", "cuda_runtime", 5, 9, corr=800, thread=11, device=False,
+            **host(491)),
+        _ev(drafter, "user_annotation", 30, 120, thread=11, device=False, **host(490)),
+        _ev("cudaGraphLaunch", "cuda_runtime", 41, 45, corr=900, thread=11, device=False,
+            **host(490)),
+        _ev("Memcpy HtoD (Pinned -> Device)", "gpu_memcpy", 3, 4, corr=700, linked=61),
+        _ev(target, "gpu_user_annotation", 3, 40),
+        _ev("triton_tem_fused_flex_attention_0", "kernel", 10, 30, corr=800),  # the target's
+        _ev("nvjet_sm90_tst_192x192_TNN", "kernel", 30, 40, corr=800),
+        _ev(drafter, "gpu_user_annotation", 45, 110),
+        _ev("triton_tem_fused_flex_attention_backward_6", "kernel", 45, 95, corr=900),
+        _ev("nvjet_sm90_tst_192x192_TNN", "kernel", 95, 110, corr=900),
+    ]
+
+
+def test_a_graph_replay_counts_for_the_thread_that_launched_it():
+    """Round 8's bug: the target's graph replay counted as drafter-0's (2 graph launches a step
+    on drafter-0, 0 on target-0). By the launch call's OS thread each worker gets its own."""
+    s = summarise(_round8_shaped_events(), 1, 3, ["cpu", "cuda"], {}, {}, 2e-4)
+    w = s["workers"]
+    assert w["target-0"]["graph_launches"] == 1 and w["drafter-0"]["graph_launches"] == 1
+    assert w["target-0"]["kernel_launches"] == 0 == w["drafter-0"]["kernel_launches"]
+    # the target: its 30 µs replay and its 1 µs row copy; the drafter: its 65 µs replay
+    assert w["target-0"]["graph_replay_kernel_s"] == pytest.approx(30e-6)
+    assert w["target-0"]["kernel_s"] == pytest.approx(31e-6)
+    assert w["drafter-0"]["graph_replay_kernel_s"] == pytest.approx(65e-6)
+    assert w["drafter-0"]["kernel_s"] == pytest.approx(65e-6)
+    assert sum(r["kernel_s"] for r in w.values()) == pytest.approx(s["device"]["kernel_time_s"])
+    # host time too: the target's launch call (4 µs) is its thread's, not the drafter's
+    assert w["target-0"]["cpu_op_s"] == pytest.approx((2 + 1 + 4) * 1e-6)  # copy_ self: 3 - 1
+    assert w["drafter-0"]["cpu_op_s"] == pytest.approx(4e-6)
+    assert s["cpu"]["runtime_calls_rethreaded"] == 1
+    src = {r["name"]: r["sources"] for r in s["device"]["top_kernels"]}
+    assert src["triton_tem_fused_flex_attention_0"] == {"target-0: graph replay": 20e-6}
+    assert src["nvjet_sm90_tst_192x192_TNN"] == {"drafter-0: graph replay": 15e-6,
+                                                 "target-0: graph replay": 10e-6}
+    assert src["Memcpy HtoD (Pinned -> Device)"] == {"target-0: aten::copy_": 1e-6}
+
+
+def test_without_resource_ids_a_runtime_call_keeps_torch_s_thread():
+    """No OS thread to go by (resource id 0): torch's thread stands, as before the fix (both
+    replays on drafter-0, nothing moved), and the linked copy still finds its op's worker."""
+    s = summarise(_round8_shaped_events(os_ids=False), 1, 3, ["cpu", "cuda"], {}, {}, 2e-4)
+    w = s["workers"]
+    assert w["drafter-0"]["graph_launches"] == 2 and w["target-0"]["graph_launches"] == 0
+    assert w["drafter-0"]["graph_replay_kernel_s"] == pytest.approx(95e-6)
+    assert w["target-0"]["kernel_s"] == pytest.approx(1e-6)
+    assert s["cpu"]["runtime_calls_rethreaded"] == 0
 
 
 def test_the_committed_h200_profile_still_renders():

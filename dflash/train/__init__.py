@@ -3,7 +3,8 @@ anchors and loss weights: anchors.py; the fused LM head + cross-entropy: head_lo
 replica (drafter + optimizer), the race-free threaded scheduler, row packing (and the step
 map), checkpoints, the feature cache (feature_cache.py; its reused host staging buffers:
 staging.py) and its budget (cache_budget.py), the worker factory, warm-up, the FLOP/balance
-model, and the step profile (profile.py: monitor.profile_steps, monitor.profile_start).
+model, and the step profile (profile.py: monitor.profile_steps, monitor.profile_start; its
+summary: profile_summary.py).
 
 May import: the top-level modules, artifacts/, spec/, models/, data/, runtime/. Nothing from eval/
 or stages/.
