@@ -110,6 +110,27 @@ def test_narrower_verify_stays_lossless(world):
     assert dec.stats["mismatches"] == 0
 
 
+def test_padded_prefill_gives_the_unpadded_tokens(world):
+    """The padded prefill (CUDA's captured one, forced eager on CPU): every wave's prompts
+    padded to 32 tokens, rows past the wave lens 0. Target-only and speculative, batch 1 and a
+    batch of mixed prompt lengths (5..14 tokens, 3 rows with 1 unused in the last wave): the
+    tokens, the blocks and the caches' prompt K/V equal the unpadded prefill's."""
+    target, drafter, cfg, ps, greedy = world
+    for d, batch in ((None, 1), (drafter, 1), (None, 3), (drafter, 3)):
+        plain, padded = make(target, d, batch), make(target, d, batch, padded_prefill=True)
+        assert padded._prefill.length(ps) == 32 and plain._prefill.length(ps) == 14
+        a, b = plain.decode(ps), padded.decode(ps)
+        assert [r.tokens for r in a] == [r.tokens for r in b] == greedy
+        assert [r.block_lengths for r in a] == [r.block_lengths for r in b]
+        assert padded.stats["prefill_graphs"] == 0 and padded.stats["mismatches"] == 0
+    with torch.inference_mode():                     # the last wave: prompt 3 in row 0
+        plain._prefill.run(ps[3:]), padded._prefill.run(ps[3:])
+    n = len(ps[3])
+    for kp, kq in zip(plain.k_cache + plain.dk_cache, padded.k_cache + padded.dk_cache):
+        assert torch.allclose(kp[0, :, :n], kq[0, :, :n], atol=1e-6)
+    assert padded.pos.tolist() == [n, 0, 0] and padded.active.tolist() == [True, False, False]
+
+
 def test_batch_sequences_finish_independently(world):
     """Per-sequence acceptance (perfect / corrupted / useless drafts side by side) and lengths
     (an early eos for one prompt): batch 3 gives each prompt exactly its batch-1 decode."""

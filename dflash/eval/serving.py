@@ -150,6 +150,7 @@ def _engine(stats: dict) -> dict:
     keep = ("compile_scope", "compile_mode", "compile_seconds", "capture_seconds", "graphs_compiled", "steps",
             "syncs", "graph", "graph_error", "context_compile_error", "scope_compile_error",
             "fused_weight_bytes", "waves", "prefill_ms", "steps_ms", "harvest_ms", "warm",
+            "prefill_graphs", "prefill_capture_seconds", "prefill_graph_error",
             # what an inspect hook measured (bench/gpu/step_profile.py)
             "replay_ms", "kernels", "kernel_device_ms", "top_kernels", "kernels_cpu_proxy",
             "profile_error")
