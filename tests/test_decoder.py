@@ -265,8 +265,10 @@ def test_sweep_rows_and_their_report_section(world, tmp_path):
     both engines and HF's static-cache generate, the lossless evidence, the report section and
     the plot."""
     target, drafter, cfg, ps, greedy = world
+    lines = []
     r = sweep(target, drafter, ps[:3], 8, [V + 1], batches=(1, 2), min_prompts=3, pad_id=EOS,
-              log=lambda _: None)
+              log=lines.append, widths=(2, 4))
+    assert len(lines) == 2 and all("by verify width 2: " in x and ", 5: " in x for x in lines)
     rows = r.pop("batches")
     assert [x["batch"] for x in rows] == [1, 2] and all(x["prompts"] == 3 for x in rows)
     for x in rows:
@@ -278,11 +280,21 @@ def test_sweep_rows_and_their_report_section(world, tmp_path):
         ev = x["lossless_evidence"]
         assert ev["lossless"] and ev["identical_to_greedy"] == 3 and ev["emitted_not_argmax"] == 0
         a = x["adaptive"]                    # the choice, from this pair's measured step ms
-        assert a["batch"] == x["batch"] and [c["width"] for c in a["candidates"]] == [0, B]
+        # every width its own decoder (2, 4 and the whole block B), the choice among them all
+        assert a["batch"] == x["batch"] and [c["width"] for c in a["candidates"]] == [0, 2, 4, B]
         assert all(c["step_ms"] > 0 for c in a["candidates"])
+        assert a["choice"] in (0, 2, 4, B) and x["choice_width"] == a["choice"]
+        ws = {w["width"]: w for w in x["widths"]}
+        assert sorted(ws) == [2, 4, B] and all(w["lossless"] and w["tokens_per_s"] > 0
+                                               and w["identical_to_greedy"] == 3
+                                               for w in ws.values())
+        assert ws[B]["tokens_per_s"] == pytest.approx(x["speculative_tokens_per_s"])
+        assert ws[B]["tau"] == pytest.approx(x["tau"]) and ws[2]["tau"] <= 2
+        assert [c["step_ms"] for c in a["candidates"][1:]] == [ws[w]["step_ms"] for w in (2, 4, B)]
+        assert set(x["wall_s"]) == {"target_only", "verify_2", "verify_4", f"verify_{B}"}
         # decided on each engine's warm wave (all-in ms a step, realized tokens a step), judged
         # by the timed decode after it
-        assert [c["source"] for c in a["candidates"]] == ["decoded wave"] * 2
+        assert [c["source"] for c in a["candidates"]] == ["decoded wave"] * 4
         warm = x["engine"]["target_only"]["warm"]
         assert warm["tokens"] == 3 * 8 and warm["steps"] > 0 and warm["seconds"] > 0
         assert a["candidates"][0]["expected_tokens_per_step"] == pytest.approx(
@@ -290,9 +302,12 @@ def test_sweep_rows_and_their_report_section(world, tmp_path):
         acc = a["accept_rate_by_position"]   # cumulative shares: never rising, 1 + Σ ≥ τ
         assert len(acc) == B - 1 and all(1 >= p >= q >= 0 for p, q in zip(acc, acc[1:]))
         assert acc[0] > 0 and expected_tokens(acc, B) >= x["tau"] - 1e-9
-        assert x["choice"] == ("target-only" if a["choice"] == 0 else f"speculative (verify {B})")
+        assert x["choice"] == ("target-only" if a["choice"] == 0 else
+                               f"speculative (verify {a['choice']})")
         sv = x["served"]                     # what the choice serves: its engine's timed decode
         assert sv["engine"] == ("target-only" if a["choice"] == 0 else "speculative")
+        assert sv["seconds"] == (x["target_only_s"] if a["choice"] == 0 else
+                                 ws[a["choice"]]["seconds"])
         assert sv["tokens"] == 3 * 8 and sv["identical_to_greedy"] == 3 and sv["seconds"] > 0
         assert x["choice_speedup"] == pytest.approx(
             sv["tokens_per_s"] / x["target_only_tokens_per_s"])
@@ -309,7 +324,9 @@ def test_sweep_rows_and_their_report_section(world, tmp_path):
     part = src[src.index("## Decoding speed"):src.index("## Step time")]
     md = env.from_string(part).render(r={"acceptance": tau}, fmt=fmt, ci=ci)
     assert md.count("| 3 | ") == 2 and "(goal ≥ 0.75)" in md and "| True |" in md
-    assert "| choice | speed-up of the choice |" in md
+    assert "| choice | speed-up of the choice | speed-up by verify width |" in md
+    assert all(f"| {fmt(x['choice_speedup'])} | " + " · ".join(
+        f"{w['width']}: {fmt(w['speedup'])}" for w in x["widths"]) + " | " in md for x in rows)
     assert all(f"- batch {x['batch']}: {x['adaptive']['why']} (target-only " in md for x in rows)
     assert all(f"| {fmt(x['speedup'])} | {x['choice']} | {fmt(x['choice_speedup'])} |" in md
                for x in rows)
