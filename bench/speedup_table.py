@@ -35,6 +35,16 @@ def _num(x, fmt="{:,.1f}") -> str:
     return "n/a" if x is None else fmt.format(x)
 
 
+def _widths(d: dict, r: dict) -> str:
+    """The verify tokens of the row's figures, and each verify width's speed-up where the sweep
+    timed several (``widths``, bench.decode_widths; older JSON has none)."""
+    full = d.get("verify_tokens", "n/a")
+    if not r.get("widths"):
+        return str(full)
+    return f"{full} (" + ", ".join(f"{w['width']}: {_num(w.get('speedup'), '{:.2f}×')}"
+                                   for w in r["widths"]) + ")"
+
+
 def rows(path: Path) -> list[str]:
     """One markdown row per batch size of one decode_speed.json."""
     try:
@@ -48,7 +58,7 @@ def rows(path: Path) -> list[str]:
         ev = r.get("lossless_evidence") or {}
         hf = (r.get("hf_static") or {}).get("tokens_per_s")
         out.append(
-            f"| {r['batch']} | {d.get('verify_tokens', 'n/a')} | "
+            f"| {r['batch']} | {_widths(d, r)} | "
             f"{_num(r.get('target_only_tokens_per_s'))} | "
             f"{_num(r.get('speculative_tokens_per_s'))} | {_num(r.get('tau'), '{:.3f}')} | "
             f"**{_num(r.get('speedup'), '{:.2f}')}×** | {r.get('choice', 'n/a')} | "

@@ -60,3 +60,15 @@ def test_a_decoded_wave_s_tokens_per_step_replace_the_model():
         (1.3434 / 2.822) / (0.9026 / 1.755))
     part = choose(16, step_ms, ACCEPT, tokens_per_step={16: 1.3434})
     assert [c["source"] for c in part["candidates"]] == ["wave model", "decoded wave"]
+
+
+def test_several_widths_the_best_one_is_chosen():
+    """Batch 16 at round 8's figures: the full block (16) loses to target-only, but a
+    narrower verify with a cheaper step still pays; the choice is the best of all widths."""
+    step_ms = {0: 1.82, 4: 2.0, 8: 2.3, 16: 2.67}
+    tps = {0: 0.95, 4: 1.45, 8: 1.5, 16: 1.52}
+    r = choose(16, step_ms, ACCEPT, tokens_per_step=tps)
+    assert [c["width"] for c in r["candidates"]] == [0, 4, 8, 16]
+    best = max((w for w in step_ms if w), key=lambda w: tps[w] / step_ms[w])
+    assert best == 4 and r["choice"] == 4 and "width 4" in r["why"]
+    assert choose(16, {0: 1.82, 16: 2.67}, ACCEPT, tokens_per_step=tps)["choice"] == 0

@@ -296,3 +296,18 @@ def test_decode_batches_choose_the_sweep(tmp_path):
     assert "on cpu" in decode_speed(None, None, None, None, None, b, "cpu")["skipped"]
     with pytest.raises(SpecError, match="decode_batches"):
         spec_with(tmp_path, decode_batches=[0])
+
+
+def test_decode_widths_are_the_sweep_s_verify_widths(tmp_path):
+    """bench.decode_widths: verify widths timed beside the full block (default 4, 8, 16),
+    clipped to the block and deduplicated when measured; a width below 2 (an anchor without
+    drafts) or a repeated one names the field."""
+    from dflash.eval.serving import verify_widths
+    assert spec_with(tmp_path).bench.decode_widths == (4, 8, 16)
+    assert spec_with(tmp_path, decode_widths=[2, 32]).bench.decode_widths == (2, 32)
+    assert verify_widths((4, 8, 16, 32), 16) == [4, 8, 16] and verify_widths((32, 8), 5) == [5]
+    for bad in ([1], [4, 4], []):
+        with pytest.raises(SpecError, match="decode_widths"):
+            spec_with(tmp_path, decode_widths=bad)
+    with pytest.raises(DFlashError, match="bench.decode_widths"):
+        verify_widths([1, 4], 16)

@@ -110,6 +110,27 @@ def test_narrower_verify_stays_lossless(world):
     assert dec.stats["mismatches"] == 0
 
 
+def test_padded_prefill_gives_the_unpadded_tokens(world):
+    """The padded prefill (CUDA's captured one, forced eager on CPU): every wave's prompts
+    padded to 32 tokens, rows past the wave lens 0. Target-only and speculative, batch 1 and a
+    batch of mixed prompt lengths (5..14 tokens, 3 rows with 1 unused in the last wave): the
+    tokens, the blocks and the caches' prompt K/V equal the unpadded prefill's."""
+    target, drafter, cfg, ps, greedy = world
+    for d, batch in ((None, 1), (drafter, 1), (None, 3), (drafter, 3)):
+        plain, padded = make(target, d, batch), make(target, d, batch, padded_prefill=True)
+        assert padded._prefill.length(ps) == 32 and plain._prefill.length(ps) == 14
+        a, b = plain.decode(ps), padded.decode(ps)
+        assert [r.tokens for r in a] == [r.tokens for r in b] == greedy
+        assert [r.block_lengths for r in a] == [r.block_lengths for r in b]
+        assert padded.stats["prefill_graphs"] == 0 and padded.stats["mismatches"] == 0
+    with torch.inference_mode():                     # the last wave: prompt 3 in row 0
+        plain._prefill.run(ps[3:]), padded._prefill.run(ps[3:])
+    n = len(ps[3])
+    for kp, kq in zip(plain.k_cache + plain.dk_cache, padded.k_cache + padded.dk_cache):
+        assert torch.allclose(kp[0, :, :n], kq[0, :, :n], atol=1e-6)
+    assert padded.pos.tolist() == [n, 0, 0] and padded.active.tolist() == [True, False, False]
+
+
 def test_batch_sequences_finish_independently(world):
     """Per-sequence acceptance (perfect / corrupted / useless drafts side by side) and lengths
     (an early eos for one prompt): batch 3 gives each prompt exactly its batch-1 decode."""
@@ -244,8 +265,10 @@ def test_sweep_rows_and_their_report_section(world, tmp_path):
     both engines and HF's static-cache generate, the lossless evidence, the report section and
     the plot."""
     target, drafter, cfg, ps, greedy = world
+    lines = []
     r = sweep(target, drafter, ps[:3], 8, [V + 1], batches=(1, 2), min_prompts=3, pad_id=EOS,
-              log=lambda _: None)
+              log=lines.append, widths=(2, 4))
+    assert len(lines) == 2 and all("by verify width 2: " in x and ", 5: " in x for x in lines)
     rows = r.pop("batches")
     assert [x["batch"] for x in rows] == [1, 2] and all(x["prompts"] == 3 for x in rows)
     for x in rows:
@@ -257,11 +280,21 @@ def test_sweep_rows_and_their_report_section(world, tmp_path):
         ev = x["lossless_evidence"]
         assert ev["lossless"] and ev["identical_to_greedy"] == 3 and ev["emitted_not_argmax"] == 0
         a = x["adaptive"]                    # the choice, from this pair's measured step ms
-        assert a["batch"] == x["batch"] and [c["width"] for c in a["candidates"]] == [0, B]
+        # every width its own decoder (2, 4 and the whole block B), the choice among them all
+        assert a["batch"] == x["batch"] and [c["width"] for c in a["candidates"]] == [0, 2, 4, B]
         assert all(c["step_ms"] > 0 for c in a["candidates"])
+        assert a["choice"] in (0, 2, 4, B) and x["choice_width"] == a["choice"]
+        ws = {w["width"]: w for w in x["widths"]}
+        assert sorted(ws) == [2, 4, B] and all(w["lossless"] and w["tokens_per_s"] > 0
+                                               and w["identical_to_greedy"] == 3
+                                               for w in ws.values())
+        assert ws[B]["tokens_per_s"] == pytest.approx(x["speculative_tokens_per_s"])
+        assert ws[B]["tau"] == pytest.approx(x["tau"]) and ws[2]["tau"] <= 2
+        assert [c["step_ms"] for c in a["candidates"][1:]] == [ws[w]["step_ms"] for w in (2, 4, B)]
+        assert set(x["wall_s"]) == {"target_only", "verify_2", "verify_4", f"verify_{B}"}
         # decided on each engine's warm wave (all-in ms a step, realized tokens a step), judged
         # by the timed decode after it
-        assert [c["source"] for c in a["candidates"]] == ["decoded wave"] * 2
+        assert [c["source"] for c in a["candidates"]] == ["decoded wave"] * 4
         warm = x["engine"]["target_only"]["warm"]
         assert warm["tokens"] == 3 * 8 and warm["steps"] > 0 and warm["seconds"] > 0
         assert a["candidates"][0]["expected_tokens_per_step"] == pytest.approx(
@@ -269,9 +302,12 @@ def test_sweep_rows_and_their_report_section(world, tmp_path):
         acc = a["accept_rate_by_position"]   # cumulative shares: never rising, 1 + Σ ≥ τ
         assert len(acc) == B - 1 and all(1 >= p >= q >= 0 for p, q in zip(acc, acc[1:]))
         assert acc[0] > 0 and expected_tokens(acc, B) >= x["tau"] - 1e-9
-        assert x["choice"] == ("target-only" if a["choice"] == 0 else f"speculative (verify {B})")
+        assert x["choice"] == ("target-only" if a["choice"] == 0 else
+                               f"speculative (verify {a['choice']})")
         sv = x["served"]                     # what the choice serves: its engine's timed decode
         assert sv["engine"] == ("target-only" if a["choice"] == 0 else "speculative")
+        assert sv["seconds"] == (x["target_only_s"] if a["choice"] == 0 else
+                                 ws[a["choice"]]["seconds"])
         assert sv["tokens"] == 3 * 8 and sv["identical_to_greedy"] == 3 and sv["seconds"] > 0
         assert x["choice_speedup"] == pytest.approx(
             sv["tokens_per_s"] / x["target_only_tokens_per_s"])
@@ -288,7 +324,9 @@ def test_sweep_rows_and_their_report_section(world, tmp_path):
     part = src[src.index("## Decoding speed"):src.index("## Step time")]
     md = env.from_string(part).render(r={"acceptance": tau}, fmt=fmt, ci=ci)
     assert md.count("| 3 | ") == 2 and "(goal ≥ 0.75)" in md and "| True |" in md
-    assert "| choice | speed-up of the choice |" in md
+    assert "| choice | speed-up of the choice | speed-up by verify width |" in md
+    assert all(f"| {fmt(x['choice_speedup'])} | " + " · ".join(
+        f"{w['width']}: {fmt(w['speedup'])}" for w in x["widths"]) + " | " in md for x in rows)
     assert all(f"- batch {x['batch']}: {x['adaptive']['why']} (target-only " in md for x in rows)
     assert all(f"| {fmt(x['speedup'])} | {x['choice']} | {fmt(x['choice_speedup'])} |" in md
                for x in rows)

@@ -70,3 +70,18 @@ def test_a_skipped_batch_size_is_a_row_not_a_gap(st, tmp_path):
     p.write_text(json.dumps(d))
     last = st.rows(p)[-1]
     assert last.startswith("| 64 |") and "not measured: budget: 400 s spent" in last
+
+
+def test_several_verify_widths_show_beside_the_full_block(st, tmp_path):
+    """A sweep with bench.decode_widths: each width's speed-up in the verify-tokens cell, the
+    chosen width in the choice; the committed round-8 JSON (one width) renders as before."""
+    round8 = REPO / "bench" / "results" / "h200" / "round8-2026-12-02" / "decode_sweep.json"
+    assert [c.strip() for c in st.rows(round8)[0].strip("|").split("|")][1] == "16"
+    d = json.loads(RANDOM.read_text())
+    d["batches"][0].update(widths=[{"width": 4, "speedup": 1.314}, {"width": 16, "speedup": 1.2}],
+                           choice="speculative (verify 4)")
+    p = tmp_path / "decode_speed.json"
+    p.write_text(json.dumps(d))
+    cells = [c.strip() for c in st.rows(p)[0].strip("|").split("|")]
+    assert cells[1] == f"{d.get('verify_tokens', 'n/a')} (4: 1.31×, 16: 1.20×)"
+    assert cells[6] == "speculative (verify 4)"

@@ -25,8 +25,8 @@ One step for every sequence of the batch at once, device tensors only:
    the next step's ``pos`` and are overwritten before anything reads them (the target's rejected
    K/V likewise), so nothing is ever cropped.
 
-The target-only baseline is the same step with K = 1 and no drafter. The prompt's prefill is the
-same target forward with L = prompt length at position 0 (eager, right-padded).
+The target-only baseline is the same step with K = 1 and no drafter. The prefill is the same
+target forward at position 0, right-padded (on CUDA to a multiple of 32, captured per length).
 
 On CUDA the step's pieces are compiled regions (``compile_scope``, :data:`COMPILE_SCOPES`: the
 data engine's per-layer pieces apart, each whole layer with its cache write, the same with
@@ -43,11 +43,11 @@ of K tokens rounds differently from K one-token forwards), which can only flip a
 margins say how near (:func:`dflash.decode.decoded.divergence`). In float32 the outputs are identical
 (tests/test_decoder.py).
 
-Owns: :class:`Decoder` (its step, compile scopes, prefill and harvest). Its own step pieces
-(greedy head, drafter RoPE, drafter context K/V, and the glue between the layers: prologues,
-context write, acceptance: :class:`~dflash.decode.speculative_step.StepGlue`) are
-:mod:`dflash.decode.speculative_step`; the static caches and the compile / capture / replay
-cycle it shares with the data engine are :mod:`dflash.decode.static`.
+Owns: :class:`Decoder` (its step, compile scopes, prefill math and harvest). Its own step pieces
+(greedy head, drafter RoPE, drafter context K/V, the glue between the layers:
+:class:`~dflash.decode.speculative_step.StepGlue`) are :mod:`dflash.decode.speculative_step`;
+the prefill's padded lengths and graphs :mod:`dflash.decode.wave_prefill`; the static caches
+and the compile / capture / replay cycle shared with the data engine :mod:`dflash.decode.static`.
 """
 from __future__ import annotations
 
@@ -65,14 +65,14 @@ from .decoded import Decoded, decoded_of
 from .speculative_step import (DraftPair, StepGlue, argmax_head, context_kv, drafter_rope,
                                greedy_head)
 from .static import CapturedStep, TargetCache, round_up
+from .wave_prefill import WavePrefill
 from ..runtime.busy import DeviceBusy
 from ..runtime.gate import get_gate
 from ..runtime.tracing import worker_thread_setup
 
 
 def _graph_count() -> int:
-    """Graphs dynamo has compiled in this process (stats only: the decoder compiles under the
-    gate's exclusive side, so no other thread adds to it meanwhile)."""
+    """Graphs dynamo compiled in this process (the decoder compiles under the exclusive gate)."""
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
@@ -109,7 +109,8 @@ class Decoder(StepGlue):
     unrolled step once per batch size; "fused" and "step" hold a copy of the q/k/v and gate/up
     weights, concatenated). ``compile_mode``: torch.compile's mode for every region (None:
     the default; "max-autotune-no-cudagraphs" autotunes the GEMMs: small-M Triton templates
-    with fused epilogues vs cuBLAS). ``gate``: the compile gate (default: the process's)."""
+    with fused epilogues vs cuBLAS). ``padded_prefill``: :mod:`dflash.decode.wave_prefill`
+    (default: with CUDA graphs; True on CPU: eager). ``gate``: the default is the process's."""
 
     def __init__(self, target, drafter=None, *, batch: int, max_len: int, max_new_tokens: int,
                  eos_ids: Sequence[int], embed: torch.Tensor | None = None,
@@ -117,7 +118,7 @@ class Decoder(StepGlue):
                  cuda_graph: bool | None = None, sync_every: int | None = None,
                  draft_hook: DraftHook | None = None, block_size: int | None = None,
                  verify_tokens: int | None = None, compile_scope: str | None = None,
-                 compile_mode: str | None = None, gate=None):
+                 compile_mode: str | None = None, padded_prefill: bool | None = None, gate=None):
         why = _layers_unsupported(target) or (None if hasattr(target, "lm_head") else "no lm_head")
         if why:
             raise DFlashError(f"decoder: unsupported target: {why}")
@@ -165,6 +166,10 @@ class Decoder(StepGlue):
                                       enabled=bool(self.compile or self.cuda_graph),
                                       cuda_graph=self.cuda_graph, stats=self.stats,
                                       tag="decoder", gate=self.gate)
+        self._prefill = WavePrefill(  # padded + captured by default with CUDA graphs
+            self._prefill_body, rows=self.N, cache_len=self.S, longest=self.S - self.max_new -
+            self.Kd, padded=bool(self.cuda_graph if padded_prefill is None else padded_prefill),
+            cuda_graph=self.cuda_graph, device=self.device, gate=self.gate, stats=self.stats)
         with torch.inference_mode():
             self._alloc_target()
             if drafter is not None:
@@ -280,25 +285,20 @@ class Decoder(StepGlue):
         if self.drafter is not None and self.hook is None:
             self._context_fn(feats, qpos)
 
-    def _prefill(self, prompts: Sequence[Sequence[int]]) -> None:
-        """Right-padded prompts into the caches (eager), first tokens from their last positions;
-        rows past ``len(prompts)`` stay inactive."""
-        n, P = len(prompts), max(len(p) for p in prompts)
-        ids = torch.zeros(self.N, P, dtype=torch.long)
-        lens = torch.ones(self.N, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, :len(p)] = torch.as_tensor(list(p), dtype=torch.long)
-            lens[i] = len(p)
-        ids, lens = ids.to(self.device), lens.to(self.device)
-        qpos = torch.arange(P, device=self.device)[None].expand(self.N, P)
+    def _prefill_body(self, ids, lens) -> None:
+        """The wave's right-padded prompts ``ids`` [N, P] (``lens`` [N]; 0: a row past the wave,
+        left inactive) into the caches at positions 0..P-1, first tokens from each row's last
+        prompt position. Device tensors only (captured per padded length: no host read); why
+        padded positions change nothing: :mod:`dflash.decode.wave_prefill`."""
+        qpos = self.pos_ar[:ids.shape[1]][None].expand(self.N, -1)
         x, feats = self._target_forward(ids, qpos, cached_layer)
-        last = x[self.slot_ar, lens - 1]
+        last = x[self.slot_ar, (lens - 1).clamp(min=0)]
         tok, margin = greedy_head(self.target.model.norm, self.lm_w, last)
         if self.drafter is not None and self.hook is None:
             self._context(feats, qpos, context_kv)
         for t in self._buffers:
             t.zero_()
-        live = self.slot_ar < n
+        live = lens > 0
         self.tok.copy_(tok)
         self.pos.copy_(lens)
         self.gen.copy_(live.long())
@@ -414,9 +414,9 @@ class Decoder(StepGlue):
         with torch.inference_mode():
             for s in range(0, len(prompts), self.N):
                 wave, self._wave = prompts[s:s + self.N], s
+                self._prefill.prepare(wave)  # a new padded length: its graph (exclusive)
                 t = self._busy["prefill"].start()
-                with self.gate.shared():
-                    self._prefill(wave)
+                self._prefill.run(wave)  # under the gate's shared side
                 self._busy["prefill"].stop(t)
                 t = self._busy["steps"].start()
                 # every active sequence emits >= 1 token per step: at most max_new steps

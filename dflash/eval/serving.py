@@ -8,17 +8,21 @@ decode of all prompts, ``batch`` at a time (a finished sequence idles until its 
 between two device syncs. tokens/s = emitted tokens / seconds. HF's static path gets one untimed
 warm-up wave (its compile), its prompts left-padded to one length so no wave recompiles.
 
-What is served (:func:`pair`): after both engines are timed, the adaptive policy
-(:mod:`dflash.decode.adaptive`) picks one from their measured step times, and the chosen
-engine, already compiled and captured, decodes the prompts again, timed: ``served`` and
-``choice_speedup`` (its tokens/s over target-only's) are that run's figures, not assumed.
+What is served (:func:`pair`): after every engine is timed (target-only, the full block and
+each verify width of ``widths``: anchor + 3 or 7 drafts make the verify GEMMs 4× / 2× smaller
+at large batch, where the full block loses to target-only), the adaptive policy
+(:mod:`dflash.decode.adaptive`) picks one from their warm waves' step times and tokens per
+step, and ``served`` and ``choice_speedup`` (its tokens/s over target-only's) are the chosen
+engine's timed decode, not assumed. The row's speculative figures stay the full block's;
+``widths`` holds each width's.
 
-Cost per batch size of the sweep (where the bench stage's time goes): two decoders built,
-compiled and captured (the regions have static shapes: one compile per batch size and engine,
-2.5–11 s each on the H200 for SmolLM2-135M), three timed decodes of ``max(batch, min_prompts)``
-prompts (target-only, speculative, served), and HF's static-cache generate only at the batch
-sizes in ``hf_batches`` (default batch 1: each other batch size was one more transformers
-compile and one more slow timed run, for a reference the goal reads at batch 1 only).
+Cost per batch size of the sweep (where the bench stage's time goes, ``wall_s`` per engine):
+2 + (widths other than the block) decoders built, compiled and captured one at a time and
+freed after (static shapes: one compile per batch size and engine, 2.5–11 s each on the H200
+for SmolLM2-135M), each with one warm and one timed decode of ``max(batch, min_prompts)``
+prompts, and HF's static-cache generate only at the batch sizes in ``hf_batches`` (default
+batch 1: each other batch size was one more transformers compile and one more slow timed run,
+for a reference the goal reads at batch 1 only).
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from typing import Sequence
 import torch
 from transformers import GenerationConfig
 
+from ..errors import DFlashError
 from ..runtime.busy import sync
 from ..runtime.gate import get_gate
 from ..decode.adaptive import choose
@@ -36,6 +41,7 @@ from ..decode.speculative import Decoder
 from .spread import pooled_interval
 
 SWEEP_BATCHES = (1, 4, 16, 64)
+DECODE_WIDTHS = (4, 8, 16)  # bench.decode_widths' default: verify widths beside the full block
 HF_BATCHES = (1,)  # HF static-cache generate, the outside reference, timed at these batch sizes
 SERVING_GAP = 0.05  # warn when real and simulated τ of a prompt differ by more than this share
 
@@ -65,45 +71,76 @@ def timed_decode(dec: Decoder, prompts: Sequence[Sequence[int]], inspect=None, w
     return res, time.perf_counter() - t
 
 
+def verify_widths(widths: Sequence[int], block: int) -> list[int]:
+    """``bench.decode_widths`` as the sweep measures them: each clipped to the drafter's block
+    (a verify wider than the drafts has nothing to check), deduplicated, in order."""
+    bad = [w for w in widths if int(w) < 2]
+    if bad:
+        raise DFlashError(f"bench.decode_widths: {bad} (each verify width is anchor + drafts: >= 2)")
+    return sorted({min(int(w), int(block)) for w in widths})
+
+
 def pair(target, drafter, prompts: Sequence[Sequence[int]], batch: int, max_new: int,
-         eos: Sequence[int], embed=None, lm_head=None, inspect=None, **kw) -> dict:
+         eos: Sequence[int], embed=None, lm_head=None, inspect=None,
+         widths: Sequence[int] = (), **kw) -> dict:
     """Target-only and speculative decoding of ``prompts`` at one batch size, each timed on
     its second decode (H200, round 7: a first decode ran 4-28 % slower than the next one of
     the same engine, so a served re-run timed against a first-run target-only read 1.15x for
     target-only itself); the per-prompt results and the lossless evidence (``inspect``:
     :func:`timed_decode`'s); the adaptive choice and what it serves: the chosen engine's timed
-    decode (``served``, ``served_results``), over target-only's."""
+    decode (``served``, ``served_results``), over target-only's. ``widths``: verify widths
+    timed beside the full block (:func:`verify_widths`), each its own decoder, one at a time:
+    the choice picks among all of them, ``widths`` records each one's figures."""
     max_len = max(len(p) for p in prompts) + max_new
     common = dict(batch=batch, max_len=max_len, max_new_tokens=max_new, eos_ids=eos, **kw)
+    t = time.perf_counter()
     base = Decoder(target, None, **{k: v for k, v in common.items() if k != "verify_tokens"})
     rb, tb = timed_decode(base, prompts, inspect, warm=1)
     stats_base = dict(base.stats)
     del base
-    spec = Decoder(target, drafter, embed=embed, lm_head=lm_head, **common)
-    rs, ts = timed_decode(spec, prompts, inspect, warm=1)
-    st, width = dict(spec.stats), spec.K
-    del spec
+    cost = {"target_only": time.perf_counter() - t}
+    runs = {}  # verify width -> (results, timed seconds, stats)
+
+    def speculative(**extra) -> int:
+        t = time.perf_counter()
+        spec = Decoder(target, drafter, embed=embed, lm_head=lm_head, **{**common, **extra})
+        res, sec = timed_decode(spec, prompts, inspect, warm=1)
+        runs[spec.K] = (res, sec, dict(spec.stats))
+        cost[f"verify_{spec.K}"] = time.perf_counter() - t
+        block = spec.Kd
+        del spec
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        return block
+
+    block = speculative()          # the full block (or kw's verify_tokens): the row's figures
+    width = max(runs)
+    for w in verify_widths(widths, block):
+        if w not in runs:
+            speculative(verify_tokens=w)
+    rs, ts, st = runs[width]
     nb, ns = sum(len(r.tokens) for r in rb), sum(len(r.tokens) for r in rs)
-    fwd = sum(r.target_forwards for r in rs)
-    produced = sum(sum(r.block_lengths) for r in rs)
-    speedup = (ns / ts) / (nb / tb) if ts and tb and nb else None
-    adaptive = adaptive_choice(batch, stats_base, st, width, rs, max_new)
-    target_only = adaptive is not None and adaptive["choice"] == 0
-    served, served_s, name = (rb, tb, "target-only") if target_only else (rs, ts, "speculative")
+    adaptive = adaptive_choice(batch, stats_base, st, width, rs, max_new,
+                               {w: run[2] for w, run in runs.items()})
+    chosen = width if adaptive is None else adaptive["choice"]
+    served, served_s, _ = (rb, tb, None) if chosen == 0 else runs[chosen]
+    name = "target-only" if chosen == 0 else "speculative"
     n_served = sum(len(r.tokens) for r in served)
     served_tok_s = n_served / served_s if served_s else None
+    base_tok_s = nb / tb if tb else None
     return {"batch": batch, "prompts": len(prompts), "results": rs, "greedy": rb,
             "target_only_s": tb, "speculative_s": ts, "timed": "second decode of each engine",
-            "target_only_tokens_per_s": nb / tb if tb else None,
+            "target_only_tokens_per_s": base_tok_s,
             "speculative_tokens_per_s": ns / ts if ts else None,
-            "speedup": speedup,
-            "tau": produced / fwd if fwd else None,
+            "speedup": (ns / ts) / base_tok_s if ts and base_tok_s else None,
+            "tau": _tau_of(rs),
             "tau_ci95": pooled_interval([sum(r.block_lengths) for r in rs],
                                         [r.target_forwards for r in rs])["ci95"],
             "lossless_evidence": lossless_evidence(rs, rb, st.get("checked", 0),
                                                    st.get("mismatches", 0)),
             "engine": {"target_only": _engine(stats_base), "speculative": _engine(st)},
-            **_chosen(adaptive, served_tok_s, nb / tb if tb else None),
+            "widths": [_width_row(w, *runs[w], rb, base_tok_s, batch) for w in sorted(runs)],
+            "wall_s": {k: round(v, 3) for k, v in cost.items()},
+            **_chosen(adaptive, served_tok_s, base_tok_s), "choice_width": chosen,
             "served": {"engine": name, "seconds": served_s, "tokens": n_served,
                        "tokens_per_s": served_tok_s,
                        "identical_to_greedy": sum(a.tokens == g.tokens
@@ -111,26 +148,51 @@ def pair(target, drafter, prompts: Sequence[Sequence[int]], batch: int, max_new:
             "served_results": served, "adaptive": adaptive}
 
 
+def _tau_of(results) -> float | None:
+    fwd = sum(r.target_forwards for r in results)
+    return sum(sum(r.block_lengths) for r in results) / fwd if fwd else None
+
+
+def _warm_wave(stats: dict, batch: int) -> tuple[float | None, float | None]:
+    """A warm wave's all-in ms per step and tokens per step and sequence (None: no steps)."""
+    w = stats.get("warm", {})
+    return (w["seconds"] * 1e3 / w["steps"], w["tokens"] / (w["steps"] * batch)) \
+        if w.get("steps") else (None, None)
+
+
+def _width_row(width: int, results, seconds: float, stats: dict, greedy, base_tok_s,
+               batch: int) -> dict:
+    """One verify width's figures: its timed decode's tokens/s and speed-up over target-only,
+    τ, its warm wave's ms and tokens per step (what the choice read), lossless."""
+    n = sum(len(r.tokens) for r in results)
+    ms, tps = _warm_wave(stats, batch)
+    ev = lossless_evidence(results, greedy, stats.get("checked", 0), stats.get("mismatches", 0))
+    return {"width": width, "seconds": seconds, "tokens_per_s": n / seconds if seconds else None,
+            "speedup": n / seconds / base_tok_s if seconds and base_tok_s else None,
+            "tau": _tau_of(results), "step_ms": ms, "tokens_per_step": tps,
+            "lossless": ev["lossless"], "identical_to_greedy": ev["identical_to_greedy"],
+            "prefill_ms": stats.get("prefill_ms"), "prefill_graphs": stats.get("prefill_graphs")}
+
+
 def adaptive_choice(batch: int, stats_base: dict, stats_spec: dict, width: int, results,
-                    max_new: int) -> dict | None:
+                    max_new: int, by_width: dict[int, dict] | None = None) -> dict | None:
     """:func:`dflash.decode.adaptive.choose` on each engine's warm wave (``stats["warm"]``, as
     :func:`pair` decodes it): its all-in ms per step (prefill and harvest included) and the
-    tokens per step and sequence it realized; the served accept shares by position (share of
-    verify steps whose drafts 1..k were all accepted) are recorded beside. None where a wave
+    tokens per step and sequence it realized, for target-only and every verify width
+    (``by_width``: width -> stats; default the full block's ``stats_spec`` alone); the served
+    accept shares by position of the full block (share of verify steps whose drafts 1..k were
+    all accepted; a narrower verify only truncates them) are recorded beside. None where a wave
     has no steps."""
-    def wave(s):
-        w = s.get("warm", {})
-        return (w["seconds"] * 1e3 / w["steps"], w["tokens"] / (w["steps"] * batch)) \
-            if w.get("steps") else (None, None)
-
-    (ms_base, tps_base), (ms_spec, tps_spec) = wave(stats_base), wave(stats_spec)
+    ms_base, tps_base = _warm_wave(stats_base, batch)
     fwd = sum(r.target_forwards for r in results)
     if ms_base is None or not fwd:
         return None
     accept = [sum(r.accept_counts[k] for r in results) / fwd for k in range(width - 1)]
-    tps = {w: t for w, t in ((0, tps_base), (width, tps_spec)) if t}
-    rec = choose(batch, {0: ms_base, width: ms_spec}, accept, new_tokens=max_new,
-                 tokens_per_step=tps)
+    step_ms, tps = {0: ms_base}, {0: tps_base}
+    for w, s in (by_width or {width: stats_spec}).items():
+        step_ms[w], tps[w] = _warm_wave(s, batch)
+    rec = choose(batch, step_ms, accept, new_tokens=max_new,
+                 tokens_per_step={w: t for w, t in tps.items() if t})
     return {**rec, "accept_rate_by_position": accept}
 
 
@@ -150,6 +212,7 @@ def _engine(stats: dict) -> dict:
     keep = ("compile_scope", "compile_mode", "compile_seconds", "capture_seconds", "graphs_compiled", "steps",
             "syncs", "graph", "graph_error", "context_compile_error", "scope_compile_error",
             "fused_weight_bytes", "waves", "prefill_ms", "steps_ms", "harvest_ms", "warm",
+            "prefill_graphs", "prefill_capture_seconds", "prefill_graph_error",
             # what an inspect hook measured (bench/gpu/step_profile.py)
             "replay_ms", "kernels", "kernel_device_ms", "top_kernels", "kernels_cpu_proxy",
             "profile_error")
@@ -214,14 +277,15 @@ def tau_gap(real: Sequence, simulated: Sequence[float | None]) -> dict:
 def sweep(target, drafter, prompts: Sequence[Sequence[int]], max_new: int, eos: Sequence[int],
           batches: Sequence[int] = SWEEP_BATCHES, min_prompts: int = 8,
           hf_batches: Sequence[int] = HF_BATCHES, pad_id: int = 0, embed=None, lm_head=None,
-          log=print, **kw) -> dict:
+          log=print, widths: Sequence[int] = DECODE_WIDTHS, **kw) -> dict:
     """The batch sweep: at each batch size ``max(batch, min_prompts)`` prompts (at most all),
-    target-only and speculative tokens/s, the adaptive choice and the timed run of what it
-    chose, τ, lossless evidence; HF's static path at the batch sizes in ``hf_batches``."""
+    target-only and speculative tokens/s (the full block and every verify width in
+    ``widths``), the adaptive choice among them and the timed run of what it chose, τ,
+    lossless evidence; HF's static path at the batch sizes in ``hf_batches``."""
     rows, first = [], None
     for b in batches:
         ps = list(prompts[:max(b, min_prompts)])
-        r = pair(target, drafter, ps, b, max_new, eos, embed, lm_head, **kw)
+        r = pair(target, drafter, ps, b, max_new, eos, embed, lm_head, widths=widths, **kw)
         hf = b in hf_batches
         if hf:
             r["hf_static"] = hf_static_generate(target, ps, b, max_new, eos, pad_id)
@@ -236,7 +300,9 @@ def sweep(target, drafter, prompts: Sequence[Sequence[int]], max_new: int, eos: 
             f"speed-up {_f(r['speedup'])}), choice {r['choice']} served "
             f"{_f(r['served']['tokens_per_s'])} tok/s ({_f(r['choice_speedup'])}x measured)"
             + (f", HF static {_f(r['hf_static']['tokens_per_s'])} tok/s" if hf else "")
-            + f", lossless {ev['lossless']}")
+            + f", lossless {ev['lossless']}; by verify width "
+            + ", ".join(f"{w['width']}: {_f(w['tokens_per_s'])} tok/s ({_f(w['speedup'])}x)"
+                        for w in r["widths"]))
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return {"batches": rows, "first": first, "max_new_tokens": max_new}
 
@@ -257,6 +323,6 @@ def _f(x) -> str:
     return "n/a" if x is None else f"{x:.3f}"
 
 
-__all__ = ["SWEEP_BATCHES", "HF_BATCHES", "SERVING_GAP", "timed_decode", "pair", "adaptive_choice",
+__all__ = ["SWEEP_BATCHES", "DECODE_WIDTHS", "HF_BATCHES", "verify_widths", "SERVING_GAP", "timed_decode", "pair", "adaptive_choice",
            "hf_static_generate",
            "tau_gap", "sweep", "goal"]

@@ -158,6 +158,7 @@ class BenchSpec:
     protocols: tuple[str, ...] = ("dflash",)
     reference_max_new_tokens: int = 2048
     decode_batches: tuple[int, ...] = (1, 4, 16, 64)
+    decode_widths: tuple[int, ...] = (4, 8, 16)  # verify widths of the decode sweep
 
 
 @dataclass(frozen=True)

@@ -158,7 +158,8 @@ def _decode_speed_or_failure(tgt, drafter, embed, head, es, b, device, results_d
 
 def decode_speed(tgt, drafter, embed, head, es, b, device) -> dict:
     """Tokens/s target-only vs speculative at ``bench.decode_batches`` (1, 4, 16, 64) on the
-    primary set's prompts through the one decoder, with the adaptive choice served at each,
+    primary set's prompts through the one decoder (the full block and each verify width of
+    ``bench.decode_widths``), with the adaptive choice among them served at each,
     HF static-cache ``generate`` in the same run at batch 1 only (``serving.HF_BATCHES``), and
     the issue's batch-1 goal ratios. CUDA only: on CPU the decoder runs eagerly and times
     Python."""
@@ -172,6 +173,7 @@ def decode_speed(tgt, drafter, embed, head, es, b, device) -> dict:
     pad = tgt.tokenizer.pad_token_id
     r = sweep(tgt.model, drafter, es.prompts, b.eval_max_new_tokens, eos, b.decode_batches,
               min_prompts=max(1, b.real_prompts), pad_id=eos[0] if pad is None else pad,
+              widths=b.decode_widths,
               embed=embed, lm_head=head, log=lambda m: print(m.replace("[decode]", "[bench]"),
                                                               flush=True))
     r.pop("first")
