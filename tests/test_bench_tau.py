@@ -13,6 +13,7 @@ from dflash.decode.generate import eos_ids_of
 from dflash.errors import DFlashError, SpecError
 from dflash.eval.evalsets import heldout_prompts, load_eval_sets, user_prompt
 from dflash.eval.report import ci, fmt, write_plots
+from dflash.eval.serving import verify_widths
 from dflash.decode.eager import speculative_generate
 from dflash.eval.tau import simulate, summarize
 from dflash.eval.tau_monitor import TauMonitor
@@ -302,7 +303,6 @@ def test_decode_widths_are_the_sweep_s_verify_widths(tmp_path):
     """bench.decode_widths: verify widths timed beside the full block (default 4, 8, 16),
     clipped to the block and deduplicated when measured; a width below 2 (an anchor without
     drafts) or a repeated one names the field."""
-    from dflash.eval.serving import verify_widths
     assert spec_with(tmp_path).bench.decode_widths == (4, 8, 16)
     assert spec_with(tmp_path, decode_widths=[2, 32]).bench.decode_widths == (2, 32)
     assert verify_widths((4, 8, 16, 32), 16) == [4, 8, 16] and verify_widths((32, 8), 5) == [5]

@@ -17,6 +17,7 @@ from dflash.runtime.harness import REPO
 
 from dflash.eval.report import render_report_md
 from dflash.spec.load import load_spec, parse_spec
+from dflash.spec.sweeps import load_sweep
 from dflash.train.packing import StepMap, bucket_for, pack_row, plan_epoch
 from dflash.train.profile import (LABEL, OFFSET_STEPS, Ev, StepProfiler, events_of, is_label,
                                   summarise, window_for)
@@ -343,7 +344,6 @@ def test_the_cap8_profile_shares_its_warmup_with_the_cap8_arm_not_with_the_base(
     rows a block, not 15): its warm-up is its own entry, shared by the cap-8 profile and the
     recipe sweep's cap8 arm; env and data stay smollm2-quality's. The uncapped default keeps
     the base's fingerprint as it was."""
-    from dflash.spec.sweeps import load_sweep
     quality = load_spec(REPO / "specs" / "smollm2-quality.yaml")
     cap8 = load_spec(REPO / "specs" / "smollm2-quality-profile-cached-cap8.yaml")
     arm = next(a.spec for a in load_sweep(REPO / "sweeps" / "smollm2-recipe.yaml").arms

@@ -19,9 +19,9 @@ before any query may see it (as rejected drafts' K/V are). Drafter cache: the pr
 context K/V at ``0 .. P-1`` (padding included); a draft writes its block at ``pos .. pos+Kd-1``
 before reading it and masks past ``pos+Kd-1``, and every position below ``pos`` is a prompt
 position or was rewritten by the context write of the verify that accepted it (``pos ..
-pos+K-1`` each step), so padding is read by no draft either. The padded queries' own outputs are never read: the first token comes
-from each row's position ``len - 1``, causal attention keeps positions ``< len`` blind to the
-padding after them, and rows past the wave (``lens`` 0) end inactive.
+pos+K-1`` each step), so padding is read by no draft either. The padded queries' own outputs
+are never read: the first token comes from each row's position ``len - 1``, causal attention
+keeps positions ``< len`` blind to the padding after them, and rows past the wave (``lens`` 0) end inactive.
 
 Owns :class:`WavePrefill` (the wave's padded length, its lazy graphs). Reuses
 :class:`dflash.decode.prefill.Prefill`'s padded lengths, static buffers and host -> device copy;

@@ -323,6 +323,5 @@ def _f(x) -> str:
     return "n/a" if x is None else f"{x:.3f}"
 
 
-__all__ = ["SWEEP_BATCHES", "DECODE_WIDTHS", "HF_BATCHES", "verify_widths", "SERVING_GAP", "timed_decode", "pair", "adaptive_choice",
-           "hf_static_generate",
-           "tau_gap", "sweep", "goal"]
+__all__ = ["SWEEP_BATCHES", "DECODE_WIDTHS", "HF_BATCHES", "verify_widths", "SERVING_GAP",
+           "timed_decode", "pair", "adaptive_choice", "hf_static_generate", "tau_gap", "sweep", "goal"]
