@@ -10,13 +10,12 @@
 # in its own process session (it outlives the call), then watches it; `watch` watches until
 # WATCH_S and collects. Run state lives in /tmp (a carried folder is replaced by the next call);
 # what comes back is one archive, results.tgz (at most 8 files come back).
-# The plan (round 9, issues #34-#36), most needed first: the code drafter's DAG (smollm2-code)
-# with the quality recipe's data stage beside it (two jobs per GPU: their data stages generate side
-# by side) and the qwen3-8b-1gpu warm-up cold beside the data stages; the quality recipe's cap-8
-# arm (smollm2-recipe-cap8: loss.max_position 8) through bench, alone on the GPU (its DAG tokens/s,
-# τ at equal steps, the decode sweep with several verify widths); both decoding loops in bf16 on
-# that drafter; the cached-epoch train step under torch.profiler, full positions then cap 8, in one
-# run (smollm2-quality-profile-cached, -cap8). PLAN_S (23 min) bounds the plan.
+# The plan (round 10, issues #34-#36; 12 device-minutes this session), most needed first: the
+# quality recipe's data stage with the cap-8 arm's warm-up beside it; the cap-8 arm
+# (smollm2-recipe-cap8: loss.max_position 8) trained alone on the GPU (its DAG tokens/s, τ at
+# equal steps), then its bench stage (τ on four sets, the decode sweep with verify widths 4/8/16
+# and the captured prefill); the cached-epoch capped step under torch.profiler; both decoding
+# loops in bf16 on that drafter. PLAN_S bounds the plan.
 #   calls 1, 2:  bash bench/gpu/session.sh stash   (carry .whl, then .whl2)
 #   (or call 1: `probes`, which also installs the small wheels and runs the probes alone)
 #   last:    bash bench/gpu/session.sh launch     (carry the last .whlN; watches WATCH_S)
@@ -73,28 +72,25 @@ plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the 
   cd /tmp/repo
   stamp "start"; T0=$(date +%s)
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$RES/gpu.txt" 2>&1
-  # 1. the in-domain code drafter through bench (#35 item 3) and the quality recipe's data stage,
-  #    two jobs per GPU (gpu_jobs=2): the two data stages generate side by side, the quality data
-  #    is what steps 2 and 4 train on. Beside the data stages (GPU-bound, light on the CPUs), the
-  #    qwen3-8b-1gpu warm-up cold (#34 item 4): an upper bound on its seconds
-  ( for _ in $(seq 120); do [ -f /tmp/l/smollm2-code/data.log ] && break; sleep 2; done
-    warmup_8b cold ) &
-  timeout $(left ${CODE_S:-780}) $SNAKE bench_smollm2-code data_smollm2-quality \
-    --config $CONF gpu_jobs=2 > "$RES/dag_code.log" 2>&1
-  stamp "code dag + quality data rc=$?"; wait
-  # 2. the quality recipe with the block positions supervised capped at 8 (#34 item 2: the LM head
-  #    and loss on 8 of 15 positions; #35: τ at equal steps against round 8's 2.058; #36: the
-  #    decode sweep at 1/4/16/64 with several verify widths and the choice made at each), alone
-  timeout $(left ${ARM_S:-600}) $SNAKE bench_smollm2-recipe-cap8 --config $CONF > "$RES/dag_cap8.log" 2>&1
-  stamp "cap8 arm rc=$?"
-  # 3. both decoding loops in bf16 on that drafter (#36 items 2 and 5; float32: round 8)
+  # 1. the quality recipe's data stage with the cap-8 arm's warm-up beside it (gpu_jobs=2: the
+  #    warm-up compiles on the CPUs while the target generates; shared by the cap-8 profile spec)
+  timeout $(left ${DATA_S:-240}) $SNAKE data_smollm2-quality warmup_smollm2-recipe-cap8 \
+    --config $CONF gpu_jobs=2 > "$RES/dag_data.log" 2>&1
+  stamp "quality data + cap8 warmup rc=$?"
+  # 2. the cap-8 arm's train stage alone on the GPU (#34: the DAG's tokens/s with the LM head and
+  #    loss on 8 of 15 positions; #35: the same steps as round 8's 2.058)
+  timeout $(left ${TRAIN_S:-220}) $SNAKE train_smollm2-recipe-cap8 --config $CONF > "$RES/dag_cap8.log" 2>&1
+  stamp "cap8 train rc=$?"
+  # 3. its bench stage (#35: τ on the four sets, printed first; #36: the decode sweep at 1/4/16/64
+  #    with verify widths 4/8/16 and the captured prefill, the choice made at each, batch by batch)
+  timeout $(left ${BENCH_S:-300}) $SNAKE bench_smollm2-recipe-cap8 --config $CONF >> "$RES/dag_cap8.log" 2>&1
+  stamp "cap8 bench rc=$?"
+  # 4. the cached epoch's capped step under torch.profiler, threads attributed (#34 item 1)
+  s=smollm2-quality-profile-cached-cap8
+  timeout $(left 120) $SNAKE train_$s --config $CONF > "$RES/dag_$s.log" 2>&1
+  stamp "$s rc=$?"; cp /tmp/r/$s/train/profile.json "$RES/profile_${s#smollm2-quality-}.json" 2>/dev/null
+  # 5. both decoding loops in bf16 on the cap-8 drafter (#36 items 2 and 5; float32: round 8)
   refs /tmp/r/smollm2-recipe-cap8/train/drafter
-  # 4. the cached epoch's train step under torch.profiler (#34 item 1), full positions then cap 8,
-  #    each alone on the GPU, one run
-  for s in smollm2-quality-profile-cached smollm2-quality-profile-cached-cap8; do
-    timeout $(left 200) $SNAKE train_$s --config $CONF > "$RES/dag_$s.log" 2>&1
-    stamp "$s rc=$?"; cp /tmp/r/$s/train/profile.json "$RES/profile_${s#smollm2-quality-}.json" 2>/dev/null
-  done
   stamp "done"
 }
 
@@ -107,7 +103,7 @@ refs() {  # both decoding loops on a trained drafter ($1), bf16 (#36 items 2 and
   # agreement (0 forks, 2,005/2,005 steps alike) is round 8's
   local D=$1
   [ -d "$D" ] || { stamp "refs: no drafter $D"; return 0; }
-  [ $(left 300) -ge 150 ] || { stamp "refs: skipped, $(left 300) s left"; return 0; }
+  [ $(left 300) -ge 90 ] || { stamp "refs: skipped, $(left 300) s left"; return 0; }
   timeout $(left ${REF_S:-240}) python3 -m bench.gpu.reference_tau --spec specs/smollm2-quality.yaml \
     --drafter "$D" ${REF_ARGS:---prompts 32 --max-new 128 --dtypes bfloat16} \
     --out "$RES/reference_agreement.json" > "$RES/reference_agreement.log" 2>&1
