@@ -339,17 +339,21 @@ def test_profile_start_moves_the_window_and_the_train_fingerprint_only_when_prof
     assert fp({"profile_steps": 2, "profile_start": 7}) != base.fingerprint("train")
 
 
-def test_the_cap8_profile_shares_its_warmup_with_the_cap8_arm_not_with_the_base():
+def test_the_uncapped_profile_shares_its_warmup_with_the_uncapped_arm_not_with_the_base():
     """The supervised-position cap changes the compiled step's shapes (the head and loss on 8
-    rows a block, not 15): its warm-up is its own entry, shared by the cap-8 profile and the
-    recipe sweep's cap8 arm; env and data stay smollm2-quality's. The uncapped default keeps
-    the base's fingerprint as it was."""
+    rows a block, not 15): the recipe's default (8, since round 10) is in its warm-up's
+    fingerprint; the uncapped profile and the recipe sweep's uncapped arm share one warm-up of
+    their own; env and data stay smollm2-quality's."""
     quality = load_spec(REPO / "specs" / "smollm2-quality.yaml")
-    cap8 = load_spec(REPO / "specs" / "smollm2-quality-profile-cached-cap8.yaml")
+    uncapped = load_spec(REPO / "specs" / "smollm2-quality-profile-cached-uncapped.yaml")
+    capped = load_spec(REPO / "specs" / "smollm2-quality-profile-cached.yaml")
     arm = next(a.spec for a in load_sweep(REPO / "sweeps" / "smollm2-recipe.yaml").arms
-               if a.name == "smollm2-recipe-cap8")
-    assert cap8.loss.max_position == arm.loss.max_position == 8
+               if a.name == "smollm2-recipe-uncapped")
+    assert quality.loss.max_position == capped.loss.max_position == 8
+    assert uncapped.loss.max_position is arm.loss.max_position is None
     for stage in ("env", "data"):
-        assert cap8.fingerprint(stage) == quality.fingerprint(stage) == arm.fingerprint(stage)
-    assert cap8.fingerprint("warmup") == arm.fingerprint("warmup") != quality.fingerprint("warmup")
-    assert "loss.max_position" not in quality.section("warmup")
+        assert uncapped.fingerprint(stage) == quality.fingerprint(stage) == arm.fingerprint(stage)
+    assert uncapped.fingerprint("warmup") == arm.fingerprint("warmup") != quality.fingerprint("warmup")
+    assert capped.fingerprint("warmup") == quality.fingerprint("warmup")
+    assert quality.section("warmup")["loss.max_position"] == 8
+    assert "loss.max_position" not in uncapped.section("warmup")

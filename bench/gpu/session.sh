@@ -10,12 +10,11 @@
 # in its own process session (it outlives the call), then watches it; `watch` watches until
 # WATCH_S and collects. Run state lives in /tmp (a carried folder is replaced by the next call);
 # what comes back is one archive, results.tgz (at most 8 files come back).
-# The plan (round 10, issues #34-#36; 12 device-minutes this session), most needed first: the
-# quality recipe's data stage with the cap-8 arm's warm-up beside it; the cap-8 arm
-# (smollm2-recipe-cap8: loss.max_position 8) trained alone on the GPU (its DAG tokens/s, τ at
-# equal steps), then its bench stage (τ on four sets, the decode sweep with verify widths 4/8/16
-# and the captured prefill); the cached-epoch capped step under torch.profiler; both decoding
-# loops in bf16 on that drafter. PLAN_S bounds the plan.
+# The plan (round 11, issues #34-#36), most needed first: the quality recipe (capped at 8 since
+# round 10) through the whole DAG, with the uncapped profile's warm-up beside its data stage;
+# both decoding loops in bf16 on its drafter; the cached-epoch step under torch.profiler, capped
+# then uncapped; the recipe sweep's lr12e-4-beta2-0999 arm through bench. PLAN_S bounds the plan
+# (round 10's, for a 12-minute session, is in bench/results/h200/round10-2026-12-02/README.md).
 #   calls 1, 2:  bash bench/gpu/session.sh stash   (carry .whl, then .whl2)
 #   (or call 1: `probes`, which also installs the small wheels and runs the probes alone)
 #   last:    bash bench/gpu/session.sh launch     (carry the last .whlN; watches WATCH_S)
@@ -72,25 +71,27 @@ plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the 
   cd /tmp/repo
   stamp "start"; T0=$(date +%s)
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$RES/gpu.txt" 2>&1
-  # 1. the quality recipe's data stage with the cap-8 arm's warm-up beside it (gpu_jobs=2: the
-  #    warm-up compiles on the CPUs while the target generates; shared by the cap-8 profile spec)
-  timeout $(left ${DATA_S:-240}) $SNAKE data_smollm2-quality warmup_smollm2-recipe-cap8 \
+  # 1. the quality recipe (positions 1..8 supervised since round 10) through the whole DAG, alone
+  #    on the GPU but for the uncapped profile's warm-up, which compiles beside the data stage
+  #    (gpu_jobs=2): the DAG's report.json (#34: tokens/s, MFU, busy; #35: τ on four sets and the
+  #    reference protocol; #36: the decode sweep 1/4/16/64 with verify widths 4/8/16, the
+  #    captured prefill and the choice at each)
+  timeout $(left ${DATA_S:-240}) $SNAKE data_smollm2-quality warmup_smollm2-quality-profile-cached-uncapped \
     --config $CONF gpu_jobs=2 > "$RES/dag_data.log" 2>&1
-  stamp "quality data + cap8 warmup rc=$?"
-  # 2. the cap-8 arm's train stage alone on the GPU (#34: the DAG's tokens/s with the LM head and
-  #    loss on 8 of 15 positions; #35: the same steps as round 8's 2.058)
-  timeout $(left ${TRAIN_S:-220}) $SNAKE train_smollm2-recipe-cap8 --config $CONF > "$RES/dag_cap8.log" 2>&1
-  stamp "cap8 train rc=$?"
-  # 3. its bench stage (#35: τ on the four sets, printed first; #36: the decode sweep at 1/4/16/64
-  #    with verify widths 4/8/16 and the captured prefill, the choice made at each, batch by batch)
-  timeout $(left ${BENCH_S:-300}) $SNAKE bench_smollm2-recipe-cap8 --config $CONF >> "$RES/dag_cap8.log" 2>&1
-  stamp "cap8 bench rc=$?"
-  # 4. the cached epoch's capped step under torch.profiler, threads attributed (#34 item 1)
-  s=smollm2-quality-profile-cached-cap8
-  timeout $(left 120) $SNAKE train_$s --config $CONF > "$RES/dag_$s.log" 2>&1
-  stamp "$s rc=$?"; cp /tmp/r/$s/train/profile.json "$RES/profile_${s#smollm2-quality-}.json" 2>/dev/null
-  # 5. both decoding loops in bf16 on the cap-8 drafter (#36 items 2 and 5; float32: round 8)
-  refs /tmp/r/smollm2-recipe-cap8/train/drafter
+  stamp "quality data + uncapped warmup rc=$?"
+  timeout $(left ${DAG_S:-700}) $SNAKE bench_smollm2-quality --config $CONF > "$RES/dag_quality.log" 2>&1
+  stamp "quality dag rc=$?"
+  # 2. both decoding loops in bf16 on that drafter (#36 items 2 and 5; float32: round 8)
+  refs /tmp/r/smollm2-quality/train/drafter
+  # 3. the cached epoch's step under torch.profiler, threads attributed (#34 item 1): capped (the
+  #    default) then uncapped, each alone on the GPU
+  for s in smollm2-quality-profile-cached smollm2-quality-profile-cached-uncapped; do
+    timeout $(left 150) $SNAKE train_$s --config $CONF > "$RES/dag_$s.log" 2>&1
+    stamp "$s rc=$?"; cp /tmp/r/$s/train/profile.json "$RES/profile_${s#smollm2-quality-}.json" 2>/dev/null
+  done
+  # 4. the next recipe arm at equal steps (#35): lr 1.2e-3 with AdamW β2 0.999
+  timeout $(left ${ARM_S:-420}) $SNAKE bench_smollm2-recipe-lr12e-4-beta2-0999 --config $CONF > "$RES/dag_arm.log" 2>&1
+  stamp "lr12e-4-beta2-0999 arm rc=$?"
   stamp "done"
 }
 
