@@ -164,9 +164,9 @@ def test_repo_sweeps_validate():
     assert recipe["gamma4"].loss.gamma == 4 and recipe["beta2-0999"].optim.beta2 == 0.999
     assert {recipe[a].optim.lr for a in ("ref", "lr12e-4", "lr24e-4")} == {6e-4, 1.2e-3, 2.4e-3}
     # every arm shares the base's one data stage; its warm-up too, but for the arms that change
-    # a compiled shape: depth (the drafter), uncapped and kd / ce-kd (the loss's rows and inputs)
+    # a compiled shape: depth and block (the drafter, the row), uncapped and kd / ce-kd (the loss's rows and inputs)
     assert len({s.fingerprint("data") for s in recipe.values()}) == 1
-    own = ("depth3", "depth8", "uncapped", "kd", "ce-kd")
+    own = ("depth3", "depth8", "block8", "block8-anchors2x", "uncapped", "kd", "ce-kd")
     assert len({s.fingerprint("warmup") for k, s in recipe.items() if k not in own}) == 1
     assert len({s.fingerprint("warmup") for s in recipe.values()}) == 1 + len(own)
 

@@ -10,10 +10,11 @@
 # in its own process session (it outlives the call), then watches it; `watch` watches until
 # WATCH_S and collects. Run state lives in /tmp (a carried folder is replaced by the next call);
 # what comes back is one archive, results.tgz (at most 8 files come back).
-# The plan (round 11, issues #34-#36), most needed first: the quality recipe (capped at 8 since
-# round 10) through the whole DAG, with the uncapped profile's warm-up beside its data stage;
-# both decoding loops in bf16 on its drafter; the cached-epoch step under torch.profiler, capped
-# then uncapped; the recipe sweep's lr12e-4-beta2-0999 arm through bench. PLAN_S bounds the plan
+# The plan (round 11, issues #34-#36), most needed first: the quality recipe's data stage with the
+# later steps' warm-ups beside it; the quality recipe (capped at 8 since round 10) through bench;
+# the block-8 arm through bench; both decoding loops in bf16 on the quality drafter; the
+# cached-epoch step under torch.profiler, capped then uncapped; then the block-8 arm with twice
+# the anchors and the lr12e-4-beta2-0999 arm, while time is left. PLAN_S bounds the plan
 # (round 10's, for a 12-minute session, is in bench/results/h200/round10-2026-12-02/README.md).
 #   calls 1, 2:  bash bench/gpu/session.sh stash   (carry .whl, then .whl2)
 #   (or call 1: `probes`, which also installs the small wheels and runs the probes alone)
@@ -71,27 +72,35 @@ plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the 
   cd /tmp/repo
   stamp "start"; T0=$(date +%s)
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$RES/gpu.txt" 2>&1
-  # 1. the quality recipe (positions 1..8 supervised since round 10) through the whole DAG, alone
-  #    on the GPU but for the uncapped profile's warm-up, which compiles beside the data stage
-  #    (gpu_jobs=2): the DAG's report.json (#34: tokens/s, MFU, busy; #35: τ on four sets and the
+  # 1. the quality recipe's data stage with the warm-ups of the later steps beside it (three jobs
+  #    on the GPU: the warm-ups compile on the CPUs while the target generates)
+  timeout $(left ${DATA_S:-240}) $SNAKE data_smollm2-quality warmup_smollm2-quality warmup_smollm2-recipe-block8 \
+    warmup_smollm2-quality-profile-cached-uncapped --config $CONF gpu_jobs=3 > "$RES/dag_data.log" 2>&1
+  stamp "quality data + warm-ups rc=$?"
+  # 2. the quality recipe (positions 1..8 supervised since round 10) through bench, alone on the
+  #    GPU: the DAG's report.json (#34: tokens/s, MFU, busy; #35: τ on four sets and the
   #    reference protocol; #36: the decode sweep 1/4/16/64 with verify widths 4/8/16, the
   #    captured prefill and the choice at each)
-  timeout $(left ${DATA_S:-240}) $SNAKE data_smollm2-quality warmup_smollm2-quality-profile-cached-uncapped \
-    --config $CONF gpu_jobs=2 > "$RES/dag_data.log" 2>&1
-  stamp "quality data + uncapped warmup rc=$?"
-  timeout $(left ${DAG_S:-700}) $SNAKE bench_smollm2-quality --config $CONF > "$RES/dag_quality.log" 2>&1
+  timeout $(left ${DAG_S:-600}) $SNAKE bench_smollm2-quality --config $CONF > "$RES/dag_quality.log" 2>&1
   stamp "quality dag rc=$?"
-  # 2. both decoding loops in bf16 on that drafter (#36 items 2 and 5; float32: round 8)
+  # 3. the block-8 arm through bench (#34: half the drafter's block tokens a step; #35: τ at equal
+  #    steps; #36: a verify 8 wide)
+  timeout $(left ${ARM_S:-420}) $SNAKE bench_smollm2-recipe-block8 --config $CONF > "$RES/dag_block8.log" 2>&1
+  stamp "block8 arm rc=$?"
+  # 4. both decoding loops in bf16 on the quality drafter (#36 items 2 and 5; float32: round 8)
   refs /tmp/r/smollm2-quality/train/drafter
-  # 3. the cached epoch's step under torch.profiler, threads attributed (#34 item 1): capped (the
+  # 5. the cached epoch's step under torch.profiler, threads attributed (#34 item 1): capped (the
   #    default) then uncapped, each alone on the GPU
   for s in smollm2-quality-profile-cached smollm2-quality-profile-cached-uncapped; do
     timeout $(left 150) $SNAKE train_$s --config $CONF > "$RES/dag_$s.log" 2>&1
     stamp "$s rc=$?"; cp /tmp/r/$s/train/profile.json "$RES/profile_${s#smollm2-quality-}.json" 2>/dev/null
   done
-  # 4. the next recipe arm at equal steps (#35): lr 1.2e-3 with AdamW β2 0.999
-  timeout $(left ${ARM_S:-420}) $SNAKE bench_smollm2-recipe-lr12e-4-beta2-0999 --config $CONF > "$RES/dag_arm.log" 2>&1
-  stamp "lr12e-4-beta2-0999 arm rc=$?"
+  # 6. what is left: block 8 with twice the anchors, then lr 1.2e-3 with AdamW β2 0.999 (#35)
+  for a in block8-anchors2x lr12e-4-beta2-0999; do
+    [ $(left 400) -ge 240 ] || { stamp "arm $a: skipped, $(left 400) s left"; continue; }
+    timeout $(left 400) $SNAKE bench_smollm2-recipe-$a --config $CONF > "$RES/dag_$a.log" 2>&1
+    stamp "$a arm rc=$?"
+  done
   stamp "done"
 }
 
