@@ -81,7 +81,7 @@ plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the 
   #    GPU: the DAG's report.json (#34: tokens/s, MFU, busy; #35: τ on four sets and the
   #    reference protocol; #36: the decode sweep 1/4/16/64 with verify widths 4/8/16, the
   #    captured prefill and the choice at each)
-  timeout $(left ${DAG_S:-600}) $SNAKE bench_smollm2-quality --config $CONF > "$RES/dag_quality.log" 2>&1
+  timeout $(left ${DAG_S:-720}) $SNAKE bench_smollm2-quality --config $CONF > "$RES/dag_quality.log" 2>&1
   stamp "quality dag rc=$?"
   # 3. the block-8 arm through bench (#34: half the drafter's block tokens a step; #35: τ at equal
   #    steps; #36: a verify 8 wide)
