@@ -21,10 +21,11 @@ before reading it and masks past ``pos+Kd-1``, and every position below ``pos`` 
 position or was rewritten by the context write of the verify that accepted it (``pos ..
 pos+K-1`` each step), so padding is read by no draft either. The padded queries' own outputs
 are never read: the first token comes from each row's position ``len - 1``, causal attention
-keeps positions ``< len`` blind to the padding after them, and rows past the wave (``lens`` 0) end inactive.
+keeps positions ``< len`` blind to the padding after them, and rows past the wave (``lens`` 0)
+end inactive.
 
 Owns :class:`WavePrefill` (the wave's padded length, its lazy graphs). Reuses
-:class:`dflash.decode.prefill.Prefill`'s padded lengths, static buffers and host -> device copy;
+:class:`dflash.decode.prefill.Prefill`'s padded lengths and host -> device copy;
 the math is the decoder's (``Decoder._prefill_body``, device tensors only).
 """
 from __future__ import annotations
@@ -54,6 +55,14 @@ class WavePrefill(Prefill):
         self.failed: set[int] = set()
         stats["prefill_graphs"] = 0
 
+    def buffers(self, P: int) -> tuple:
+        """The wave's static inputs of padded length ``P``: ids [rows, P] and lens [rows]
+        (Prefill's slot and spare-row inputs have no use in a wave: every row is its own)."""
+        if P not in self.bufs:
+            self.bufs[P] = (torch.zeros(self.rows, P, dtype=torch.long, device=self.device),
+                            torch.zeros(self.rows, dtype=torch.long, device=self.device))
+        return self.bufs[P]
+
     def length(self, prompts: Sequence[Sequence[int]]) -> int:
         """The wave's prefill length: its longest prompt, rounded up to a padded length."""
         longest = max(len(p) for p in prompts)
@@ -68,7 +77,7 @@ class WavePrefill(Prefill):
         P = self.length(prompts)
         if not self.cuda_graph or P in self.graphs or P in self.failed:
             return
-        bufs, st = self.buffers(P)[:2], {}
+        bufs, st = self.buffers(P), {}
         with self.gate.exclusive(f"decoder: capture the padded prefill of {P} tokens"), \
                 torch.inference_mode():
             self.body(*bufs)  # warm-up (lazy inits) outside the capture
@@ -97,7 +106,7 @@ class WavePrefill(Prefill):
             if not self.padded:
                 self.body(self._to_device(ids), self._to_device(lens))
                 return
-            bufs = self.buffers(P)[:2]
+            bufs = self.buffers(P)
             for h, b in zip((ids, lens), bufs):
                 self._to_device(h, out=b)
             if P in self.graphs:
