@@ -12,7 +12,7 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from dflash.decode.generate import eos_ids_of
 from dflash.errors import DFlashError, SpecError
 from dflash.eval.evalsets import heldout_prompts, load_eval_sets, user_prompt
-from dflash.eval.report import ci, fmt, write_plots
+from dflash.eval.report import ci, fmt, width_series, write_plots
 from dflash.eval.serving import verify_widths
 from dflash.decode.eager import speculative_generate
 from dflash.eval.tau import simulate, summarize
@@ -311,3 +311,25 @@ def test_decode_widths_are_the_sweep_s_verify_widths(tmp_path):
             spec_with(tmp_path, decode_widths=bad)
     with pytest.raises(DFlashError, match="bench.decode_widths"):
         verify_widths([1, 4], 16)
+
+
+def test_decode_plot_draws_each_narrower_verify_width(tmp_path):
+    """decode_speed.png: a line per verify width narrower than the row's full block, from the
+    sweep rows' ``widths``; the full block is the row's own line, and an older row without
+    ``widths`` adds none (and still plots)."""
+    def row(batch, widths):
+        return {"batch": batch, "target_only_tokens_per_s": 100.0 * batch,
+                "speculative_tokens_per_s": 150.0 * batch,
+                "served": {"tokens_per_s": 150.0 * batch},
+                "widths": [{"width": w, "tokens_per_s": t} for w, t in widths]}
+    speed = [row(1, [(4, 120.0), (8, 140.0), (16, 150.0)]),
+             row(4, [(4, 460.0), (8, 0.0), (16, 600.0)]),   # a width with no timing: no point
+             {**row(16, []), "widths": None}]
+    assert width_series(speed) == {4: [(1, 120.0), (4, 460.0)], 8: [(1, 140.0)]}
+    assert width_series([{**r, "widths": None} for r in speed]) == {}
+    for name, rows in (("with", speed), ("without", [{k: v for k, v in r.items() if k != "widths"}
+                                                     for r in speed])):
+        out = tmp_path / name
+        out.mkdir()
+        assert "decode_speed.png" in write_plots(out, [], {"decode_speed": {"batches": rows}})
+        assert (out / "decode_speed.png").stat().st_size > 1000

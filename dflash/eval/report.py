@@ -127,6 +127,13 @@ def _eval_plots(plot, tau: dict) -> None:
         for key, label in (("target_only_tokens_per_s", "target-only (our decoder)"),
                            ("speculative_tokens_per_s", "speculative (our decoder)")):
             ax.plot(xs, [r[key] for r in speed], marker="o", label=label)
+        for w, pts in width_series(speed).items():
+            ax.plot(*zip(*pts), marker=".", linestyle=":", label=f"speculative, verify {w}")
+        served = [(r["batch"], r["served"]["tokens_per_s"]) for r in speed
+                  if (r.get("served") or {}).get("tokens_per_s")]
+        if served:
+            ax.plot(*zip(*served), marker="*", linestyle="none", markersize=10,
+                    label="served (the adaptive choice)")
         hf = [(r["batch"], r["hf_static"]["tokens_per_s"]) for r in speed if r.get("hf_static")]
         if hf:
             ax.plot(*zip(*hf), marker="s", linestyle="--", label="HF generate, static cache")
@@ -140,6 +147,19 @@ def _eval_plots(plot, tau: dict) -> None:
          xlabel="batch size", ylabel="new tokens / s",
          title="Decoding speed by batch size (MT-Bench first turns)")
 
+
+
+def width_series(speed: list[dict]) -> dict[int, list[tuple[int, float]]]:
+    """(batch, tokens/s) per verify width narrower than a row's full block, from the sweep
+    rows' ``widths`` (the full block is the row's own speculative line; rows of older reports
+    have no ``widths`` and add nothing)."""
+    out: dict[int, list[tuple[int, float]]] = {}
+    for r in speed:
+        full = max((w["width"] for w in r.get("widths") or []), default=None)
+        for w in r.get("widths") or []:
+            if w["width"] != full and w.get("tokens_per_s"):
+                out.setdefault(w["width"], []).append((r["batch"], w["tokens_per_s"]))
+    return dict(sorted(out.items()))
 
 
 def window_steps(n: int) -> int:
