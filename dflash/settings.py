@@ -49,6 +49,9 @@ SETTINGS = (
             "collective (the watchdog acts first)"),
     Setting("DFLASH_SLOW_TESTS", "", "1: also run the slow tests (cold CPU flex_attention "
             "compiles; tests only)"),
+    Setting("DFLASH_TARGET_STREAM", "shared", "own: a target worker on a GPU it shares with a "
+            "drafter queues on its own CUDA stream, beside the drafter's steps (an A/B switch; "
+            "dflash.train.streams)"),
     Setting("DFLASH_FLEX_KERNEL_OPTIONS", "", "KEY=INT,...: fixed flex_attention kernel options "
             "for the target's layers, e.g. BLOCK_M=128,BLOCK_N=64,num_stages=3,num_warps=8; "
             "unset: inductor's own choice (dflash.models.features; bench/gpu/cold_compile.py)"),
@@ -128,6 +131,14 @@ def collective_timeout_s() -> float:
 
 def slow_tests() -> bool:
     return bool(get("DFLASH_SLOW_TESTS"))
+
+
+def target_stream() -> str:
+    """``DFLASH_TARGET_STREAM``: 'shared' (the device's default stream) or 'own'."""
+    v = get("DFLASH_TARGET_STREAM").strip().lower() or "shared"
+    if v not in ("shared", "own"):
+        raise ValueError(f"DFLASH_TARGET_STREAM: {v!r} is not 'shared' or 'own'")
+    return v
 
 
 def flex_kernel_options() -> dict[str, int] | None:

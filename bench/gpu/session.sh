@@ -13,8 +13,9 @@
 # The plan (round 11, issues #34-#36), most needed first: the quality recipe's data stage with the
 # later steps' warm-ups beside it; the quality recipe (capped at 8 since round 10) through bench;
 # the block-8 arm through bench; both decoding loops in bf16 on the quality drafter; the
-# cached-epoch step under torch.profiler, capped then uncapped; then the block-8 arm with twice
-# the anchors and the lr12e-4-beta2-0999 arm, while time is left. PLAN_S bounds the plan
+# cached-epoch step under torch.profiler, capped, capped with the target on its own CUDA
+# stream, uncapped; then the block-8 arm with twice the anchors and the lr12e-4-beta2-0999 arm,
+# while time is left. PLAN_S bounds the plan
 # (round 10's, for a 12-minute session, is in bench/results/h200/round10-2026-12-02/README.md).
 #   calls 1, 2:  bash bench/gpu/session.sh stash   (carry .whl, then .whl2)
 #   (or call 1: `probes`, which also installs the small wheels and runs the probes alone)
@@ -89,12 +90,13 @@ plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the 
   stamp "block8 arm rc=$?"
   # 4. both decoding loops in bf16 on the quality drafter (#36 items 2 and 5; float32: round 8)
   refs /tmp/r/smollm2-quality/train/drafter
-  # 5. the cached epoch's step under torch.profiler, threads attributed (#34 item 1): capped (the
-  #    default) then uncapped, each alone on the GPU
-  for s in smollm2-quality-profile-cached smollm2-quality-profile-cached-uncapped; do
-    timeout $(left 150) $SNAKE train_$s --config $CONF > "$RES/dag_$s.log" 2>&1
-    stamp "$s rc=$?"; cp /tmp/r/$s/train/profile.json "$RES/profile_${s#smollm2-quality-}.json" 2>/dev/null
-  done
+  # 5. the cached epoch's step under torch.profiler, threads attributed (#34 item 1), each alone
+  #    on the GPU: capped (the default) on the shared stream, the same run again with the target
+  #    worker on its own CUDA stream (DFLASH_TARGET_STREAM=own: the A/B of epoch 0's and the
+  #    cached epoch's ms per step, from each run's metrics.jsonl), then uncapped
+  profile_run smollm2-quality-profile-cached cached shared
+  profile_run smollm2-quality-profile-cached cached-own-stream own --forcerun train
+  profile_run smollm2-quality-profile-cached-uncapped cached-uncapped shared
   # 6. what is left: block 8 with twice the anchors, then lr 1.2e-3 with AdamW β2 0.999 (#35)
   for a in block8-anchors2x lr12e-4-beta2-0999; do
     [ $(left 400) -ge 240 ] || { stamp "arm $a: skipped, $(left 400) s left"; continue; }
@@ -102,6 +104,14 @@ plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the 
     stamp "$a arm rc=$?"
   done
   stamp "done"
+}
+
+profile_run() {  # $1 spec, $2 tag, $3 DFLASH_TARGET_STREAM, then snakemake's extra flags
+  local s=$1 tag=$2 st=$3; shift 3
+  DFLASH_TARGET_STREAM=$st timeout $(left 150) $SNAKE train_$s "$@" --config $CONF > "$RES/dag_$tag.log" 2>&1
+  stamp "$s ($tag) rc=$?"
+  for f in profile.json manifest.json metrics.jsonl; do
+    cp /tmp/r/$s/train/$f "$RES/${tag}__$f" 2>/dev/null; done; return 0
 }
 
 left() {  # seconds for the next step: its own limit, or what is left of PLAN_S, if less

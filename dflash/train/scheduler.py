@@ -38,6 +38,7 @@ from ..models.masks import PackedRow
 from ..runtime.gate import get_gate
 from ..runtime.tracing import worker_thread_setup
 from ..runtime.status import worker_name
+from .streams import TargetStream, consume
 from ..runtime.busy import DeviceBusy
 from .feature_cache import CacheStopped
 from .packing import StepMap
@@ -188,6 +189,8 @@ class Pipeline:
         name = worker_name("target", i)
         try:
             worker_thread_setup()
+            stream = TargetStream(device, [rep.device for rep in self.replicas])
+            stream.enter()
             # device time from event pairs, as the drafters': no host sync per row, so this
             # thread queues the next row while the device (shared with a drafter) still runs
             busy, wait = DeviceBusy(device), 0.0
@@ -207,7 +210,7 @@ class Pipeline:
                     self.first_step_s.setdefault(name, time.perf_counter() - self.t0)
                 self.busy_s[name], self.wait_s[name] = busy.seconds, wait
                 t = time.perf_counter()
-                self._put(self.out_qs[item.replica], (item, feats))
+                self._put(self.out_qs[item.replica], (item, feats, stream.ready()))
                 wait += time.perf_counter() - t
             self.busy_s[name] = busy.collect(block=True)
         except Stopped:
@@ -236,8 +239,8 @@ class Pipeline:
 
     def _next_item(self, r: int, step: int, pending: dict):
         while step not in pending:
-            item, feats = self._get(self.out_qs[r])
-            pending[item.step] = (item, feats)
+            got = self._get(self.out_qs[r])  # (item, feats, the target's ready event)
+            pending[got[0].step] = got
         return pending.pop(step)
 
     def _drafter_worker(self, r: int) -> None:
@@ -252,13 +255,14 @@ class Pipeline:
                 if r == 0 and self.profiler is not None:
                     self.profiler.at_step(step, self)  # between steps: whole steps profiled
                 t = time.perf_counter()
-                item, feats = self._next_item(r, step, pending)
+                item, feats, ready = self._next_item(r, step, pending)
                 wait += time.perf_counter() - t
                 self._check_fail_hook(name, step)
                 b0 = busy.start()
                 with worker_label(name):
                     if item.row is not None:
                         row = item.row
+                        consume(feats, ready, rep.device)  # the target's own stream, if any
                         # outside the gate, as host work: the replica's objective owns the blocks
                         blocks = rep.anchors(row, anchor_seed(self.seed, item.epoch,
                                                               item.batch_index))
