@@ -6,12 +6,13 @@ lines, the train manifest's steady state and busy/wait seconds, and the drafter'
 datasheet peak recomputed from each run's metrics.jsonl with the bench stage's own counting
 rule (dflash.train.flops.drafter_useful_flops over the steady-state window). Round 8's figure
 recomputed this way is checked against its report.json. The target's MFU needs the dataset's
-document lengths (not brought back) and is left out.
+document lengths (not brought back) and is left out. Per epoch: each round's steady_state.json
+(`python -m bench.steady_state_from_metrics ... --skip 5 --token-budget 8192`).
     PYTHONPATH=. .venv/bin/python bench/results/h200/round10-2026-12-02/cap8_figures.py"""
 import json
-import re
 from pathlib import Path
 
+from bench.figures_from_log import figures
 from dflash.models.drafter import DFlashConfig
 from dflash.spec.load import load_spec
 from dflash.train.flops import DATASHEET_PEAKS, drafter_useful_flops
@@ -22,15 +23,16 @@ PEAK = DATASHEET_PEAKS[("H200", "bfloat16")][0]
 
 
 def tau_sets(log: str) -> dict:
-    sets = {}
-    for m in re.finditer(r"τ (\w+): ([\d.]+) over (\d+) prompts \(simulated in ([\d.]+)s(?:; real on "
-                         r"(\d+): τ ([\d.]+), speed-up ([\d.]+), lossless (\w+))?\)", log):
-        d = {"tau": float(m[2]), "prompts": int(m[3])}
-        if m[5]:
-            d["real_batch1"] = {"prompts": int(m[5]), "tau": float(m[6]), "speedup": float(m[7]),
-                                "lossless": m[8] == "True"}
-        sets[m[1]] = d
-    return sets
+    """The bench log's τ lines (bench.figures_from_log), under this file's keys."""
+    out = {}
+    for name, v in figures(log)["tau"].items():
+        out[name] = {"tau": v["tau_simulated"], "prompts": v["prompts"]}
+        if "real" in v:
+            r = v["real"]
+            out[name]["real_batch1"] = {"prompts": r["prompts"], "tau": r["tau"],
+                                        "speedup": r["speedup_over_target_only"],
+                                        "lossless": r["lossless"]}
+    return out
 
 
 def train_figures(spec_path: Path, manifest: Path, metrics: Path) -> dict:
