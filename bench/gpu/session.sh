@@ -12,10 +12,10 @@
 # what comes back is one archive, results.tgz (at most 8 files come back).
 # The plan (round 11, issues #34-#36), most needed first: the quality recipe's data stage with the
 # later steps' warm-ups beside it; the quality recipe (capped at 8 since round 10) through bench;
-# the block-8 arm through bench; both decoding loops in bf16 on the quality drafter; the
-# cached-epoch step under torch.profiler, capped, capped with the target on its own CUDA
-# stream, uncapped; then the block-8 arm with twice the anchors and the lr12e-4-beta2-0999 arm,
-# while time is left. PLAN_S bounds the plan
+# the block-8 and lr12e-4-beta2-0999 arms through bench (τ only: the decoding sweep is the
+# base's); both decoding loops in bf16 on the quality drafter; the cached-epoch step under
+# torch.profiler, capped, then capped with the target on its own CUDA stream; then the block-8
+# arm with twice the anchors and the uncapped cached profile, while time is left. PLAN_S bounds the plan
 # (round 10's, for a 12-minute session, is in bench/results/h200/round10-2026-12-02/README.md).
 #   calls 1, 2:  bash bench/gpu/session.sh stash   (carry .whl, then .whl2)
 #   (or call 1: `probes`, which also installs the small wheels and runs the probes alone)
@@ -76,7 +76,7 @@ plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the 
   # 1. the quality recipe's data stage with the warm-ups of the later steps beside it (three jobs
   #    on the GPU: the warm-ups compile on the CPUs while the target generates)
   timeout $(left ${DATA_S:-240}) $SNAKE data_smollm2-quality warmup_smollm2-quality warmup_smollm2-recipe-block8 \
-    warmup_smollm2-quality-profile-cached-uncapped --config $CONF gpu_jobs=3 > "$RES/dag_data.log" 2>&1
+    --config $CONF gpu_jobs=3 > "$RES/dag_data.log" 2>&1
   stamp "quality data + warm-ups rc=$?"
   # 2. the quality recipe (positions 1..8 supervised since round 10) through bench, alone on the
   #    GPU: the DAG's report.json (#34: tokens/s, MFU, busy; #35: τ on four sets and the
@@ -84,10 +84,12 @@ plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the 
   #    captured prefill and the choice at each)
   timeout $(left ${DAG_S:-720}) $SNAKE bench_smollm2-quality --config $CONF > "$RES/dag_quality.log" 2>&1
   stamp "quality dag rc=$?"
-  # 3. the block-8 arm through bench (#34: half the drafter's block tokens a step; #35: τ at equal
-  #    steps; #36: a verify 8 wide)
-  timeout $(left ${ARM_S:-420}) $SNAKE bench_smollm2-recipe-block8 --config $CONF > "$RES/dag_block8.log" 2>&1
-  stamp "block8 arm rc=$?"
+  # 3. the recipe arms, each through bench (τ on four sets; the decoding sweep is the base's:
+  #    sweeps/smollm2-recipe.yaml sets bench.decode_batches []): block 8 (#34: half the
+  #    drafter's block tokens a step; #35: τ at equal steps; #36: the real decode verifies 8
+  #    wide), then lr 1.2e-3 with AdamW β2 0.999 (#35)
+  arm block8 ${ARM_S:-330}
+  arm lr12e-4-beta2-0999 ${ARM_S:-330}
   # 4. both decoding loops in bf16 on the quality drafter (#36 items 2 and 5; float32: round 8)
   refs /tmp/r/smollm2-quality/train/drafter
   # 5. the cached epoch's step under torch.profiler, threads attributed (#34 item 1), each alone
@@ -96,14 +98,15 @@ plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the 
   #    cached epoch's ms per step, from each run's metrics.jsonl), then uncapped
   profile_run smollm2-quality-profile-cached cached shared
   profile_run smollm2-quality-profile-cached cached-own-stream own --forcerun train
+  # 6. what is left: block 8 with twice the anchors (#34/#35), the uncapped cached profile
+  [ $(left 400) -ge 240 ] && arm block8-anchors2x 330 || stamp "block8-anchors2x: skipped, $(left 400) s left"
   profile_run smollm2-quality-profile-cached-uncapped cached-uncapped shared
-  # 6. what is left: block 8 with twice the anchors, then lr 1.2e-3 with AdamW β2 0.999 (#35)
-  for a in block8-anchors2x lr12e-4-beta2-0999; do
-    [ $(left 400) -ge 240 ] || { stamp "arm $a: skipped, $(left 400) s left"; continue; }
-    timeout $(left 400) $SNAKE bench_smollm2-recipe-$a --config $CONF > "$RES/dag_$a.log" 2>&1
-    stamp "$a arm rc=$?"
-  done
   stamp "done"
+}
+
+arm() {  # $1 a smollm2-recipe arm through bench, at most $2 seconds
+  timeout $(left $2) $SNAKE bench_smollm2-recipe-$1 --config $CONF > "$RES/dag_$1.log" 2>&1
+  stamp "$1 arm rc=$?"
 }
 
 profile_run() {  # $1 spec, $2 tag, $3 DFLASH_TARGET_STREAM, then snakemake's extra flags
