@@ -6,6 +6,7 @@ replicas compiled with aot_eager, all through the process-wide compile gate.
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import pytest
@@ -17,6 +18,7 @@ from dflash.spec.load import parse_spec
 from dflash.train.packing import bucket_for, pack_row, plan_epoch
 from dflash.train.packing import StepMap
 from dflash.train.scheduler import Pipeline, WorkerFailed
+from dflash.train.stall import Stalled, StallWatch
 from dflash.train.workers import buckets, initial_state, make_replicas, make_target_workers
 
 SPEC = {
@@ -61,7 +63,7 @@ def _pipeline(spec, samples, total_epochs=2, fail_at=None, on_step=None):
     return Pipeline(target_workers=make_target_workers(spec), replicas=replicas,
                     step_map=step_map, make_row=make_row, start_step=0, total_steps=total,
                     seed=0, queue_depth=2, on_step=on_step,
-                    fail_at=fail_at), replicas, step_map
+                    fail_at=fail_at, stall_s=spec.monitor.stall_s), replicas, step_map
 
 
 @pytest.fixture(autouse=True)
@@ -157,3 +159,51 @@ def test_busy_fractions_show_an_idling_worker():
                           {"target-0": 0.0, "drafter-0": 3.0}) == {"drafter-0": 0.25,
                                                                     "target-0": 1.0}
     assert busy_fractions({"x": 0.0}, {}) == {"x": None}
+
+
+def test_a_hung_worker_fails_the_run_with_every_threads_stack():
+    """monitor.stall_s: a drafter thread that blocks forever after step 2 (here on an event, in
+    the step's bookkeeping, where a hung checkpoint write or device sync would block) fails the
+    run once no step completes for stall_s, naming the step and showing the blocked call."""
+    spec = parse_spec({**SPEC, "topology": {"targets": ["cpu"], "drafters": ["cpu"]},
+                       "compile": {"backend": "eager"}, "monitor": {"stall_s": 2}}, "sched.yaml")
+    assert spec.monitor.stall_s == 2
+    release = threading.Event()
+
+    def hangs_after_step_2(rec):
+        if rec.step == 2:
+            release.wait()
+
+    pipe, _, _ = _pipeline(spec, _dataset(), on_step=hangs_after_step_2)
+    # once the watchdog stops the run, let the blocked thread go (a real hang stays blocked)
+    threading.Thread(target=lambda: (pipe.stop.wait(), release.set()), daemon=True).start()
+    t0 = time.perf_counter()
+    with pytest.raises(WorkerFailed) as e:
+        pipe.run()
+    msg = str(e.value)
+    assert time.perf_counter() - t0 < 2 + 15
+    assert "worker watchdog" in msg and "Stalled" in msg
+    assert "no train step completed in 2 s" in msg and "stuck after step 3 of" in msg
+    assert "[drafter-0]" in msg and "hangs_after_step_2" in msg and "release.wait()" in msg
+    assert "[target-0]" in msg and "[feeder]" in msg
+    assert "still running" not in msg
+    assert pipe.steps_done == 3
+
+
+def test_stall_watch_restarts_its_clock_at_every_step():
+    now = [0.0]
+    w = StallWatch(10, clock=lambda: now[0])
+    assert w.check(0, 5, [], {}) is None
+    now[0] = 9.9
+    assert w.check(0, 5, [], {}) is None
+    now[0] = 15.0
+    assert w.check(1, 5, [], {}) is None  # a step completed: the clock restarts here
+    now[0] = 24.9
+    assert w.check(1, 5, [], {}) is None
+    now[0] = 25.0
+    err = w.check(1, 5, [threading.Thread(name="drafter-0")], {})
+    assert isinstance(err, Stalled) and "stuck after step 1 of 5" in str(err)
+    assert "never finished a first step: drafter-0" in str(err)
+    assert StallWatch(None, clock=lambda: now[0]).check(0, 5, [], {}) is None
+    now[0] = 1e9
+    assert StallWatch(None, clock=lambda: now[0]).check(0, 5, [], {}) is None

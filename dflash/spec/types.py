@@ -129,6 +129,7 @@ class MonitorSpec:
     tensorboard: bool
     profile_steps: int = 0
     profile_start: int = 3  # the global step the profile window opens at (dflash.train.profile)
+    stall_s: float | None = 300.0  # no step for this long fails the run (dflash.train.stall)
 
 
 @dataclass(frozen=True)
@@ -325,8 +326,10 @@ def _compile_identity(c: CompileSpec) -> dict:
 def _monitor_identity(m: MonitorSpec) -> dict:
     """The monitor section as the train fingerprint sees it: ``profile_steps`` 0 (off) leaves
     it as it was before the field existed, and so does ``profile_start`` when the profile is
-    off or the window opens where it did before the field existed (step 3)."""
+    off or the window opens where it did before the field existed (step 3); ``stall_s`` is
+    never in it."""
     plain = _plain(m)
+    del plain["stall_s"]  # when a hang is declared changes nothing a run computes
     if not m.profile_steps:
         del plain["profile_steps"]
     if not m.profile_steps or m.profile_start == MonitorSpec.profile_start:

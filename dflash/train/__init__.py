@@ -4,8 +4,8 @@ replica (drafter + optimizer), the race-free threaded scheduler (a target worker
 stream beside a drafter on one GPU: streams.py), row packing (and the step
 map), checkpoints, the feature cache (feature_cache.py; its reused host staging buffers:
 staging.py) and its budget (cache_budget.py), the worker factory, warm-up, the FLOP/balance
-model, and the step profile (profile.py: monitor.profile_steps, monitor.profile_start; its
-summary: profile_summary.py).
+model, the step profile (profile.py: monitor.profile_steps, monitor.profile_start; its
+summary: profile_summary.py) and the stall watchdog (stall.py: monitor.stall_s).
 
 May import: the top-level modules, artifacts/, spec/, models/, data/, runtime/. Nothing from eval/
 or stages/.

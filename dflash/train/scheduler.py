@@ -43,6 +43,7 @@ from ..runtime.busy import DeviceBusy
 from .feature_cache import CacheStopped
 from .packing import StepMap
 from .profile import worker_label
+from .stall import StallWatch
 
 POLL_S = 0.1
 
@@ -91,14 +92,15 @@ class Pipeline:
                  total_steps: int, seed: int, queue_depth: int,
                  on_step: Callable[[StepRecord], None] | None = None,
                  fail_at: dict[str, int] | None = None, comm=None, feature_cache=None,
-                 profiler=None):
+                 profiler=None, stall_s: float | None = None):
         """``target_workers``: (device, fn(row) -> TargetOutput) per target device.
         ``feature_cache``: a :class:`dflash.train.feature_cache.FeatureCache` (epoch 0 writes
         it, later epochs read the rows it serves instead of running the target) or None.
         ``step_map`` maps steps to the deterministic per-epoch batch plans; ``make_row(batch)``
         packs one batch of sample indices into a PackedRow. ``profiler``: a
         :class:`dflash.train.profile.StepProfiler` replica 0 opens and closes between steps
-        (``monitor.profile_steps``) or None."""
+        (``monitor.profile_steps``) or None. ``stall_s`` (``monitor.stall_s``): fail the run,
+        with every thread's stack, when no step completes for that long (None: never)."""
         self.targets = target_workers
         self.replicas = replicas
         self.M = len(replicas)
@@ -111,6 +113,7 @@ class Pipeline:
         self.comm = comm  # dflash.runtime.distributed.Dist across nodes; None: this process only
         self.cache = feature_cache
         self.profiler = profiler
+        self.stall = StallWatch(stall_s)
         self.allreduce = None  # DeviceBusy of the cross-node all-reduce (leader thread)
         self.gate = get_gate()
         self.stop = threading.Event()
@@ -426,6 +429,11 @@ class Pipeline:
                         break
                 if self.stop.is_set():
                     break
+                stalled = self.stall.check(self.steps_done, self.total_steps, threads,
+                                           self.first_step_s)
+                if stalled is not None:
+                    self.fail("watchdog", "-", stalled)
+                    break
                 if on_tick is not None and time.perf_counter() >= next_tick:
                     on_tick(self)
                     next_tick = time.perf_counter() + tick_s
@@ -438,5 +446,9 @@ class Pipeline:
                 t.join(timeout=max(0.0, deadline - time.perf_counter()))
         if self.error is not None:
             name, device, exc, tb = self.error
-            raise WorkerFailed(f"worker {name} on {device} failed: {type(exc).__name__}: {exc}\n"
-                               f"--- worker traceback ---\n{tb}") from exc
+            alive = [t.name for t in threads if t.is_alive()]
+            tail = (f"\n--- worker traceback ---\n{tb}" if exc.__traceback__ is not None else "")
+            tail += (f"\nstill running 10 s after the stop (blocked outside Python?): "
+                     f"{', '.join(alive)}" if alive else "")
+            raise WorkerFailed(f"worker {name} on {device} failed: {type(exc).__name__}: {exc}"
+                               f"{tail}") from exc

@@ -15,6 +15,11 @@ does not give the memory back to the target's stream while the drafter's kernels
 it. Only for a target device that is also a drafter device: across GPUs the workers already run on
 different hardware, and a cross-device copy syncs the threads' current streams, not this one.
 
+Status: round 11's H200 run under ``own`` hung at step 0 (the target filled the drafter's queue,
+the drafter never finished a step; bench/results/h200/round11-2026-12-02/). The cause is not
+known yet; the stall watchdog (:mod:`dflash.train.stall`) now fails such a run with every
+thread's stack, which is what the next measurement needs. Keep the default, ``shared``.
+
 Owns: the stream, the event, the consumer's wait. Imports: torch, :mod:`dflash.settings`.
 """
 from __future__ import annotations
