@@ -52,6 +52,7 @@ SETS = ("mtbench", "humaneval", "heldout", "train")
 MTBENCH_ORDER = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
                  "humanities")  # question.jsonl's order
 WIN_MTBENCH = 0.05
+SLOPE_SWEEP = "smollm2-recipe-1ep"  # its ref arms (1 epoch) against RUNS (3) give the slope
 CHECKPOINT_EVERY = 500  # checkpoint.every_steps of specs/smollm2-quality.yaml (run 2 resumed)
 # the full-budget runs beside the arms: folder under H200, label, epochs (their README says 3)
 RUNS = ({"folder": "smollm2-quality-run1", "label": "3 epochs (run 1)", "epochs": 3},
@@ -129,34 +130,23 @@ def gpu_shares(spans: dict[str, tuple[float, float]]) -> dict[str, float]:
 
 
 def arm_rows(folder: Path, sweeps: list[str]) -> list[dict]:
-    """One row per arm of one results folder (one lease), with its GPU share among them."""
+    """One row per arm of one results folder (one lease), with its GPU share among them. A sweep
+    with no ``ref`` arm there takes its base spec's run of the same folder as ``ref``
+    (:func:`base_as_ref`)."""
     rows, spans = [], {}
-    for rep_path in sorted(folder.glob("*__bench__report.json")):
-        rep = read_json(rep_path)
+    reports = {p: read_json(p) for p in sorted(folder.glob("*__bench__report.json"))}
+    for rep_path, rep in reports.items():
         spec = rep.get("spec", "")
         sweep = max((s for s in sweeps if spec.startswith(s + "-")), key=len, default=None)
-        if sweep is None:
-            continue
-        train = read_json(sibling(rep_path, "train", "manifest.json"))
-        data = read_json(sibling(rep_path, "data", "manifest.json"))
-        line = timeline(metrics_of(rep_path))
-        last = line[max(line)]
-        arm = spec[len(sweep) + 1:]
-        spans[arm] = (train["created_unix"] - train["wall_s"], train["created_unix"])
-        acc = rep["acceptance"]
-        rows.append({
-            "arm": arm, "sweep": sweep, "folder": _rel(folder),
-            "target_tokens": train.get("counters", {}).get("tokens", last[1]),
-            "steps": len(line), "train_step_seconds": round(last[0], 2),
-            "data_seconds": data["seconds"], "data_checksum": data["checksum"],
-            "tau": taus(acc["sets"]),
-            "mtbench_by_category": _by_category(acc["sets"], "mtbench"),
-            "train_by_category": _by_category(acc["sets"], "train"),
-            "while_training": [{"step": p["step"], "t": line[p["step"]][0],
-                                "target_tokens": line[p["step"]][1],
-                                "tau_heldout": round(p["tau"], 4)}
-                               for p in rep.get("tau_while_training", [])],
-        })
+        if sweep is not None:
+            rows.append(_row(rep_path, rep, sweep, spec[len(sweep) + 1:], folder, spans))
+    for sweep in sorted({r["sweep"] for r in rows} - {r["sweep"] for r in rows
+                                                      if r["arm"] == "ref"}):
+        base = base_as_ref(sweep)
+        for rep_path, rep in reports.items():
+            if base is not None and rep.get("spec") == base:
+                rows.append(dict(_row(rep_path, rep, sweep, "ref", folder, spans),
+                                 ref_from=base))
     order = {sw: list(_arms(sw)) for sw in {r["sweep"] for r in rows}}
     rows.sort(key=lambda r: (r["sweep"], order[r["sweep"]].index(r["arm"])
                              if r["arm"] in order[r["sweep"]] else len(order[r["sweep"]])))
@@ -168,6 +158,45 @@ def arm_rows(folder: Path, sweeps: list[str]) -> list[dict]:
         for p in r["while_training"]:
             p["gpu_minutes"] = round(p.pop("t") * r["gpu_share"] / 60, 3)
     return rows
+
+
+def _row(rep_path: Path, rep: dict, sweep: str, arm: str, folder: Path, spans: dict) -> dict:
+    """One arm's row from its report and the stage files beside it (``spans`` gets its train
+    stage's span, for the GPU shares)."""
+    train = read_json(sibling(rep_path, "train", "manifest.json"))
+    data = read_json(sibling(rep_path, "data", "manifest.json"))
+    line = timeline(metrics_of(rep_path))
+    last = line[max(line)]
+    spans[arm] = (train["created_unix"] - train["wall_s"], train["created_unix"])
+    acc = rep["acceptance"]
+    return {
+        "arm": arm, "sweep": sweep, "folder": _rel(folder),
+        "target_tokens": train.get("counters", {}).get("tokens", last[1]),
+        "steps": len(line), "train_step_seconds": round(last[0], 2),
+        "data_seconds": data["seconds"], "data_checksum": data["checksum"],
+        "tau": taus(acc["sets"]),
+        "mtbench_by_category": _by_category(acc["sets"], "mtbench"),
+        "train_by_category": _by_category(acc["sets"], "train"),
+        "while_training": [{"step": p["step"], "t": line[p["step"]][0],
+                            "target_tokens": line[p["step"]][1],
+                            "tau_heldout": round(p["tau"], 4)}
+                           for p in rep.get("tau_while_training", [])],
+    }
+
+
+def base_as_ref(sweep: str) -> str | None:
+    """The sweep's base spec, when its run trains exactly as the ``ref`` arm would: ``ref`` has
+    no overrides and the sweep-wide ones touch only ``bench`` (how τ and decoding are measured,
+    never the training or the data). None otherwise."""
+    path = REPO / "sweeps" / f"{sweep}.yaml"
+    try:
+        doc = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise DFlashError(f"{path}: not a readable sweep ({type(e).__name__}: {e})") from None
+    arms = doc.get("arms") or {}
+    if "ref" not in arms or arms["ref"] or set(doc.get("overrides") or {}) - {"bench"}:
+        return None
+    return doc.get("base")
 
 
 def run_row(run: dict) -> dict:
@@ -247,7 +276,7 @@ def tau_per_doubling(arms: list[dict], runs: list[dict]) -> dict | None:
     """τ per doubling of training GPU-minutes (MT-Bench, HumanEval), from the committed points
     alone: the full-budget runs' mean against the 1-epoch ref arms' mean (same recipe, 3× the
     tokens). An estimate across leases and code versions; None without both."""
-    refs = [a for a in arms if a["arm"] == "ref"]
+    refs = [a for a in arms if a["arm"] == "ref" and a["sweep"] == SLOPE_SWEEP]
     if not refs or not runs:
         return None
 

@@ -68,9 +68,10 @@ def point(label: str, source: str, tau: dict, train_min: float, data_s: float | 
 
 
 def from_ablation(data: dict) -> list[dict]:
-    """ablation.json's arms (their own data stage's seconds) and full-budget runs."""
+    """ablation.json's arms (their own data stage's seconds) and full-budget runs; not a ref that
+    is the sweep's base spec's run (``ref_from``): :func:`from_reports` has it, once."""
     out = [point(f"{a['sweep']}/{a['arm']}", a["folder"], a["tau"], a["gpu_minutes"],
-                 a.get("data_seconds")) for a in data["arms"]]
+                 a.get("data_seconds")) for a in data["arms"] if not a.get("ref_from")]
     for r in data["runs"]:
         rel = RUN_DATA.get(Path(r["folder"]).name)
         secs = read_json(H200 / rel)["seconds"] if rel else None

@@ -91,7 +91,7 @@ def test_the_verdict_at_equal_gpu_minutes(at):
     """The slope from the runs against the ref arms; an arm's Δ less what its extra minutes
     would buy ref; no slope without both kinds of point, or when the runs cost no more."""
     def row(arm, minutes, mt, he):
-        return {"arm": arm, "gpu_minutes": minutes,
+        return {"arm": arm, "gpu_minutes": minutes, "sweep": at.SLOPE_SWEEP,
                 "tau": {"mtbench": mt, "humaneval": he, "heldout": None, "train": None}}
     slope = at.tau_per_doubling([row("ref", 1.0, 1.6, 1.5), row("kd", 1.3, 1.7, 1.6)],
                                 [row("run", 4.0, 2.0, 1.9), row("run2", 4.0, 2.0, 1.9)])
@@ -121,3 +121,21 @@ def test_timeline_adds_up_the_segments_of_a_resumed_train(at):
     steps = [{"step": 0, "t": 1.0, "tokens": 10}, {"step": 1, "t": 2.0, "tokens": 10},
              {"step": 1, "t": 0.5, "tokens": 10}, {"step": 2, "t": 1.5, "tokens": 10}]
     assert at.timeline(steps) == {0: (1.0, 10), 1: (2.5, 30), 2: (3.5, 40)}
+
+
+def test_a_sweeps_base_run_is_its_ref_where_it_trains_as_ref_would(at, data):
+    """Round 11 ran smollm2-quality itself beside two smollm2-recipe arms, not the ref arm: the
+    sweep overrides bench only and ref overrides nothing, so the base's run is the ref (same
+    lease, same training); a sweep whose overrides change training keeps needing its own ref."""
+    assert at.base_as_ref("smollm2-recipe") == "smollm2-quality"
+    assert at.base_as_ref("smollm2-recipe-1ep") is None          # its overrides set 1 epoch
+    r11 = {r["arm"]: r for r in data["arms"] if "round11-2026-12-02" in r["folder"]}
+    assert set(r11) == {"ref", "block8", "lr12e-4-beta2-0999"}
+    assert r11["ref"]["ref_from"] == "smollm2-quality" and r11["ref"]["verdict"] == "reference"
+    rep = json.loads((REPO / "bench/results/h200/round11-2026-12-02/lease/r/"
+                      "smollm2-quality__bench__report.json").read_text())
+    assert r11["ref"]["tau"]["mtbench"] == round(rep["acceptance"]["sets"]["mtbench"]["tau"], 4)
+    assert r11["block8"]["delta"]["mtbench"] == round(
+        r11["block8"]["tau"]["mtbench"] - r11["ref"]["tau"]["mtbench"], 4)
+    # the τ-per-doubling slope still comes from the 1-epoch refs alone, not this 3-epoch ref
+    assert data["tau_per_doubling"]["mtbench"] == 0.2166
