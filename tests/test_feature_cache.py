@@ -21,6 +21,7 @@ from dflash.models.drafter import DFlashConfig
 from dflash.models.target_output import SoftLabels, TargetOutput, soft_positions
 from dflash.spec.load import parse_spec
 from dflash.train import checkpoint as ckpt
+from dflash.train import budget as run_budget
 from dflash.train import cache_budget as cb
 from dflash.train import feature_cache as fc
 from dflash.train.packing import bucket_for, pack_row, plan_epoch
@@ -65,11 +66,11 @@ def _rows(spec, samples, epoch):
                        bucket_for(sum(lengths[i] for i in batch), bks), 0)
 
 
-def _cache(spec, samples, folder=None, tensor_values=False):
+def _cache(spec, samples, folder=None, tensor_values=False, device=None):
     cfg = DFlashConfig.of_spec(spec)
     planes = cb.planes_for(spec, len(cfg.target_layer_ids), cfg.hidden_size)
     return fc.FeatureCache(planes, DS(samples).sample_ids, DS(samples).lengths, folder=folder,
-                           ident={"test": 1}, tensor_values=tensor_values)
+                           ident={"test": 1}, tensor_values=tensor_values, device=device)
 
 
 def _real_tokens(row):
@@ -406,3 +407,79 @@ def test_a_profile_window_in_a_cached_epoch_says_where_it_sat():
     assert isinstance(s["feature_cache_rows_read"], int) and s["feature_cache_rows_read"] >= 0
     assert cache.stats["rows_read"] > 0
     cache.close(remove=True)
+
+
+ONE_TARGET = {"targets": ["cpu"]}
+
+
+@pytest.mark.parametrize("dtype", ["target", "float8_e4m3"])
+def test_device_store_holds_and_serves_what_the_host_store_does(dtype):
+    """features.cache device (here the target's device is the CPU): epoch-0 rows written by
+    one index_copy_ per plane, epoch-1 rows (another packing) read by one index_select, equal
+    to the host store's bytes on every plane, zeros on padding, soft labels included; no host
+    staging ring is ever made."""
+    spec = _spec("device", dtype, loss={"kind": "ce+kd", "kd_top_k": 4}, **ONE_TARGET)
+    samples = _dataset()
+    (dev, fn), = make_target_workers(spec)
+    host = _cache(spec.replace(features={"cache": "host", "dtype": dtype}), samples)
+    device = _cache(spec, samples, device=dev)
+    for r in _rows(spec, samples, 0):
+        out = fn(r)
+        host.write(r, out)
+        device.write(r, out)
+    host.flush()
+    assert all(device.filled(s[0]) for s in samples) and device.stats["samples_written"] == len(
+        samples)
+    for k in device.a.t:
+        assert _same_bytes(device.a.t[k], host.a.t[k]), k
+    for r in _rows(spec, samples, 1):
+        assert device.serves(r.sample_ids)
+        a, b, n = device.read(r, dev), host.read(r, dev), _real_tokens(r)
+        assert torch.equal(a.features, b.features) and not a.features[0, n:].any()
+        assert torch.equal(a.soft.positions, b.soft.positions)
+        assert torch.equal(a.soft.token_ids, b.soft.token_ids)
+        assert torch.equal(a.soft.logprobs, b.soft.logprobs)
+    assert device._rings == {} and device.stats["rows_read"] == host.stats["rows_read"]
+    with pytest.raises(RuntimeError, match="serves its own device only"):
+        device.read(next(_rows(spec, samples, 1)), "meta")
+    host.close(remove=True)
+    device.close(remove=True)
+
+
+def test_device_cache_needs_one_target_worker_and_budgets_that_device():
+    with pytest.raises(SpecError, match=r"features.cache.*one target worker.*2 target workers"):
+        _spec("device")                                  # SPEC has two target workers
+    spec = _spec("device", "bfloat16", **ONE_TARGET)
+    assert cb.cache_device(spec) == "cpu"
+    cfg = DFlashConfig.of_spec(spec)
+    ds = DS(_dataset())
+    b = cb.run_budget(spec, ds, "unused", cfg, available=10**12)
+    assert b.mode == "device" and b.where == "host memory" and b.fits   # the CPU's memory
+    assert b.bytes == cb.run_budget(_spec("host", "bfloat16"), ds, "unused", cfg).bytes
+    assert "features.cache device (bfloat16)" in b.describe()
+    # dflash validate's memory line counts the store on that device (at the spec's upper bound)
+    sz = run_budget.sizes(spec)
+    assert run_budget._device_cache_memory(sz) == {"cpu": cb.store_bytes(
+        spec, sz.samples * sz.sample_tokens, len(cfg.target_layer_ids), cfg.hidden_size)}
+    assert run_budget._device_cache_memory(run_budget.sizes(_spec("host"))) == {}
+
+
+def test_a_run_on_the_device_cache_equals_the_run_on_the_host_cache():
+    """The same three epochs with the store on the target's device and on the host: the same
+    samples and losses at every step, the same weights, the cache serving epochs 1 and 2."""
+    runs = {}
+    for mode in ("device", "host"):
+        spec = _spec(mode, **ONE_TARGET)
+        samples = _dataset()
+        cache = _cache(spec, samples, device="cpu" if mode == "device" else None)
+        steps = {}
+        pipe, reps = _pipeline(spec, samples, cache, on_step=lambda r, steps=steps: steps.setdefault(
+            r.step, (r.epoch, sorted(r.sample_ids), r.loss)))
+        pipe.run()
+        sm = pipe.step_map
+        assert cache.stats["rows_read"] == len(sm.batches(1)) + len(sm.batches(2))
+        runs[mode] = steps, reps[0].model.state_dict()
+        cache.close(remove=True)
+    assert runs["device"][0] == runs["host"][0]
+    for k, v in runs["device"][1].items():
+        assert torch.equal(v, runs["host"][1][k]), k

@@ -213,6 +213,10 @@ def _check_cross_fields(spec: Spec, file: str) -> None:
             fail("topology.rendezvous", f"port {port} is out of range (1-65535)")
         if topo.nodes == 1:
             fail("topology.rendezvous", "a rendezvous is only used with topology.nodes > 1")
+    if cache_mode(spec) == "device" and len(topo.targets) != 1:
+        fail("features.cache", f"features.cache device keeps the store on the one target "
+             f"worker's device, which writes and reads it in its own stream order; this spec has "
+             f"{len(topo.targets)} target workers (topology.targets): use host or disk")
     if cache_mode(spec) != "off" and topo.nodes > 1:
         fail("features.cache", f"a feature cache needs topology.nodes 1 (each node would cache "
              f"only its own share of epoch 0, and an epoch >= 1 row is served only when every "

@@ -369,7 +369,8 @@ def _shape_only(drafter: DrafterSpec) -> dict:
 
 
 def cache_mode(spec: Spec) -> str:
-    """``features.cache`` as off, host or disk (YAML 1.1 reads a bare ``off`` as False)."""
+    """``features.cache`` as off, device, host or disk (YAML 1.1 reads a bare ``off`` as
+    False)."""
     return "off" if spec.features.cache in ("off", False) else spec.features.cache
 
 

@@ -25,6 +25,8 @@ import torch
 from ..errors import DFlashError
 from ..models.drafter import DFlashConfig
 from ..models.target import hf_config, layer_ids
+from ..spec.types import cache_mode
+from .cache_budget import cache_device, store_bytes
 from .flops import linear_params, best_seconds_per_call, drafter_flops_per_step, target_flops
 
 REPO = Path(__file__).resolve().parents[2]
@@ -111,7 +113,18 @@ def _drafter_memory(s: Sizes) -> dict:
             for dev in s.spec.topology.drafters}
 
 
-MEMORY: list[Item] = [Item("target", _target_memory), Item("drafter", _drafter_memory)]
+def _device_cache_memory(s: Sizes) -> dict:
+    """``features.cache: device``: the whole store on the target's device (an upper bound:
+    every sample at its spec's largest length; the train stage checks the dataset's own)."""
+    if cache_mode(s.spec) != "device":
+        return {}
+    tokens = s.samples * s.sample_tokens
+    return {cache_device(s.spec): store_bytes(s.spec, tokens, len(s.dcfg.target_layer_ids),
+                                              s.dcfg.hidden_size)}
+
+
+MEMORY: list[Item] = [Item("target", _target_memory), Item("drafter", _drafter_memory),
+                      Item("feature cache", _device_cache_memory)]
 
 
 # ---- time -----------------------------------------------------------------------------------

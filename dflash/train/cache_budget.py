@@ -1,7 +1,7 @@
 """What the target-feature cache stores and what that costs (:mod:`dflash.train.feature_cache`
 is the store): its *planes* (one per per-token field of what the target hands the drafter: the
 features, and with a distilling objective the soft labels' ids and log-probs), the bytes they
-take, and the budget against free host memory or disk that ``dflash validate`` prints and the
+take, and the budget against free device memory, host memory or disk that ``dflash validate`` prints and the
 train stage checks before heavy work (a cache that does not fit is refused with the figures).
 """
 from __future__ import annotations
@@ -57,13 +57,13 @@ def planes_for(spec, layers: int, hidden: int) -> list[Plane]:
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Budget:
-    mode: str            # host | disk
+    mode: str            # device | host | disk
     dtype: str           # features.dtype
     tokens: int
     samples: int
     bytes: int
     available: int       # usable after the headroom
-    where: str           # "host memory" or the cache folder's file system
+    where: str           # "cuda:0 memory", "host memory" or the cache folder's file system
     upper_bound: bool = False  # tokens estimated from the spec (no dataset yet)
 
     @property
@@ -81,8 +81,17 @@ def gb(n: int) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
-def available_bytes(mode: str, path: Path) -> int:
-    """Free host memory (``MemAvailable``) or free space of the file system holding ``path``."""
+def cache_device(spec) -> str:
+    """Where ``features.cache: device`` keeps the store: the one target worker's device (the
+    spec check refuses the mode with more than one)."""
+    return spec.topology.targets[0]
+
+
+def available_bytes(mode: str, path: Path, device: str | None = None) -> int:
+    """Free memory of ``device`` (``device`` mode on CUDA), free host memory (``MemAvailable``)
+    or free space of the file system holding ``path``."""
+    if mode == "device" and device is not None and torch.device(device).type == "cuda":
+        return torch.cuda.mem_get_info(torch.device(device))[0]
     if mode == "disk":
         p = Path(path)
         while not p.exists():
@@ -114,8 +123,10 @@ def budget(spec, tokens: int, samples: int, train_dir: Path, layers: int, hidden
     free bytes, measured when not given), less ``features.headroom``."""
     mode = cache_mode(spec)
     need = store_bytes(spec, tokens, layers, hidden)
-    free = available_bytes(mode, cache_dir(train_dir)) if available is None else available
-    where = "host memory" if mode == "host" else f"the file system of {cache_dir(train_dir)}"
+    dev = cache_device(spec) if mode == "device" else None
+    free = available_bytes(mode, cache_dir(train_dir), dev) if available is None else available
+    where = {"device": f"{dev} memory" if dev and dev.startswith("cuda") else "host memory",
+             "host": "host memory"}.get(mode, f"the file system of {cache_dir(train_dir)}")
     return Budget(mode, spec.features.dtype, tokens, samples, need,
                   int(free * (1 - spec.features.headroom)), where, upper_bound)
 
@@ -125,8 +136,8 @@ def check_budget(b: Budget, spec_path) -> None:
     if not b.fits:
         raise SpecError(f"{spec_path}: field 'features.cache': {b.describe()}: it does not "
                         f"fit. Use features.dtype float8_e4m3 (half of bfloat16), "
-                        f"features.cache disk (or host), fewer data.* samples, or "
-                        f"features.cache off")
+                        f"features.cache host or disk (device: the GPU's memory), fewer data.* "
+                        f"samples, or features.cache off")
 
 
 def spec_budget(spec, results: Path, available: int | None = None) -> Budget | None:

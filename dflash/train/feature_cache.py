@@ -13,7 +13,13 @@ served from it.
   of running the target. The rule depends on the plan only, never on timing, so a run is as
   deterministic with the cache as without it. Padding positions read back as zeros: the
   drafter's mask never lets a block see padding, so they do not change its loss.
-* Storage: ``host`` keeps tensors in process memory (lost on a kill: a resumed run recomputes
+* Storage: ``device`` keeps them in the memory of the target's own device (one target worker):
+  a write is one ``index_copy_`` and a read one ``index_select`` there, queued on the stream
+  the worker's other work uses, so no host staging, no copy across PCIe and no writer thread
+  (round 11: the host cache's read and copy made a cached step 28.9 ms for 20.9 ms of kernels,
+  bench/results/h200/round11-2026-12-02/; a SmolLM2 cache, 61.7 GB, fits an H200 beside
+  training's ~1 GB); lost on a kill, like ``host``.
+  ``host`` keeps tensors in process memory (lost on a kill: a resumed run recomputes
   what the killed one had stored, so it is exactly-once but its features of those rows come
   from their new packing); ``disk`` keeps raw memory-mapped files (no pickle) under
   ``results/<spec>/train/feature_cache/``, created atomically (a temporary folder renamed after
@@ -22,7 +28,7 @@ served from it.
 * dtype: ``target`` (bit-exact), ``bfloat16``, or ``float8_e4m3`` with one float32 scale per
   token and feature layer (scale = amax / 448; |error| <= max(|x| / 16, scale / 1024)).
 * Budget (:mod:`dflash.train.cache_budget`): tokens x feature layers x hidden x bytes (+ scales),
-  checked against free host memory or disk before heavy work; a cache that does not fit is
+  checked against free device memory, host memory or disk before heavy work; a cache that does not fit is
   refused with the figures. Caching a share f of the samples would serve a row only when all of
   its ~n samples are stored (~f^n of the rows), so a partial cache saves next to nothing: we refuse rather than pretend.
 
@@ -50,7 +56,7 @@ from ..artifacts.manifest import atomic_write_json, fingerprint
 from ..models.target_output import SoftLabels, TargetOutput, soft_positions
 from ..runtime.gate import get_gate
 from ..spec.types import cache_mode
-from .cache_budget import FP8, Plane, cache_dir, planes_for
+from .cache_budget import FP8, Plane, cache_device, cache_dir, planes_for
 from .staging import StagingRing
 
 FP8_MAX = 448.0
@@ -118,7 +124,7 @@ class _Arrays:
     memory (host) or as raw memory-mapped files (disk: no pickle, reopened after a kill)."""
 
     def __init__(self, planes: list[Plane], tokens: int, samples: int, folder: Path | None,
-                 ident: dict):
+                 ident: dict, device: torch.device | None = None):
         self.folder = folder
         shapes = {}
         for p in planes:
@@ -126,9 +132,9 @@ class _Arrays:
             if p.store == FP8:
                 shapes[p.name + ".scale"] = ((tokens, p.groups), torch.float32)
         shapes["filled"] = ((samples,), torch.uint8)
-        if folder is None:
-            self.t = {k: (torch.zeros if k == "filled" else torch.empty)(s, dtype=d)
-                      for k, (s, d) in shapes.items()}
+        if folder is None:  # the flags stay on the host: the serving rule reads them there
+            self.t = {k: torch.zeros(s, dtype=d) if k == "filled" else
+                      torch.empty(s, dtype=d, device=device) for k, (s, d) in shapes.items()}
             self.mmaps: list = []
             return
         self.mmaps = []
@@ -179,8 +185,12 @@ class FeatureCache:
 
     def __init__(self, planes: list[Plane], sample_ids: Sequence[int], lengths: Sequence[int],
                  folder: Path | None = None, ident: dict | None = None, gate=None,
-                 tensor_values: bool = False):
+                 tensor_values: bool = False, device: str | None = None):
+        """``device``: the store lives there (``features.cache: device``; the one target
+        worker's device, which every write and read must come from), else on the host or, with
+        ``folder``, on disk."""
         self.planes = {p.name: p for p in planes}
+        self.device = None if device is None else torch.device(device)
         self.index = {int(s): i for i, s in enumerate(sample_ids)}
         self.lengths = [int(n) for n in lengths]
         self.offsets = [0]
@@ -188,7 +198,8 @@ class FeatureCache:
             self.offsets.append(self.offsets[-1] + n)
         ident = {"planes": [(p.name, p.width, str(p.store), p.groups) for p in planes],
                  "lengths_fp": fingerprint(self.lengths), **(ident or {})}
-        self.a = _Arrays(planes, self.offsets[-1], len(self.lengths), folder, ident)
+        self.a = _Arrays(planes, self.offsets[-1], len(self.lengths), folder, ident,
+                         self.device)
         self.folder = folder
         # what read() returns: a TargetOutput (the pipeline's value) or the bare features tensor
         self.tensor_values = tensor_values
@@ -243,6 +254,9 @@ class FeatureCache:
         if not todo:
             return
         planes = as_planes(value, row.input_ids.shape[0])
+        if self.device is not None:
+            self._write_in_place(todo, planes)
+            return
         dev = planes["features"].device
         cuda = dev.type == "cuda"
         self._bound_writes()
@@ -284,6 +298,32 @@ class FeatureCache:
                         _raw(self.a.t[k][off:off + n]).copy_(_raw(v[start:start + n]))
         finally:
             self._rings["write"].release(slot)  # read back synchronously: no copy in flight
+        self._commit(todo)
+
+    def _write_in_place(self, todo: list, planes: dict) -> None:
+        """A device store: each plane's new samples in one ``index_copy_`` on the caller's
+        stream, committed at once (a read of the same device queues after it)."""
+        dst = self._positions([(self.offsets[i], n) for i, _, n in todo])
+        src = self._positions([(start, n) for _, start, n in todo])
+        for name, t in planes.items():
+            p = self.planes[name]
+            t = t.to(self.device).index_select(0, src)
+            parts = {name: t.to(p.store) if p.store != FP8 else None}
+            if p.store == FP8:
+                parts[name], parts[name + ".scale"] = quantize(t, p.groups)
+            for k, v in parts.items():
+                _raw(self.a.t[k]).index_copy_(0, dst, _raw(v))
+        self._commit(todo)
+
+    def _positions(self, spans: list[tuple[int, int]]) -> torch.Tensor:
+        """:func:`span_index` on the store's device: pinned and non-blocking on CUDA, so the
+        caller never waits for the work queued before it (a pageable copy would sync)."""
+        idx = span_index(spans)
+        if self.device.type != "cuda":
+            return idx
+        return idx.pin_memory().to(self.device, non_blocking=True)
+
+    def _commit(self, todo: list) -> None:
         with self._cond:
             for i, _, _ in todo:
                 self.a.t["filled"][i] = 1  # the commit: after the data
@@ -326,6 +366,8 @@ class FeatureCache:
         reused staging buffer, then one non-blocking copy to ``device``; on CPU that copy is a
         clone, so the value never aliases a buffer the next read refills."""
         L = row.input_ids.shape[0]
+        if self.device is not None:
+            return self._read_in_place(row, L, device)
         cuda = torch.device(device).type == "cuda"
         idx = self.row_index(row.sample_ids)
         n = idx.numel()
@@ -342,6 +384,29 @@ class FeatureCache:
                 staged[k] = buf.to(device, non_blocking=True) if cuda else buf.clone()
         finally:
             ring.release(slot, device if cuda else None)
+        return self._value(staged, row)
+
+    def _read_in_place(self, row, L: int, device: str):
+        """A device store: per stored array one ``index_select`` into a new ``[L, width]``
+        tensor, zeros on padding, on the caller's stream; ``device`` must be the store's."""
+        if torch.device(device) != self.device:
+            raise RuntimeError(f"feature cache: a device store on {self.device} read for "
+                               f"{device} (features.cache device serves its own device only)")
+        idx = self._positions([(self.offsets[i], self.lengths[i])
+                               for i in (self.index[int(s)] for s in row.sample_ids)])
+        n = idx.numel()
+        staged = {}
+        for k, src in self.a.t.items():
+            if k == "filled":
+                continue
+            buf = torch.empty((L, src.shape[1]), dtype=src.dtype, device=self.device)
+            torch.index_select(_raw(src), 0, idx, out=_raw(buf[:n]))
+            _raw(buf[n:]).zero_()
+            staged[k] = buf
+        return self._value(staged, row)
+
+    def _value(self, staged: dict, row):
+        """The stored arrays of a row as what the target hands the drafter."""
         out = {}
         for name, p in self.planes.items():
             if p.store == FP8:
@@ -353,9 +418,8 @@ class FeatureCache:
 
     def row_index(self, sids: Sequence[int]) -> torch.Tensor:
         """int64 store positions of the row's real tokens, in row order."""
-        spans = [(self.offsets[i], self.lengths[i]) for i in (self.index[int(s)] for s in sids)]
-        return torch.cat([torch.arange(o, o + n, dtype=torch.int64) for o, n in spans]
-                         or [torch.zeros(0, dtype=torch.int64)])
+        return span_index([(self.offsets[i], self.lengths[i])
+                           for i in (self.index[int(s)] for s in sids)])
 
     def _ring(self, kind: str, pin: bool) -> StagingRing:
         """The read or write ring, made at first use (pinned when its copies involve CUDA)."""
@@ -378,6 +442,12 @@ class FeatureCache:
 
     def _shared(self):
         return self.gate.shared() if self.gate is not None else nullcontext()
+
+
+def span_index(spans: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """int64 ``[o, o + n)`` of each ``(o, n)`` span, concatenated (host)."""
+    return torch.cat([torch.arange(o, o + n, dtype=torch.int64) for o, n in spans]
+                     or [torch.zeros(0, dtype=torch.int64)])
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
@@ -409,7 +479,7 @@ def open_for_run(spec, ds, train_dir: Path, cfg, step_map, start_step: int, tota
     planes = planes_for(spec, len(cfg.target_layer_ids), cfg.hidden_size)
     folder = cache_dir(train_dir) if mode == "disk" else None
     cache = FeatureCache(planes, ds.sample_ids, ds.lengths, folder=folder, ident=ident,
-                         gate=get_gate())
+                         gate=get_gate(), device=cache_device(spec) if mode == "device" else None)
     cache.expect(epoch0_samples(step_map, start_step, total_steps))
     have = int(cache.a.t["filled"].sum())
     if have:
