@@ -163,9 +163,12 @@ def test_repo_sweeps_validate():
     recipe = {a.arm: a.spec for a in load_sweep(REPO / "sweeps" / "smollm2-recipe.yaml").arms}
     assert recipe["gamma4"].loss.gamma == 4 and recipe["beta2-0999"].optim.beta2 == 0.999
     assert {recipe[a].optim.lr for a in ("ref", "lr12e-4", "lr24e-4")} == {6e-4, 1.2e-3, 2.4e-3}
-    # every arm shares the base's one data stage; its warm-up too, but for the arms that change
+    # every arm but the data arms shares the base's one data stage; its warm-up too, but for the arms that change
     # a compiled shape: depth and block (the drafter, the row), uncapped and kd / ce-kd (the loss's rows and inputs)
-    assert len({s.fingerprint("data") for s in recipe.values()}) == 1
+    data_arms = ("prompts15x-2ep",)  # fresh prompts instead of epochs: its own data stage
+    assert len({s.fingerprint("data") for k, s in recipe.items() if k not in data_arms}) == 1
+    assert recipe["prompts15x-2ep"].fingerprint("data") != recipe["ref"].fingerprint("data")
+    assert recipe["prompts15x-2ep"].fingerprint("warmup") == recipe["ref"].fingerprint("warmup")
     own = ("depth3", "depth8", "block8", "block8-anchors2x", "uncapped", "kd", "ce-kd")
     # the feature cache's place is no compiled shape: block 8 on the GPU's cache is block 8's
     shares = {"block8-device-cache": "block8"}

@@ -10,13 +10,13 @@
 # in its own process session (it outlives the call), then watches it; `watch` watches until
 # WATCH_S and collects. Run state lives in /tmp (a carried folder is replaced by the next call);
 # what comes back is one archive, results.tgz (at most 8 files come back).
-# The plan (round 11, issues #34-#36), most needed first: the quality recipe's data stage with the
-# later steps' warm-ups beside it; the quality recipe (capped at 8 since round 10) through bench;
-# the block-8 and lr12e-4-beta2-0999 arms through bench (τ only: the decoding sweep is the
-# base's); both decoding loops in bf16 on the quality drafter; the cached-epoch step under
-# torch.profiler, capped, then capped with the target on its own CUDA stream; then the block-8
-# arm with twice the anchors and the uncapped cached profile, while time is left. PLAN_S bounds the plan
-# (round 10's, for a 12-minute session, is in bench/results/h200/round10-2026-12-02/README.md).
+# The plan (round 12, issues #34-#35), most needed first: the quality recipe's data stage with
+# the later steps' warm-ups beside it; the recipe's ref arm and the feature cache in the GPU's
+# memory (device-cache), A/B in one lease; DFLASH_TARGET_STREAM=own under the stall watchdog (its
+# thread stacks); block 8 on the GPU's cache; fresh prompts instead of epochs (prompts15x-2ep);
+# then block 8 with twice the anchors, while time is left. PLAN_S bounds the plan
+# (round 11's ran the quality DAG, two arms, the bf16 reference loops and the cached profiles:
+# bench/results/h200/round11-2026-12-02/README.md).
 #   calls 1, 2:  bash bench/gpu/session.sh stash   (carry .whl, then .whl2)
 #   (or call 1: `probes`, which also installs the small wheels and runs the probes alone)
 #   last:    bash bench/gpu/session.sh launch     (carry the last .whlN; watches WATCH_S)
@@ -78,29 +78,22 @@ plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the 
   timeout $(left ${DATA_S:-240}) $SNAKE data_smollm2-quality warmup_smollm2-quality warmup_smollm2-recipe-block8 \
     --config $CONF gpu_jobs=3 > "$RES/dag_data.log" 2>&1
   stamp "quality data + warm-ups rc=$?"
-  # 2. the quality recipe (positions 1..8 supervised since round 10) through bench, alone on the
-  #    GPU: the DAG's report.json (#34: tokens/s, MFU, busy; #35: τ on four sets and the
-  #    reference protocol; #36: the decode sweep 1/4/16/64 with verify widths 4/8/16, the
-  #    captured prefill and the choice at each)
-  timeout $(left ${DAG_S:-720}) $SNAKE bench_smollm2-quality --config $CONF > "$RES/dag_quality.log" 2>&1
-  stamp "quality dag rc=$?"
-  # 3. the recipe arms, each through bench (τ on four sets; the decoding sweep is the base's:
-  #    sweeps/smollm2-recipe.yaml sets bench.decode_batches []): block 8 (#34: half the
-  #    drafter's block tokens a step; #35: τ at equal steps; #36: the real decode verifies 8
-  #    wide), then lr 1.2e-3 with AdamW β2 0.999 (#35)
-  arm block8 ${ARM_S:-330}
-  arm lr12e-4-beta2-0999 ${ARM_S:-330}
-  # 4. both decoding loops in bf16 on the quality drafter (#36 items 2 and 5; float32: round 8)
-  refs /tmp/r/smollm2-quality/train/drafter
-  # 5. the cached epoch's step under torch.profiler, threads attributed (#34 item 1), each alone
-  #    on the GPU: capped (the default) on the shared stream, the same run again with the target
-  #    worker on its own CUDA stream (DFLASH_TARGET_STREAM=own: the A/B of epoch 0's and the
-  #    cached epoch's ms per step, from each run's metrics.jsonl), then uncapped
-  profile_run smollm2-quality-profile-cached cached shared
-  profile_run smollm2-quality-profile-cached cached-own-stream own --forcerun train
-  # 6. what is left: block 8 with twice the anchors (#34/#35), the uncapped cached profile
+  # 2. the recipe's ref arm (today's default, trained and measured as every arm: τ on four sets;
+  #    the decoding sweep is the base's, round 11's) and the feature cache in the GPU's memory
+  #    (#34: round 11's cached step was 28.9 ms for 20.9 ms of kernels, the rest the host
+  #    cache's read), A/B in one lease
+  arm ref ${ARM_S:-330}
+  arm device-cache ${ARM_S:-330}
+  # 3. DFLASH_TARGET_STREAM=own again, where round 11 hung at step 0: the profile spec's
+  #    monitor.stall_s (60 s) now fails it with every thread's stack (the log is the finding)
+  profile_run smollm2-quality-profile-cached cached-own-stream own
+  # 4. block 8 on the GPU's cache: round 11's fastest recipe (348K tok/s) without the host read
+  arm block8-device-cache ${ARM_S:-330}
+  # 5. fresh prompts instead of epochs (#35): 1.5x the prompts for 2 epochs, about the same
+  #    training tokens; its own data stage (~1.5x the base's generation)
+  [ $(left 600) -ge 450 ] && arm prompts15x-2ep 600 || stamp "prompts15x-2ep: skipped, $(left 600) s left"
+  # 6. what is left: block 8 with twice the anchors (#34/#35)
   [ $(left 400) -ge 240 ] && arm block8-anchors2x 330 || stamp "block8-anchors2x: skipped, $(left 400) s left"
-  profile_run smollm2-quality-profile-cached-uncapped cached-uncapped shared
   stamp "done"
 }
 
