@@ -24,6 +24,7 @@ from dflash.train import checkpoint as ckpt
 from dflash.train import budget as run_budget
 from dflash.train import cache_budget as cb
 from dflash.train import feature_cache as fc
+from dflash.train import feature_planes as fp
 from dflash.train.packing import bucket_for, pack_row, plan_epoch
 from dflash.train.packing import StepMap
 from dflash.train.profile import StepProfiler
@@ -105,7 +106,7 @@ def test_read_back_equals_what_the_target_computed(dtype, tmp_path):
         elif dtype == "bfloat16":
             assert torch.equal(y, x.to(torch.bfloat16).to(x.dtype))
         else:
-            scale = x.reshape(n, groups, -1).abs().amax(-1) / fc.FP8_MAX
+            scale = x.reshape(n, groups, -1).abs().amax(-1) / fp.FP8_MAX
             bound = torch.maximum(x.abs().reshape(n, groups, -1) / 16,
                                   scale[..., None] / 1024).reshape(n, -1)
             err = (y - x).abs()
@@ -330,7 +331,7 @@ def test_validate_prints_the_budget(tmp_path, capsys):
 
 def _reference_read(cache, row, key):
     """The per-sample gather the cache did before its one index_select: the stored bytes."""
-    src = fc._raw(cache.a.t[key])
+    src = fp.raw_bytes(cache.a.t[key])
     buf = torch.zeros((row.input_ids.shape[0], src.shape[1]), dtype=src.dtype)
     start = 0
     for s in row.sample_ids:
@@ -342,8 +343,8 @@ def _reference_read(cache, row, key):
 
 
 def _same_bytes(a, b):
-    return a.shape == b.shape and torch.equal(fc._raw(a).view(torch.uint8),
-                                              fc._raw(b).view(torch.uint8))
+    return a.shape == b.shape and torch.equal(fp.raw_bytes(a).view(torch.uint8),
+                                              fp.raw_bytes(b).view(torch.uint8))
 
 
 @pytest.mark.parametrize("dtype", ["target", "float8_e4m3"])
@@ -379,7 +380,7 @@ def test_gather_read_equals_the_per_sample_reference_and_reuses_its_buffers(dtyp
             slot = [b for b in ring._bufs if k in b]
             assert any(_same_bytes(b[k][:r.input_ids.shape[0]], want[k]) for b in slot), k
         f = cache.planes["features"]
-        ref = (fc.dequantize(want["features"].view(fc.FP8), want["features.scale"], f.groups,
+        ref = (fp.dequantize(want["features"].view(fc.FP8), want["features.scale"], f.groups,
                              f.dtype) if dtype == "float8_e4m3" else want["features"])
         assert _same_bytes(got.features[0], ref)
         assert torch.equal(got.soft.token_ids, want["soft_ids"][got.soft.positions])

@@ -47,19 +47,18 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 import torch
 
 from ..artifacts.manifest import atomic_write_json, fingerprint
-from ..models.target_output import SoftLabels, TargetOutput, soft_positions
 from ..runtime.gate import get_gate
 from ..spec.types import cache_mode
 from .cache_budget import FP8, Plane, cache_device, cache_dir, planes_for
+from .feature_planes import raw_bytes, as_planes, dequantize, from_planes, quantize, span_index
 from .staging import StagingRing
 
-FP8_MAX = 448.0
 MAX_PENDING_WRITES = 4  # rows staged on the host and not yet in the store (bounds pinned memory)
 # staging slots at first (one row's planes each; staging.py grows a ring rather than wait): writes,
 # one per pending row; reads, two, so one row's gather overlaps the previous row's copy to the GPU
@@ -69,51 +68,6 @@ WAIT_S = 600.0  # a served row's pending sample that stays unwritten this long i
 
 class CacheStopped(Exception):
     """A wait for a sample ended because the run is stopping."""
-
-
-# ---------------------------------------------------------------------------------------------
-# the value handed over: planes in, planes out
-# ---------------------------------------------------------------------------------------------
-def as_planes(value: Any, L: int) -> dict[str, torch.Tensor]:
-    """What the target handed over, as per-token planes of ``L`` rows: a ``[1, L, W]`` tensor or
-    a :class:`~dflash.models.target_output.TargetOutput` (soft labels scattered to their row
-    positions; the other rows of those planes are zeros and never read back)."""
-    if torch.is_tensor(value):
-        return {"features": value.reshape(L, -1)}
-    out = {"features": value.features.reshape(L, -1)}
-    soft = value.soft
-    if soft is not None:
-        for name, t in (("soft_ids", soft.token_ids), ("soft_logprobs", soft.logprobs)):
-            dense = torch.zeros((L, t.shape[-1]), dtype=t.dtype, device=t.device)
-            dense[soft.positions] = t
-            out[name] = dense
-    return out
-
-
-def from_planes(planes: dict[str, torch.Tensor], row, tensor: bool) -> Any:
-    """The value the target would hand over, from planes read for ``row``."""
-    feats = planes["features"][None]
-    if tensor:
-        return feats
-    soft = None
-    if "soft_ids" in planes:
-        dev = feats.device
-        pos = soft_positions(row.doc_ids.to(dev), row.loss_mask.to(dev))
-        soft = SoftLabels(pos, planes["soft_ids"][pos], planes["soft_logprobs"][pos])
-    return TargetOutput(feats, soft)
-
-
-def quantize(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """float8_e4m3 with one scale per (token, group): ``[T, W] -> ([T, W] fp8, [T, groups])``."""
-    g = x.float().reshape(x.shape[0], groups, -1)
-    scale = (g.abs().amax(-1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-    q = (g / scale[..., None]).to(FP8).reshape(x.shape)
-    return q, scale
-
-
-def dequantize(q: torch.Tensor, scale: torch.Tensor, groups: int, dtype) -> torch.Tensor:
-    g = q.float().reshape(q.shape[0], groups, -1) * scale[..., None]
-    return g.reshape(q.shape).to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,7 +227,7 @@ class FeatureCache:
                 for k, v in parts.items():
                     # the one copy off the device (CPU: off the caller's tensor, which it may reuse)
                     host[k] = ring.buffer(slot, k, start, v.shape[1], v.dtype)
-                    _raw(host[k]).copy_(_raw(v), non_blocking=cuda)
+                    raw_bytes(host[k]).copy_(raw_bytes(v), non_blocking=cuda)
             event = None
             if cuda:
                 event = torch.cuda.Event()
@@ -295,7 +249,7 @@ class FeatureCache:
                 for i, start, n in todo:
                     off = self.offsets[i]
                     for k, v in host.items():
-                        _raw(self.a.t[k][off:off + n]).copy_(_raw(v[start:start + n]))
+                        raw_bytes(self.a.t[k][off:off + n]).copy_(raw_bytes(v[start:start + n]))
         finally:
             self._rings["write"].release(slot)  # read back synchronously: no copy in flight
         self._commit(todo)
@@ -312,7 +266,7 @@ class FeatureCache:
             if p.store == FP8:
                 parts[name], parts[name + ".scale"] = quantize(t, p.groups)
             for k, v in parts.items():
-                _raw(self.a.t[k]).index_copy_(0, dst, _raw(v))
+                raw_bytes(self.a.t[k]).index_copy_(0, dst, raw_bytes(v))
         self._commit(todo)
 
     def _positions(self, spans: list[tuple[int, int]]) -> torch.Tensor:
@@ -379,8 +333,8 @@ class FeatureCache:
                 if k == "filled":
                     continue
                 buf = ring.buffer(slot, k, L, src.shape[1], src.dtype)
-                torch.index_select(_raw(src), 0, idx, out=_raw(buf[:n]))
-                _raw(buf[n:]).zero_()
+                torch.index_select(raw_bytes(src), 0, idx, out=raw_bytes(buf[:n]))
+                raw_bytes(buf[n:]).zero_()
                 staged[k] = buf.to(device, non_blocking=True) if cuda else buf.clone()
         finally:
             ring.release(slot, device if cuda else None)
@@ -400,8 +354,8 @@ class FeatureCache:
             if k == "filled":
                 continue
             buf = torch.empty((L, src.shape[1]), dtype=src.dtype, device=self.device)
-            torch.index_select(_raw(src), 0, idx, out=_raw(buf[:n]))
-            _raw(buf[n:]).zero_()
+            torch.index_select(raw_bytes(src), 0, idx, out=raw_bytes(buf[:n]))
+            raw_bytes(buf[n:]).zero_()
             staged[k] = buf
         return self._value(staged, row)
 
@@ -442,17 +396,6 @@ class FeatureCache:
 
     def _shared(self):
         return self.gate.shared() if self.gate is not None else nullcontext()
-
-
-def span_index(spans: Sequence[tuple[int, int]]) -> torch.Tensor:
-    """int64 ``[o, o + n)`` of each ``(o, n)`` span, concatenated (host)."""
-    return torch.cat([torch.arange(o, o + n, dtype=torch.int64) for o, n in spans]
-                     or [torch.zeros(0, dtype=torch.int64)])
-
-
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    """float8 as bytes: copies and fills of float8 tensors are not implemented everywhere."""
-    return t.view(torch.uint8) if t.dtype == FP8 else t
 
 
 def epoch0_samples(step_map, start_step: int, total_steps: int) -> list[int]:

@@ -43,7 +43,7 @@ from ..runtime.busy import DeviceBusy
 from .feature_cache import CacheStopped
 from .packing import StepMap
 from .profile import worker_label
-from .stall import StallWatch
+from .stall import StallWatch, failure_message
 
 POLL_S = 0.1
 
@@ -445,10 +445,5 @@ class Pipeline:
             for t in threads:
                 t.join(timeout=max(0.0, deadline - time.perf_counter()))
         if self.error is not None:
-            name, device, exc, tb = self.error
-            alive = [t.name for t in threads if t.is_alive()]
-            tail = (f"\n--- worker traceback ---\n{tb}" if exc.__traceback__ is not None else "")
-            tail += (f"\nstill running 10 s after the stop (blocked outside Python?): "
-                     f"{', '.join(alive)}" if alive else "")
-            raise WorkerFailed(f"worker {name} on {device} failed: {type(exc).__name__}: {exc}"
-                               f"{tail}") from exc
+            exc = self.error[2]
+            raise WorkerFailed(failure_message(*self.error, threads)) from exc

@@ -11,7 +11,8 @@ The clock restarts at every completed step, so a long step (a checkpoint write, 
 training, a profiled window) counts only against its own length. The pipeline's main thread
 calls :meth:`StallWatch.check` between its joins.
 
-Owns: the deadline and the report. Imports: the standard library only.
+Owns: the deadline and the report, and what a stopped run says (:func:`failure_message`).
+Imports: the standard library only.
 """
 from __future__ import annotations
 
@@ -51,6 +52,19 @@ class StallWatch:
             f"--- where each thread is ---\n{thread_stacks(threads)}")
 
 
+def failure_message(name: str, device: str, exc: BaseException, tb: str,
+                    threads: list[threading.Thread]) -> str:
+    """What a stopped run says: the failed worker and its error, the traceback of a raised one
+    (a watchdog's own error was never raised) and the threads still running after the stop."""
+    alive = [t.name for t in threads if t.is_alive()]
+    msg = f"worker {name} on {device} failed: {type(exc).__name__}: {exc}"
+    if exc.__traceback__ is not None:
+        msg += f"\n--- worker traceback ---\n{tb}"
+    if alive:
+        msg += f"\nstill running 10 s after the stop (blocked outside Python?): {', '.join(alive)}"
+    return msg
+
+
 def thread_stacks(threads: list[threading.Thread]) -> str:
     """Each live thread's innermost Python frames, by thread name."""
     frames = sys._current_frames()
@@ -65,4 +79,4 @@ def thread_stacks(threads: list[threading.Thread]) -> str:
     return "\n".join(out)
 
 
-__all__ = ["Stalled", "StallWatch", "thread_stacks"]
+__all__ = ["Stalled", "StallWatch", "failure_message", "thread_stacks"]
