@@ -125,8 +125,10 @@ def budget(spec, tokens: int, samples: int, train_dir: Path, layers: int, hidden
     need = store_bytes(spec, tokens, layers, hidden)
     dev = cache_device(spec) if mode == "device" else None
     free = available_bytes(mode, cache_dir(train_dir), dev) if available is None else available
-    where = {"device": f"{dev} memory" if dev and dev.startswith("cuda") else "host memory",
-             "host": "host memory"}.get(mode, f"the file system of {cache_dir(train_dir)}")
+    if mode == "disk":
+        where = f"the file system of {cache_dir(train_dir)}"
+    else:  # host, or a device store on the CPU (its memory is the host's)
+        where = f"{dev} memory" if dev and dev.startswith("cuda") else "host memory"
     return Budget(mode, spec.features.dtype, tokens, samples, need,
                   int(free * (1 - spec.features.headroom)), where, upper_bound)
 

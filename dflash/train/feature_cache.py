@@ -56,7 +56,8 @@ from ..artifacts.manifest import atomic_write_json, fingerprint
 from ..runtime.gate import get_gate
 from ..spec.types import cache_mode
 from .cache_budget import FP8, Plane, cache_device, cache_dir, planes_for
-from .feature_planes import raw_bytes, as_planes, dequantize, from_planes, quantize, span_index
+from .feature_planes import (as_planes, dequantize, from_planes, gather_rows, raw_bytes,
+                             span_index, stored_arrays)
 from .staging import StagingRing
 
 MAX_PENDING_WRITES = 4  # rows staged on the host and not yet in the store (bounds pinned memory)
@@ -221,10 +222,7 @@ class FeatureCache:
             for name, t in planes.items():
                 t = t[:start]
                 p = self.planes[name]
-                parts = {name: t.to(p.store) if p.store != FP8 else None}
-                if p.store == FP8:
-                    parts[name], parts[name + ".scale"] = quantize(t, p.groups)
-                for k, v in parts.items():
+                for k, v in stored_arrays(name, t, p.store, p.groups).items():
                     # the one copy off the device (CPU: off the caller's tensor, which it may reuse)
                     host[k] = ring.buffer(slot, k, start, v.shape[1], v.dtype)
                     raw_bytes(host[k]).copy_(raw_bytes(v), non_blocking=cuda)
@@ -257,22 +255,18 @@ class FeatureCache:
     def _write_in_place(self, todo: list, planes: dict) -> None:
         """A device store: each plane's new samples in one ``index_copy_`` on the caller's
         stream, committed at once (a read of the same device queues after it)."""
-        dst = self._positions([(self.offsets[i], n) for i, _, n in todo])
-        src = self._positions([(start, n) for _, start, n in todo])
+        dst = self._on_store(span_index([(self.offsets[i], n) for i, _, n in todo]))
+        src = self._on_store(span_index([(start, n) for _, start, n in todo]))
         for name, t in planes.items():
             p = self.planes[name]
             t = t.to(self.device).index_select(0, src)
-            parts = {name: t.to(p.store) if p.store != FP8 else None}
-            if p.store == FP8:
-                parts[name], parts[name + ".scale"] = quantize(t, p.groups)
-            for k, v in parts.items():
+            for k, v in stored_arrays(name, t, p.store, p.groups).items():
                 raw_bytes(self.a.t[k]).index_copy_(0, dst, raw_bytes(v))
         self._commit(todo)
 
-    def _positions(self, spans: list[tuple[int, int]]) -> torch.Tensor:
-        """:func:`span_index` on the store's device: pinned and non-blocking on CUDA, so the
-        caller never waits for the work queued before it (a pageable copy would sync)."""
-        idx = span_index(spans)
+    def _on_store(self, idx: torch.Tensor) -> torch.Tensor:
+        """A host index on the store's device: pinned and non-blocking on CUDA, so the caller
+        never waits for the work queued before it (a pageable copy would sync)."""
         if self.device.type != "cuda":
             return idx
         return idx.pin_memory().to(self.device, non_blocking=True)
@@ -324,7 +318,6 @@ class FeatureCache:
             return self._read_in_place(row, L, device)
         cuda = torch.device(device).type == "cuda"
         idx = self.row_index(row.sample_ids)
-        n = idx.numel()
         ring = self._ring("read", cuda)
         slot = ring.acquire()
         staged = {}
@@ -332,9 +325,7 @@ class FeatureCache:
             for k, src in self.a.t.items():
                 if k == "filled":
                     continue
-                buf = ring.buffer(slot, k, L, src.shape[1], src.dtype)
-                torch.index_select(raw_bytes(src), 0, idx, out=raw_bytes(buf[:n]))
-                raw_bytes(buf[n:]).zero_()
+                buf = gather_rows(src, idx, ring.buffer(slot, k, L, src.shape[1], src.dtype))
                 staged[k] = buf.to(device, non_blocking=True) if cuda else buf.clone()
         finally:
             ring.release(slot, device if cuda else None)
@@ -346,17 +337,10 @@ class FeatureCache:
         if torch.device(device) != self.device:
             raise RuntimeError(f"feature cache: a device store on {self.device} read for "
                                f"{device} (features.cache device serves its own device only)")
-        idx = self._positions([(self.offsets[i], self.lengths[i])
-                               for i in (self.index[int(s)] for s in row.sample_ids)])
-        n = idx.numel()
-        staged = {}
-        for k, src in self.a.t.items():
-            if k == "filled":
-                continue
-            buf = torch.empty((L, src.shape[1]), dtype=src.dtype, device=self.device)
-            torch.index_select(raw_bytes(src), 0, idx, out=raw_bytes(buf[:n]))
-            raw_bytes(buf[n:]).zero_()
-            staged[k] = buf
+        idx = self._on_store(self.row_index(row.sample_ids))
+        staged = {k: gather_rows(src, idx, torch.empty((L, src.shape[1]), dtype=src.dtype,
+                                                       device=self.device))
+                  for k, src in self.a.t.items() if k != "filled"}
         return self._value(staged, row)
 
     def _value(self, staged: dict, row):

@@ -54,6 +54,23 @@ def quantize(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def stored_arrays(name: str, t: torch.Tensor, store: torch.dtype, groups: int) -> dict:
+    """Plane ``name``'s values ``t`` as the store keeps them: ``{name: t in store}``, or with
+    float8 storage ``{name: fp8 values, name + ".scale": float32 scales}``."""
+    if store != FP8:
+        return {name: t.to(store)}
+    q, scale = quantize(t, groups)
+    return {name: q, name + ".scale": scale}
+
+
+def gather_rows(src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out``'s first ``len(idx)`` rows = ``src[idx]``, the rest zeros (a row's padding)."""
+    n = idx.numel()
+    torch.index_select(raw_bytes(src), 0, idx, out=raw_bytes(out[:n]))
+    raw_bytes(out[n:]).zero_()
+    return out
+
+
 def dequantize(q: torch.Tensor, scale: torch.Tensor, groups: int, dtype) -> torch.Tensor:
     g = q.float().reshape(q.shape[0], groups, -1) * scale[..., None]
     return g.reshape(q.shape).to(dtype)
