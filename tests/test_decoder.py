@@ -323,7 +323,7 @@ def test_sweep_rows_and_their_report_section(world, tmp_path):
     src = env.loader.get_source(env, "report.md.j2")[0]
     part = src[src.index("## Decoding speed"):src.index("## Step time")]
     md = env.from_string(part).render(r={"acceptance": tau}, fmt=fmt, ci=ci)
-    assert md.count("| 3 | ") == 2 and "(goal ≥ 0.75)" in md and "| True |" in md
+    assert md.count("| 3 | ") == 2 and "(goal ≥ 0.85)" in md and "| True |" in md
     assert "| choice | speed-up of the choice | speed-up by verify width |" in md
     assert all(f"| {fmt(x['choice_speedup'])} | " + " · ".join(
         f"{w['width']}: {fmt(w['speedup'])}" for w in x["widths"]) + " | " in md for x in rows)

@@ -14,7 +14,8 @@
 # the later steps' warm-ups beside it; the recipe's ref arm and the feature cache in the GPU's
 # memory (device-cache), A/B in one lease; DFLASH_TARGET_STREAM=own under the stall watchdog (its
 # thread stacks); block 8 on the GPU's cache; fresh prompts instead of epochs (prompts15x-2ep);
-# then block 8 with twice the anchors, while time is left. PLAN_S bounds the plan
+# the batch-1 decode step's kernels with the trained drafter (#36); then block 8 with twice the
+# anchors, while time is left. PLAN_S bounds the plan
 # (round 11's ran the quality DAG, two arms, the bf16 reference loops and the cached profiles:
 # bench/results/h200/round11-2026-12-02/README.md).
 #   calls 1, 2:  bash bench/gpu/session.sh stash   (carry .whl, then .whl2)
@@ -84,15 +85,20 @@ plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the 
   #    cache's read), A/B in one lease
   arm ref ${ARM_S:-330}
   arm device-cache ${ARM_S:-330}
-  # 3. DFLASH_TARGET_STREAM=own again, where round 11 hung at step 0: the profile spec's
-  #    monitor.stall_s (60 s) now fails it with every thread's stack (the log is the finding)
-  profile_run smollm2-quality-profile-cached cached-own-stream own
-  # 4. block 8 on the GPU's cache: round 11's fastest recipe (348K tok/s) without the host read
+  # 3. block 8 on the GPU's cache: round 11's fastest recipe (348K tok/s) without the host read
   arm block8-device-cache ${ARM_S:-330}
-  # 5. fresh prompts instead of epochs (#35): 1.5x the prompts for 2 epochs, about the same
+  # 4. fresh prompts instead of epochs (#35): 1.5x the prompts for 2 epochs, about the same
   #    training tokens; its own data stage (~1.5x the base's generation)
   [ $(left 600) -ge 450 ] && arm prompts15x-2ep 600 || stamp "prompts15x-2ep: skipped, $(left 600) s left"
-  # 6. what is left: block 8 with twice the anchors (#34/#35)
+  # 5. #36's batch-1 step under the profiler with a trained drafter (round 5's kernel counts were
+  #    random weights): the ref arm's drafter, verify 8 (round 11's choice at batch 1)
+  [ $(left 200) -ge 120 ] && b1_profile /tmp/r/smollm2-recipe-ref/train/drafter \
+    || stamp "b1 profile: skipped, $(left 200) s left"
+  # 6. DFLASH_TARGET_STREAM=own again, where round 11 hung at step 0: the profile spec's
+  #    monitor.stall_s (60 s) now fails it with every thread's stack (the log is the finding)
+  [ $(left 150) -ge 90 ] && profile_run smollm2-quality-profile-cached cached-own-stream own \
+    || stamp "own stream: skipped, $(left 150) s left"
+  # 7. what is left: block 8 with twice the anchors (#34/#35)
   [ $(left 400) -ge 240 ] && arm block8-anchors2x 330 || stamp "block8-anchors2x: skipped, $(left 400) s left"
   stamp "done"
 }
@@ -108,6 +114,14 @@ profile_run() {  # $1 spec, $2 tag, $3 DFLASH_TARGET_STREAM, then snakemake's ex
   stamp "$s ($tag) rc=$?"
   for f in profile.json manifest.json metrics.jsonl; do
     cp /tmp/r/$s/train/$f "$RES/${tag}__$f" 2>/dev/null; done; return 0
+}
+
+b1_profile() {  # $1 a trained drafter: batch 1, target-only vs speculative, kernels per step
+  [ -d "$1" ] || { stamp "b1 profile: no drafter $1"; return 0; }
+  timeout $(left 200) python3 -m bench.gpu.decode_speed --spec specs/smollm2-quality.yaml --drafter "$1" \
+    --batches 1 --hf-batches "" --verify-tokens 8 --no-simulated --budget-s 150 \
+    --out "$RES/decode_b1_profile.json" > "$RES/decode_b1_profile.log" 2>&1
+  stamp "b1 profile rc=$?"
 }
 
 left() {  # seconds for the next step: its own limit, or what is left of PLAN_S, if less
