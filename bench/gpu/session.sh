@@ -103,9 +103,23 @@ plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the 
   stamp "done"
 }
 
-arm() {  # $1 a smollm2-recipe arm through bench, at most $2 seconds
-  timeout $(left $2) $SNAKE bench_smollm2-recipe-$1 --config $CONF > "$RES/dag_$1.log" 2>&1
-  stamp "$1 arm rc=$?"
+plan_rest() {  # a second, shorter hold after a lost machine: what the first one did not reach
+  # (the device-cache arm ran to its cached epoch: its step equals the host cache's, round 12)
+  cd /tmp/repo
+  stamp "start (rest)"; T0=$(date +%s)
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$RES/gpu.txt" 2>&1
+  # fresh prompts instead of epochs (#35), its data stage beside its warm-up (gpu_jobs=3)
+  arm prompts15x-2ep 600 gpu_jobs=3
+  # #36: the batch-1 decode step's kernels with that arm's trained drafter
+  [ $(left 200) -ge 120 ] && b1_profile /tmp/r/smollm2-recipe-prompts15x-2ep/train/drafter \
+    || stamp "b1 profile: skipped, $(left 200) s left"
+  stamp "done"
+}
+
+arm() {  # $1 a smollm2-recipe arm through bench, at most $2 seconds; $3... more --config items
+  local a=$1 s=$2; shift 2
+  timeout $(left $s) $SNAKE bench_smollm2-recipe-$a --config $CONF "$@" > "$RES/dag_$a.log" 2>&1
+  stamp "$a arm rc=$?"
 }
 
 profile_run() {  # $1 spec, $2 tag, $3 DFLASH_TARGET_STREAM, then snakemake's extra flags
@@ -178,9 +192,10 @@ launch)
   PYTHONPATH=/tmp/site:$PWD python3 -m dflash.env.overlay install envs/cuda-py312.lock --wheel-dir /tmp/whl \
     --target /tmp/site || exit 1
   rm -rf /tmp/repo && mkdir /tmp/repo && cp -a . /tmp/repo/ && rm -rf /tmp/repo/.whl*
-  setsid nohup bash /tmp/repo/bench/gpu/session.sh plan > "$RES/plan.out" 2>&1 < /dev/null &
+  setsid nohup bash /tmp/repo/bench/gpu/session.sh ${PLAN:-plan} > "$RES/plan.out" 2>&1 < /dev/null &
   sleep 5; watch
   ;;
 plan) plan ;;
+plan_rest) plan_rest ;;
 watch) trap pack EXIT; watch ;;
 esac
