@@ -103,15 +103,17 @@ plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the 
   stamp "done"
 }
 
-plan_rest() {  # a second, shorter hold after a lost machine: what the first one did not reach
-  # (the device-cache arm ran to its cached epoch: its step equals the host cache's, round 12)
+plan_rest() {  # a second, shorter hold after a lost machine (round 12): the drafter's depth, the
+  # lever #35's "capacity" row never measured and the one #36's batch-1 step cost follows
   cd /tmp/repo
   stamp "start (rest)"; T0=$(date +%s)
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$RES/gpu.txt" 2>&1
-  # fresh prompts instead of epochs (#35), its data stage beside its warm-up (gpu_jobs=3)
-  arm prompts15x-2ep 600 gpu_jobs=3
-  # #36: the batch-1 decode step's kernels with that arm's trained drafter
-  [ $(left 200) -ge 120 ] && b1_profile /tmp/r/smollm2-recipe-prompts15x-2ep/train/drafter \
+  timeout $(left ${DATA_S:-240}) $SNAKE data_smollm2-quality warmup_smollm2-recipe-depth3 \
+    --config $CONF gpu_jobs=3 > "$RES/dag_data.log" 2>&1
+  stamp "quality data + depth3 warm-up rc=$?"
+  arm depth3 ${ARM_S:-330}
+  # #36: the batch-1 decode step's kernels with that 3-layer drafter (round 11: 5 layers, 0.787)
+  [ $(left 200) -ge 120 ] && b1_profile /tmp/r/smollm2-recipe-depth3/train/drafter \
     || stamp "b1 profile: skipped, $(left 200) s left"
   stamp "done"
 }
