@@ -394,10 +394,10 @@ def render(data: dict) -> str:
         eq = r.get("delta_equal_gpu_minutes")
         equal = (f"; at ref's GPU-minutes Δ MT-Bench {_d(eq.get('mtbench'))}, HumanEval "
                  f"{_d(eq.get('humaneval'))}: **{r['verdict_equal_gpu_minutes']}**" if eq else "")
+        deltas = (f" (Δ MT-Bench {_d(r['delta'].get('mtbench'))}, "
+                  f"HumanEval {_d(r['delta'].get('humaneval'))}{cost})" if r["delta"] else "")
         lines.append(f"- {r['arm']} (`{r['folder'].removeprefix('bench/results/h200/')}`): "
-                     f"**{r['verdict']}** (Δ MT-Bench {_d(r['delta'].get('mtbench'))}, "
-                     f"HumanEval {_d(r['delta'].get('humaneval'))}{cost}){equal}"
-                     + (f"; to apply: {fields}" if fields else ""))
+                     f"**{r['verdict']}**{deltas}{equal}" + (f"; to apply: {fields}" if fields else ""))
     slope = data.get("tau_per_doubling")
     if slope:
         lines += ["", f"At ref's GPU-minutes: Δ less {_f(slope['mtbench'])} (MT-Bench) / "
