@@ -70,15 +70,23 @@ warmup_8b() {  # the qwen3-8b-1gpu warm-up stage: $1 = cold (empty compile cache
   cp /tmp/l8/qwen3-8b-1gpu/warmup.log "$RES/warmup_8b_$1__warmup.log" 2>/dev/null; return 0
 }
 
-plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the hold cuts is last)
+begin() {  # a plan's start: its clock (T0, which left() counts from) and the GPU it runs on
   cd /tmp/repo
-  stamp "start"; T0=$(date +%s)
+  stamp "$1"; T0=$(date +%s)
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$RES/gpu.txt" 2>&1
+}
+
+data_and_warmups() {  # the quality recipe's data stage with the warm-ups $@ beside it (gpu_jobs=3)
+  timeout $(left ${DATA_S:-240}) $SNAKE data_smollm2-quality "$@" --config $CONF gpu_jobs=3 \
+    > "$RES/dag_data.log" 2>&1
+  stamp "quality data + $* rc=$?"
+}
+
+plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the hold cuts is last)
+  begin "start"
   # 1. the quality recipe's data stage with the warm-ups of the later steps beside it (three jobs
   #    on the GPU: the warm-ups compile on the CPUs while the target generates)
-  timeout $(left ${DATA_S:-240}) $SNAKE data_smollm2-quality warmup_smollm2-quality warmup_smollm2-recipe-block8 \
-    --config $CONF gpu_jobs=3 > "$RES/dag_data.log" 2>&1
-  stamp "quality data + warm-ups rc=$?"
+  data_and_warmups warmup_smollm2-quality warmup_smollm2-recipe-block8
   # 2. the recipe's ref arm (today's default, trained and measured as every arm: τ on four sets;
   #    the decoding sweep is the base's, round 11's) and the feature cache in the GPU's memory
   #    (#34: round 11's cached step was 28.9 ms for 20.9 ms of kernels, the rest the host
@@ -105,12 +113,8 @@ plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the 
 
 plan_rest() {  # a second, shorter hold after a lost machine (round 12): the drafter's depth, the
   # lever #35's "capacity" row never measured and the one #36's batch-1 step cost follows
-  cd /tmp/repo
-  stamp "start (rest)"; T0=$(date +%s)
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$RES/gpu.txt" 2>&1
-  timeout $(left ${DATA_S:-240}) $SNAKE data_smollm2-quality warmup_smollm2-recipe-depth3 \
-    --config $CONF gpu_jobs=3 > "$RES/dag_data.log" 2>&1
-  stamp "quality data + depth3 warm-up rc=$?"
+  begin "start (rest)"
+  data_and_warmups warmup_smollm2-recipe-depth3
   arm depth3 ${ARM_S:-330}
   # #36: the batch-1 decode step's kernels with that 3-layer drafter (round 11: 5 layers, 0.787)
   [ $(left 200) -ge 120 ] && b1_profile /tmp/r/smollm2-recipe-depth3/train/drafter \
