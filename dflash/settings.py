@@ -52,6 +52,9 @@ SETTINGS = (
     Setting("DFLASH_TARGET_STREAM", "shared", "own: a target worker on a GPU it shares with a "
             "drafter queues on its own CUDA stream, beside the drafter's steps (an A/B switch; "
             "dflash.train.streams)"),
+    Setting("DFLASH_STEP_READOUT", "lagged", "sync: a training step's loss, hits and grad norm "
+            "are read to the host right after the step, not one step later (an A/B switch; "
+            "dflash.train.readout)"),
     Setting("DFLASH_FLEX_KERNEL_OPTIONS", "", "KEY=INT,...: fixed flex_attention kernel options "
             "for the target's layers, e.g. BLOCK_M=128,BLOCK_N=64,num_stages=3,num_warps=8; "
             "unset: inductor's own choice (dflash.models.features; bench/gpu/cold_compile.py)"),
@@ -138,6 +141,15 @@ def target_stream() -> str:
     v = get("DFLASH_TARGET_STREAM").strip().lower() or "shared"
     if v not in ("shared", "own"):
         raise ValueError(f"DFLASH_TARGET_STREAM: {v!r} is not 'shared' or 'own'")
+    return v
+
+
+def step_readout() -> str:
+    """``DFLASH_STEP_READOUT``: 'lagged' (a step's figures read after the next step is queued)
+    or 'sync'."""
+    v = get("DFLASH_STEP_READOUT").strip().lower() or "lagged"
+    if v not in ("lagged", "sync"):
+        raise ValueError(f"DFLASH_STEP_READOUT: {v!r} is not 'lagged' or 'sync'")
     return v
 
 

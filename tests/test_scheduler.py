@@ -46,7 +46,7 @@ def _dataset(n=23, seed=1):
     return samples
 
 
-def _pipeline(spec, samples, total_epochs=2, fail_at=None, on_step=None):
+def _pipeline(spec, samples, total_epochs=2, fail_at=None, on_step=None, **kw):
     cfg = DFlashConfig.of_spec(spec)
     b = spec.batching
     bks = buckets(spec)
@@ -63,7 +63,7 @@ def _pipeline(spec, samples, total_epochs=2, fail_at=None, on_step=None):
     return Pipeline(target_workers=make_target_workers(spec), replicas=replicas,
                     step_map=step_map, make_row=make_row, start_step=0, total_steps=total,
                     seed=0, queue_depth=2, on_step=on_step,
-                    fail_at=fail_at, stall_s=spec.monitor.stall_s), replicas, step_map
+                    fail_at=fail_at, stall_s=spec.monitor.stall_s, **kw), replicas, step_map
 
 
 @pytest.fixture(autouse=True)
@@ -107,6 +107,39 @@ def test_distilling_pipeline_carries_soft_labels_to_the_replicas():
     assert all(r.loss == r.loss and r.loss > 0 for r in recs)   # finite, positive
     ref = replicas[0].model.state_dict()
     assert all(torch.equal(v, ref[k]) for k, v in replicas[1].model.state_dict().items())
+
+
+def test_lagged_readout_books_the_same_steps_and_syncs_where_the_books_read_the_weights(
+        monkeypatch):
+    """dflash.train.readout: the books run one step late (the next step is already queued when
+    a step is booked) except at the first, the last and the ``sync_at`` steps, where the weights
+    the books see are that step's (the optimizer's step count says which); every figure equals
+    the run that reads each step at once (DFLASH_STEP_READOUT=sync)."""
+    spec = parse_spec({**SPEC, "topology": {"targets": ["cpu"], "drafters": ["cpu"]},
+                       "compile": {"backend": "eager"}}, "sched.yaml")
+    runs = {}
+    for mode in ("sync", "lagged"):
+        monkeypatch.setenv("DFLASH_STEP_READOUT", mode)
+        recs, opt_steps = [], {}
+        pipe, replicas, _ = _pipeline(spec, _dataset(), total_epochs=3, sync_at=lambda s: s == 2)
+
+        def book(rec, rep=replicas[0]):
+            recs.append(rec)
+            st = rep.opt.state[rep.params[0]]
+            opt_steps[rec.step] = int(st["step"])  # AdamW's count: steps the weights have taken
+
+        pipe.on_step = book
+        pipe.run()
+        runs[mode] = (recs, opt_steps)
+    (sync, sync_steps), (lagged, lag_steps) = runs["sync"], runs["lagged"]
+    n = len(sync)
+    assert n >= 5 and [r.step for r in lagged] == list(range(n))
+    for a, b in zip(sync, lagged):
+        assert (a.loss, a.grad_norm, a.sample_ids, a.draft_acc) == (b.loss, b.grad_norm,
+                                                                  b.sample_ids, b.draft_acc)
+    assert sync_steps == {s: s + 1 for s in range(n)}
+    at_once = {0, 2, n - 1}  # the first, sync_at's, the last
+    assert lag_steps == {s: s + 1 if s in at_once else s + 2 for s in range(n)}
 
 
 def test_epochs_with_uneven_batch_counts_lose_nothing():
@@ -187,7 +220,9 @@ def test_a_hung_worker_fails_the_run_with_every_threads_stack():
     assert "[drafter-0]" in msg and "hangs_after_step_2" in msg and "release.wait()" in msg
     assert "[target-0]" in msg and "[feeder]" in msg
     assert "still running" not in msg
-    assert pipe.steps_done == 3
+    # step 2's books hung once step 3 was queued (they run one step late: dflash.train.readout);
+    # step 3 completed, and the stopping run still booked it
+    assert pipe.steps_done == 4
 
 
 def test_stall_watch_restarts_its_clock_at_every_step():

@@ -111,6 +111,12 @@ class StepBooks:
     def _due(self, every: int, step: int) -> bool:
         return (step + 1) % every == 0 or step + 1 == self.total
 
+    def state_due(self, step: int) -> bool:
+        """Whether :meth:`record` of ``step`` reads the replica's weights (the τ monitor, a
+        checkpoint): the pipeline then reads that step's figures at once, not one step late."""
+        return ((self.monitor is not None and self._due(self.tau_every, step))
+                or (self.writer and self.persist and self._due(self.checkpoint.every_steps, step)))
+
     def record(self, rec) -> None:
         """One finished step (a :class:`dflash.train.scheduler.StepRecord`)."""
         self.counters["tokens"] += rec.tokens

@@ -8,10 +8,11 @@ launches are slow, so a step is launch-bound until its kernels replay as one gra
 What makes the step capturable:
 
 * static inputs: one set of device buffers per bucket (features, the row's document ids and
-  positions, the blocks' tensors); a step copies its row into them (:meth:`GraphStep.load`)
-  and replays. The FlexAttention BlockMask is built inside the graph from those buffers (its
-  compiled construction has no host sync and reads the buffers' new values at each replay),
-  so nothing of a row's mask is baked into the graph;
+  positions, the blocks' tensors: views of one byte buffer, :mod:`dflash.train.host_pack`); a
+  step copies its row into them (:meth:`GraphStep.load`: two copies) and replays. The
+  FlexAttention BlockMask is built inside the graph from those buffers (its compiled
+  construction has no host sync and reads the buffers' new values at each replay), so nothing
+  of a row's mask is baked into the graph;
 * a fixed-shape loss (:meth:`dflash.train.objective.Objective.static_loss`): every slot's
   block positions 1..K with zero weight where unlabelled, instead of the rows the host finds;
 * the optimizer's step count and lr on the device (``make_optimizer(capturable=True)``): the
@@ -31,6 +32,7 @@ import torch
 from ..models.graphs import capture
 from ..models.masks import Blocks, PackedRow
 from ..models.target_output import TargetOutput
+from .host_pack import PackedLayout
 
 _ROW = ("doc_ids", "position_ids")
 _BLOCKS = ("anchor_pos", "valid", "block_input_ids", "block_position_ids", "labels",
@@ -43,24 +45,26 @@ class GraphStep:
     was made capturable."""
 
     def __init__(self, rep, row: PackedRow, target: TargetOutput, blocks: Blocks):
-        dev = rep.device
+        dev = torch.device(rep.device)
         self.rep, self.graph, self.out = rep, None, None
         self.features = target.features.to(dev).clone()
-        self.row = {n: getattr(row, n).to(dev).clone() for n in _ROW}
-        self.blocks = Blocks(**{n: getattr(blocks, n).to(dev).clone() for n in _BLOCKS},
-                             block_size=blocks.block_size)
+        small = small_tensors(row, blocks)
+        self.layout = PackedLayout(small)  # the row's small tensors: views of ONE buffer
+        self.flat = self.layout.pack(small, pin=False).to(dev)
+        views = self.layout.views(self.flat)
+        self.row = {n: views[n] for n in _ROW}
+        self.blocks = Blocks(**{n: views[n] for n in _BLOCKS}, block_size=blocks.block_size)
         self.position_weights = rep.objective.position_weights(dev)  # no host copy in-graph
 
     def load(self, row: PackedRow, target: TargetOutput | torch.Tensor, blocks: Blocks) -> None:
-        """Copy one row's tensors into the static buffers (non-blocking; shapes must be the
-        bucket's)."""
+        """Copy one row into the static buffers: its features, and its small tensors in one
+        copy from pinned memory (both non-blocking; shapes must be the bucket's)."""
         feats = target.features if isinstance(target, TargetOutput) else target
-        with _on(self.features.device):  # the copies queue on the stream the replay uses
+        dev = self.features.device
+        with _on(dev):  # the copies queue on the stream the replay uses
             self.features.copy_(feats, non_blocking=True)
-            for n in _ROW:
-                self.row[n].copy_(getattr(row, n), non_blocking=True)
-            for n in _BLOCKS:
-                getattr(self.blocks, n).copy_(getattr(blocks, n), non_blocking=True)
+            self.flat.copy_(self.layout.pack(small_tensors(row, blocks), pin=dev.type == "cuda"),
+                            non_blocking=True)
 
     def forward_backward(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss, hits) of the static buffers' row, the gradients accumulated in ``.grad``."""
@@ -109,6 +113,11 @@ class GraphStep:
             return tuple(t.clone() if t is not None else None for t in self.out)
 
 
+def small_tensors(row: PackedRow, blocks: Blocks) -> dict[str, torch.Tensor]:
+    """The row's tensors a step reads besides its features, by name."""
+    return {**{n: getattr(row, n) for n in _ROW}, **{n: getattr(blocks, n) for n in _BLOCKS}}
+
+
 def _on(device: torch.device):
     """The CUDA device context of ``device`` (nothing on the CPU)."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
@@ -144,4 +153,4 @@ def restore(rep, snap: dict) -> None:
                     v.zero_()
 
 
-__all__ = ["GraphStep", "graph_step_on", "snapshot", "restore"]
+__all__ = ["GraphStep", "graph_step_on", "small_tensors", "snapshot", "restore"]

@@ -17,8 +17,9 @@ from ..models.drafter import DFlashConfig, DFlashDrafter
 from ..models.graphs import capture_or_warn
 from ..models.masks import Blocks, PackedRow, attention_backend, dense_mask, flex_block_mask
 from ..models.target_output import TargetOutput
-from .graph_step import GraphStep, restore, snapshot
+from .graph_step import GraphStep, restore, small_tensors, snapshot
 from .head_loss import head_backend
+from .host_pack import PackedLayout
 from .objective import Objective
 
 if TYPE_CHECKING:
@@ -130,10 +131,10 @@ class DrafterReplica:
         if self.graphs.get(row.input_ids.shape[0]) is not None:
             return self._replay(row, out, blocks)
         out = out.to(dev, non_blocking=True)
-        doc = row.doc_ids.to(dev, non_blocking=True)
-        blocks_d = Blocks(**{k: (v.to(dev, non_blocking=True) if torch.is_tensor(v) else v)
-                             for k, v in vars(blocks).items()})
-        ctx_pos = row.position_ids.to(dev, non_blocking=True)[None]
+        small = small_tensors(row, blocks)  # one copy for the row's small tensors
+        d = PackedLayout(small).to_device(small, dev)
+        doc, ctx_pos = d.pop("doc_ids"), d.pop("position_ids")[None]
+        blocks_d = Blocks(**d, block_size=blocks.block_size)
         loss, hits = self.forward_loss(
             doc, blocks_d, out.features, ctx_pos,
             lambda hidden: self.objective.loss(hidden, self.lm_head, blocks_d, out.soft,

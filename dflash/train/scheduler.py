@@ -43,6 +43,7 @@ from ..runtime.busy import DeviceBusy
 from .feature_cache import CacheStopped
 from .packing import StepMap
 from .profile import worker_label
+from .readout import Finished, LaggedRecords, StepReadout
 from .stall import StallWatch, failure_message
 
 POLL_S = 0.1
@@ -92,7 +93,7 @@ class Pipeline:
                  total_steps: int, seed: int, queue_depth: int,
                  on_step: Callable[[StepRecord], None] | None = None,
                  fail_at: dict[str, int] | None = None, comm=None, feature_cache=None,
-                 profiler=None, stall_s: float | None = None):
+                 profiler=None, stall_s: float | None = None, sync_at: Callable | None = None):
         """``target_workers``: (device, fn(row) -> TargetOutput) per target device.
         ``feature_cache``: a :class:`dflash.train.feature_cache.FeatureCache` (epoch 0 writes
         it, later epochs read the rows it serves instead of running the target) or None.
@@ -100,7 +101,8 @@ class Pipeline:
         packs one batch of sample indices into a PackedRow. ``profiler``: a
         :class:`dflash.train.profile.StepProfiler` replica 0 opens and closes between steps
         (``monitor.profile_steps``) or None. ``stall_s`` (``monitor.stall_s``): fail the run,
-        with every thread's stack, when no step completes for that long (None: never)."""
+        with every thread's stack, when no step completes for that long (None: never).
+        ``sync_at(step)``: ``on_step`` reads the weights after that step (a checkpoint, τ)."""
         self.targets = target_workers
         self.replicas = replicas
         self.M = len(replicas)
@@ -114,6 +116,10 @@ class Pipeline:
         self.cache = feature_cache
         self.profiler = profiler
         self.stall = StallWatch(stall_s)
+        due = sync_at or (lambda step: False)
+        self.records = LaggedRecords(  # the books one step late; across nodes at once: a lag must not reorder
+            self._record, lambda step: step == start_step or step + 1 == total_steps or due(step),
+            lagged=None if comm is None else False)  # one rank's collectives against the others'
         self.allreduce = None  # DeviceBusy of the cross-node all-reduce (leader thread)
         self.gate = get_gate()
         self.stop = threading.Event()
@@ -296,19 +302,23 @@ class Pipeline:
                 b0 = busy.start()
                 with worker_label(name), self.gate.shared():
                     norm = rep.clip_and_step()
+                    readout = StepReadout(snapshot, norm) if r == 0 else None
                 busy.stop(b0)
                 self.busy_s[name], self.wait_s[name] = busy.seconds, wait
                 if r == 0:
-                    self._record(step, item.epoch, norm, rep.lr(), snapshot)
-                # first step = its work done (on CUDA the record above synced replica 0)
+                    self.records.finished(Finished(step, item.epoch, rep.lr(), snapshot, readout))
+                # first step = its work done (its record is read at once: it synced replica 0)
                 self.first_step_s.setdefault(name, time.perf_counter() - self.t0)
-            if r == 0 and self.profiler is not None:
-                self.profiler.at_step(self.total_steps, self)
+            if r == 0:
+                self.records.flush()
+                if self.profiler is not None:
+                    self.profiler.at_step(self.total_steps, self)
             self.busy_s[name] = busy.collect(block=True)
-        except Stopped:
-            pass
         except BaseException as e:  # noqa: BLE001
-            self.fail(name, rep.device, e)
+            if not isinstance(e, Stopped):
+                self.fail(name, rep.device, e)
+            if r == 0:
+                self.records.flush_stopping()
 
     def _local_sum(self, results: list) -> tuple[torch.Tensor | None, int]:
         """The sum of this node's active replicas' flat gradients on the lead device (fixed
@@ -351,27 +361,18 @@ class Pipeline:
             self.allreduce.stop(t0)
             self._set_mean(buf[:-1] / buf[-1].clamp(min=1.0))
 
-    def _record(self, step: int, epoch: int, norm, lr: float, results: list) -> None:
-        # the step's one host-device sync: losses and the norm read together, after the
-        # optimizer step was queued
-        res = [r for r in results if r is not None]
-        losses, hits, counts = [], None, None
-        for r in results:
-            if r is None:
-                losses.append(None)
+    def _record(self, done: Finished) -> None:
+        """The step's books (``on_step``) from its figures (:mod:`.readout`: one step late)."""
+        step, epoch, lr, results = done.step, done.epoch, done.lr, done.results
+        res, (losses, per_hits, grad_norm) = [r for r in results if r is not None], done.readout.values()
+        hits = counts = None
+        for r, h in zip(results, per_hits):
+            if h is None:
                 continue
-            if r.hits is None:
-                losses.append(float(r.loss))
-                continue
-            # loss and per-position hits in one transfer
-            vals = torch.cat([r.loss.reshape(1).float(), r.hits.float().to(r.loss.device)]
-                             ).tolist()
-            losses.append(vals[0])
-            hits = vals[1:] if hits is None else [a + b for a, b in zip(hits, vals[1:])]
+            hits = h if hits is None else [a + b for a, b in zip(hits, h)]
             counts = r.counts if counts is None else [a + b for a, b in zip(counts, r.counts)]
         tokens, labelled = sum(r.tokens for r in res), sum(r.labelled for r in res)
         sample_ids = [s for r in res for s in r.sample_ids]
-        grad_norm = float(norm)
         if self.comm is not None:
             # the whole step, every node's replicas in rank order; gathering is also where the
             # ranks agree on the step before rank 0 writes anything (metrics, a checkpoint)

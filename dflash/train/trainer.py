@@ -242,7 +242,7 @@ def train_steps(job: Job, progress: Progress, targets: list, fail_at: dict,
                     total_steps=job.total_steps, seed=spec.seed,
                     queue_depth=spec.topology.queue_depth, on_step=books.record,
                     fail_at=fail_at, comm=job.comm, feature_cache=cache, profiler=profiler,
-                    stall_s=spec.monitor.stall_s)
+                    stall_s=spec.monitor.stall_s, sync_at=books.state_due)
     if job.comm is not None:
         job.comm.watchdog.on_failure(
             lambda msg: pipe.fail("watchdog", job.comm.name(), PeerFailed(msg)))
