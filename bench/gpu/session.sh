@@ -10,12 +10,10 @@
 # in its own process session (it outlives the call), then watches it; `watch` watches until
 # WATCH_S and collects. Run state lives in /tmp (a carried folder is replaced by the next call);
 # what comes back is one archive, results.tgz (at most 8 files come back).
-# The plan (round 12, issues #34-#35), most needed first: the quality recipe's data stage with
-# the later steps' warm-ups beside it; the recipe's ref arm and the feature cache in the GPU's
-# memory (device-cache), A/B in one lease; DFLASH_TARGET_STREAM=own under the stall watchdog (its
-# thread stacks); block 8 on the GPU's cache; fresh prompts instead of epochs (prompts15x-2ep);
-# the batch-1 decode step's kernels with the trained drafter (#36); then block 8 with twice the
-# anchors, while time is left. PLAN_S bounds the plan
+# The plan (round 13, issues #34-#35), most needed first: the quality recipe's data stage with
+# the later steps' warm-ups beside it; the recipe's ref arm with today's step and its training
+# again with every step's figures read at once (DFLASH_STEP_READOUT=sync), the A/B in one lease;
+# fresh prompts instead of epochs (prompts15x-2ep); block 8, while time is left. PLAN_S bounds it
 # (round 11's ran the quality DAG, two arms, the bf16 reference loops and the cached profiles:
 # bench/results/h200/round11-2026-12-02/README.md).
 #   calls 1, 2:  bash bench/gpu/session.sh stash   (carry .whl, then .whl2)
@@ -87,39 +85,46 @@ plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the 
   # 1. the quality recipe's data stage with the warm-ups of the later steps beside it (three jobs
   #    on the GPU: the warm-ups compile on the CPUs while the target generates)
   data_and_warmups warmup_smollm2-quality warmup_smollm2-recipe-block8
-  # 2. the recipe's ref arm (today's default, trained and measured as every arm: τ on four sets;
-  #    the decoding sweep is the base's, round 11's) and the feature cache in the GPU's memory
-  #    (#34: round 11's cached step was 28.9 ms for 20.9 ms of kernels, the rest the host
-  #    cache's read), A/B in one lease
+  # 2. #34: the recipe's ref arm (today's default: a step's figures read one step late, a row's
+  #    small tensors in one pinned copy; dflash/train/readout.py, host_pack.py) through bench,
+  #    then the same training with every step read at once (DFLASH_STEP_READOUT=sync): the A/B
   arm ref ${ARM_S:-330}
-  arm device-cache ${ARM_S:-330}
-  # 3. block 8 on the GPU's cache: round 11's fastest recipe (348K tok/s) without the host read
-  arm block8-device-cache ${ARM_S:-330}
-  # 4. fresh prompts instead of epochs (#35): 1.5x the prompts for 2 epochs, about the same
-  #    training tokens; its own data stage (~1.5x the base's generation)
-  [ $(left 600) -ge 450 ] && arm prompts15x-2ep 600 || stamp "prompts15x-2ep: skipped, $(left 600) s left"
-  # 5. #36's batch-1 step under the profiler with a trained drafter (round 5's kernel counts were
-  #    random weights): the ref arm's drafter, verify 8 (round 11's choice at batch 1)
-  [ $(left 200) -ge 120 ] && b1_profile /tmp/r/smollm2-recipe-ref/train/drafter \
-    || stamp "b1 profile: skipped, $(left 200) s left"
-  # 6. DFLASH_TARGET_STREAM=own again, where round 11 hung at step 0: the profile spec's
-  #    monitor.stall_s (60 s) now fails it with every thread's stack (the log is the finding)
-  [ $(left 150) -ge 90 ] && profile_run smollm2-quality-profile-cached cached-own-stream own \
-    || stamp "own stream: skipped, $(left 150) s left"
-  # 7. what is left: block 8 with twice the anchors (#34/#35)
-  [ $(left 400) -ge 240 ] && arm block8-anchors2x 330 || stamp "block8-anchors2x: skipped, $(left 400) s left"
+  when 150 240 readout_sync ref
+  #    and the cached epoch's step under the profiler with today's step (round 11's, before:
+  #    20.9 ms of kernels in a 28.9 ms step, the GPU idle 22 % between replays)
+  when 90 150 profile_run smollm2-quality-profile-cached cached shared
+  # 3. #35: fresh prompts instead of epochs (1.5x the prompts for 2 epochs, about the same
+  #    training tokens; its own data stage, ~1.5x the base's generation)
+  when 480 650 arm prompts15x-2ep 650
+  # 4. #34: block 8 (round 11: 348K tok/s, τ -0.03) with today's step
+  when 200 300 arm block8 300
   stamp "done"
 }
 
-plan_rest() {  # a second, shorter hold after a lost machine (round 12): the drafter's depth, the
-  # lever #35's "capacity" row never measured and the one #36's batch-1 step cost follows
+plan_rest() {  # a second, shorter hold after a lost machine: the A/B and block 8 again
   begin "start (rest)"
-  data_and_warmups warmup_smollm2-recipe-depth3
-  arm depth3 ${ARM_S:-330}
-  # #36: the batch-1 decode step's kernels with that 3-layer drafter (round 11: 5 layers, 0.787)
-  [ $(left 200) -ge 120 ] && b1_profile /tmp/r/smollm2-recipe-depth3/train/drafter \
-    || stamp "b1 profile: skipped, $(left 200) s left"
+  data_and_warmups warmup_smollm2-quality warmup_smollm2-recipe-block8
+  arm ref ${ARM_S:-330}
+  when 150 240 readout_sync ref
+  when 200 300 arm block8 300
   stamp "done"
+}
+
+when() {  # $1 seconds a step needs at least, $2 its limit, then the step: run if PLAN_S allows
+  local need=$1 lim=$2; shift 2
+  if [ $(left $lim) -ge $need ]; then "$@"; else stamp "$*: skipped, $(left $lim) s left"; fi
+}
+
+readout_sync() {  # $1 an arm that has run: its train stage again, DFLASH_STEP_READOUT=sync (the A
+  # of #34's readout A/B); the arm's own train outputs are set aside meanwhile and put back after
+  local d=/tmp/r/smollm2-recipe-$1/train
+  [ -d $d ] || { stamp "readout_sync: no $d"; return 0; }
+  mv $d /tmp/train-lagged-$1
+  DFLASH_STEP_READOUT=sync timeout $(left 240) $SNAKE train_smollm2-recipe-$1 --config $CONF \
+    > "$RES/dag_$1-readout-sync.log" 2>&1
+  stamp "$1 train, DFLASH_STEP_READOUT=sync rc=$?"
+  for f in manifest.json metrics.jsonl; do cp $d/$f "$RES/$1-readout-sync__$f" 2>/dev/null; done
+  rm -rf $d && mv /tmp/train-lagged-$1 $d
 }
 
 arm() {  # $1 a smollm2-recipe arm through bench, at most $2 seconds; $3... more --config items
