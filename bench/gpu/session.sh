@@ -16,7 +16,7 @@
 # fresh prompts instead of epochs (prompts15x-2ep); block 8, while time is left. PLAN_S bounds it
 # (round 11's ran the quality DAG, two arms, the bf16 reference loops and the cached profiles:
 # bench/results/h200/round11-2026-12-02/README.md).
-#   calls 1, 2:  bash bench/gpu/session.sh stash   (carry .whl, then .whl2)
+#   calls 1..N-1:  bash bench/gpu/session.sh stash   (carry .whl, then .whl2 ... as packed)
 #   (or call 1: `probes`, which also installs the small wheels and runs the probes alone)
 #   last:    bash bench/gpu/session.sh launch     (carry the last .whlN; watches WATCH_S)
 #   then:    bash bench/gpu/session.sh watch      (WATCH_S seconds at most)
