@@ -19,7 +19,7 @@ next_dir() {  # the next call's folder (the repo grew past one call for every sm
   echo "$dir: $used B + repo $repo B (call $n)"
   n=$(( n + 1 )); dir=.whl$n; used=0; mkdir -p $dir
 }
-for f in $(ls -S "$WHEELS"/*.whl); do                       # the other wheels whole, largest first
+for f in $(ls -S "$WHEELS"/*); do                           # the others whole (an sdist too), largest first
   [ "$f" = "$smol" ] && continue
   s=$(stat -c %s "$f")
   [ $s -le $budget ] || { echo "$f: larger than a call's room ($budget B)" >&2; exit 1; }

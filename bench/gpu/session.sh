@@ -167,6 +167,9 @@ refs() {  # both decoding loops on a trained drafter ($1), bf16 (#36 items 2 and
 
 watch() {  # progress every 45 s until the plan is done or WATCH_S have passed
   local end=$(( $(date +%s) + ${WATCH_S:-540} ))
+  # no plan here: this is a fresh machine (the one that ran the plan went back, round 13), and
+  # waiting would only spend device time
+  [ -f "$RES/plan.log" ] || { echo "no plan on this machine: the last one was lost"; return 3; }
   while [ "$(date +%s)" -lt "$end" ]; do
     grep -q "\] done" "$RES/plan.log" 2>/dev/null && break
     sleep 45
