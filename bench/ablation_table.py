@@ -39,6 +39,7 @@ from pathlib import Path
 import yaml
 
 from bench import md_block
+from bench.ablation_plot import plot
 from bench.entry import run
 from dflash.errors import DFlashError
 
@@ -84,6 +85,12 @@ def read_metrics(path: Path) -> list[dict]:
 def sibling(report: Path, stage: str, name: str) -> Path:
     """``<arm>__<stage>__<name>`` beside ``<arm>__bench__report.json``."""
     return report.with_name(report.name.replace("__bench__report.json", f"__{stage}__{name}"))
+
+
+def has_train_files(report: Path) -> bool:
+    """Whether the train manifest beside a report came back (round 13's ref arm: the machine was
+    lost while its train folder was set aside; not tabled, listed in ``without_train_files``)."""
+    return sibling(report, "train", "manifest.json").is_file()
 
 
 def metrics_of(report: Path) -> list[dict]:
@@ -134,7 +141,8 @@ def arm_rows(folder: Path, sweeps: list[str]) -> list[dict]:
     with no ``ref`` arm there takes its base spec's run of the same folder as ``ref``
     (:func:`base_as_ref`)."""
     rows, spans = [], {}
-    reports = {p: read_json(p) for p in sorted(folder.glob("*__bench__report.json"))}
+    reports = {p: read_json(p) for p in sorted(folder.glob("*__bench__report.json"))
+               if has_train_files(p)}
     for rep_path, rep in reports.items():
         spec = rep.get("spec", "")
         sweep = max((s for s in sweeps if spec.startswith(s + "-")), key=len, default=None)
@@ -344,7 +352,9 @@ def collect() -> dict:
             "gpu_minutes": "training steps' seconds x the run's share of the GPU (arms trained "
                            "at once split each second evenly); the data stage apart",
             "tau_per_doubling": slope,
-            "arms": arms, "runs": runs, "curve": curve(arms)}
+            "arms": arms, "runs": runs, "curve": curve(arms),
+            "without_train_files": [_rel(p) for p in sorted(H200.rglob("*__bench__report.json"))
+                                    if not has_train_files(p)]}
 
 
 def _f(x, fmt="{:.3f}") -> str:
@@ -405,31 +415,6 @@ def render(data: dict) -> str:
                   f"of the arm's GPU-minutes over ref's (slope from the {slope['from']}: an "
                   "estimate across leases). A winner is applied only if it wins there too."]
     return "\n".join(lines)
-
-
-def plot(data: dict, png: Path) -> None:
-    import matplotlib  # noqa: PLC0415 - the backend is chosen before pyplot loads
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, pts in data["curve"].items():
-        ax.plot([p["gpu_minutes"] for p in pts], [p["tau_heldout"] for p in pts], marker=".",
-                label=f"{name} (held-out, monitor)")
-    for r in data["arms"] + data["runs"]:
-        if r["tau"]["mtbench"] is not None:
-            ax.scatter([r["gpu_minutes"]], [r["tau"]["mtbench"]], marker="*", s=80, zorder=3,
-                       color="k")
-            ax.annotate(r["arm"], (r["gpu_minutes"], r["tau"]["mtbench"]), fontsize=7,
-                        xytext=(3, -9), textcoords="offset points")
-    ax.set(xlabel="training GPU-minutes (H200; share of the GPU when arms trained at once)",
-           ylabel="τ (simulated, greedy, block 16)",
-           title="τ vs GPU-minutes: lines held-out while training, stars MT-Bench at the end")
-    ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
 
 
 splice = partial(md_block.splice, begin=BEGIN, end=END)

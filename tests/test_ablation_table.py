@@ -109,6 +109,10 @@ def test_the_verdict_at_equal_gpu_minutes(at):
 def test_a_missing_arm_file_is_one_clear_error(at, tmp_path):
     (tmp_path / "x__bench__report.json").write_text(json.dumps(
         {"spec": "smollm2-recipe-1ep-x", "acceptance": {"sets": {}}}))
+    # no train files at all (a lost machine's arm): not tabled, and named in the JSON
+    assert at.arm_rows(tmp_path, ["smollm2-recipe-1ep"]) == []
+    assert not at.has_train_files(tmp_path / "x__bench__report.json")
+    (tmp_path / "x__train__manifest.json").write_text("{torn")
     with pytest.raises(DFlashError, match=r"x__train__manifest.json: not readable JSON"):
         at.arm_rows(tmp_path, ["smollm2-recipe-1ep"])
     md = tmp_path / "x.md"
@@ -139,3 +143,11 @@ def test_a_sweeps_base_run_is_its_ref_where_it_trains_as_ref_would(at, data):
         r11["block8"]["tau"]["mtbench"] - r11["ref"]["tau"]["mtbench"], 4)
     # the τ-per-doubling slope still comes from the 1-epoch refs alone, not this 3-epoch ref
     assert data["tau_per_doubling"]["mtbench"] == 0.2166
+
+
+def test_an_arm_whose_train_files_did_not_come_back_is_listed_not_tabled(data):
+    """Round 13's ref arm: the report came back, its train folder (set aside for the readout A/B
+    when the machine was lost) did not; it is cited from its report, never silently dropped."""
+    r13 = "bench/results/h200/round13-2026-12-03/lease/r/smollm2-recipe-ref__bench__report.json"
+    assert r13 in data["without_train_files"]
+    assert not any("round13-2026-12-03" in r["folder"] for r in data["arms"])
