@@ -169,7 +169,8 @@ def test_repo_sweeps_validate():
     assert len({s.fingerprint("data") for k, s in recipe.items() if k not in data_arms}) == 1
     assert recipe["prompts15x-2ep"].fingerprint("data") != recipe["ref"].fingerprint("data")
     assert recipe["prompts15x-2ep"].fingerprint("warmup") == recipe["ref"].fingerprint("warmup")
-    own = ("depth3", "depth8", "block8", "block8-anchors2x", "uncapped", "kd", "ce-kd")
+    own = ("depth3", "depth8", "block8", "block8-anchors2x", "anchors1344", "uncapped", "kd",
+           "ce-kd")
     # the feature cache's place is no compiled shape: block 8 on the GPU's cache is block 8's
     shares = {"block8-device-cache": "block8"}
     assert len({s.fingerprint("warmup") for k, s in recipe.items()

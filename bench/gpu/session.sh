@@ -10,10 +10,10 @@
 # in its own process session (it outlives the call), then watches it; `watch` watches until
 # WATCH_S and collects. Run state lives in /tmp (a carried folder is replaced by the next call);
 # what comes back is one archive, results.tgz (at most 8 files come back).
-# The plan (round 13, issues #34-#35), most needed first: the quality recipe's data stage with
-# the later steps' warm-ups beside it; the recipe's ref arm with today's step and its training
-# again with every step's figures read at once (DFLASH_STEP_READOUT=sync), the A/B in one lease;
-# fresh prompts instead of epochs (prompts15x-2ep); block 8, while time is left. PLAN_S bounds it
+# The plan (round 14, issues #34-#35), most needed first: the quality recipe's data stage with
+# the later steps' warm-ups beside it; block 8 and 1344 anchors a row with today's step (#34's
+# 326K); fresh prompts instead of epochs (prompts15x-2ep, #35); the cached step's profile.
+# (Round 13 ran the readout A/B: `readout_sync` below.) PLAN_S bounds it
 # (round 11's ran the quality DAG, two arms, the bf16 reference loops and the cached profiles:
 # bench/results/h200/round11-2026-12-02/README.md).
 #   calls 1..N-1:  bash bench/gpu/session.sh stash   (carry .whl, then .whl2 ... as packed)
@@ -84,29 +84,25 @@ plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the 
   begin "start"
   # 1. the quality recipe's data stage with the warm-ups of the later steps beside it (three jobs
   #    on the GPU: the warm-ups compile on the CPUs while the target generates)
-  data_and_warmups warmup_smollm2-quality warmup_smollm2-recipe-block8
-  # 2. #34: the recipe's ref arm (today's default: a step's figures read one step late, a row's
-  #    small tensors in one pinned copy; dflash/train/readout.py, host_pack.py) through bench,
-  #    then the same training with every step read at once (DFLASH_STEP_READOUT=sync): the A/B
-  arm ref ${ARM_S:-330}
-  when 150 240 readout_sync ref
-  #    and the cached epoch's step under the profiler with today's step (round 11's, before:
-  #    20.9 ms of kernels in a 28.9 ms step, the GPU idle 22 % between replays)
-  when 90 150 profile_run smollm2-quality-profile-cached cached shared
+  data_and_warmups warmup_smollm2-quality warmup_smollm2-recipe-block8 warmup_smollm2-recipe-anchors1344
+  # 2. #34: the two recipes that may reach 326K target tok/s with today's step (round 13's ref:
+  #    320.8K, the readout A/B done): block 8 (round 11: 348K with the old step, τ -0.03), and
+  #    1344 anchors a row (round 13's balance section: 350K projected)
+  arm block8 ${ARM_S:-300}
+  when 200 300 arm anchors1344 300
   # 3. #35: fresh prompts instead of epochs (1.5x the prompts for 2 epochs, about the same
   #    training tokens; its own data stage, ~1.5x the base's generation)
   when 480 650 arm prompts15x-2ep 650
-  # 4. #34: block 8 (round 11: 348K tok/s, τ -0.03) with today's step
-  when 200 300 arm block8 300
+  # 4. #34: the cached epoch's step under the profiler with today's step (round 11's, before:
+  #    20.9 ms of kernels in a 28.9 ms step, the GPU idle 22 % between replays)
+  when 90 150 profile_run smollm2-quality-profile-cached cached shared
   stamp "done"
 }
 
-plan_rest() {  # a second, shorter hold after a lost machine: the A/B and block 8 again
+plan_rest() {  # a second, shorter hold after a lost machine: #35's data arm first this time
   begin "start (rest)"
-  data_and_warmups warmup_smollm2-quality warmup_smollm2-recipe-block8
-  arm ref ${ARM_S:-330}
-  when 150 240 readout_sync ref
-  when 200 300 arm block8 300
+  data_and_warmups warmup_smollm2-quality
+  when 480 650 arm prompts15x-2ep 650
   stamp "done"
 }
 
