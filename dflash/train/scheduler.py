@@ -116,10 +116,9 @@ class Pipeline:
         self.cache = feature_cache
         self.profiler = profiler
         self.stall = StallWatch(stall_s)
-        due = sync_at or (lambda step: False)
-        self.records = LaggedRecords(  # the books one step late; across nodes at once: a lag must not reorder
-            self._record, lambda step: step == start_step or step + 1 == total_steps or due(step),
-            lagged=None if comm is None else False)  # one rank's collectives against the others'
+        # the books one step late (.readout); across nodes at once: no rank reorders collectives
+        self.records = LaggedRecords(self._record, lambda s: s in (start_step, total_steps - 1)
+                                     or bool(sync_at and sync_at(s)), lagged=None if comm is None else False)
         self.allreduce = None  # DeviceBusy of the cross-node all-reduce (leader thread)
         self.gate = get_gate()
         self.stop = threading.Event()
@@ -364,7 +363,8 @@ class Pipeline:
     def _record(self, done: Finished) -> None:
         """The step's books (``on_step``) from its figures (:mod:`.readout`: one step late)."""
         step, epoch, lr, results = done.step, done.epoch, done.lr, done.results
-        res, (losses, per_hits, grad_norm) = [r for r in results if r is not None], done.readout.values()
+        res = [r for r in results if r is not None]
+        losses, per_hits, grad_norm = done.readout.values()
         hits = counts = None
         for r, h in zip(results, per_hits):
             if h is None:
