@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class StepResult:
-    loss: torch.Tensor  # 0-d, on the device: read once per step by the recorder (one sync)
+    loss: torch.Tensor  # 0-d, on the device: to the host with the step's readout (dflash.train.readout)
     labelled: int       # block positions that carried a loss
     tokens: int         # real target tokens in the packed row
     sample_ids: list[int]
