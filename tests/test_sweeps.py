@@ -165,9 +165,11 @@ def test_repo_sweeps_validate():
     assert {recipe[a].optim.lr for a in ("ref", "lr12e-4", "lr24e-4")} == {6e-4, 1.2e-3, 2.4e-3}
     # every arm but the data arms shares the base's one data stage; its warm-up too, but for the arms that change
     # a compiled shape: depth and block (the drafter, the row), uncapped and kd / ce-kd (the loss's rows and inputs)
-    data_arms = ("prompts15x-2ep",)  # fresh prompts instead of epochs: its own data stage
+    data_arms = ("prompts15x-2ep", "prompts15x")  # 1.5x the prompts: one data stage of their own
     assert len({s.fingerprint("data") for k, s in recipe.items() if k not in data_arms}) == 1
     assert recipe["prompts15x-2ep"].fingerprint("data") != recipe["ref"].fingerprint("data")
+    assert recipe["prompts15x"].fingerprint("data") == recipe["prompts15x-2ep"].fingerprint("data")
+    assert (recipe["prompts15x"].optim.epochs, recipe["prompts15x-2ep"].optim.epochs) == (3, 2)
     assert recipe["prompts15x-2ep"].fingerprint("warmup") == recipe["ref"].fingerprint("warmup")
     own = ("depth3", "depth8", "block8", "block8-anchors2x", "anchors1344", "uncapped", "kd",
            "ce-kd")

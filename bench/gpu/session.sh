@@ -12,7 +12,8 @@
 # what comes back is one archive, results.tgz (at most 8 files come back).
 # The plan (round 14, issues #34-#35), most needed first: the quality recipe's data stage with
 # the later steps' warm-ups beside it; block 8 and 1344 anchors a row with today's step (#34's
-# 326K); fresh prompts instead of epochs (prompts15x-2ep, #35); the cached step's profile.
+# 326K); fresh prompts instead of epochs (prompts15x-2ep) and 1.5x the data (prompts15x, #35);
+# the cached step's profile.
 # (Round 13 ran the readout A/B: `readout_sync` below.) PLAN_S bounds it
 # (round 11's ran the quality DAG, two arms, the bf16 reference loops and the cached profiles:
 # bench/results/h200/round11-2026-12-02/README.md).
@@ -93,6 +94,8 @@ plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the 
   # 3. #35: fresh prompts instead of epochs (1.5x the prompts for 2 epochs, about the same
   #    training tokens; its own data stage, ~1.5x the base's generation)
   when 480 650 arm prompts15x-2ep 650
+  #    and the same prompts for 3 epochs (1.5x the tokens; the data stage above is shared)
+  when 200 320 arm prompts15x 320
   # 4. #34: the cached epoch's step under the profiler with today's step (round 11's, before:
   #    20.9 ms of kernels in a 28.9 ms step, the GPU idle 22 % between replays)
   when 90 150 profile_run smollm2-quality-profile-cached cached shared
