@@ -324,7 +324,8 @@ def curve(arms: list[dict]) -> dict:
 def collect() -> dict:
     sweeps = sorted(p.stem for p in (REPO / "sweeps").glob("*.yaml"))
     arms = []
-    for folder in sorted({p.parent for p in H200.rglob("*__bench__report.json")}):
+    reports = sorted(H200.rglob("*__bench__report.json"))
+    for folder in sorted({p.parent for p in reports}):
         rows = arm_rows(folder, sweeps)
         for r in rows:  # against the ref arm of the same lease and sweep
             ref = next((o for o in rows if o["arm"] == "ref" and o["sweep"] == r["sweep"]),
@@ -353,8 +354,7 @@ def collect() -> dict:
                            "at once split each second evenly); the data stage apart",
             "tau_per_doubling": slope,
             "arms": arms, "runs": runs, "curve": curve(arms),
-            "without_train_files": [_rel(p) for p in sorted(H200.rglob("*__bench__report.json"))
-                                    if not has_train_files(p)]}
+            "without_train_files": [_rel(p) for p in reports if not has_train_files(p)]}
 
 
 def _f(x, fmt="{:.3f}") -> str:
