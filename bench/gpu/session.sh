@@ -10,10 +10,10 @@
 # in its own process session (it outlives the call), then watches it; `watch` watches until
 # WATCH_S and collects. Run state lives in /tmp (a carried folder is replaced by the next call);
 # what comes back is one archive, results.tgz (at most 8 files come back).
-# The plan (round 14, issues #34-#35), most needed first: the quality recipe's data stage with
-# the later steps' warm-ups beside it; block 8 and 1344 anchors a row with today's step (#34's
-# 326K); fresh prompts instead of epochs (prompts15x-2ep) and 1.5x the data (prompts15x, #35);
-# the cached step's profile.
+# The plan (round 14, issues #34-#35), most needed first: the base's and the 1.5x prompts' data
+# stages at once, the later steps' warm-ups beside them; 1344 anchors a row with today's step
+# (#34's 326K); fresh prompts instead of epochs (prompts15x-2ep), 8 layers, 1.5x the data
+# (prompts15x) and γ 4 (#35); the cached step's profile.
 # (Round 13 ran the readout A/B: `readout_sync` below.) PLAN_S bounds it
 # (round 11's ran the quality DAG, two arms, the bf16 reference loops and the cached profiles:
 # bench/results/h200/round11-2026-12-02/README.md).
@@ -75,28 +75,32 @@ begin() {  # a plan's start: its clock (T0, which left() counts from) and the GP
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$RES/gpu.txt" 2>&1
 }
 
-data_and_warmups() {  # the quality recipe's data stage with the warm-ups $@ beside it (gpu_jobs=3)
-  timeout $(left ${DATA_S:-240}) $SNAKE data_smollm2-quality "$@" --config $CONF gpu_jobs=3 \
+data_and_warmups() {  # the quality recipe's data stage with the targets $@ beside it (GPU_JOBS on the GPU)
+  timeout $(left ${DATA_S:-240}) $SNAKE data_smollm2-quality "$@" --config $CONF gpu_jobs=${GPU_JOBS:-3} \
     > "$RES/dag_data.log" 2>&1
   stamp "quality data + $* rc=$?"
 }
 
 plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the hold cuts is last)
   begin "start"
-  # 1. the quality recipe's data stage with the warm-ups of the later steps beside it (three jobs
-  #    on the GPU: the warm-ups compile on the CPUs while the target generates)
-  data_and_warmups warmup_smollm2-quality warmup_smollm2-recipe-block8 warmup_smollm2-recipe-anchors1344
-  # 2. #34: the two recipes that may reach 326K target tok/s with today's step (round 13's ref:
-  #    320.8K, the readout A/B done): block 8 (round 11: 348K with the old step, τ -0.03), and
-  #    1344 anchors a row (round 13's balance section: 350K projected)
-  arm block8 ${ARM_S:-300}
-  when 200 300 arm anchors1344 300
-  # 3. #35: fresh prompts instead of epochs (1.5x the prompts for 2 epochs, about the same
-  #    training tokens; its own data stage, ~1.5x the base's generation)
-  when 480 650 arm prompts15x-2ep 650
-  #    and the same prompts for 3 epochs (1.5x the tokens; the data stage above is shared)
-  when 200 320 arm prompts15x 320
-  # 4. #34: the cached epoch's step under the profiler with today's step (round 11's, before:
+  # 1. both data stages at once (the base's and the 1.5x prompts' own; one generation alone
+  #    leaves the GPU room) with the warm-ups of the later steps beside them: the warm-ups
+  #    compile on the CPUs while the target generates
+  DATA_S=${DATA_S:-360} GPU_JOBS=5 data_and_warmups data_smollm2-recipe-prompts15x-2ep warmup_smollm2-quality \
+    warmup_smollm2-recipe-anchors1344 warmup_smollm2-recipe-depth8
+  # 2. #34: 1344 anchors a row with today's step (round 13's balance section: 350K projected
+  #    against the ref's 320.8K; the goal is 326K at τ within 0.05)
+  arm anchors1344 ${ARM_S:-300}
+  # 3. #35: fresh prompts instead of epochs (1.5x the prompts for 2 epochs, about the base's
+  #    training tokens; cut by lost machines in rounds 12 and 13)
+  when 200 330 arm prompts15x-2ep 330
+  # 4. #35's capacity row: 8 layers (round 12: 3 layers lost 0.1 on every set against 5)
+  when 250 400 arm depth8 400
+  # 5. #35: the 1.5x prompts for the base's 3 epochs (1.5x the tokens; data from step 1)
+  when 250 360 arm prompts15x 360
+  # 6. #35: γ 4 (the loss's weight on early block positions)
+  when 220 300 arm gamma4 300
+  # 7. #34: the cached epoch's step under the profiler with today's step (round 11's, before:
   #    20.9 ms of kernels in a 28.9 ms step, the GPU idle 22 % between replays)
   when 90 150 profile_run smollm2-quality-profile-cached cached shared
   stamp "done"
