@@ -8,7 +8,8 @@ curve, rendered from the committed H200 files (never copied by hand):
 Arms: every ``<arm>__bench__report.json`` under bench/results/h200/ whose ``spec`` is
 ``<sweep>-<arm>`` of a sweep in sweeps/ (bench/gpu/session.sh's naming), with the
 ``<arm>__train__manifest.json``, ``__train__metrics.jsonl[.gz]`` and ``__data__manifest.json``
-beside it; Δ is against the ``ref`` arm of the SAME folder (the same lease and code). Runs:
+beside it; Δ is against the ``ref`` arm of the SAME folder (the same lease and code), or the one
+a folder's ``ref.json`` lends from another (bench/ablation_ref.py says when it may). Runs:
 the full-budget runs of :data:`RUNS`. The curve: ``tau_curve.json``'s series and every arm's
 τ-while-training points, against GPU-minutes.
 
@@ -159,13 +160,19 @@ def arm_rows(folder: Path, sweeps: list[str]) -> list[dict]:
     rows.sort(key=lambda r: (r["sweep"], order[r["sweep"]].index(r["arm"])
                              if r["arm"] in order[r["sweep"]] else len(order[r["sweep"]])))
     shares = gpu_shares(spans)
+    lent = None if any(r["arm"] == "ref" for r in rows) else _lent_ref(folder, rows)
     for r in rows:
         r["gpu_share"] = round(shares[r["arm"]], 4)
         r["gpu_minutes"] = round(r["train_step_seconds"] * r["gpu_share"] / 60, 3)
         r["data_shared_by"] = sum(o["data_checksum"] == r["data_checksum"] for o in rows)
         for p in r["while_training"]:
             p["gpu_minutes"] = round(p.pop("t") * r["gpu_share"] / 60, 3)
-    return rows
+    return rows + ([lent] if lent else [])
+
+
+def _lent_ref(folder: Path, rows: list[dict]) -> dict | None:
+    from bench.ablation_ref import lent_ref  # noqa: PLC0415 - it builds on this module's readers
+    return lent_ref(folder, rows)
 
 
 def _row(rep_path: Path, rep: dict, sweep: str, arm: str, folder: Path, spans: dict) -> dict:
@@ -178,10 +185,11 @@ def _row(rep_path: Path, rep: dict, sweep: str, arm: str, folder: Path, spans: d
     spans[arm] = (train["created_unix"] - train["wall_s"], train["created_unix"])
     acc = rep["acceptance"]
     return {
-        "arm": arm, "sweep": sweep, "folder": _rel(folder),
+        "arm": arm, "sweep": sweep, "folder": _rel(folder), "report": _rel(rep_path),
         "target_tokens": train.get("counters", {}).get("tokens", last[1]),
         "steps": len(line), "train_step_seconds": round(last[0], 2),
         "data_seconds": data["seconds"], "data_checksum": data["checksum"],
+        "report_train_minutes": (rep.get("gpu_minutes") or {}).get("train"),
         "tau": taus(acc["sets"]),
         "mtbench_by_category": _by_category(acc["sets"], "mtbench"),
         "train_by_category": _by_category(acc["sets"], "train"),
@@ -316,7 +324,7 @@ def curve(arms: list[dict]) -> dict:
         series[name] = [{"step": p["step"], "target_tokens": p["target_tokens"],
                          "gpu_minutes": round(line[p["step"]][0] / 60, 3),
                          "tau_heldout": p["tau_heldout"]} for p in pts]
-    for a in arms:
+    for a in (a for a in arms if a["while_training"]):  # a lent ref has none
         series[f"{a['folder'].rsplit('/', 2)[-2]}/{a['arm']}"] = a["while_training"]
     return series
 
@@ -340,7 +348,8 @@ def collect() -> dict:
                     and o["sweep"] == r["sweep"]), None)
         if slope is None or ref is None or r is ref or not r["delta"]:
             continue
-        r["gpu_minutes_ratio"] = round(r["gpu_minutes"] / ref["gpu_minutes"], 4)
+        key = "report_train_minutes" if ref.get("cost_basis") else "gpu_minutes"  # like for like
+        r["gpu_minutes_ratio"] = round(r[key] / ref[key], 4)
         r["delta_equal_gpu_minutes"] = at_equal_gpu_minutes(r["delta"], r["gpu_minutes_ratio"],
                                                             slope)
         r["verdict_equal_gpu_minutes"] = rule(r["delta_equal_gpu_minutes"])
@@ -396,10 +405,8 @@ def render(data: dict) -> str:
     for r in data["arms"]:
         if r["verdict"] == "reference":
             continue
-        ref = next((o for o in data["arms"] if o["folder"] == r["folder"] and o["arm"] == "ref"
-                    and o["sweep"] == r["sweep"]), None)
-        cost = (f", train GPU-minutes ×{r['gpu_minutes'] / ref['gpu_minutes']:.2f} of ref's"
-                if ref else "")
+        cost = (f", train GPU-minutes ×{r['gpu_minutes_ratio']:.2f} of ref's"
+                if r.get("gpu_minutes_ratio") else "")
         fields = ", ".join(f"`{k}: {v}`" for k, v in r["apply"].items())
         eq = r.get("delta_equal_gpu_minutes")
         equal = (f"; at ref's GPU-minutes Δ MT-Bench {_d(eq.get('mtbench'))}, HumanEval "

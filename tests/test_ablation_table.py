@@ -151,3 +151,46 @@ def test_an_arm_whose_train_files_did_not_come_back_is_listed_not_tabled(data):
     r13 = "bench/results/h200/round13-2026-12-03/lease/r/smollm2-recipe-ref__bench__report.json"
     assert r13 in data["without_train_files"]
     assert not any("round13-2026-12-03" in r["folder"] for r in data["arms"])
+
+
+R14 = REPO / "bench" / "results" / "h200" / "round14-2026-12-03" / "lease" / "r"
+
+
+def test_round14s_arms_take_the_ref_round13_lends(data):
+    """Round 14 ran no ref arm: its ref.json lends round 13's (the same dataset, the same training
+    code). Δτ is against that report; the equal-minutes ratio is the reports' own train minutes
+    on both sides (the lender's train files never came back)."""
+    r14 = {r["arm"]: r for r in data["arms"] if "round14-2026-12-03" in r["folder"]}
+    assert set(r14) == {"ref", "gamma4", "depth8", "anchors1344", "prompts15x-2ep", "prompts15x"}
+    ref = r14["ref"]
+    assert ref["ref_from"].startswith("bench/results/h200/round13-2026-12-03/")
+    assert ref["verdict"] == "reference" and ref["tau"]["mtbench"] == 2.1522
+    assert r14["prompts15x"]["delta"]["mtbench"] == 0.1679  # 2.3201 - 2.1522
+    assert r14["prompts15x"]["verdict"] == r14["prompts15x"]["verdict_equal_gpu_minutes"] == "wins"
+    assert r14["prompts15x"]["apply"]["data.max_prompts"] == 30600
+    g = r14["gamma4"]
+    assert g["gpu_minutes_ratio"] == round(g["report_train_minutes"] / ref["report_train_minutes"], 4)
+    assert r14["depth8"]["verdict"] == "wins" and r14["depth8"]["verdict_equal_gpu_minutes"] == "no change"
+
+
+def test_a_lent_ref_that_does_not_compare_is_one_clear_error(at, tmp_path):
+    for f in R14.glob("smollm2-recipe-gamma4__*"):
+        if f.suffix != ".png":
+            shutil.copy(f, tmp_path / f.name)
+    lender = "bench/results/h200/round13-2026-12-03/lease/r/smollm2-recipe-ref__bench__report.json"
+    ref = tmp_path / "ref.json"
+    for doc, msg in (({"report": "bench/nothing.json", "why": "x"}, "is not a committed file"),
+                     ({"report": lender}, "says not why"),
+                     ({"report": lender.replace("round13", "round14").replace("-ref__", "-gamma4__"),
+                       "why": "x"}, "is no ref arm")):
+        ref.write_text(json.dumps(doc))
+        with pytest.raises(DFlashError, match=f"ref.json: .*{msg}"):
+            at.arm_rows(tmp_path, ["smollm2-recipe"])
+    ref.write_text(json.dumps({"report": lender, "why": "the same data"}))
+    assert [r["arm"] for r in at.arm_rows(tmp_path, ["smollm2-recipe"])] == ["gamma4", "ref"]
+    manifest = tmp_path / "smollm2-recipe-gamma4__data__manifest.json"
+    other = json.loads(manifest.read_text())
+    other["dataset"]["sha256"] = "0" * 64
+    manifest.write_text(json.dumps(other))
+    with pytest.raises(DFlashError, match="ref.json: the lent ref trained on dataset d2ee1a4f16d5"):
+        at.arm_rows(tmp_path, ["smollm2-recipe"])

@@ -5,6 +5,7 @@ through the compile gate); on CPU the summary has CPU ops only, and must still b
 """
 from __future__ import annotations
 
+import gzip
 import json
 import random
 
@@ -304,7 +305,8 @@ def test_events_of_reads_an_older_torch_s_events():
 def test_profile_specs_share_env_warmup_and_data_with_smollm2_quality(name):
     """The profiling specs run the DAG's own step: the same env, warm-up and data (one shared
     job each), the feature cache on as in smollm2-quality; the cached one's window sits in
-    epoch 1 (epoch 0 of smollm2-quality: steps 0..1306, the round-7 metrics)."""
+    epoch 1 (epoch 0 of smollm2-quality's 30.6K prompts: steps 0..1941, round 14's metrics of
+    the prompts15x arm, which trained exactly as smollm2-quality does since)."""
     quality = load_spec(REPO / "specs" / "smollm2-quality.yaml")
     spec = load_spec(REPO / "specs" / f"{name}.yaml")
     for stage in ("env", "warmup", "data"):
@@ -314,10 +316,11 @@ def test_profile_specs_share_env_warmup_and_data_with_smollm2_quality(name):
     m, total = spec.monitor, spec.optim.max_steps
     first, end = window_for(0, total, m.profile_steps, m.profile_start)
     if name.endswith("cached"):
-        metrics = (REPO / "bench" / "results" / "h200" / "round7-2026-12-02" / "lease" / "r"
-                   / "smollm2-quality__train__metrics.jsonl").read_text().splitlines()
+        path = (REPO / "bench" / "results" / "h200" / "round14-2026-12-03" / "lease" / "r"
+                / "smollm2-recipe-prompts15x__train__metrics.jsonl.gz")
+        metrics = gzip.decompress(path.read_bytes()).decode().splitlines()
         epoch1 = min(r["step"] for r in map(json.loads, metrics) if r["epoch"] == 1)
-        assert epoch1 == 1307 and epoch1 < first and end == first + 20 < total
+        assert epoch1 == 1942 and epoch1 < first and end == first + 20 < total
     else:
         assert (first, end) == (OFFSET_STEPS, OFFSET_STEPS + 20)
 

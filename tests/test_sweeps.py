@@ -165,11 +165,13 @@ def test_repo_sweeps_validate():
     assert {recipe[a].optim.lr for a in ("ref", "lr12e-4", "lr24e-4")} == {6e-4, 1.2e-3, 2.4e-3}
     # every arm but the data arms shares the base's one data stage; its warm-up too, but for the arms that change
     # a compiled shape: depth and block (the drafter, the row), uncapped and kd / ce-kd (the loss's rows and inputs)
-    data_arms = ("prompts15x-2ep", "prompts15x")  # 1.5x the prompts: one data stage of their own
-    assert len({s.fingerprint("data") for k, s in recipe.items() if k not in data_arms}) == 1
-    assert recipe["prompts15x-2ep"].fingerprint("data") != recipe["ref"].fingerprint("data")
-    assert recipe["prompts15x"].fingerprint("data") == recipe["prompts15x-2ep"].fingerprint("data")
+    # the base's 30.6K prompts since round 14 (prompts15x's): only prompts1x (round 13's 20.6K)
+    # has a data stage of its own
+    assert len({s.fingerprint("data") for k, s in recipe.items() if k != "prompts1x"}) == 1
+    assert recipe["prompts1x"].fingerprint("data") != recipe["ref"].fingerprint("data")
+    assert recipe["prompts15x"].fingerprint("train") == recipe["ref"].fingerprint("train")
     assert (recipe["prompts15x"].optim.epochs, recipe["prompts15x-2ep"].optim.epochs) == (3, 2)
+    assert recipe["prompts1x"].data.max_prompts == 20600 and recipe["ref"].data.max_prompts == 30600
     assert recipe["prompts15x-2ep"].fingerprint("warmup") == recipe["ref"].fingerprint("warmup")
     own = ("depth3", "depth8", "block8", "block8-anchors2x", "anchors1344", "uncapped", "kd",
            "ce-kd")

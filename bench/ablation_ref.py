@@ -1,0 +1,71 @@
+"""A lease's ``ref`` arm lent by another lease's folder, for bench/ablation_table.py.
+
+Round 14 ran no ref arm of its own (one H200 lease, the recipe arms first): round 13's ref, trained
+on the byte-identical dataset with the same training code, stands in. The folder says so in a
+``ref.json`` beside its reports::
+
+    {"report": "bench/results/h200/<folder>/<sweep>-ref__bench__report.json", "why": "..."}
+
+The lent report must be a ``ref`` arm of a sweep whose arms are in the folder, and its dataset
+(``dataset.sha256`` of its data manifest) must be one the folder's arms of that sweep trained on;
+anything else is one clear error naming ``ref.json``. Δτ is taken against the lent report's τ.
+The lender's train files need not have come back (round 13's did not), so its cost is the bench
+stage's own figure, ``gpu_minutes.train`` of report.json, and the equal-minutes ratio uses the
+same figure of each arm (``report_train_minutes``): like against like, across two machines.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.ablation_table import REPO, _by_category, _rel, read_json, sibling, taus
+from dflash.errors import DFlashError
+
+REF_FILE = "ref.json"
+COST_BASIS = "report.json gpu_minutes.train (the lender's train files did not come back)"
+
+
+def _dataset(report: Path, where: Path) -> str:
+    manifest = sibling(report, "data", "manifest.json")
+    sha = (read_json(manifest).get("dataset") or {}).get("sha256") if manifest.is_file() else None
+    if not sha:
+        raise DFlashError(f"{where}: {_rel(manifest)} has no dataset.sha256")
+    return sha
+
+
+def lent_ref(folder: Path, rows: list[dict]) -> dict | None:
+    """The ref row ``folder/ref.json`` lends to the folder's arms ``rows``, or None without one."""
+    path = folder / REF_FILE
+    if not path.is_file():
+        return None
+    doc = read_json(path)
+    report = REPO / str(doc.get("report", ""))
+    if not doc.get("report") or not report.is_file():
+        raise DFlashError(f"{path}: report {doc.get('report')!r} is not a committed file")
+    if not doc.get("why"):
+        raise DFlashError(f"{path}: says not why the lent ref compares ('why')")
+    rep = read_json(report)
+    sweeps = {r["sweep"] for r in rows if rep.get("spec") == f"{r['sweep']}-ref"}
+    if not sweeps:
+        raise DFlashError(f"{path}: {rep.get('spec')!r} is no ref arm of the sweeps here "
+                          f"({sorted({r['sweep'] for r in rows})})")
+    sweep = sweeps.pop()
+    lent = _dataset(report, path)
+    if not any(_dataset(Path(REPO / r["report"]), path) == lent for r in rows if r["sweep"] == sweep):
+        raise DFlashError(f"{path}: the lent ref trained on dataset {lent[:12]}, no arm here did")
+    steps = rep["step_time"]
+    acc = rep["acceptance"]
+    return {
+        "arm": "ref", "sweep": sweep, "folder": _rel(folder), "ref_from": _rel(report),
+        "why": doc["why"], "report": _rel(report), "cost_basis": COST_BASIS,
+        # steady-state tokens/s × the steps' mean time: the lender's counters did not come back
+        "target_tokens": round(rep["tokens_per_s"] * steps["mean_s"] * steps["steps"]),
+        "steps": steps["steps"], "train_step_seconds": None,
+        "gpu_minutes": rep["gpu_minutes"]["train"], "gpu_share": 1.0,
+        "report_train_minutes": rep["gpu_minutes"]["train"],
+        "data_seconds": read_json(sibling(report, "data", "manifest.json"))["seconds"],
+        "data_checksum": lent, "data_shared_by": 1,
+        "tau": taus(acc["sets"]),
+        "mtbench_by_category": _by_category(acc["sets"], "mtbench"),
+        "train_by_category": _by_category(acc["sets"], "train"),
+        "while_training": [],
+    }
