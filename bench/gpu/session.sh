@@ -10,10 +10,9 @@
 # in its own process session (it outlives the call), then watches it; `watch` watches until
 # WATCH_S and collects. Run state lives in /tmp (a carried folder is replaced by the next call);
 # what comes back is one archive, results.tgz (at most 8 files come back).
-# The plan (round 14, issues #34-#35), most needed first: the base's and the 1.5x prompts' data
-# stages at once, the later steps' warm-ups beside them; 1344 anchors a row with today's step
-# (#34's 326K); fresh prompts instead of epochs (prompts15x-2ep), 8 layers, 1.5x the data
-# (prompts15x) and γ 4 (#35); the cached step's profile.
+# The plan (round 15, issues #34-#35), most needed first: the new default (30.6K prompts) through
+# the whole DAG; γ 4 beside it on the same machine; the cached step's profile; CE+KD.
+# (Round 14 ran both data stages at once and five recipe arms: the plan as committed at c3e2e2f.)
 # (Round 13 ran the readout A/B: `readout_sync` below.) PLAN_S bounds it
 # (round 11's ran the quality DAG, two arms, the bf16 reference loops and the cached profiles:
 # bench/results/h200/round11-2026-12-02/README.md).
@@ -83,33 +82,27 @@ data_and_warmups() {  # the quality recipe's data stage with the targets $@ besi
 
 plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the hold cuts is last)
   begin "start"
-  # 1. both data stages at once (the base's and the 1.5x prompts' own; one generation alone
-  #    leaves the GPU room) with the warm-ups of the later steps beside them: the warm-ups
-  #    compile on the CPUs while the target generates
-  DATA_S=${DATA_S:-360} GPU_JOBS=5 data_and_warmups data_smollm2-recipe-prompts15x-2ep warmup_smollm2-quality \
-    warmup_smollm2-recipe-anchors1344 warmup_smollm2-recipe-depth8
-  # 2. #34: 1344 anchors a row with today's step (round 13's balance section: 350K projected
-  #    against the ref's 320.8K; the goal is 326K at τ within 0.05)
-  arm anchors1344 ${ARM_S:-300}
-  # 3. #35: fresh prompts instead of epochs (1.5x the prompts for 2 epochs, about the base's
-  #    training tokens; cut by lost machines in rounds 12 and 13)
-  when 200 330 arm prompts15x-2ep 330
-  # 4. #35's capacity row: 8 layers (round 12: 3 layers lost 0.1 on every set against 5)
-  when 250 400 arm depth8 400
-  # 5. #35: the 1.5x prompts for the base's 3 epochs (1.5x the tokens; data from step 1)
-  when 250 360 arm prompts15x 360
-  # 6. #35: γ 4 (the loss's weight on early block positions)
+  # 1. #34/#35: the new default (30.6K prompts since round 14) through the whole DAG alone, env
+  #    to report: the DAG's wall time (#35's 20-minute budget), tokens/s and MFU, τ on four
+  #    sets, the reference protocol and the decoding sweep
+  timeout $(left ${DAG_S:-1000}) $SNAKE bench_smollm2-quality --config $CONF > "$RES/dag_quality.log" 2>&1
+  stamp "quality DAG rc=$?"
+  # 2. #35: γ 4 beside it on the same machine (round 14: +0.0498 against another machine's
+  #    ref); the base's run is this folder's ref (bench/ablation_table.py base_as_ref)
   when 220 300 arm gamma4 300
-  # 7. #34: the cached epoch's step under the profiler with today's step (round 11's, before:
+  # 3. #34: the cached epoch's step under the profiler with today's step (round 11's, before:
   #    20.9 ms of kernels in a 28.9 ms step, the GPU idle 22 % between replays)
-  when 90 150 profile_run smollm2-quality-profile-cached cached shared
+  when 120 200 profile_run smollm2-quality-profile-cached cached shared
+  # 4. #35: CE+KD at 3 epochs (its own warm-up: the loss's inputs)
+  when 300 400 arm ce-kd 400
   stamp "done"
 }
 
-plan_rest() {  # a second, shorter hold after a lost machine: #35's data arm first this time
+plan_rest() {  # a second, shorter hold after a lost machine: the data, then γ 4 and the profile
   begin "start (rest)"
   data_and_warmups warmup_smollm2-quality
-  when 480 650 arm prompts15x-2ep 650
+  when 220 300 arm gamma4 300
+  when 120 200 profile_run smollm2-quality-profile-cached cached shared
   stamp "done"
 }
 
