@@ -142,9 +142,13 @@ def test_unsteered_spec_fingerprints_are_unchanged():
     tiny = yaml.safe_load((ROOT / "specs" / "tiny.yaml").read_text())
     tiny["data"].update(max_prompts=96, max_new_tokens=96)
     assert parse_spec(tiny, "specs/tiny.yaml").fingerprint("data") == "eb4c7ba94552789d"
-    assert load_spec(ROOT / "specs" / "smollm2-quality.yaml").fingerprint("data") == \
-        "daeb6f5b066a72cd"
+    # smollm2-quality's data until round 14 (20.6K prompts; 30.6K since): the recipe sweeps that
+    # pin it still train on that stage (rounds 12-14's dataset.sha256 d2ee1a4f...)
     raw = yaml.safe_load((ROOT / "specs" / "smollm2-quality.yaml").read_text())
+    raw["data"]["sources"][0]["count"], raw["data"]["max_prompts"] = 20000, 20600
+    assert parse_spec(raw, "q.yaml").fingerprint("data") == "daeb6f5b066a72cd"
+    one_ep = {a.arm: a.spec for a in load_sweep(ROOT / "sweeps" / "smollm2-recipe-1ep.yaml").arms}
+    assert one_ep["ref"].fingerprint("data") == "daeb6f5b066a72cd"
     raw["data"]["self_written"] = {"categories": ["math"]}
     assert parse_spec(raw, "q.yaml").fingerprint("data") != "daeb6f5b066a72cd"
 
@@ -182,12 +186,12 @@ def test_steered_rounds_run_through_the_data_stage_engine(tmp_path):
 
 
 def test_data_sweep_arms():
-    pass
-
     arms = {a.arm: a.spec for a in load_sweep(ROOT / "sweeps" / "smollm2-data.yaml").arms}
     base = load_spec(ROOT / "specs" / "smollm2-quality.yaml")
     ref, fresh = arms["ref"], arms["fresh-steered"]
-    assert ref.fingerprint("data") == base.fingerprint("data") != fresh.fingerprint("data")
+    # ref pins round 13's 20.6K prompts (the base has 30.6K since round 14): ~32M tokens, as fresh
+    assert ref.fingerprint("data") == "daeb6f5b066a72cd" != base.fingerprint("data")
+    assert fresh.fingerprint("data") not in (ref.fingerprint("data"), base.fingerprint("data"))
     assert ref.fingerprint("warmup") == fresh.fingerprint("warmup")  # one shared warm-up
     assert (ref.optim.epochs, fresh.optim.epochs) == (3, 1)
     assert fresh.data.self_written.categories == tuple(CATEGORIES)
