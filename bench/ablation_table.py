@@ -165,6 +165,9 @@ def arm_rows(folder: Path, sweeps: list[str]) -> list[dict]:
         r["gpu_share"] = round(shares[r["arm"]], 4)
         r["gpu_minutes"] = round(r["train_step_seconds"] * r["gpu_share"] / 60, 3)
         r["data_shared_by"] = sum(o["data_checksum"] == r["data_checksum"] for o in rows)
+        (a, b), others = r["data_span"], {o["data_checksum"]: o["data_span"] for o in rows}
+        r["data_beside"] = sum(lo < b and a < hi for k, (lo, hi) in others.items()  # stages at once
+                               if k != r["data_checksum"])
         for p in r["while_training"]:
             p["gpu_minutes"] = round(p.pop("t") * r["gpu_share"] / 60, 3)
     return rows + ([lent] if lent else [])
@@ -190,6 +193,7 @@ def _row(rep_path: Path, rep: dict, sweep: str, arm: str, folder: Path, spans: d
         "steps": len(line), "train_step_seconds": round(last[0], 2),
         "data_seconds": data["seconds"], "data_checksum": data["checksum"],
         "report_train_minutes": (rep.get("gpu_minutes") or {}).get("train"),
+        "data_span": [round(data["created_unix"] - data["seconds"], 1), data["created_unix"]],
         "tau": taus(acc["sets"]),
         "mtbench_by_category": _by_category(acc["sets"], "mtbench"),
         "train_by_category": _by_category(acc["sets"], "train"),

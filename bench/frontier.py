@@ -15,7 +15,8 @@ its ``<spec>__train__metrics.jsonl[.gz]`` and ``<spec>__data__manifest.json`` be
 (:func:`from_reports`: e.g. specs/smollm2-code.yaml's, once run; a run alone on its GPU, share 1;
 a report without τ, a random-weight target's, is no point). Data GPU-minutes: the data stage's
 own seconds (its manifest; the whole stage even where arms shared it: what reproducing the arm
-alone costs); None where no file recorded them.
+alone costs; marked ``*`` where another data stage ran on the GPU at the same time, whose
+seconds overstate it); None where no file recorded them.
 
 Figure of merit: ``gain_per_gpu_minute`` = (τ − 1) / (data + train GPU-minutes). τ − 1, not τ:
 the target alone makes 1 token per verify step for free, so the drafter's work is what lies
@@ -56,13 +57,17 @@ DAGS = ({"label": "3 epochs, feature cache (round 6)",
 RUN_DATA = {"smollm2-quality-run2": "smollm2-quality-run2/data__manifest.json"}
 
 
-def point(label: str, source: str, tau: dict, train_min: float, data_s: float | None) -> dict:
+def point(label: str, source: str, tau: dict, train_min: float, data_s: float | None,
+          data_beside: int = 0) -> dict:
+    """``data_beside``: other data stages that ran at the same time on the GPU (round 14's two):
+    its seconds then overstate what the stage costs alone."""
     data_min = None if data_s is None else round(data_s / 60, 3)
     total = None if data_min is None else round(data_min + train_min, 3)
     mt = tau.get("mtbench")
     return {"label": label, "source": source,
             "tau": {s: tau.get(s) for s in SETS},
-            "gpu_minutes": {"data": data_min, "train": round(train_min, 3), "total": total},
+            "gpu_minutes": {"data": data_min, "train": round(train_min, 3), "total": total,
+                            "data_beside": data_beside},
             "gain_per_gpu_minute": None if total is None or mt is None or total <= 0
             else round((mt - 1) / total, 4)}
 
@@ -71,7 +76,8 @@ def from_ablation(data: dict) -> list[dict]:
     """ablation.json's arms (their own data stage's seconds) and full-budget runs; not a ref that
     is the sweep's base spec's run (``ref_from``): :func:`from_reports` has it, once."""
     out = [point(f"{a['sweep']}/{a['arm']}", a["folder"], a["tau"], a["gpu_minutes"],
-                 a.get("data_seconds")) for a in data["arms"] if not a.get("ref_from")]
+                 a.get("data_seconds"), a.get("data_beside", 0))
+           for a in data["arms"] if not a.get("ref_from")]
     for r in data["runs"]:
         rel = RUN_DATA.get(Path(r["folder"]).name)
         secs = read_json(H200 / rel)["seconds"] if rel else None
@@ -141,12 +147,14 @@ def render(data: dict) -> str:
     for p in sorted(data["points"], key=lambda p: p["gpu_minutes"]["train"]):
         t, g = p["tau"], p["gpu_minutes"]
         lines.append(f"| {p['label']} | {_f(t['mtbench'])} | {_f(t['humaneval'])} | "
-                     f"{_f(t['heldout'])} | {_f(g['data'], '.2f')} | {_f(g['train'], '.2f')} | "
+                     f"{_f(t['heldout'])} | {_f(g['data'], '.2f')}{'*' if g.get('data_beside') else ''} | "
+                     f"{_f(g['train'], '.2f')} | "
                      f"{_f(g['total'], '.2f')} | {_f(p['gain_per_gpu_minute'], '.4f')} | "
                      f"{'yes' if p['label'] in data['frontier'] else ''} |")
     lines += ["", f"Figure of merit: {data['figure_of_merit']}. GPU-minutes: "
               f"{data['gpu_minutes']}. Frontier: the runs no run with at most their total "
-              "GPU-minutes beats on MT-Bench τ."]
+              "GPU-minutes beats on MT-Bench τ. * the data stage ran beside another data stage "
+              "on the same GPU (round 14): its seconds overstate what it costs alone."]
     return "\n".join(lines)
 
 

@@ -171,6 +171,9 @@ def test_round14s_arms_take_the_ref_round13_lends(data):
     g = r14["gamma4"]
     assert g["gpu_minutes_ratio"] == round(g["report_train_minutes"] / ref["report_train_minutes"], 4)
     assert r14["depth8"]["verdict"] == "wins" and r14["depth8"]["verdict_equal_gpu_minutes"] == "no change"
+    # round 14's two data stages ran at once: each arm's stage is flagged, no other round's is
+    assert {r["data_beside"] for a, r in r14.items() if a != "ref"} == {1}
+    assert not any(r.get("data_beside") for r in data["arms"] if "round14" not in r["folder"])
 
 
 def test_a_lent_ref_that_does_not_compare_is_one_clear_error(at, tmp_path):

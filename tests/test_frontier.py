@@ -29,11 +29,15 @@ def test_points_carry_the_committed_figures():
     r6 = pts["3 epochs, feature cache (round 6)"]
     # bench.log: "τ mtbench: 2.044 over 80 prompts"; data manifest 130.16 s; 206.39 s of steps
     assert r6["tau"] == {"mtbench": 2.044, "humaneval": 1.98, "heldout": 2.432}
-    assert r6["gpu_minutes"] == {"data": 2.169, "train": 3.44, "total": 5.609}
+    assert r6["gpu_minutes"] == {"data": 2.169, "train": 3.44, "total": 5.609, "data_beside": 0}
     assert r6["gain_per_gpu_minute"] == pytest.approx(1.044 / 5.609, abs=1e-4)
     ref = pts["smollm2-recipe-1ep/ref"]  # the shared data stage counted whole for each arm
     assert ref["gpu_minutes"]["data"] == pts["smollm2-recipe-1ep/kd"]["gpu_minutes"]["data"]
     assert pts["3 epochs (run 1)"]["gpu_minutes"]["total"] is None  # no data manifest
+    # round 14 ran two data stages at once: its arms' data minutes are flagged in the table
+    assert pts["smollm2-recipe/prompts15x"]["gpu_minutes"]["data_beside"] == 1
+    assert "| 5.14* |" in fr.render({"points": [pts["smollm2-recipe/prompts15x"]], "frontier": [],
+                                     "figure_of_merit": "", "gpu_minutes": ""})
 
 
 def test_the_frontier_rule():
@@ -67,5 +71,5 @@ def test_a_committed_spec_run_is_a_point(tmp_path, monkeypatch):
     [p] = fr.from_reports({"smollm2-code", "qwen3-8b-2gpu", "smollm2-quality"})
     assert p["label"] == "smollm2-code (round7)"
     assert p["tau"] == {"mtbench": 2.0, "humaneval": 2.5, "heldout": None}
-    assert p["gpu_minutes"] == {"data": 1.5, "train": 3.0, "total": 4.5}
+    assert p["gpu_minutes"] == {"data": 1.5, "train": 3.0, "total": 4.5, "data_beside": 0}
     assert p["gain_per_gpu_minute"] == round(1.0 / 4.5, 4)
