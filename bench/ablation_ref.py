@@ -24,12 +24,14 @@ REF_FILE = "ref.json"
 COST_BASIS = "report.json gpu_minutes.train (the lender's train files did not come back)"
 
 
-def _dataset(report: Path, where: Path) -> str:
-    manifest = sibling(report, "data", "manifest.json")
-    sha = (read_json(manifest).get("dataset") or {}).get("sha256") if manifest.is_file() else None
+def _data_manifest(report: Path, where: Path) -> tuple[dict, str]:
+    """The lender's data manifest and its dataset.sha256 (one clear error without them)."""
+    path = sibling(report, "data", "manifest.json")
+    manifest = read_json(path) if path.is_file() else {}
+    sha = (manifest.get("dataset") or {}).get("sha256")
     if not sha:
-        raise DFlashError(f"{where}: {_rel(manifest)} has no dataset.sha256")
-    return sha
+        raise DFlashError(f"{where}: {_rel(path)} has no dataset.sha256")
+    return manifest, sha
 
 
 def lent_ref(folder: Path, rows: list[dict]) -> dict | None:
@@ -49,21 +51,21 @@ def lent_ref(folder: Path, rows: list[dict]) -> dict | None:
         raise DFlashError(f"{path}: {rep.get('spec')!r} is no ref arm of the sweeps here "
                           f"({sorted({r['sweep'] for r in rows})})")
     sweep = sweeps.pop()
-    lent = _dataset(report, path)
-    if not any(_dataset(Path(REPO / r["report"]), path) == lent for r in rows if r["sweep"] == sweep):
+    data, lent = _data_manifest(report, path)
+    if not any(r["data_sha256"] == lent for r in rows if r["sweep"] == sweep):
         raise DFlashError(f"{path}: the lent ref trained on dataset {lent[:12]}, no arm here did")
     steps = rep["step_time"]
     acc = rep["acceptance"]
     return {
         "arm": "ref", "sweep": sweep, "folder": _rel(folder), "ref_from": _rel(report),
-        "why": doc["why"], "report": _rel(report), "cost_basis": COST_BASIS,
+        "why": doc["why"], "cost_basis": COST_BASIS,
         # steady-state tokens/s × the steps' mean time: the lender's counters did not come back
         "target_tokens": round(rep["tokens_per_s"] * steps["mean_s"] * steps["steps"]),
         "steps": steps["steps"], "train_step_seconds": None,
         "gpu_minutes": rep["gpu_minutes"]["train"], "gpu_share": 1.0,
         "report_train_minutes": rep["gpu_minutes"]["train"],
-        "data_seconds": read_json(sibling(report, "data", "manifest.json"))["seconds"],
-        "data_checksum": lent, "data_shared_by": 1,
+        "data_seconds": data["seconds"], "data_checksum": lent, "data_sha256": lent,
+        "data_shared_by": 1,
         "tau": taus(acc["sets"]),
         "mtbench_by_category": _by_category(acc["sets"], "mtbench"),
         "train_by_category": _by_category(acc["sets"], "train"),

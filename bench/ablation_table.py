@@ -161,13 +161,14 @@ def arm_rows(folder: Path, sweeps: list[str]) -> list[dict]:
                              if r["arm"] in order[r["sweep"]] else len(order[r["sweep"]])))
     shares = gpu_shares(spans)
     lent = None if any(r["arm"] == "ref" for r in rows) else _lent_ref(folder, rows)
+    spans_by_data = {o["data_checksum"]: o["data_span"] for o in rows}
     for r in rows:
         r["gpu_share"] = round(shares[r["arm"]], 4)
         r["gpu_minutes"] = round(r["train_step_seconds"] * r["gpu_share"] / 60, 3)
         r["data_shared_by"] = sum(o["data_checksum"] == r["data_checksum"] for o in rows)
-        (a, b), others = r["data_span"], {o["data_checksum"]: o["data_span"] for o in rows}
-        r["data_beside"] = sum(lo < b and a < hi for k, (lo, hi) in others.items()  # stages at once
-                               if k != r["data_checksum"])
+        (a, b) = r["data_span"]
+        r["data_beside"] = sum(lo < b and a < hi for k, (lo, hi) in spans_by_data.items()
+                               if k != r["data_checksum"])  # other data stages at the same time
         for p in r["while_training"]:
             p["gpu_minutes"] = round(p.pop("t") * r["gpu_share"] / 60, 3)
     return rows + ([lent] if lent else [])
@@ -188,10 +189,11 @@ def _row(rep_path: Path, rep: dict, sweep: str, arm: str, folder: Path, spans: d
     spans[arm] = (train["created_unix"] - train["wall_s"], train["created_unix"])
     acc = rep["acceptance"]
     return {
-        "arm": arm, "sweep": sweep, "folder": _rel(folder), "report": _rel(rep_path),
+        "arm": arm, "sweep": sweep, "folder": _rel(folder),
         "target_tokens": train.get("counters", {}).get("tokens", last[1]),
         "steps": len(line), "train_step_seconds": round(last[0], 2),
         "data_seconds": data["seconds"], "data_checksum": data["checksum"],
+        "data_sha256": (data.get("dataset") or {}).get("sha256"),
         "report_train_minutes": (rep.get("gpu_minutes") or {}).get("train"),
         "data_span": [round(data["created_unix"] - data["seconds"], 1), data["created_unix"]],
         "tau": taus(acc["sets"]),

@@ -9,9 +9,10 @@ steps_per_epoch from the train manifest or the metrics' ``epoch`` field).
 from __future__ import annotations
 
 import argparse
-import json
 import re
 from pathlib import Path
+
+from bench.entry import run, write_result
 
 LINE = re.compile(r"\[train\] step (\d+)/(\d+) · (?:(\d+)h)?(?:(\d+)m)?(\d+)s elapsed")
 
@@ -47,11 +48,11 @@ def main(argv=None) -> int:
     points = progress(a.log.read_text())
     res = {"log": str(a.log), "lines": len(points),
            "windows": [window(points, *map(int, r.split(":"))) for r in a.range]}
-    a.out.write_text(json.dumps(res, indent=1) + "\n")
+    write_result(a.out, res)
     for w in res["windows"]:
         print(f"steps {w['first_line'][0]}..{w['last_line'][0]}: {w['ms_per_step']} ms a step")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run(main)

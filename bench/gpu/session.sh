@@ -92,7 +92,7 @@ plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the 
   when 220 300 arm gamma4 300
   # 3. #34: the cached epoch's step under the profiler with today's step (round 11's, before:
   #    20.9 ms of kernels in a 28.9 ms step, the GPU idle 22 % between replays)
-  when 120 200 profile_run smollm2-quality-profile-cached cached shared
+  when 120 150 profile_run smollm2-quality-profile-cached cached shared
   # 4. #35: CE+KD at 3 epochs (its own warm-up: the loss's inputs)
   when 300 400 arm ce-kd 400
   stamp "done"
@@ -102,7 +102,7 @@ plan_rest() {  # a second, shorter hold after a lost machine: the data, then γ 
   begin "start (rest)"
   data_and_warmups warmup_smollm2-quality
   when 220 300 arm gamma4 300
-  when 120 200 profile_run smollm2-quality-profile-cached cached shared
+  when 120 150 profile_run smollm2-quality-profile-cached cached shared
   stamp "done"
 }
 
