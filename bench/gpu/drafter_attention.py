@@ -1,0 +1,156 @@
+"""The drafter's attention alone at the quality bucket's shapes, per FlexAttention tiling (#34):
+is its ~32 TFLOP/s (derived in docs/benchmarks.md from round 11's profile) the kernel at this
+shape, or the cost of its sparse tile lists?
+
+One layer's q/k/v (``--heads`` 9, ``--kv-heads`` 3, ``--head-dim`` 64: SmolLM2-135M's, which the
+drafter copies), bf16, over the objective's mask as the captured step builds it
+(:func:`dflash.models.masks.flex_block_mask`) on a synthetic row of the bucket (8,192 tokens,
+32 documents, 1,536 block slots of 16: 24,576 queries over 32,768 keys). Each variant runs
+forward, then forward + backward, compiled (``torch.compile(flex_attention)``, as training):
+
+* ``tile128``: today's (BlockMask tile 128, inductor's kernel options);
+* ``tile64`` / ``tile32``: smaller tiles, with the kernel's blocks set to the tile
+  (``BLOCK_M``/``BLOCK_N`` forward, ``BLOCK_M1``/``N1``/``M2``/``N2`` backward), since a kernel
+  block larger than the mask's tile is refused;
+* ``dense``: no mask at all, every query against every key: the kernel's own rate at this shape
+  (the most it could do per computed pair).
+
+Per variant: ms per call (best window), TFLOP/s over the pairs the mask allows and over the
+pairs its tiles compute (forward 4·pairs·heads·head_dim FLOP; forward + backward 3.5× that:
+two matmuls forward, five backward), and the forward's largest difference from ``tile128``
+(the tilings must agree: the same rule). The JSON is rewritten after every variant, so a call
+cut short keeps what ran; a variant this torch refuses records its error.
+
+    python3 -m bench.gpu.drafter_attention --out $OUT/drafter_attention.json
+    python3 -m bench.gpu.drafter_attention --device cpu --eager --no-backward --seq 512 \\
+        --docs 4 --anchors 64 --variants tile128 tile64 dense --out /tmp/att.json
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+
+from bench.entry import run, write_result
+from dflash.models.masks import dense_mask, flex_block_mask
+from dflash.train.anchors import sample_anchors
+from dflash.train.flops import best_seconds_per_call
+from dflash.train.warm import synthetic_row
+
+VARIANTS = ("tile128", "tile64", "tile32", "dense")
+
+
+def kernel_options(tile: int) -> dict[str, int] | None:
+    """The kernel's blocks for a mask tile: inductor's own at 128, the tile's edge below it."""
+    if tile >= 128:
+        return None
+    return {"BLOCK_M": tile, "BLOCK_N": tile, "BLOCK_M1": tile, "BLOCK_N1": tile,
+            "BLOCK_M2": tile, "BLOCK_N2": tile}
+
+
+def computed_pairs(mask) -> int:
+    """Query-key pairs the kernel computes: every listed tile, partial or full, times its area."""
+    q_tile, kv_tile = mask.BLOCK_SIZE
+    tiles = int(mask.kv_num_blocks.sum()) + int(mask.full_kv_num_blocks.sum())
+    return tiles * q_tile * kv_tile
+
+
+def time_variant(fn, q, k, v, grad, device: str, iters: int, backward: bool) -> dict:
+    """ms per forward and per forward + backward (each the best window of ``iters`` calls)."""
+    def ms(f) -> float:
+        return round(best_seconds_per_call(f, device, iters, warmup=2) * 1e3, 4)
+
+    out = {"forward_ms": ms(lambda: fn(q, k, v))}
+    if backward:
+        def step():
+            fn(q, k, v).backward(grad)
+        out["forward_backward_ms"] = ms(step)
+    return out
+
+
+def rates(timing: dict, flop_per_pair: int, allowed: int, computed: int) -> dict:
+    """TFLOP/s of the allowed and of the computed pairs, forward and forward + backward."""
+    r = {}
+    for key, mult in (("forward_ms", 1.0), ("forward_backward_ms", 3.5)):
+        if key in timing:
+            s = timing[key] / 1e3
+            name = key[:-3]
+            r[f"{name}_tflops_allowed"] = round(mult * flop_per_pair * allowed / s / 1e12, 2)
+            r[f"{name}_tflops_computed"] = round(mult * flop_per_pair * computed / s / 1e12, 2)
+    return r
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--docs", type=int, default=32)
+    p.add_argument("--anchors", type=int, default=1536)
+    p.add_argument("--block", type=int, default=16)
+    p.add_argument("--heads", type=int, default=9)
+    p.add_argument("--kv-heads", type=int, default=3)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--eager", action="store_true", help="flex_attention uncompiled (CPU tests)")
+    p.add_argument("--no-backward", action="store_true")
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    dev = a.device
+    row = synthetic_row(a.seq, 1000, docs=a.docs)
+    blocks = sample_anchors(row, a.anchors, a.block, torch.Generator().manual_seed(0), 0)
+    Q, KV = a.anchors * a.block, a.seq + a.anchors * a.block
+    g = torch.Generator(device=dev).manual_seed(0)
+    dt = torch.bfloat16
+    q, k, v = (torch.randn(1, h, n, a.head_dim, device=dev, dtype=dt, generator=g)
+               .requires_grad_(not a.no_backward)
+               for h, n in ((a.heads, Q), (a.kv_heads, KV), (a.kv_heads, KV)))
+    grad = torch.randn(1, a.heads, Q, a.head_dim, device=dev, dtype=dt, generator=g)
+    flex = flex_attention if a.eager else torch.compile(flex_attention, dynamic=False)
+    allowed = int(dense_mask(row.doc_ids, blocks).sum())
+    flop_per_pair = 4 * a.heads * a.head_dim
+    doc = {"command": "python3 -m bench.gpu.drafter_attention "
+                      + " ".join(sys.argv[1:] if argv is None else argv),
+           "torch": torch.__version__, "device_name": (torch.cuda.get_device_name(dev)
+                                                       if dev.startswith("cuda") else "cpu"),
+           "queries": Q, "keys": KV, "heads": a.heads, "kv_heads": a.kv_heads,
+           "head_dim": a.head_dim, "allowed_pairs": allowed, "compiled": not a.eager,
+           "variants": {}}
+    reference = None
+    for name in a.variants:
+        res: dict = {}
+        try:
+            if name == "dense":
+                mask, computed = None, Q * KV
+            else:
+                tile = int(name[4:])
+                mask = flex_block_mask(row.doc_ids, blocks, device=dev, tile=tile)
+                computed = computed_pairs(mask)
+                res["kernel_options"] = kernel_options(tile)
+
+            def fn(q, k, v, mask=mask, opts=res.get("kernel_options")):
+                return flex(q, k, v, block_mask=mask, scale=a.head_dim ** -0.5, enable_gqa=True,
+                            kernel_options=opts)
+            useful = allowed if mask is not None else Q * KV  # dense: every pair counts
+            res["computed_pairs"] = computed
+            res["allowed_over_computed"] = round(useful / computed, 4)
+            res.update(time_variant(fn, q, k, v, grad, dev, a.iters, not a.no_backward))
+            res.update(rates(res, flop_per_pair, useful, computed))
+            if mask is not None:
+                with torch.no_grad():
+                    o = fn(q, k, v).float()
+                if reference is None:
+                    reference = o
+                res["max_abs_diff_vs_first"] = float((o - reference).abs().max())
+        except Exception as e:  # noqa: BLE001 - a tiling this torch/GPU refuses: recorded
+            res["error"] = f"{type(e).__name__}: {str(e).strip()[:300]}"
+        doc["variants"][name] = res
+        print(name, res, flush=True)
+        write_result(a.out, doc)
+    return 0
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,37 @@
+"""bench/gpu/drafter_attention.py on CPU (eager flex, forward only): every tiling computes the
+same attention, the computed pairs are the listed tiles' area (bench/mask_tiles.py's count), and
+the dense variant counts every pair."""
+import json
+
+import torch
+
+from bench import mask_tiles
+from bench.gpu import drafter_attention
+from dflash.train.anchors import sample_anchors
+from dflash.train.warm import synthetic_row
+
+
+def test_tilings_agree_and_count_the_tiles_they_compute(tmp_path):
+    out = tmp_path / "att.json"
+    args = ["--device", "cpu", "--eager", "--no-backward", "--seq", "256", "--docs", "4",
+            "--anchors", "32", "--iters", "1", "--variants", "tile128", "tile32", "dense",
+            "--out", str(out)]
+    assert drafter_attention.main(args) == 0
+    doc = json.loads(out.read_text())
+    v = doc["variants"]
+    assert set(v) == {"tile128", "tile32", "dense"} and not any("error" in r for r in v.values())
+    row = synthetic_row(256, 1000, docs=4)
+    blocks = sample_anchors(row, 32, 16, torch.Generator().manual_seed(0), 0)
+    tiles = mask_tiles.tile_counts(row.doc_ids, blocks, [128, 32])
+    assert doc["allowed_pairs"] == tiles["allowed_pairs"] > 0
+    for t in ("128", "32"):
+        assert v[f"tile{t}"]["computed_pairs"] == tiles["tiles"][t]["computed_pairs"]
+    assert v["tile32"]["allowed_over_computed"] > v["tile128"]["allowed_over_computed"]
+    assert v["tile32"]["max_abs_diff_vs_first"] < 1e-2  # same rule, other tiles
+    assert v["dense"]["computed_pairs"] == doc["queries"] * doc["keys"] == 512 * 768
+    assert v["dense"]["allowed_over_computed"] == 1.0 and v["tile128"]["forward_ms"] > 0
+
+
+def test_small_tiles_set_the_kernels_blocks_to_the_tile():
+    assert drafter_attention.kernel_options(128) is None
+    assert set(drafter_attention.kernel_options(64).values()) == {64}
