@@ -98,11 +98,13 @@ plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the 
   stamp "done"
 }
 
-plan_rest() {  # a second, shorter hold after a lost machine: the data, then γ 4 and the profile
+plan_rest() {  # a second, shorter hold after a lost machine (round 15's was lost in the DAG's
+  # bench): the data with the warm-up beside it, the cached profile, then γ 4 and the base arm
   begin "start (rest)"
-  data_and_warmups warmup_smollm2-quality
+  GPU_JOBS=2 data_and_warmups warmup_smollm2-quality
+  when 100 150 profile_run smollm2-quality-profile-cached cached shared
   when 220 300 arm gamma4 300
-  when 120 150 profile_run smollm2-quality-profile-cached cached shared
+  when 220 300 arm ref 300
   stamp "done"
 }
 
