@@ -19,7 +19,8 @@ Per variant: ms per call (best window), TFLOP/s over the pairs the mask allows a
 pairs its tiles compute (forward 4·pairs·heads·head_dim FLOP; forward + backward 3.5× that:
 two matmuls forward, five backward), and the forward's largest difference from ``tile128``
 (the tilings must agree: the same rule). The JSON is rewritten after every variant, so a call
-cut short keeps what ran; a variant this torch refuses records its error.
+cut short keeps what ran; a variant this torch refuses records its error (a refused backward,
+``backward_error``, keeps the forward's figures: round 15's tile-64 and tile-32 backward were).
 
     python3 -m bench.gpu.drafter_attention --out $OUT/drafter_attention.json
     python3 -m bench.gpu.drafter_attention --device cpu --eager --no-backward --seq 512 \\
@@ -57,17 +58,20 @@ def computed_pairs(mask) -> int:
     return tiles * q_tile * kv_tile
 
 
-def time_variant(fn, q, k, v, grad, device: str, iters: int, backward: bool) -> dict:
-    """ms per forward and per forward + backward (each the best window of ``iters`` calls)."""
+def time_variant(res: dict, fn, q, k, v, grad, device: str, iters: int, backward: bool) -> None:
+    """ms per forward, then per forward + backward, into ``res`` (each the best window of
+    ``iters`` calls); a backward this torch refuses keeps the forward's figure."""
     def ms(f) -> float:
         return round(best_seconds_per_call(f, device, iters, warmup=2) * 1e3, 4)
 
-    out = {"forward_ms": ms(lambda: fn(q, k, v))}
+    res["forward_ms"] = ms(lambda: fn(q, k, v))
     if backward:
         def step():
             fn(q, k, v).backward(grad)
-        out["forward_backward_ms"] = ms(step)
-    return out
+        try:
+            res["forward_backward_ms"] = ms(step)
+        except Exception as e:  # noqa: BLE001 - recorded beside the forward's figure
+            res["backward_error"] = f"{type(e).__name__}: {str(e).strip()[:300]}"
 
 
 def rates(timing: dict, flop_per_pair: int, allowed: int, computed: int) -> dict:
@@ -136,7 +140,7 @@ def main(argv=None) -> int:
             useful = allowed if mask is not None else Q * KV  # dense: every pair counts
             res["computed_pairs"] = computed
             res["allowed_over_computed"] = round(useful / computed, 4)
-            res.update(time_variant(fn, q, k, v, grad, dev, a.iters, not a.no_backward))
+            time_variant(res, fn, q, k, v, grad, dev, a.iters, not a.no_backward)
             res.update(rates(res, flop_per_pair, useful, computed))
             if mask is not None:
                 with torch.no_grad():
