@@ -189,7 +189,7 @@ probes)
   # #34: the drafter's attention alone, per FlexAttention tiling, and with no mask (the kernel's
   # own rate at this shape): is its ~32 TFLOP/s the kernel or the sparse tile lists?
   # (Round 9's probes here were bench.gpu.mask_build and bench.gpu.cold_compile.)
-  timeout ${ATT_S:-240} python3 -W ignore -m bench.gpu.drafter_attention --out "$RES/drafter_attention.json" \
+  timeout ${ATT_S:-240} python3 -W ignore -m bench.gpu.drafter_attention ${ATT_ARGS:-} --out "$RES/drafter_attention.json" \
     > "$RES/drafter_attention.log" 2>&1; echo "drafter_attention rc=$?"; tail -c 3000 "$RES/drafter_attention.log"
   ;;
 stash) stash ;;
