@@ -35,3 +35,15 @@ def test_tilings_agree_and_count_the_tiles_they_compute(tmp_path):
 def test_small_tiles_set_the_kernels_blocks_to_the_tile():
     assert drafter_attention.kernel_options(128) is None
     assert set(drafter_attention.kernel_options(64).values()) == {64}
+
+
+def test_the_small_tile_backward_offers_a_configuration_that_fits_the_tile():
+    """The filter inductor applies (kernel/flex/flex_attention.py) keeps it, and it meets the
+    kernel's own constraints (BLOCK_N1 % BLOCK_M1, BLOCK_M2 % BLOCK_N2)."""
+    for tile in (64, 32):
+        confs = drafter_attention.small_tile_choices(tile).get_flex_attention_bwd_configs(
+            64, torch.bfloat16, "cuda")
+        assert confs
+        for c in confs:
+            assert all(tile % b == 0 for b in (c.block_m1, c.block_n1, c.block_m2, c.block_n2))
+            assert c.block_n1 % c.block_m1 == 0 and c.block_m2 % c.block_n2 == 0

@@ -9,9 +9,10 @@ drafter copies), bf16, over the objective's mask as the captured step builds it
 forward, then forward + backward, compiled (``torch.compile(flex_attention)``, as training):
 
 * ``tile128``: today's (BlockMask tile 128, inductor's kernel options);
-* ``tile64`` / ``tile32``: smaller tiles, with the kernel's blocks set to the tile
-  (``BLOCK_M``/``BLOCK_N`` forward, ``BLOCK_M1``/``N1``/``M2``/``N2`` backward), since a kernel
-  block larger than the mask's tile is refused;
+* ``tile64`` / ``tile32``: smaller tiles, with the forward kernel's blocks set to the tile
+  (``BLOCK_M``/``BLOCK_N``) and the backward offered a configuration of the tile's blocks
+  through inductor's choices handler (:func:`small_tile_choices`; round 15's probe, without it,
+  found no backward configuration at all);
 * ``dense``: no mask at all, every query against every key: the kernel's own rate at this shape
   (the most it could do per computed pair).
 
@@ -29,6 +30,7 @@ cut short keeps what ran; a variant this torch refuses records its error (a refu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 import torch
@@ -44,11 +46,38 @@ VARIANTS = ("tile128", "tile64", "tile32", "dense")
 
 
 def kernel_options(tile: int) -> dict[str, int] | None:
-    """The kernel's blocks for a mask tile: inductor's own at 128, the tile's edge below it."""
+    """The forward kernel's blocks for a mask tile: inductor's own at 128, the tile's edge below
+    it (a forward block larger than the mask's tile is refused)."""
     if tile >= 128:
         return None
-    return {"BLOCK_M": tile, "BLOCK_N": tile, "BLOCK_M1": tile, "BLOCK_N1": tile,
-            "BLOCK_M2": tile, "BLOCK_N2": tile}
+    return {"BLOCK_M": tile, "BLOCK_N": tile}  # the keys round 15 ran with (torch 2.11)
+
+
+def small_tile_choices(tile: int):
+    """Inductor's choices with a flex backward configuration whose blocks are ``tile``.
+
+    On sm90 at head dim 64, inductor offers one backward configuration outside max-autotune,
+    (64, 128, 128, 64), and drops it when its blocks do not divide the mask's tile: round 15's
+    tile-64 backward had no choice at all. ``kernel_options`` do not enter that filter; the
+    choices handler (``V.set_choices_handler``, inductor's extension point) does."""
+    from torch._inductor.choices import InductorChoices  # noqa: PLC0415 - inductor internals, GPU arms only
+    from torch._inductor.template_heuristics.triton import FlexBwDConfig  # noqa: PLC0415
+
+    class SmallTileChoices(InductorChoices):
+        def get_flex_attention_bwd_configs(self, head_dim, dtype, device_type="cuda"):
+            # (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_stages, num_warps)
+            return [FlexBwDConfig(tile, tile, tile, tile, 3 if tile >= 64 else 2, 4)]
+
+    return SmallTileChoices()
+
+
+def choices_for(variant: str):
+    """The compile's choices handler for a variant: the small-tile backward below 128."""
+    tile = int(variant[4:]) if variant.startswith("tile") else 128
+    if tile >= 128:
+        return contextlib.nullcontext()
+    from torch._inductor.virtualized import V  # noqa: PLC0415 - inductor internals
+    return V.set_choices_handler(small_tile_choices(tile))
 
 
 def computed_pairs(mask) -> int:
@@ -140,7 +169,8 @@ def main(argv=None) -> int:
             useful = allowed if mask is not None else Q * KV  # dense: every pair counts
             res["computed_pairs"] = computed
             res["allowed_over_computed"] = round(useful / computed, 4)
-            time_variant(res, fn, q, k, v, grad, dev, a.iters, not a.no_backward)
+            with choices_for(name):
+                time_variant(res, fn, q, k, v, grad, dev, a.iters, not a.no_backward)
             res.update(rates(res, flop_per_pair, useful, computed))
             if mask is not None:
                 with torch.no_grad():

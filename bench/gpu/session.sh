@@ -10,8 +10,10 @@
 # in its own process session (it outlives the call), then watches it; `watch` watches until
 # WATCH_S and collects. Run state lives in /tmp (a carried folder is replaced by the next call);
 # what comes back is one archive, results.tgz (at most 8 files come back).
-# The plan (round 15, issues #34-#35), most needed first: the new default (30.6K prompts) through
-# the whole DAG; γ 4 beside it on the same machine; the cached step's profile; CE+KD.
+# The plan (round 16, issues #34-#35), most needed first: the default (30.6K prompts) through
+# the whole DAG; γ 4 beside it on the same machine; CE+KD. The probes call (call 1) times the
+# drafter's attention per tiling, now with a small-tile backward (bench.gpu.drafter_attention).
+# (Round 15 ran the DAG to the end of train before its machine was lost, then plan_rest.)
 # (Round 14 ran both data stages at once and five recipe arms: the plan as committed at c3e2e2f.)
 # (Round 13 ran the readout A/B: `readout_sync` below.) PLAN_S bounds it
 # (round 11's ran the quality DAG, two arms, the bf16 reference loops and the cached profiles:
@@ -82,19 +84,19 @@ data_and_warmups() {  # the quality recipe's data stage with the targets $@ besi
 
 plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the hold cuts is last)
   begin "start"
-  # 1. #34/#35: the new default (30.6K prompts since round 14) through the whole DAG alone, env
-  #    to report: the DAG's wall time (#35's 20-minute budget), tokens/s and MFU, τ on four
-  #    sets, the reference protocol and the decoding sweep
+  # 1. #34/#35: the default (30.6K prompts) through the whole DAG alone, env to report: the DAG's
+  #    wall time in one run (#35's 20 minutes; round 15 lost its machine in the bench stage after
+  #    8 min 30 s to the end of train), tokens/s and MFU, τ on four sets, the reference protocol
+  #    and the decoding sweep
   timeout $(left ${DAG_S:-1000}) $SNAKE bench_smollm2-quality --config $CONF > "$RES/dag_quality.log" 2>&1
   stamp "quality DAG rc=$?"
   # 2. #35: γ 4 beside it on the same machine (round 14: +0.0498 against another machine's
   #    ref); the base's run is this folder's ref (bench/ablation_table.py base_as_ref)
   when 220 300 arm gamma4 300
-  # 3. #34: the cached epoch's step under the profiler with today's step (round 11's, before:
-  #    20.9 ms of kernels in a 28.9 ms step, the GPU idle 22 % between replays)
-  when 120 150 profile_run smollm2-quality-profile-cached cached shared
-  # 4. #35: CE+KD at 3 epochs (its own warm-up: the loss's inputs)
+  # 3. #35: CE+KD at 3 epochs (its own warm-up: the loss's inputs)
   when 300 400 arm ce-kd 400
+  # (round 15's cached profile, the "after": lease2/cached__profile.json; rerun it with
+  #  `profile_run smollm2-quality-profile-cached cached shared` when the step changes)
   stamp "done"
 }
 
