@@ -22,14 +22,41 @@ from dflash.train.anchors import sample_anchors
 from dflash.train.warm import synthetic_row
 
 
+def add_bucket_args(p: argparse.ArgumentParser) -> None:
+    """The drafter's bucket, defaults the quality spec's: ``--seq`` tokens of ``--docs``
+    documents with ``--anchors`` block slots of ``--block`` tokens (this and the GPU mask probes)."""
+    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--docs", type=int, default=32)
+    p.add_argument("--anchors", type=int, default=1536)
+    p.add_argument("--block", type=int, default=16)
+
+
+def bucket(a: argparse.Namespace):
+    """The bucket's synthetic row and its sampled blocks (seed 0), as ``add_bucket_args`` read."""
+    row = synthetic_row(a.seq, 1000, docs=a.docs)
+    return row, sample_anchors(row, a.anchors, a.block, torch.Generator().manual_seed(0), 0)
+
+
+def allowed_pairs(doc_ids: torch.Tensor, blocks) -> int:
+    """Query-key pairs the objective's mask allows (its dense form)."""
+    return int(dense_mask(doc_ids, blocks).sum())
+
+
+def computed_pairs(mask) -> int:
+    """Query-key pairs a BlockMask makes the kernel compute: every listed tile, partial or
+    full, times its area."""
+    q_tile, kv_tile = mask.BLOCK_SIZE
+    return (int(mask.kv_num_blocks.sum()) + int(mask.full_kv_num_blocks.sum())) * q_tile * kv_tile
+
+
 def tile_counts(doc_ids: torch.Tensor, blocks, tiles: list[int]) -> dict:
     """Allowed pairs, and for each tile edge the tiles listed and the pairs they compute."""
-    allowed = int(dense_mask(doc_ids, blocks).sum())
+    allowed = allowed_pairs(doc_ids, blocks)
     out = {"allowed_pairs": allowed, "tiles": {}}
     for t in tiles:
         bm = flex_block_mask(doc_ids, blocks, tile=t)
         partial, full = int(bm.kv_num_blocks.sum()), int(bm.full_kv_num_blocks.sum())
-        computed = (partial + full) * t * t
+        computed = computed_pairs(bm)
         out["tiles"][str(t)] = {"partial": partial, "full": full, "computed_pairs": computed,
                                 "useful_fraction": round(allowed / computed, 4)}
     return out
@@ -37,15 +64,11 @@ def tile_counts(doc_ids: torch.Tensor, blocks, tiles: list[int]) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seq", type=int, default=8192)
-    p.add_argument("--docs", type=int, default=32)
-    p.add_argument("--anchors", type=int, default=1536)
-    p.add_argument("--block", type=int, default=16)
+    add_bucket_args(p)
     p.add_argument("--tiles", type=int, nargs="+", default=[128, 64, 32])
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
-    row = synthetic_row(a.seq, 1000, docs=a.docs)
-    blocks = sample_anchors(row, a.anchors, a.block, torch.Generator().manual_seed(0), 0)
+    row, blocks = bucket(a)
     doc = {"command": "python -m bench.mask_tiles " + " ".join(sys.argv[1:] if argv is None else argv),
            "torch": torch.__version__, "seq": a.seq, "docs": a.docs, "anchors": a.anchors,
            "block": a.block, "queries": a.anchors * a.block, "keys": a.seq + a.anchors * a.block,

@@ -37,10 +37,9 @@ import torch
 from torch.nn.attention.flex_attention import flex_attention
 
 from bench.entry import run, write_result
-from dflash.models.masks import dense_mask, flex_block_mask
-from dflash.train.anchors import sample_anchors
+from bench.mask_tiles import add_bucket_args, allowed_pairs, bucket, computed_pairs
+from dflash.models.masks import flex_block_mask
 from dflash.train.flops import best_seconds_per_call
-from dflash.train.warm import synthetic_row
 
 VARIANTS = ("tile128", "tile64", "tile32", "dense")
 
@@ -80,13 +79,6 @@ def choices_for(variant: str):
     return V.set_choices_handler(small_tile_choices(tile))
 
 
-def computed_pairs(mask) -> int:
-    """Query-key pairs the kernel computes: every listed tile, partial or full, times its area."""
-    q_tile, kv_tile = mask.BLOCK_SIZE
-    tiles = int(mask.kv_num_blocks.sum()) + int(mask.full_kv_num_blocks.sum())
-    return tiles * q_tile * kv_tile
-
-
 def time_variant(res: dict, fn, q, k, v, grad, device: str, iters: int, backward: bool) -> None:
     """ms per forward, then per forward + backward, into ``res`` (each the best window of
     ``iters`` calls); a backward this torch refuses keeps the forward's figure."""
@@ -118,10 +110,7 @@ def rates(timing: dict, flop_per_pair: int, allowed: int, computed: int) -> dict
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
-    p.add_argument("--seq", type=int, default=8192)
-    p.add_argument("--docs", type=int, default=32)
-    p.add_argument("--anchors", type=int, default=1536)
-    p.add_argument("--block", type=int, default=16)
+    add_bucket_args(p)
     p.add_argument("--heads", type=int, default=9)
     p.add_argument("--kv-heads", type=int, default=3)
     p.add_argument("--head-dim", type=int, default=64)
@@ -132,8 +121,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     dev = a.device
-    row = synthetic_row(a.seq, 1000, docs=a.docs)
-    blocks = sample_anchors(row, a.anchors, a.block, torch.Generator().manual_seed(0), 0)
+    row, blocks = bucket(a)
     Q, KV = a.anchors * a.block, a.seq + a.anchors * a.block
     g = torch.Generator(device=dev).manual_seed(0)
     dt = torch.bfloat16
@@ -142,7 +130,7 @@ def main(argv=None) -> int:
                for h, n in ((a.heads, Q), (a.kv_heads, KV), (a.kv_heads, KV)))
     grad = torch.randn(1, a.heads, Q, a.head_dim, device=dev, dtype=dt, generator=g)
     flex = flex_attention if a.eager else torch.compile(flex_attention, dynamic=False)
-    allowed = int(dense_mask(row.doc_ids, blocks).sum())
+    allowed = allowed_pairs(row.doc_ids, blocks)
     flop_per_pair = 4 * a.heads * a.head_dim
     doc = {"command": "python3 -m bench.gpu.drafter_attention "
                       + " ".join(sys.argv[1:] if argv is None else argv),

