@@ -12,8 +12,8 @@
 # WATCH_S and collects. Run state lives in /tmp (a carried folder is replaced by the next call);
 # what comes back is one archive, results.tgz (at most 8 files come back).
 # The plan (round 16, issues #34-#35), most needed first: the default (30.6K prompts) through
-# the whole DAG; γ 4 beside it on the same machine; CE+KD. The probes call (call 1) times the
-# drafter's attention per tiling, now with a small-tile backward (bench.gpu.drafter_attention).
+# the whole DAG; 6 epochs and γ 4 beside it on the same machine; the drafter's attention per
+# tiling with the small-tile backward (bench.gpu.drafter_attention) when time is left.
 # (Round 15 ran the DAG to the end of train before its machine was lost, then plan_rest.)
 # (Round 14 ran both data stages at once and five recipe arms: the plan as committed at c3e2e2f.)
 # (Round 13 ran the readout A/B: `readout_sync` below.) PLAN_S bounds it
@@ -85,20 +85,27 @@ data_and_warmups() {  # the quality recipe's data stage with the targets $@ besi
 
 plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the hold cuts is last)
   begin "start"
-  # 1. #34/#35: the default (30.6K prompts) through the whole DAG alone, env to report: the DAG's
-  #    wall time in one run (#35's 20 minutes; round 15 lost its machine in the bench stage after
-  #    8 min 30 s to the end of train), tokens/s and MFU, τ on four sets, the reference protocol
-  #    and the decoding sweep
+  # 1. #34/#35: the default (30.6K prompts, 3 epochs) through the whole DAG alone, env to
+  #    report: the DAG's wall time in one run (#35's 20 minutes; rounds 15 and before lost it),
+  #    tokens/s and MFU, τ on four sets, the reference protocol and the decoding sweep
   timeout $(left ${DAG_S:-1000}) $SNAKE bench_smollm2-quality --config $CONF > "$RES/dag_quality.log" 2>&1
   stamp "quality DAG rc=$?"
-  # 2. #35: γ 4 beside it on the same machine (round 14: +0.0498 against another machine's
-  #    ref); the base's run is this folder's ref (bench/ablation_table.py base_as_ref)
+  # 2. #35: 6 epochs over the same data (the base's data stage and warm-up; ~2.4 min more
+  #    training): the tokens are the lever (round 14), and a cached epoch is the cheapest token
+  when 330 420 arm epochs6 420
+  # 3. #35: γ 4 beside the base on the same machine (round 14: +0.0498 against another
+  #    machine's ref); the base's run is this folder's ref (bench/ablation_table.py base_as_ref)
   when 220 300 arm gamma4 300
-  # 3. #35: CE+KD at 3 epochs (its own warm-up: the loss's inputs)
-  when 300 400 arm ce-kd 400
-  # (round 15's cached profile, the "after": lease2/cached__profile.json; rerun it with
-  #  `profile_run smollm2-quality-profile-cached cached shared` when the step changes)
+  # 4. #34: the drafter's attention per tiling, with the small-tile backward offered through
+  #    inductor's choices handler (round 15's probe found no backward at tile 64)
+  when 60 150 attention tile128 tile64
   stamp "done"
+}
+
+attention() {  # bench.gpu.drafter_attention over the variants $@, at most 150 s
+  timeout $(left 150) python3 -W ignore -m bench.gpu.drafter_attention --variants "$@" \
+    --out "$RES/drafter_attention.json" > "$RES/drafter_attention.log" 2>&1
+  stamp "drafter_attention $* rc=$?"
 }
 
 plan_rest() {  # a second, shorter hold after a lost machine (round 15's was lost in the DAG's
