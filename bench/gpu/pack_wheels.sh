@@ -35,6 +35,7 @@ while [ $off -lt $total ]; do
   s=$(stat -c %s $dir/smol.part$part); off=$(( off + s )); used=$(( used + s ))
 done
 echo "$dir: $used B + repo $repo B (call $n)"
+mkdir -p .git/info                                         # a fresh clone may have none
 for d in .whl .whl[0-9]*; do grep -qx "/$d/" .git/info/exclude || echo "/$d/" >> .git/info/exclude; done
 sha256sum "$smol" | cut -d' ' -f1 > $dir/smol.sha256
 basename "$smol" > $dir/smol.name
