@@ -161,6 +161,30 @@ def test_batch_sequences_finish_independently(world):
     assert set(batched[1].accepted[:-1]) <= {2}
 
 
+def test_a_finished_sequence_stepped_on_stays_inside_its_caches(world):
+    """A sequence that ends by max_new_tokens with a long accepted run, then stepped on while
+    inactive (the captured step runs sync_every steps between checks, and other rows keep it
+    running at batch > 1), must not index past the caches. Round 16 (H200): the quality
+    drafter's decode sweep hit a device-side assert at batch 16 (``index out of bounds: 0 <=
+    tmp4 < 416``, the cache length) when the row with the longest prompt accepted a whole block
+    in its last step. Sized with no slack: cache 32 (max_len 27 + block 5), 8 new tokens, a
+    19-token prompt (the longest that fits); perfect drafts emit 1, 5 (6) then the last 2."""
+    target, *_ = world
+    prompt = torch.randint(0, MASK - 3, (19,), generator=torch.Generator().manual_seed(7)).tolist()
+    cont = target_greedy(target, torch.tensor(prompt), 8 + B)
+
+    def perfect(i, anchor, pos):
+        return cont[pos - len(prompt) + 1:pos - len(prompt) + B]
+
+    dec = Decoder(target, None, batch=1, max_len=27, max_new_tokens=8, eos_ids=[V + 1],
+                  draft_hook=perfect, block_size=B, sync_every=4)
+    assert dec.S == 32
+    (r,) = dec.decode([prompt])
+    assert r.tokens == cont[:8] and r.block_lengths == [B, 2]
+    assert dec.stats["steps"] == 4                      # two of them on the finished row
+    assert int(dec.pos[0]) < dec.S - B + 1              # its verify still fits the cache
+
+
 def test_prompt_that_does_not_fit_is_one_clear_error(world):
     target, drafter, *_ = world
     with pytest.raises(DFlashError, match="prompt 1 has"):

@@ -170,6 +170,9 @@ class StepGlue:
         bonus = greedy.gather(1, n_acc[:, None])[:, 0]
         self.steps += act.long()
         self.gen += count
-        self.pos += torch.where(act, n_acc + 1, torch.zeros_like(n_acc))
+        # a finished row keeps its position: it is stepped on until the next check (and while
+        # other rows run), and past its last block its verify would index beyond the caches
+        # (round 16: a device-side assert at batch 16); nothing reads a finished row's pos
+        self.pos += torch.where(act & ~finished, n_acc + 1, torch.zeros_like(n_acc))
         self.tok.copy_(torch.where(act, bonus, self.tok))
         self.active &= ~finished
