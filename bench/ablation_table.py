@@ -5,8 +5,9 @@ curve, rendered from the committed H200 files (never copied by hand):
     python -m bench.ablation_table --write docs/benchmarks.md   # + ablation.json, the plot
     python -m bench.ablation_table --check docs/benchmarks.md   # exit 1 if md or JSON is stale
 
-Arms: every ``<arm>__bench__report.json`` under bench/results/h200/ whose ``spec`` is
-``<sweep>-<arm>`` of a sweep in sweeps/ (bench/gpu/session.sh's naming), with the
+Arms: every ``<arm>__bench__report.json`` (a bench stage cut after its first τ sets:
+``<arm>__bench__figures.json``, bench/figures_from_log.py) under bench/results/h200/ whose
+``spec`` is ``<sweep>-<arm>`` of a sweep in sweeps/ (bench/gpu/session.sh's naming), with the
 ``<arm>__train__manifest.json``, ``__train__metrics.jsonl[.gz]`` and ``__data__manifest.json``
 beside it; Δ is against the ``ref`` arm of the SAME folder (the same lease and code), or the one
 a folder's ``ref.json`` lends from another (bench/ablation_ref.py says when it may). Runs:
@@ -42,6 +43,7 @@ import yaml
 from bench import md_block
 from bench.ablation_plot import plot
 from bench.entry import run
+from bench.figures_from_log import CUT, as_report
 from dflash.errors import DFlashError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -84,8 +86,9 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def sibling(report: Path, stage: str, name: str) -> Path:
-    """``<arm>__<stage>__<name>`` beside ``<arm>__bench__report.json``."""
-    return report.with_name(report.name.replace("__bench__report.json", f"__{stage}__{name}"))
+    """``<arm>__<stage>__<name>`` beside ``<arm>__bench__report.json`` (or its figures)."""
+    return report.with_name(report.name.replace("__bench__report.json", f"__{stage}__{name}")
+                            .replace(CUT, f"__{stage}__{name}"))
 
 
 def has_train_files(report: Path) -> bool:
@@ -144,6 +147,8 @@ def arm_rows(folder: Path, sweeps: list[str]) -> list[dict]:
     rows, spans = [], {}
     reports = {p: read_json(p) for p in sorted(folder.glob("*__bench__report.json"))
                if has_train_files(p)}
+    reports |= {p: as_report(p) for p in sorted(folder.glob("*" + CUT)) if has_train_files(p)
+                and not sibling(p, "bench", "report.json").is_file()}  # a cut bench stage
     for rep_path, rep in reports.items():
         spec = rep.get("spec", "")
         sweep = max((s for s in sweeps if spec.startswith(s + "-")), key=len, default=None)
@@ -339,7 +344,7 @@ def collect() -> dict:
     sweeps = sorted(p.stem for p in (REPO / "sweeps").glob("*.yaml"))
     arms = []
     reports = sorted(H200.rglob("*__bench__report.json"))
-    for folder in sorted({p.parent for p in reports}):
+    for folder in sorted({p.parent for p in [*reports, *H200.rglob("*" + CUT)]}):
         rows = arm_rows(folder, sweeps)
         for r in rows:  # against the ref arm of the same lease and sweep
             ref = next((o for o in rows if o["arm"] == "ref" and o["sweep"] == r["sweep"]),

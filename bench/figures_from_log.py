@@ -33,6 +33,19 @@ def figures(text: str) -> dict:
     return out
 
 
+CUT = "__bench__figures.json"  # <spec>__bench__figures.json: a cut bench stage's figures
+
+
+def as_report(path: Path) -> dict:
+    """A cut bench stage's ``<spec>__bench__figures.json`` in report.json's shape, for the
+    ablation table (round 16's epochs6 arm: the call's limit cut its bench after two sets): the
+    spec from the file's name, τ of each set that ran, nothing of what came after the cut."""
+    fig = json.loads(Path(path).read_text())
+    return {"spec": Path(path).name.removesuffix(CUT), "cut": True,
+            "acceptance": {"sets": {s: {"tau": v["tau_simulated"], "prompts": v["prompts"]}
+                                    for s, v in fig["tau"].items()}}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("log", type=Path)

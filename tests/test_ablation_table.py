@@ -197,3 +197,18 @@ def test_a_lent_ref_that_does_not_compare_is_one_clear_error(at, tmp_path):
     manifest.write_text(json.dumps(other))
     with pytest.raises(DFlashError, match="ref.json: the lent ref trained on dataset d2ee1a4f16d5"):
         at.arm_rows(tmp_path, ["smollm2-recipe"])
+
+
+def test_round16s_cut_arm_is_tabled_from_its_figures_against_the_dags_run(data):
+    """Round 16's epochs6 arm: the call's limit cut its bench stage after MT-Bench and HumanEval,
+    so its row comes from ``<arm>__bench__figures.json`` (the bench log's lines, no report); its
+    ref is the whole DAG's smollm2-quality run of the same lease. The sets it never measured are
+    None, not zeros, and it wins at equal GPU-minutes too (the default since)."""
+    r16 = {r["arm"]: r for r in data["arms"] if "round16-2026-12-04" in r["folder"]}
+    assert set(r16) == {"ref", "epochs6"} and r16["ref"]["ref_from"] == "smollm2-quality"
+    e = r16["epochs6"]
+    assert e["tau"] == {"mtbench": 2.577, "humaneval": 2.643, "heldout": None, "train": None}
+    assert e["delta"]["mtbench"] == round(2.577 - r16["ref"]["tau"]["mtbench"], 4)
+    assert e["steps"] == 2 * r16["ref"]["steps"] and e["while_training"] == []
+    assert e["verdict"] == e["verdict_equal_gpu_minutes"] == "wins"
+    assert e["apply"] == {"optim.epochs": 6}

@@ -169,8 +169,11 @@ def test_repo_sweeps_validate():
     # has a data stage of its own
     assert len({s.fingerprint("data") for k, s in recipe.items() if k != "prompts1x"}) == 1
     assert recipe["prompts1x"].fingerprint("data") != recipe["ref"].fingerprint("data")
-    assert recipe["prompts15x"].fingerprint("train") == recipe["ref"].fingerprint("train")
+    # round 16: the base trains 6 epochs (the epochs6 arm's); prompts15x pins round 15's 3
+    assert recipe["epochs6"].fingerprint("train") == recipe["ref"].fingerprint("train")
+    assert recipe["prompts15x"].fingerprint("train") != recipe["ref"].fingerprint("train")
     assert (recipe["prompts15x"].optim.epochs, recipe["prompts15x-2ep"].optim.epochs) == (3, 2)
+    assert recipe["ref"].optim.epochs == 6 and recipe["prompts1x"].optim.epochs == 3
     assert recipe["prompts1x"].data.max_prompts == 20600 and recipe["ref"].data.max_prompts == 30600
     assert recipe["prompts15x-2ep"].fingerprint("warmup") == recipe["ref"].fingerprint("warmup")
     own = ("depth3", "depth8", "block8", "block8-anchors2x", "anchors1344", "uncapped", "kd",
