@@ -11,9 +11,11 @@
 # in its own process session (it outlives the call), then watches it; `watch` watches until
 # WATCH_S and collects. Run state lives in /tmp (a carried folder is replaced by the next call);
 # what comes back is one archive, results.tgz (at most 8 files come back).
-# The plan (round 16, issues #34-#35), most needed first: the default (30.6K prompts) through
-# the whole DAG; 6 epochs and γ 4 beside it on the same machine; the drafter's attention per
-# tiling with the small-tile backward (bench.gpu.drafter_attention) when time is left.
+# The plan (round 17, issues #34-#35), most needed first: the default (30.6K prompts, 6 epochs)
+# through the whole DAG; γ 4 beside it on the same machine; the drafter's attention per tiling
+# with the small-tile backward (bench.gpu.drafter_attention) when time is left.
+# (Round 16 ran the 3-epoch default's whole DAG and the epochs6 arm, whose bench was cut:
+# bench/results/h200/round16-2026-12-04/README.md.)
 # (Round 15 ran the DAG to the end of train before its machine was lost, then plan_rest.)
 # (Round 14 ran both data stages at once and five recipe arms: the plan as committed at c3e2e2f.)
 # (Round 13 ran the readout A/B: `readout_sync` below.) PLAN_S bounds it
@@ -30,6 +32,8 @@ export DFLASH_CACHE=/tmp/dflash-cache
 FINAL=${OUT:-/tmp/out}; RES=/tmp/res; mkdir -p "$RES" "$FINAL" /tmp/whl
 CONF="results=/tmp/r logs=/tmp/l benchmarks=/tmp/b"
 SNAKE="python3 -m snakemake --cores all --scheduler greedy --keep-going"
+# every step's timeout kills (-k 20) what outlives its SIGTERM: round 16's arm, cut in its bench
+# stage, left Snakemake waiting, and the plan stalled there until the hold ended
 
 stash() {  # this call's wheel folders into /tmp/whl (a later call's carry replaces them here)
   for d in .whl .whl[0-9]*; do [ -d "$d" ] && cp "$d"/* /tmp/whl/; done; ls /tmp/whl | wc -l
@@ -78,32 +82,31 @@ begin() {  # a plan's start: its clock (T0, which left() counts from) and the GP
 }
 
 data_and_warmups() {  # the quality recipe's data stage with the targets $@ beside it (GPU_JOBS on the GPU)
-  timeout $(left ${DATA_S:-240}) $SNAKE data_smollm2-quality "$@" --config $CONF gpu_jobs=${GPU_JOBS:-3} \
+  timeout -k 20 $(left ${DATA_S:-240}) $SNAKE data_smollm2-quality "$@" --config $CONF gpu_jobs=${GPU_JOBS:-3} \
     > "$RES/dag_data.log" 2>&1
   stamp "quality data + $* rc=$?"
 }
 
 plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the hold cuts is last)
   begin "start"
-  # 1. #34/#35: the default (30.6K prompts, 3 epochs) through the whole DAG alone, env to
-  #    report: the DAG's wall time in one run (#35's 20 minutes; rounds 15 and before lost it),
-  #    tokens/s and MFU, τ on four sets, the reference protocol and the decoding sweep
-  timeout $(left ${DAG_S:-1000}) $SNAKE bench_smollm2-quality --config $CONF > "$RES/dag_quality.log" 2>&1
+  # 1. #34/#35: the default (30.6K prompts, 6 epochs since round 16) through the whole DAG alone,
+  #    env to report: its wall time in one run (round 16 derived ~16.9 min against #35's 20),
+  #    tokens/s and MFU, τ on four sets, the reference protocol and the decoding sweep (round
+  #    16's failed at batch 16: the decoder's finished-row fix, 7e6a1a4, is measured here)
+  timeout -k 20 $(left ${DAG_S:-1150}) $SNAKE bench_smollm2-quality --config $CONF > "$RES/dag_quality.log" 2>&1
   stamp "quality DAG rc=$?"
-  # 2. #35: 6 epochs over the same data (the base's data stage and warm-up; ~2.4 min more
-  #    training): the tokens are the lever (round 14), and a cached epoch is the cheapest token
-  when 330 420 arm epochs6 420
-  # 3. #35: γ 4 beside the base on the same machine (round 14: +0.0498 against another
-  #    machine's ref); the base's run is this folder's ref (bench/ablation_table.py base_as_ref)
-  when 220 300 arm gamma4 300
-  # 4. #34: the drafter's attention per tiling, with the small-tile backward offered through
+  # 2. #35: γ 4 beside the base on the same machine, now at 6 epochs (round 14: +0.0498 at 3
+  #    epochs against another machine's ref; round 16's plan never reached it); the base's run
+  #    is this folder's ref (bench/ablation_table.py base_as_ref). Train ~340 s + bench ~80 s
+  when 430 480 arm gamma4 480
+  # 3. #34: the drafter's attention per tiling, with the small-tile backward offered through
   #    inductor's choices handler (round 15's probe found no backward at tile 64)
   when 60 150 attention tile128 tile64
   stamp "done"
 }
 
 attention() {  # bench.gpu.drafter_attention over the variants $@, at most 150 s
-  timeout $(left 150) python3 -W ignore -m bench.gpu.drafter_attention --variants "$@" \
+  timeout -k 20 $(left 150) python3 -W ignore -m bench.gpu.drafter_attention --variants "$@" \
     --out "$RES/drafter_attention.json" > "$RES/drafter_attention.log" 2>&1
   stamp "drafter_attention $* rc=$?"
 }
@@ -128,7 +131,7 @@ readout_sync() {  # $1 an arm that has run: its train stage again, DFLASH_STEP_R
   local d=/tmp/r/smollm2-recipe-$1/train
   [ -d $d ] || { stamp "readout_sync: no $d"; return 0; }
   mv $d /tmp/train-lagged-$1
-  DFLASH_STEP_READOUT=sync timeout $(left 240) $SNAKE train_smollm2-recipe-$1 --config $CONF \
+  DFLASH_STEP_READOUT=sync timeout -k 20 $(left 240) $SNAKE train_smollm2-recipe-$1 --config $CONF \
     > "$RES/dag_$1-readout-sync.log" 2>&1
   stamp "$1 train, DFLASH_STEP_READOUT=sync rc=$?"
   for f in manifest.json metrics.jsonl; do cp $d/$f "$RES/$1-readout-sync__$f" 2>/dev/null; done
@@ -137,13 +140,13 @@ readout_sync() {  # $1 an arm that has run: its train stage again, DFLASH_STEP_R
 
 arm() {  # $1 a smollm2-recipe arm through bench, at most $2 seconds; $3... more --config items
   local a=$1 s=$2; shift 2
-  timeout $(left $s) $SNAKE bench_smollm2-recipe-$a --config $CONF "$@" > "$RES/dag_$a.log" 2>&1
+  timeout -k 20 $(left $s) $SNAKE bench_smollm2-recipe-$a --config $CONF "$@" > "$RES/dag_$a.log" 2>&1
   stamp "$a arm rc=$?"
 }
 
 profile_run() {  # $1 spec, $2 tag, $3 DFLASH_TARGET_STREAM, then snakemake's extra flags
   local s=$1 tag=$2 st=$3; shift 3
-  DFLASH_TARGET_STREAM=$st timeout $(left 150) $SNAKE train_$s "$@" --config $CONF > "$RES/dag_$tag.log" 2>&1
+  DFLASH_TARGET_STREAM=$st timeout -k 20 $(left 150) $SNAKE train_$s "$@" --config $CONF > "$RES/dag_$tag.log" 2>&1
   stamp "$s ($tag) rc=$?"
   for f in profile.json manifest.json metrics.jsonl; do
     cp /tmp/r/$s/train/$f "$RES/${tag}__$f" 2>/dev/null; done; return 0
@@ -151,7 +154,7 @@ profile_run() {  # $1 spec, $2 tag, $3 DFLASH_TARGET_STREAM, then snakemake's ex
 
 b1_profile() {  # $1 a trained drafter: batch 1, target-only vs speculative, kernels per step
   [ -d "$1" ] || { stamp "b1 profile: no drafter $1"; return 0; }
-  timeout $(left 200) python3 -m bench.gpu.decode_speed --spec specs/smollm2-quality.yaml --drafter "$1" \
+  timeout -k 20 $(left 200) python3 -m bench.gpu.decode_speed --spec specs/smollm2-quality.yaml --drafter "$1" \
     --batches 1 --hf-batches "" --verify-tokens 8 --no-simulated --budget-s 150 \
     --out "$RES/decode_b1_profile.json" > "$RES/decode_b1_profile.log" 2>&1
   stamp "b1 profile rc=$?"
@@ -167,7 +170,7 @@ refs() {  # both decoding loops on a trained drafter ($1), bf16 (#36 items 2 and
   local D=$1
   [ -d "$D" ] || { stamp "refs: no drafter $D"; return 0; }
   [ $(left 300) -ge 90 ] || { stamp "refs: skipped, $(left 300) s left"; return 0; }
-  timeout $(left ${REF_S:-240}) python3 -m bench.gpu.reference_tau --spec specs/smollm2-quality.yaml \
+  timeout -k 20 $(left ${REF_S:-240}) python3 -m bench.gpu.reference_tau --spec specs/smollm2-quality.yaml \
     --drafter "$D" ${REF_ARGS:---prompts 32 --max-new 128 --dtypes bfloat16} \
     --out "$RES/reference_agreement.json" > "$RES/reference_agreement.log" 2>&1
   stamp "reference_tau rc=$?"
