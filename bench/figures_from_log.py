@@ -11,6 +11,8 @@ import json
 import re
 from pathlib import Path
 
+from dflash.errors import DFlashError
+
 TAU = re.compile(r"^\[bench\] τ (\w+): ([\d.]+) over (\d+) prompts \(simulated in [\d.]+s"
                  r"(?:; real on (\d+): τ ([\d.]+), speed-up ([\d.]+), lossless (\w+))?")
 DONE = re.compile(r"^\[train\] done: (\d+) steps in ([\d.]+)s, final loss ([\d.]+), recompiles "
@@ -40,10 +42,14 @@ def as_report(path: Path) -> dict:
     """A cut bench stage's ``<spec>__bench__figures.json`` in report.json's shape, for the
     ablation table (round 16's epochs6 arm: the call's limit cut its bench after two sets): the
     spec from the file's name, τ of each set that ran, nothing of what came after the cut."""
-    fig = json.loads(Path(path).read_text())
+    try:
+        sets = {s: {"tau": float(v["tau_simulated"]), "prompts": int(v["prompts"])}
+                for s, v in json.loads(Path(path).read_text())["tau"].items()}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        raise DFlashError(f"{path}: not a bench.figures_from_log file ({type(e).__name__}: "
+                          f"{e})") from None
     return {"spec": Path(path).name.removesuffix(CUT), "cut": True,
-            "acceptance": {"sets": {s: {"tau": v["tau_simulated"], "prompts": v["prompts"]}
-                                    for s, v in fig["tau"].items()}}}
+            "acceptance": {"sets": sets}}
 
 
 def main() -> None:

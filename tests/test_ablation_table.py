@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from bench import ablation_table
+from bench.figures_from_log import as_report
 from dflash.errors import DFlashError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -212,3 +213,11 @@ def test_round16s_cut_arm_is_tabled_from_its_figures_against_the_dags_run(data):
     assert e["steps"] == 2 * r16["ref"]["steps"] and e["while_training"] == []
     assert e["verdict"] == e["verdict_equal_gpu_minutes"] == "wins"
     assert e["apply"] == {"optim.epochs": 6}
+
+
+def test_a_cut_benchs_figures_file_that_does_not_read_is_one_clear_error(tmp_path):
+    path = tmp_path / "smollm2-recipe-epochs6__bench__figures.json"
+    for text in ("{not json", '{"tau": {"mtbench": {"prompts": 80}}}', "[]"):
+        path.write_text(text)
+        with pytest.raises(DFlashError, match="smollm2-recipe-epochs6__bench__figures.json"):
+            as_report(path)
