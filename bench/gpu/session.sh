@@ -97,8 +97,8 @@ plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the 
   stamp "quality DAG rc=$?"
   # 2. #35: γ 4 beside the base on the same machine, now at 6 epochs (round 14: +0.0498 at 3
   #    epochs against another machine's ref; round 16's plan never reached it); the base's run
-  #    is this folder's ref (bench/ablation_table.py base_as_ref). Train ~340 s + bench ~80 s
-  when 430 480 arm gamma4 480
+  #    is this folder's ref (bench/ablation_table.py base_as_ref). Train ~360 s + bench ~100 s
+  when 470 520 arm gamma4 520
   # 3. #34: the drafter's attention per tiling, with the small-tile backward offered through
   #    inductor's choices handler (round 15's probe found no backward at tile 64)
   when 60 150 attention tile128 tile64
