@@ -3,18 +3,25 @@ report.json was never written (a device call cut the bench stage after its τ ev
 
     python -m bench.figures_from_log bench/results/h200/smollm2-quality-run2/snakemake_call3.log \
         --out bench/results/h200/smollm2-quality-run2/figures.json
+    python -m bench.figures_from_log bench/results/h200/round16-2026-12-04/lease/dag_quality.log \
+        --decode --out bench/results/h200/round16-2026-12-04/quality_dag_figures.json
 """
 from __future__ import annotations
 
 import argparse
 import json
 import re
+from datetime import datetime
 from pathlib import Path
 
 from dflash.errors import DFlashError
 
 TAU = re.compile(r"^\[bench\] τ (\w+): ([\d.]+) over (\d+) prompts \(simulated in [\d.]+s"
                  r"(?:; real on (\d+): τ ([\d.]+), speed-up ([\d.]+), lossless (\w+))?")
+DECODE = re.compile(r"^\[bench\] batch (\d+): target-only ([\d.]+) tok/s, speculative ([\d.]+) tok/s "
+                    r"\(τ ([\d.]+), speed-up ([\d.]+)\), choice (.+?) served ([\d.]+) tok/s "
+                    r"\(([\d.]+)x measured\)(?:, HF static ([\d.]+) tok/s)?, lossless (\w+)")
+CLOCK = re.compile(r"^\[(\w{3} \w{3} +\d+ \d\d:\d\d:\d\d \d{4})\]$")  # Snakemake's job stamps
 DONE = re.compile(r"^\[train\] done: (\d+) steps in ([\d.]+)s, final loss ([\d.]+), recompiles "
                   r"after warmup (\d+), race errors (\d+)")
 
@@ -33,6 +40,26 @@ def figures(text: str) -> dict:
                                  "final_loss": float(m[3]), "recompiles_after_warmup": int(m[4]),
                                  "race_errors": int(m[5])}
     return out
+
+
+def decode_and_clock(text: str) -> dict:
+    """The bench stage's decoding-sweep rows (a sweep that failed part way keeps the batch sizes
+    it finished: round 16's batch 16) and the DAG's wall clock from Snakemake's first to its last
+    job stamp (``--decode``: a whole-DAG log whose report lost its sweep)."""
+    rows, stamps = {}, []
+    for line in text.splitlines():
+        if m := DECODE.match(line):
+            rows[int(m[1])] = {"batch": int(m[1]), "target_only_tokens_per_s": float(m[2]),
+                               "speculative_tokens_per_s": float(m[3]), "tau": float(m[4]),
+                               "speedup": float(m[5]), "choice": m[6],
+                               "served_tokens_per_s": float(m[7]), "served_speedup": float(m[8]),
+                               "hf_static_tokens_per_s": float(m[9]) if m[9] else None,
+                               "lossless": m[10] == "True"}
+        elif m := CLOCK.match(line):
+            stamps.append(datetime.strptime(m[1], "%a %b %d %H:%M:%S %Y"))
+    clock = ({"first": stamps[0].isoformat(), "last": stamps[-1].isoformat(),
+              "span_s": (stamps[-1] - stamps[0]).total_seconds()} if stamps else None)
+    return {"decode": list(rows.values()), "dag_clock": clock}
 
 
 CUT = "__bench__figures.json"  # <spec>__bench__figures.json: a cut bench stage's figures
@@ -56,8 +83,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("log", type=Path)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--decode", action="store_true",
+                    help="also the decoding sweep's rows and the DAG's wall clock")
     a = ap.parse_args()
-    res = {"source": str(a.log), **figures(a.log.read_text())}
+    text = a.log.read_text()
+    res = {"source": str(a.log), **figures(text), **(decode_and_clock(text) if a.decode else {})}
     a.out.write_text(json.dumps(res, indent=1) + "\n")
     print(json.dumps(res, indent=1))
 

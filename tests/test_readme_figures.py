@@ -90,3 +90,15 @@ def test_the_figures_files_are_what_the_script_reads_from_their_logs(run, log):
     committed = json.loads((H200 / run / "figures.json").read_text())
     assert figures_from_log.figures(log.read_text()) == {k: v for k, v in committed.items()
                                                         if k != "source"}
+
+
+def test_a_whole_dag_logs_decode_rows_and_clock_are_its_committed_figures():
+    """Round 16: the report lost its decoding sweep (batch 16 failed), so the rows that finished
+    and the DAG's wall clock come from the log (``--decode``), as committed."""
+    folder = H200 / "round16-2026-12-04"
+    text = (folder / "lease" / "dag_quality.log").read_text()
+    committed = json.loads((folder / "quality_dag_figures.json").read_text())
+    got = figures_from_log.decode_and_clock(text)
+    assert {k: committed[k] for k in ("decode", "dag_clock")} == got
+    assert [r["batch"] for r in got["decode"]] == [1, 4] and got["dag_clock"]["span_s"] == 856.0
+    assert figures_from_log.decode_and_clock("no stamps") == {"decode": [], "dag_clock": None}
