@@ -174,6 +174,10 @@ def test_repo_sweeps_validate():
     assert recipe["prompts15x"].fingerprint("train") != recipe["ref"].fingerprint("train")
     assert (recipe["prompts15x"].optim.epochs, recipe["prompts15x-2ep"].optim.epochs) == (3, 2)
     assert recipe["ref"].optim.epochs == 6 and recipe["prompts1x"].optim.epochs == 3
+    # round 17's epochs10: its own training on the base's data stage and warm-up
+    assert recipe["epochs10"].optim.epochs == 10
+    assert recipe["epochs10"].fingerprint("train") != recipe["ref"].fingerprint("train")
+    assert recipe["epochs10"].fingerprint("warmup") == recipe["ref"].fingerprint("warmup")
     assert recipe["prompts1x"].data.max_prompts == 20600 and recipe["ref"].data.max_prompts == 30600
     assert recipe["prompts15x-2ep"].fingerprint("warmup") == recipe["ref"].fingerprint("warmup")
     own = ("depth3", "depth8", "block8", "block8-anchors2x", "anchors1344", "uncapped", "kd",

@@ -12,8 +12,9 @@
 # WATCH_S and collects. Run state lives in /tmp (a carried folder is replaced by the next call);
 # what comes back is one archive, results.tgz (at most 8 files come back).
 # The plan (round 17, issues #34-#35), most needed first: the default (30.6K prompts, 6 epochs)
-# through the whole DAG; γ 4 beside it on the same machine; the drafter's attention per tiling
-# with the small-tile backward (bench.gpu.drafter_attention) when time is left.
+# through the whole DAG; 10 epochs beside it on the same machine (γ 4 if less time is left); the
+# drafter's attention per tiling with the small-tile backward (bench.gpu.drafter_attention) when
+# time is left.
 # (Round 16 ran the 3-epoch default's whole DAG and the epochs6 arm, whose bench was cut:
 # bench/results/h200/round16-2026-12-04/README.md.)
 # (Round 15 ran the DAG to the end of train before its machine was lost, then plan_rest.)
@@ -95,10 +96,12 @@ plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the 
   #    16's failed at batch 16: the decoder's finished-row fix, 7e6a1a4, is measured here)
   timeout -k 20 $(left ${DAG_S:-1150}) $SNAKE bench_smollm2-quality --config $CONF > "$RES/dag_quality.log" 2>&1
   stamp "quality DAG rc=$?"
-  # 2. #35: γ 4 beside the base on the same machine, now at 6 epochs (round 14: +0.0498 at 3
-  #    epochs against another machine's ref; round 16's plan never reached it); the base's run
-  #    is this folder's ref (bench/ablation_table.py base_as_ref). Train ~360 s + bench ~100 s
-  when 470 520 arm gamma4 520
+  # 2. #35: 10 epochs beside the base's 6 on the same machine (do more cached epochs keep
+  #    paying per GPU-minute?); the base's run is this folder's ref (bench/ablation_table.py
+  #    base_as_ref). Train ~500 s + bench ~75 s: MT-Bench's τ comes first, so a cut bench still
+  #    gives it. Less time left: γ 4 at 6 epochs instead (round 14: +0.0498 at 3 epochs against
+  #    another machine's ref), train ~340 s + bench ~75 s
+  if [ $(left 700) -ge 580 ]; then arm epochs10 700; else when 430 520 arm gamma4 520; fi
   # 3. #34: the drafter's attention per tiling, with the small-tile backward offered through
   #    inductor's choices handler (round 15's probe found no backward at tile 64)
   when 60 150 attention tile128 tile64
