@@ -102,3 +102,21 @@ def test_a_whole_dag_logs_decode_rows_and_clock_are_its_committed_figures():
     assert {k: committed[k] for k in ("decode", "dag_clock")} == got
     assert [r["batch"] for r in got["decode"]] == [1, 4] and got["dag_clock"]["span_s"] == 856.0
     assert figures_from_log.decode_and_clock("no stamps") == {"decode": [], "dag_clock": None}
+
+
+def test_round17s_dag_figures_are_its_log_and_agree_with_its_report():
+    """Round 17: the whole 6-epoch DAG's log rows (all four batch sizes this time) are the
+    committed figures, and each row's speed-ups are the report's own, to the log's 3 decimals."""
+    folder = H200 / "round17-2026-12-04"
+    text = (folder / "lease" / "dag_quality.log").read_text()
+    committed = json.loads((folder / "quality_dag_figures.json").read_text())
+    got = figures_from_log.decode_and_clock(text)
+    assert {k: committed[k] for k in ("decode", "dag_clock")} == got
+    assert got["dag_clock"]["span_s"] == 1119.0 and got["dag_clock"]["span_s"] <= 20 * 60
+    report = json.loads((folder / "lease" / "r" / "smollm2-quality__bench__report.json").read_text())
+    batches = report["acceptance"]["decode_speed"]["batches"]
+    assert [r["batch"] for r in got["decode"]] == [b["batch"] for b in batches] == [1, 4, 16, 64]
+    for row, b in zip(got["decode"], batches):
+        assert row["speedup"] == round(b["speedup"], 3)
+        assert row["served_speedup"] == round(b["choice_speedup"], 3)
+        assert row["lossless"] is True

@@ -11,10 +11,10 @@
 # in its own process session (it outlives the call), then watches it; `watch` watches until
 # WATCH_S and collects. Run state lives in /tmp (a carried folder is replaced by the next call);
 # what comes back is one archive, results.tgz (at most 8 files come back).
-# The plan (round 17, issues #34-#35), most needed first: the default (30.6K prompts, 6 epochs)
-# through the whole DAG; 10 epochs beside it on the same machine (γ 4 if less time is left); the
-# drafter's attention per tiling with the small-tile backward (bench.gpu.drafter_attention) when
-# time is left.
+# The plan (round 18, issue #35), most needed first: the shared data stage and warm-up, the base
+# recipe (6 epochs) as the sweep's ref, 10 epochs and γ 4 beside it on the same machine.
+# (Round 17 ran the 6-epoch default's whole DAG and the attention probe; its arms did not fit:
+# bench/results/h200/round17-2026-12-04/README.md.)
 # (Round 16 ran the 3-epoch default's whole DAG and the epochs6 arm, whose bench was cut:
 # bench/results/h200/round16-2026-12-04/README.md.)
 # (Round 15 ran the DAG to the end of train before its machine was lost, then plan_rest.)
@@ -90,21 +90,17 @@ data_and_warmups() {  # the quality recipe's data stage with the targets $@ besi
 
 plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the hold cuts is last)
   begin "start"
-  # 1. #34/#35: the default (30.6K prompts, 6 epochs since round 16) through the whole DAG alone,
-  #    env to report: its wall time in one run (round 16 derived ~16.9 min against #35's 20),
-  #    tokens/s and MFU, τ on four sets, the reference protocol and the decoding sweep (round
-  #    16's failed at batch 16: the decoder's finished-row fix, 7e6a1a4, is measured here)
-  timeout -k 20 $(left ${DAG_S:-1150}) $SNAKE bench_smollm2-quality --config $CONF > "$RES/dag_quality.log" 2>&1
-  stamp "quality DAG rc=$?"
-  # 2. #35: 10 epochs beside the base's 6 on the same machine (do more cached epochs keep
-  #    paying per GPU-minute?); the base's run is this folder's ref (bench/ablation_table.py
-  #    base_as_ref). Train ~500 s + bench ~75 s: MT-Bench's τ comes first, so a cut bench still
-  #    gives it. Less time left: γ 4 at 6 epochs instead (round 14: +0.0498 at 3 epochs against
-  #    another machine's ref), train ~340 s + bench ~75 s
-  if [ $(left 700) -ge 580 ]; then arm epochs10 700; else when 430 520 arm gamma4 520; fi
-  # 3. #34: the drafter's attention per tiling, with the small-tile backward offered through
-  #    inductor's choices handler (round 15's probe found no backward at tile 64)
-  when 60 150 attention tile128 tile64
+  # 1. the shared data stage with the base's warm-up beside it (round 15's pair: about a
+  #    minute less than one after the other); every arm below reads both
+  GPU_JOBS=2 data_and_warmups warmup_smollm2-quality
+  # 2. #35: the base (6 epochs) as the sweep's ref, then 10 epochs beside it on the same machine
+  #    (do more cached epochs keep paying per GPU-minute? round 17's whole DAG of the base took
+  #    18 min 39 s, so 4 more epochs, ~165 s, would still fit #35's 20 minutes). Train ~340 s /
+  #    ~500 s + bench ~75 s each: MT-Bench's τ comes first, so a cut bench still gives it
+  when 400 480 arm ref 480
+  when 560 660 arm epochs10 660
+  # 3. #35: γ 4 at 6 epochs (round 14: +0.0498 at 3 epochs against another machine's ref)
+  when 400 480 arm gamma4 480
   stamp "done"
 }
 
