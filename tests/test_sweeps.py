@@ -167,8 +167,17 @@ def test_repo_sweeps_validate():
     # a compiled shape: depth and block (the drafter, the row), uncapped and kd / ce-kd (the loss's rows and inputs)
     # the base's 30.6K prompts since round 14 (prompts15x's): only prompts1x (round 13's 20.6K)
     # has a data stage of its own
-    assert len({s.fingerprint("data") for k, s in recipe.items() if k != "prompts1x"}) == 1
-    assert recipe["prompts1x"].fingerprint("data") != recipe["ref"].fingerprint("data")
+    own_data = ("prompts1x", "steered")
+    assert len({s.fingerprint("data") for k, s in recipe.items() if k not in own_data}) == 1
+    assert len({recipe[k].fingerprint("data") for k in ("ref",) + own_data}) == 3
+    # round 17's steered arm: the base's prompts and budget, written under MT-Bench's eight
+    # categories; the base's warm-up (no compiled shape changes)
+    steered = recipe["steered"].data
+    assert set(steered.self_written.categories) == {
+        "writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+    assert (steered.max_prompts, steered.max_new_tokens) == (recipe["ref"].data.max_prompts,
+                                                             recipe["ref"].data.max_new_tokens)
+    assert recipe["steered"].fingerprint("warmup") == recipe["ref"].fingerprint("warmup")
     # round 16: the base trains 6 epochs (the epochs6 arm's); prompts15x pins round 15's 3
     assert recipe["epochs6"].fingerprint("train") == recipe["ref"].fingerprint("train")
     assert recipe["prompts15x"].fingerprint("train") != recipe["ref"].fingerprint("train")

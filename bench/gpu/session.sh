@@ -11,8 +11,9 @@
 # in its own process session (it outlives the call), then watches it; `watch` watches until
 # WATCH_S and collects. Run state lives in /tmp (a carried folder is replaced by the next call);
 # what comes back is one archive, results.tgz (at most 8 files come back).
-# The plan (round 18, issue #35), most needed first: the shared data stage and warm-up, the base
-# recipe (6 epochs) as the sweep's ref, 10 epochs and γ 4 beside it on the same machine.
+# The plan (round 18, issue #35), most needed first: the base's data stage, the steered arm's and
+# the warm-up at once; prompts steered toward MT-Bench's categories; the base recipe (6 epochs) as
+# the sweep's ref; 10 epochs (γ 4 if less time is left), on the same machine.
 # (Round 17 ran the 6-epoch default's whole DAG and the attention probe; its arms did not fit:
 # bench/results/h200/round17-2026-12-04/README.md.)
 # (Round 16 ran the 3-epoch default's whole DAG and the epochs6 arm, whose bench was cut:
@@ -90,17 +91,21 @@ data_and_warmups() {  # the quality recipe's data stage with the targets $@ besi
 
 plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the hold cuts is last)
   begin "start"
-  # 1. the shared data stage with the base's warm-up beside it (round 15's pair: about a
-  #    minute less than one after the other); every arm below reads both
-  GPU_JOBS=2 data_and_warmups warmup_smollm2-quality
-  # 2. #35: the base (6 epochs) as the sweep's ref, then 10 epochs beside it on the same machine
-  #    (do more cached epochs keep paying per GPU-minute? round 17's whole DAG of the base took
-  #    18 min 39 s, so 4 more epochs, ~165 s, would still fit #35's 20 minutes). Train ~340 s /
-  #    ~500 s + bench ~75 s each: MT-Bench's τ comes first, so a cut bench still gives it
+  # 1. the base's data stage and the steered arm's beside it, with the base's warm-up (every
+  #    arm below reads it) on the same GPU: round 14 ran two data stages and two warm-ups at
+  #    once in ~5 min
+  GPU_JOBS=3 DATA_S=420 data_and_warmups data_smollm2-recipe-steered warmup_smollm2-quality
+  # 2. #35: prompts steered toward MT-Bench's eight categories at the base's budget (MT-Bench
+  #    sits 0.45 below held-out; round 9's steering to coding bought HumanEval +0.49), first:
+  #    τ is reproducible across machines (round 16's epochs6 arm and round 17's DAG within
+  #    0.013), so its τ alone already answers against round 17's 2.581. Train ~340 s + bench
+  #    ~75 s; MT-Bench's τ comes first, so a cut bench still gives it
+  when 400 480 arm steered 480
+  # 3. the base (6 epochs) as the sweep's ref on this machine: the GPU-minutes of the A/B
   when 400 480 arm ref 480
-  when 560 660 arm epochs10 660
-  # 3. #35: γ 4 at 6 epochs (round 14: +0.0498 at 3 epochs against another machine's ref)
-  when 400 480 arm gamma4 480
+  # 4. 10 epochs (do more cached epochs keep paying per GPU-minute? round 17's whole DAG took
+  #    18 min 39 s, so ~165 s more training would still fit #35's 20 minutes), else γ 4
+  if [ $(left 660) -ge 560 ]; then arm epochs10 660; else when 400 480 arm gamma4 480; fi
   stamp "done"
 }
 
