@@ -166,7 +166,8 @@ def test_repo_sweeps_validate():
     # every arm but the data arms shares the base's one data stage; its warm-up too, but for the arms that change
     # a compiled shape: depth and block (the drafter, the row), uncapped and kd / ce-kd (the loss's rows and inputs)
     # the base's 30.6K prompts since round 14 (prompts15x's): only prompts1x (round 13's 20.6K)
-    # has a data stage of its own
+    # and steered (the same count, written toward MT-Bench's categories) have a data stage of
+    # their own
     own_data = ("prompts1x", "steered")
     assert len({s.fingerprint("data") for k, s in recipe.items() if k not in own_data}) == 1
     assert len({recipe[k].fingerprint("data") for k in ("ref",) + own_data}) == 3

@@ -103,8 +103,9 @@ plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the 
   when 400 480 arm steered 480
   # 3. the base (6 epochs) as the sweep's ref on this machine: the GPU-minutes of the A/B
   when 400 480 arm ref 480
-  # 4. 10 epochs (do more cached epochs keep paying per GPU-minute? round 17's whole DAG took
-  #    18 min 39 s, so ~165 s more training would still fit #35's 20 minutes), else γ 4
+  # 4. 10 epochs (do more cached epochs keep paying per GPU-minute? ~165 s more training than
+  #    the base, whose whole DAG took 18 min 39 s in round 17: as a default it would need a
+  #    cheaper bench stage as well), else γ 4
   if [ $(left 660) -ge 560 ]; then arm epochs10 660; else when 400 480 arm gamma4 480; fi
   stamp "done"
 }
