@@ -4,6 +4,9 @@ the dense variant counts every pair."""
 import json
 
 import torch
+from torch._functorch import config as functorch_config
+from torch._inductor import config
+from torch._inductor.virtualized import V
 
 from bench import mask_tiles
 from bench.gpu import drafter_attention
@@ -47,3 +50,25 @@ def test_the_small_tile_backward_offers_a_configuration_that_fits_the_tile():
         for c in confs:
             assert all(tile % b == 0 for b in (c.block_m1, c.block_n1, c.block_m2, c.block_n2))
             assert c.block_n1 % c.block_m1 == 0 and c.block_m2 % c.block_n2 == 0
+
+
+def test_the_small_tile_backward_reaches_the_backwards_compile(monkeypatch):
+    """Round 17's probe set the choices on the calling thread only, while autograd compiled the
+    backward lazily on its device thread: installed, the backward compiles with the forward on
+    the calling thread, where the variant's choices offer its tile (and inductor's own at 128),
+    and a thread that never saw them makes its choices from the same factory where the config
+    is shared."""
+    monkeypatch.setattr(functorch_config, "force_non_lazy_backward_lowering", False)
+    monkeypatch.setattr(config, "inductor_choices_class", None)
+    assert drafter_attention.install_small_tile_choices() == [
+        "functorch.config.force_non_lazy_backward_lowering",
+        "inductor.config.inductor_choices_class"]
+    assert functorch_config.force_non_lazy_backward_lowering is True
+    with drafter_attention.choices_for("tile64"):
+        assert V.choices.uuid().endswith("/64")
+        confs = V.choices.get_flex_attention_bwd_configs(64, torch.bfloat16, "cuda")
+        assert [(c.block_m1, c.block_n1, c.block_m2, c.block_n2) for c in confs] == [(64,) * 4]
+    assert drafter_attention._TILE == [128] and type(V.choices).__name__ != "SmallTileChoices"
+    made = config.inductor_choices_class()  # what a thread without a handler makes its own from
+    with drafter_attention.choices_for("tile32"):
+        assert made.uuid().endswith("/32")

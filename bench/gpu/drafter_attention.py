@@ -11,8 +11,10 @@ forward, then forward + backward, compiled (``torch.compile(flex_attention)``, a
 * ``tile128``: today's (BlockMask tile 128, inductor's kernel options);
 * ``tile64`` / ``tile32``: smaller tiles, with the forward kernel's blocks set to the tile
   (``BLOCK_M``/``BLOCK_N``) and the backward offered a configuration of the tile's blocks
-  through inductor's choices handler (:func:`small_tile_choices`; round 15's probe, without it,
-  found no backward configuration at all);
+  through inductor's choices (:func:`small_tile_choices`, reaching the backward's compile by
+  :func:`install_small_tile_choices`; round 15's probe, without them, found no backward
+  configuration at all, and round 17's set them for the calling thread only while autograd
+  compiled the backward lazily on its own thread);
 * ``dense``: no mask at all, every query against every key: the kernel's own rate at this shape
   (the most it could do per computed pair).
 
@@ -52,31 +54,67 @@ def kernel_options(tile: int) -> dict[str, int] | None:
     return {"BLOCK_M": tile, "BLOCK_N": tile}  # the keys round 15 ran with (torch 2.11)
 
 
-def small_tile_choices(tile: int):
-    """Inductor's choices with a flex backward configuration whose blocks are ``tile``.
+# the mask tile of the variant being compiled: the installed choices read it at compile time,
+# on whichever thread compiles (the forward's; autograd's device thread for the backward)
+_TILE = [128]
+
+
+def small_tile_choices(tile: int | None = None):
+    """Inductor's choices with a flex backward configuration whose blocks are the tile (``tile``,
+    else the variant's at compile time); inductor's own at tile 128.
 
     On sm90 at head dim 64, inductor offers one backward configuration outside max-autotune,
     (64, 128, 128, 64), and drops it when its blocks do not divide the mask's tile: round 15's
     tile-64 backward had no choice at all. ``kernel_options`` do not enter that filter; the
-    choices handler (``V.set_choices_handler``, inductor's extension point) does."""
+    choices (inductor's extension point) do."""
     from torch._inductor.choices import InductorChoices  # noqa: PLC0415 - inductor internals, GPU arms only
     from torch._inductor.template_heuristics.triton import FlexBwDConfig  # noqa: PLC0415
 
     class SmallTileChoices(InductorChoices):
         def get_flex_attention_bwd_configs(self, head_dim, dtype, device_type="cuda"):
+            t = tile or _TILE[0]
+            if t >= 128:
+                return super().get_flex_attention_bwd_configs(head_dim, dtype, device_type)
             # (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_stages, num_warps)
-            return [FlexBwDConfig(tile, tile, tile, tile, 3 if tile >= 64 else 2, 4)]
+            return [FlexBwDConfig(t, t, t, t, 3 if t >= 64 else 2, 4)]
+
+        def uuid(self) -> str:  # the FX graph cache's key: one per tile
+            return f"drafter_attention.small_tile_choices/{tile or _TILE[0]}"
 
     return SmallTileChoices()
 
 
+def install_small_tile_choices() -> list[str]:
+    """Make the small-tile choices reach the backward's compile, before anything compiles; what
+    the JSON records. Autograd compiles a backward lazily, at its first call, on its device
+    thread, and inductor's choices (``V.set_choices_handler``) and, in newer torch, its config
+    are per thread: round 17's probe set them on the calling thread and its tile-64 backward
+    still had no configuration. So the backward is compiled with the forward, on the calling
+    thread (functorch's ``force_non_lazy_backward_lowering``), and the choices are also the
+    factory every thread's are made from (``config.inductor_choices_class``, where it exists)."""
+    from torch._functorch import config as functorch_config  # noqa: PLC0415 - compiler internals
+    from torch._inductor import config  # noqa: PLC0415
+    done = []
+    if hasattr(functorch_config, "force_non_lazy_backward_lowering"):
+        functorch_config.force_non_lazy_backward_lowering = True
+        done.append("functorch.config.force_non_lazy_backward_lowering")
+    if hasattr(config, "inductor_choices_class"):
+        config.inductor_choices_class = small_tile_choices
+        done.append("inductor.config.inductor_choices_class")
+    return done
+
+
+@contextlib.contextmanager
 def choices_for(variant: str):
-    """The compile's choices handler for a variant: the small-tile backward below 128."""
-    tile = int(variant[4:]) if variant.startswith("tile") else 128
-    if tile >= 128:
-        return contextlib.nullcontext()
+    """The variant's tile for the choices, and the choices this thread compiles with, while the
+    variant compiles and runs."""
     from torch._inductor.virtualized import V  # noqa: PLC0415 - inductor internals
-    return V.set_choices_handler(small_tile_choices(tile))
+    _TILE[0] = int(variant[4:]) if variant.startswith("tile") else 128
+    try:
+        with V.set_choices_handler(small_tile_choices()):
+            yield
+    finally:
+        _TILE[0] = 128
 
 
 def time_variant(res: dict, fn, q, k, v, grad, device: str, iters: int, backward: bool) -> None:
@@ -130,6 +168,9 @@ def main(argv=None) -> int:
                for h, n in ((a.heads, Q), (a.kv_heads, KV), (a.kv_heads, KV)))
     grad = torch.randn(1, a.heads, Q, a.head_dim, device=dev, dtype=dt, generator=g)
     flex = flex_attention if a.eager else torch.compile(flex_attention, dynamic=False)
+    small = [v for v in a.variants if v.startswith("tile") and int(v[4:]) < 128]
+    bwd_choices = (install_small_tile_choices() if small and not a.eager and not a.no_backward
+                   else None)
     allowed = allowed_pairs(row.doc_ids, blocks)
     flop_per_pair = 4 * a.heads * a.head_dim
     doc = {"command": "python3 -m bench.gpu.drafter_attention "
@@ -138,6 +179,7 @@ def main(argv=None) -> int:
                                                        if dev.startswith("cuda") else "cpu"),
            "queries": Q, "keys": KV, "heads": a.heads, "kv_heads": a.kv_heads,
            "head_dim": a.head_dim, "allowed_pairs": allowed, "compiled": not a.eager,
+           "small_tile_backward_choices": bwd_choices,
            "variants": {}}
     reference = None
     for name in a.variants:
