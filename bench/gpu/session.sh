@@ -11,9 +11,9 @@
 # in its own process session (it outlives the call), then watches it; `watch` watches until
 # WATCH_S and collects. Run state lives in /tmp (a carried folder is replaced by the next call);
 # what comes back is one archive, results.tgz (at most 8 files come back).
-# The plan (round 18, issue #35), most needed first: the base's data stage, the steered arm's and
-# the warm-up at once; prompts steered toward MT-Bench's categories; the base recipe (6 epochs) as
-# the sweep's ref; 10 epochs (γ 4 if less time is left), on the same machine.
+# The plan (round 18, issue #35), most needed first: three data stages and the warm-up at once;
+# prompts steered toward MT-Bench's categories; the code spec at today's recipe; the base recipe
+# (6 epochs) as the sweep's ref; 10 epochs (γ 4 if less time is left), on the same machine.
 # (Round 17 ran the 6-epoch default's whole DAG and the attention probe; its arms did not fit:
 # bench/results/h200/round17-2026-12-04/README.md.)
 # (Round 16 ran the 3-epoch default's whole DAG and the epochs6 arm, whose bench was cut:
@@ -91,23 +91,33 @@ data_and_warmups() {  # the quality recipe's data stage with the targets $@ besi
 
 plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the hold cuts is last)
   begin "start"
-  # 1. the base's data stage and the steered arm's beside it, with the base's warm-up (every
-  #    arm below reads it) on the same GPU: round 14 ran two data stages and two warm-ups at
-  #    once in ~5 min
-  GPU_JOBS=3 DATA_S=420 data_and_warmups data_smollm2-recipe-steered warmup_smollm2-quality
+  # 1. three data stages at once on the one GPU (the base's, the steered arm's, the code
+  #    spec's) with the base's warm-up beside them (every run below reads it): round 14 ran two
+  #    data stages and two warm-ups at once in ~5 min
+  GPU_JOBS=4 DATA_S=540 data_and_warmups data_smollm2-recipe-steered data_smollm2-code \
+    warmup_smollm2-quality
   # 2. #35: prompts steered toward MT-Bench's eight categories at the base's budget (MT-Bench
   #    sits 0.45 below held-out; round 9's steering to coding bought HumanEval +0.49), first:
   #    τ is reproducible across machines (round 16's epochs6 arm and round 17's DAG within
   #    0.013), so its τ alone already answers against round 17's 2.581. Train ~340 s + bench
   #    ~75 s; MT-Bench's τ comes first, so a cut bench still gives it
   when 400 480 arm steered 480
-  # 3. the base (6 epochs) as the sweep's ref on this machine: the GPU-minutes of the A/B
+  # 3. #35's code goal (HumanEval ≥ 3.5): the code spec at today's recipe (30.6K prompts, cap 8,
+  #    6 epochs; round 9's 2.484 was at 20.6K prompts, 3 epochs, uncapped, and today's general
+  #    drafter already reaches 2.656). Train ~340 s + bench ~110 s (HumanEval first)
+  when 420 520 spec_run smollm2-code 520
+  # 4. the base (6 epochs) as the sweep's ref on this machine: the GPU-minutes of the A/B
   when 400 480 arm ref 480
-  # 4. 10 epochs (do more cached epochs keep paying per GPU-minute? ~165 s more training than
+  # 5. 10 epochs (do more cached epochs keep paying per GPU-minute? ~165 s more training than
   #    the base, whose whole DAG took 18 min 39 s in round 17: as a default it would need a
   #    cheaper bench stage as well), else γ 4
   if [ $(left 660) -ge 560 ]; then arm epochs10 660; else when 400 480 arm gamma4 480; fi
   stamp "done"
+}
+
+spec_run() {  # $1 a spec through bench, at most $2 seconds
+  timeout -k 20 $(left $2) $SNAKE bench_$1 --config $CONF > "$RES/dag_$1.log" 2>&1
+  stamp "$1 rc=$?"
 }
 
 attention() {  # bench.gpu.drafter_attention over the variants $@, at most 150 s
