@@ -107,7 +107,7 @@ plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the 
   # 3. #35's code goal (HumanEval ≥ 3.5): the code spec at today's recipe (30.6K prompts, cap 8,
   #    6 epochs; round 9's 2.484 was at 20.6K prompts, 3 epochs, uncapped, and today's general
   #    drafter already reaches 2.656). Train ~340 s + bench ~110 s (HumanEval first)
-  when 420 520 spec_run smollm2-code 520
+  when 420 520 bench_run smollm2-code smollm2-code 520
   # 4. the base (6 epochs) as the sweep's ref on this machine: the GPU-minutes of the A/B
   when 400 480 arm ref 480
   # 5. 10 epochs (do more cached epochs keep paying per GPU-minute? ~165 s more training than
@@ -117,10 +117,6 @@ plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the 
   stamp "done"
 }
 
-spec_run() {  # $1 a spec through bench, at most $2 seconds
-  timeout -k 20 $(left $2) $SNAKE bench_$1 --config $CONF > "$RES/dag_$1.log" 2>&1
-  stamp "$1 rc=$?"
-}
 
 attention() {  # bench.gpu.drafter_attention over the variants $@, at most 150 s
   timeout -k 20 $(left 150) python3 -W ignore -m bench.gpu.drafter_attention --variants "$@" \
@@ -157,8 +153,13 @@ readout_sync() {  # $1 an arm that has run: its train stage again, DFLASH_STEP_R
 
 arm() {  # $1 a smollm2-recipe arm through bench, at most $2 seconds; $3... more --config items
   local a=$1 s=$2; shift 2
-  timeout -k 20 $(left $s) $SNAKE bench_smollm2-recipe-$a --config $CONF "$@" > "$RES/dag_$a.log" 2>&1
-  stamp "$a arm rc=$?"
+  bench_run smollm2-recipe-$a $a $s "$@"
+}
+
+bench_run() {  # $1 a spec through bench, logged as dag_$2.log, at most $3 seconds; $4... more --config
+  local spec=$1 tag=$2 s=$3; shift 3
+  timeout -k 20 $(left $s) $SNAKE bench_$spec --config $CONF "$@" > "$RES/dag_$tag.log" 2>&1
+  stamp "$tag rc=$?"
 }
 
 profile_run() {  # $1 spec, $2 tag, $3 DFLASH_TARGET_STREAM, then snakemake's extra flags
