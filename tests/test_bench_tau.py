@@ -313,6 +313,15 @@ def test_decode_widths_are_the_sweep_s_verify_widths(tmp_path):
         verify_widths([1, 4], 16)
 
 
+def test_decode_shapes_is_static_unless_the_spec_says_dynamic(tmp_path):
+    """bench.decode_shapes: static by default (a graph per shape, as every committed sweep
+    ran), dynamic on request; anything else names the field."""
+    assert spec_with(tmp_path).bench.decode_shapes == "static"
+    assert spec_with(tmp_path, decode_shapes="dynamic").bench.decode_shapes == "dynamic"
+    with pytest.raises(SpecError, match="decode_shapes"):
+        spec_with(tmp_path, decode_shapes="symbolic")
+
+
 def test_decode_plot_draws_each_narrower_verify_width(tmp_path):
     """decode_speed.png: a line per verify width narrower than the row's full block, from the
     sweep rows' ``widths``; the full block is the row's own line, and an older row without

@@ -284,6 +284,35 @@ def test_unknown_compile_scope_is_one_clear_error(world):
         make(target, drafter, 1, compile_scope="graph")
 
 
+def test_dynamic_shapes_compile_a_sweep_about_once(world):
+    """bench.decode_shapes: the sweep's decoders (target-only, the full block, a narrower verify)
+    at batch 1, 2, then 3. With torch's automatic dynamic shapes batch 2 recompiles symbolic and
+    batch 3 compiles nothing, every engine still giving the tokens of target greedy; with static
+    shapes (the default) a new batch size compiles again."""
+    target, drafter, cfg, ps, greedy = world
+    eos = greedy[1][6]
+    want = [g[:g.index(eos) + 1] if eos in g else g for g in greedy]
+
+    def graphs(b, model, width=None, shapes="dynamic"):
+        dec = make(target, model, b, compile=cc, compile_shapes=shapes, eos=[eos],
+                   verify_tokens=width)
+        assert [r.tokens for r in dec.decode(ps)] == want
+        assert dec.stats["mismatches"] == 0 and dec.stats["compile_shapes"] == shapes
+        return dec.stats["graphs_compiled"]
+
+    torch._dynamo.reset()
+    cc = CompileCounterWithBackend("aot_eager")
+    engines = ((None, None), (drafter, None), (drafter, 3))
+    assert min(graphs(1, *e) for e in engines) > 0          # each engine's first shapes
+    assert sum(graphs(2, *e) for e in engines) > 0          # a second batch size: symbolic
+    assert [graphs(3, *e) for e in engines] == [0, 0, 0]   # batch 2's symbolic graphs serve
+    torch._dynamo.reset()
+    assert graphs(2, None, shapes="static") > 0
+    assert graphs(3, None, shapes="static") > 0             # static: each batch size compiles
+    with pytest.raises(DFlashError, match="compile_shapes 'auto'"):
+        make(target, drafter, 1, compile_shapes="auto")
+
+
 def test_sweep_rows_and_their_report_section(world, tmp_path):
     """The bench stage's batch sweep on CPU (the same code as on CUDA, eager): per batch size
     both engines and HF's static-cache generate, the lossless evidence, the report section and

@@ -18,6 +18,13 @@ vs simulated per prompt; the lossless counts and margins. Prints the table, writ
     PYTHONPATH=$PWD python -m bench.gpu.decode_speed --spec specs/smollm2-quality.yaml \\
         --drafter results/smollm2-quality/train/drafter --batches 1,4,16,64 --hf-batches "" \\
         --adaptive-widths 4,8 --no-simulated --budget-s 420 --out /tmp/adaptive.json
+    # the decoders' shapes static vs dynamic (bench.decode_shapes), one run each, same machine,
+    # each compiling cold (its own empty inductor cache, as the DAG's bench stage does):
+    # compile seconds and graphs per engine and batch size, ms per step; random weights
+    for s in static dynamic; do TORCHINDUCTOR_CACHE_DIR=/tmp/ind-$s \
+        PYTHONPATH=$PWD python -m bench.gpu.decode_speed --random \
+        --batches 1,4,16,64 --hf-batches "" --adaptive-widths 4,8 --no-simulated \
+        --no-kernel-profile --compile-shapes $s --budget-s 240 --out /tmp/shapes_$s.json; done
     # CPU smoke: random 2-layer target, 1-layer drafter, every scope (dynamo + AOTAutograd)
     PYTHONPATH=$PWD python -m bench.gpu.decode_speed --smoke --out /tmp/decode_speed.json
     # CPU: a 4-layer stack of the same shapes, 8 new tokens (eager)
@@ -50,7 +57,8 @@ from bench.gpu.step_profile import step_profile
 from dflash.decode.generate import eos_ids_of
 from dflash.eval.evalsets import load_eval_sets
 from dflash.decode.adaptive import choose
-from dflash.decode.speculative import COMPILE_SCOPES, DEFAULT_COMPILE_SCOPE, Decoder
+from dflash.decode.speculative import (COMPILE_SCOPES, COMPILE_SHAPES, DEFAULT_COMPILE_SCOPE,
+                                       DEFAULT_COMPILE_SHAPES, Decoder)
 from dflash.eval.serving import goal, hf_static_generate, pair, tau_gap, timed_decode
 from dflash.eval.tau import simulate, summarize
 from dflash.models.drafter import DFlashConfig, DFlashDrafter, load_drafter
@@ -132,6 +140,11 @@ def parse(argv):
                     help="comma list of scope[:torch.compile mode], measured side by side "
                          f"({', '.join(COMPILE_SCOPES)}; default {DEFAULT_COMPILE_SCOPE}; "
                          "--smoke: all)")
+    ap.add_argument("--compile-shapes", default=DEFAULT_COMPILE_SHAPES,
+                    choices=list(COMPILE_SHAPES),
+                    help="how every region's graphs follow the batch sizes and widths (one "
+                         "value a run: the A/B is two runs, since graphs compiled one way in a "
+                         "process serve the other way's equal shapes)")
     ap.add_argument("--compile-backend", default=None,
                     help="torch.compile backend (default: inductor on CUDA, eager on CPU; "
                          "--smoke: aot_eager on CPU)")
@@ -221,7 +234,8 @@ def _scope_row(r) -> dict:
 
 def _pair(a, target, drafter, ps, b, scope, mode) -> dict:
     kw = {k: v for k, v in (("sync_every", a.sync_every), ("verify_tokens", a.verify_tokens),
-                            ("compile", a.compile_backend), ("compile_mode", mode)) if v}
+                            ("compile", a.compile_backend), ("compile_mode", mode),
+                            ("compile_shapes", a.compile_shapes)) if v}
     t0 = time.time()
     r = pair(target, drafter, ps, b, a.max_new, a.eos, compile_scope=scope,
              inspect=lambda dec: step_profile(dec, kernels=not a.no_kernel_profile), **kw)
@@ -299,7 +313,8 @@ def adapt(a, target, drafter, ps, r) -> None:
     tok_s = {0: r["target_only_tokens_per_s"], max(step_ms): r["speculative_tokens_per_s"]}
     scope, mode = a.scopes[r["compile_scope"]]
     kw = {k: v for k, v in (("sync_every", a.sync_every), ("compile", a.compile_backend),
-                            ("compile_mode", mode)) if v}
+                            ("compile_mode", mode), ("compile_shapes", a.compile_shapes)) if v}
+    compiled = {}  # width -> its decoder's compile seconds and graphs (compile_shapes' cost)
     for w in (w for w in a.widths if w < max(step_ms)):
         dec = Decoder(target, drafter, batch=b, max_len=max(len(p) for p in ps) + a.max_new,
                       max_new_tokens=a.max_new, eos_ids=a.eos, verify_tokens=w,
@@ -307,10 +322,11 @@ def adapt(a, target, drafter, ps, r) -> None:
         res, sec = timed_decode(dec, ps)
         step_ms[w] = dec.stats["steps_ms"] / max(1, dec.stats["steps"])
         tok_s[w] = sum(len(x.tokens) for x in res) / sec
+        compiled[str(w)] = {k: dec.stats.get(k) for k in ("compile_seconds", "graphs_compiled")}
         del dec
     rec = {**choose(b, step_ms, rec["accept_rate_by_position"], new_tokens=a.max_new),
            "accept_rate_by_position": rec["accept_rate_by_position"],
-           "measured_tok_s": {str(w): v for w, v in tok_s.items()}}
+           "measured_tok_s": {str(w): v for w, v in tok_s.items()}, "widths_compiled": compiled}
     w = rec["choice"]
     r["adaptive"], r["choice"] = rec, "target-only" if w == 0 else f"speculative (verify {w})"
     r["choice_speedup"] = tok_s[w] / tok_s[0] if tok_s[0] else None
@@ -381,7 +397,7 @@ def main(argv=None) -> int:
     sim, why = simulated_for(a, target, drafter, prompts, max(n_of.values(), default=0))
     out["wall_s"]["simulated"], out["simulated_skipped"] = time.time() - t1, why
     budget = Budget(a.budget_s, t_start)
-    out["compile_scopes"] = list(a.scopes)
+    out["compile_scopes"], out["compile_shapes"] = list(a.scopes), a.compile_shapes
 
     def save(partial):  # mid-batch: the scopes measured so far
         path.write_text(json.dumps({**out, "in_progress": partial}, indent=1, default=str))
@@ -400,8 +416,22 @@ def main(argv=None) -> int:
         if dev == "cuda":
             torch.cuda.empty_cache()
     out["seconds"] = time.time() - t_start
+    out["compiled"] = compiled_totals(out["batches"])
+    print(f"compiled: {out['compiled']['graphs']} graphs in {out['compiled']['seconds']:.1f} s "
+          f"({a.compile_shapes} shapes)", flush=True)
     path.write_text(json.dumps(out, indent=1, default=str))
     return 0
+
+
+def compiled_totals(rows) -> dict:
+    """What the run's decoders compiled, summed over batch sizes and engines (target-only, the
+    full block, each --adaptive-widths width): seconds and dynamo graphs."""
+    engines = [e for r in rows for e in (*r["engine"].values(),
+                                         *(r.get("adaptive") or {}).get("widths_compiled",
+                                                                       {}).values())]
+    return {"seconds": round(sum(e.get("compile_seconds") or 0.0 for e in engines), 3),
+            "graphs": sum(e.get("graphs_compiled") or 0 for e in engines),
+            "engines": len(engines)}
 
 
 if __name__ == "__main__":

@@ -14,8 +14,9 @@
 # comes; once the round's last is extracted as lease/ and committed, the archives leave the
 # tree (the history keeps them; bench/gpu/pack_wheels.sh says why).
 # The plan (round 18, issue #35), most needed first: three data stages and the warm-up at once;
-# prompts steered toward MT-Bench's categories; the code spec at today's recipe; the base recipe
-# (6 epochs) as the sweep's ref; 10 epochs (γ 4 if less time is left), on the same machine.
+# prompts steered toward MT-Bench's categories; the code spec at today's recipe; the decoding
+# sweep's static vs dynamic shapes; the base recipe (6 epochs) as the sweep's ref; 10 epochs
+# (γ 4 if less time is left), on the same machine.
 # (Round 17 ran the 6-epoch default's whole DAG and the attention probe; its arms did not fit:
 # bench/results/h200/round17-2026-12-04/README.md.)
 # (Round 16 ran the 3-epoch default's whole DAG and the epochs6 arm, whose bench was cut:
@@ -108,15 +109,36 @@ plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the 
   #    6 epochs; round 9's 2.484 was at 20.6K prompts, 3 epochs, uncapped, and today's general
   #    drafter already reaches 2.656). Train ~340 s + bench ~110 s (HumanEval first)
   when 420 520 bench_run smollm2-code smollm2-code 520
-  # 4. the base (6 epochs) as the sweep's ref on this machine: the GPU-minutes of the A/B
+  # 4. the bench stage's cost (#35's 20 minutes): the decoding sweep's decoders with static vs
+  #    dynamic shapes (bench.decode_shapes), one run each: compile seconds and ms per step of
+  #    target-only and the full block at batch 4, 16, 64 (the CPU box's figures, batches 1..8:
+  #    bench/results/cpu/decode_shapes/README.md). Dynamic becomes the default only if its
+  #    steps are no slower on the H200
+  when 280 340 shapes_ab
+  # 5. the base (6 epochs) as the sweep's ref on this machine: the GPU-minutes of the A/B
   when 400 480 arm ref 480
-  # 5. 10 epochs (do more cached epochs keep paying per GPU-minute? ~165 s more training than
+  # 6. 10 epochs (do more cached epochs keep paying per GPU-minute? ~165 s more training than
   #    the base, whose whole DAG took 18 min 39 s in round 17: as a default it would need a
   #    cheaper bench stage as well), else γ 4
   if [ $(left 660) -ge 560 ]; then arm epochs10 660; else when 400 480 arm gamma4 480; fi
   stamp "done"
 }
 
+
+shapes_ab() {  # bench.gpu.decode_speed with static, then dynamic shapes: random SmolLM2-135M-shaped
+  # models (5-layer drafter, block 16), batches 4/16/64, target-only and the full block (a
+  # narrower verify is one more decoder of the same kind); 165 s each, each with its own empty
+  # inductor and Triton caches (as the DAG's bench stage compiles: a warm cache made the CPU
+  # box's second static run 121.6 -> 12.7 s of compiling)
+  for s in static dynamic; do
+    TORCHINDUCTOR_CACHE_DIR=/tmp/ind-$s TRITON_CACHE_DIR=/tmp/tri-$s \
+    timeout -k 20 $(left 165) python3 -W ignore -m bench.gpu.decode_speed --random \
+      --drafter-layers 5 --batches 4,16,64 --hf-batches "" --no-simulated \
+      --no-kernel-profile --compile-shapes $s --budget-s 150 --out "$RES/decode_shapes_$s.json" \
+      > "$RES/decode_shapes_$s.log" 2>&1
+    stamp "decode_shapes $s rc=$?"
+  done
+}
 
 attention() {  # bench.gpu.drafter_attention over the variants $@, at most 150 s
   timeout -k 20 $(left 150) python3 -W ignore -m bench.gpu.drafter_attention --variants "$@" \

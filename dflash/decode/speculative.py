@@ -92,6 +92,16 @@ COMPILE_SCOPES = {
 DEFAULT_COMPILE_SCOPE = "fused"
 FUSED_GEMM_SCOPES = ("fused", "step")
 
+# how a region's graphs follow the batch size, verify width and cache length (``compile_shapes``)
+COMPILE_SHAPES = {
+    "static": "a graph per shape: every batch size, verify width and cache length compiles "
+              "its own (round 17's decoding sweep: 274 s, mostly compiling 16 decoders)",
+    "dynamic": "torch's automatic dynamic shapes: a dimension seen at a second size "
+               "recompiles symbolic once, and that graph serves every later size (batch sizes "
+               "and widths after the first two decoders compile nothing)",
+}
+DEFAULT_COMPILE_SHAPES = "static"
+
 DraftHook = Callable[[int, int, int], Sequence[int]]  # (prompt index, anchor, anchor_pos)
 
 
@@ -109,8 +119,10 @@ class Decoder(StepGlue):
     unrolled step once per batch size; "fused" and "step" hold a copy of the q/k/v and gate/up
     weights, concatenated). ``compile_mode``: torch.compile's mode for every region (None:
     the default; "max-autotune-no-cudagraphs" autotunes the GEMMs: small-M Triton templates
-    with fused epilogues vs cuBLAS). ``padded_prefill``: :mod:`dflash.decode.wave_prefill`
-    (default: with CUDA graphs; True on CPU: eager). ``gate``: the default is the process's."""
+    with fused epilogues vs cuBLAS). ``compile_shapes``: :data:`COMPILE_SHAPES` (default
+    :data:`DEFAULT_COMPILE_SHAPES`); the captured graph is per decoder either way.
+    ``padded_prefill``: :mod:`dflash.decode.wave_prefill` (default: with CUDA graphs; True on
+    CPU: eager). ``gate``: the default is the process's."""
 
     def __init__(self, target, drafter=None, *, batch: int, max_len: int, max_new_tokens: int,
                  eos_ids: Sequence[int], embed: torch.Tensor | None = None,
@@ -118,7 +130,8 @@ class Decoder(StepGlue):
                  cuda_graph: bool | None = None, sync_every: int | None = None,
                  draft_hook: DraftHook | None = None, block_size: int | None = None,
                  verify_tokens: int | None = None, compile_scope: str | None = None,
-                 compile_mode: str | None = None, padded_prefill: bool | None = None, gate=None):
+                 compile_mode: str | None = None, compile_shapes: str | None = None,
+                 padded_prefill: bool | None = None, gate=None):
         why = _layers_unsupported(target) or (None if hasattr(target, "lm_head") else "no lm_head")
         if why:
             raise DFlashError(f"decoder: unsupported target: {why}")
@@ -128,6 +141,10 @@ class Decoder(StepGlue):
         if self.scope not in COMPILE_SCOPES:
             raise DFlashError(f"decoder: compile_scope {self.scope!r} (one of "
                               f"{', '.join(COMPILE_SCOPES)})")
+        self.shapes = compile_shapes or DEFAULT_COMPILE_SHAPES
+        if self.shapes not in COMPILE_SHAPES:
+            raise DFlashError(f"decoder: compile_shapes {self.shapes!r} (one of "
+                              f"{', '.join(COMPILE_SHAPES)})")
 
         self.target, self.drafter, self.hook = target, drafter, draft_hook
         self.layers = list(target.model.layers)
@@ -161,7 +178,8 @@ class Decoder(StepGlue):
         self.stats: dict[str, Any] = {"compile_seconds": 0.0, "capture_seconds": 0.0,
                                       "steps": 0, "syncs": 0, "graph": False,
                                       "compile_scope": self.scope,
-                                      "compile_mode": compile_mode}
+                                      "compile_mode": compile_mode,
+                                      "compile_shapes": self.shapes}
         self._captured = CapturedStep(self._step, device=self.device,
                                       enabled=bool(self.compile or self.cuda_graph),
                                       cuda_graph=self.cuda_graph, stats=self.stats,
@@ -357,10 +375,12 @@ class Decoder(StepGlue):
             self._warm_up()
 
     def _compile_pieces(self, backend) -> None:
-        """Each piece of the scope one compiled region (static shapes: a graph per shape; the
-        per-layer ones shared by every layer of a model, the weights and caches inputs)."""
+        """Each piece of the scope one compiled region (``compile_shapes``: a graph per shape,
+        or symbolic once a second size is seen; the per-layer ones shared by every layer of a
+        model, the weights and caches inputs)."""
         def c(fn, **kw):
-            return compile_region(fn, backend, mode=self.compile_mode, **kw)
+            return compile_region(fn, backend, mode=self.compile_mode,
+                                  static=self.shapes == "static", **kw)
 
         if self.scope == "step":  # one graph or an error, never silently split
             self._step_fn = c(self._step_body, fullgraph=True)

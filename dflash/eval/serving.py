@@ -18,11 +18,12 @@ engine's timed decode, not assumed. The row's speculative figures stay the full 
 
 Cost per batch size of the sweep (where the bench stage's time goes, ``wall_s`` per engine):
 2 + (widths other than the block) decoders built, compiled and captured one at a time and
-freed after (static shapes: one compile per batch size and engine, 2.5–11 s each on the H200
-for SmolLM2-135M), each with one warm and one timed decode of ``max(batch, min_prompts)``
-prompts, and HF's static-cache generate only at the batch sizes in ``hf_batches`` (default
-batch 1: each other batch size was one more transformers compile and one more slow timed run,
-for a reference the goal reads at batch 1 only).
+freed after (static shapes, ``compile_shapes="static"``: one compile per batch size and
+engine, 5–22 s each on the H200 for SmolLM2-135M in round 17; ``"dynamic"``: the batch sizes
+after the first two reuse symbolic graphs and only capture), each with one warm and one timed
+decode of ``max(batch, min_prompts)`` prompts, and HF's static-cache generate only at the
+batch sizes in ``hf_batches`` (default batch 1: each other batch size was one more transformers
+compile and one more slow timed run, for a reference the goal reads at batch 1 only).
 """
 from __future__ import annotations
 
@@ -209,8 +210,9 @@ def _chosen(adaptive: dict | None, served_tok_s: float | None,
 
 
 def _engine(stats: dict) -> dict:
-    keep = ("compile_scope", "compile_mode", "compile_seconds", "capture_seconds", "graphs_compiled", "steps",
-            "syncs", "graph", "graph_error", "context_compile_error", "scope_compile_error",
+    keep = ("compile_scope", "compile_mode", "compile_shapes", "compile_seconds",
+            "capture_seconds", "graphs_compiled", "steps", "syncs", "graph", "graph_error",
+            "context_compile_error", "scope_compile_error",
             "fused_weight_bytes", "waves", "prefill_ms", "steps_ms", "harvest_ms", "warm",
             "prefill_graphs", "prefill_capture_seconds", "prefill_graph_error",
             # what an inspect hook measured (bench/gpu/step_profile.py)

@@ -310,14 +310,16 @@ def simulate(target_model, drafter, embed, lm_head, prompts: Sequence[Sequence[i
 
 
 def real_decode(target_model, drafter, cfg, embed, lm_head, prompts: Sequence[Sequence[int]],
-                max_new: int, eos_ids: Sequence[int], device: str, batch: int = 1) -> dict:
+                max_new: int, eos_ids: Sequence[int], device: str, batch: int = 1,
+                compile_shapes: str | None = None) -> dict:
     """Target-only and speculative decoding through the one decoder
     (:func:`dflash.eval.serving.pair`: static caches, captured steps on CUDA, each engine
-    compiled and captured before it is timed), ``batch`` prompts at a time."""
+    compiled and captured before it is timed), ``batch`` prompts at a time; ``compile_shapes``:
+    the decoder's (``bench.decode_shapes``: the sweep after it reuses these graphs)."""
     if not prompts:
         return {"results": [], "greedy": [], "divergences": []}
     r = pair(target_model, drafter, [list(p) for p in prompts], batch, max_new, eos_ids,
-             embed, lm_head)
+             embed, lm_head, compile_shapes=compile_shapes)
     r["greedy"] = [g.tokens for g in r["greedy"]]
     r["divergences"] = r["lossless_evidence"]["divergences"]
     return r
@@ -338,7 +340,7 @@ def real_chain(res, n_tokens: int) -> Chain:
 
 def evaluate_sets(target_model, drafter, embed, lm_head, sets: Sequence[EvalSet], max_new: int,
                   eos: Sequence[int], real_prompts: int, device: str, batch_size: int = 64,
-                  log=print) -> dict:
+                  log=print, compile_shapes: str | None = None) -> dict:
     """Simulated τ on every set; real decoding of the first ``real_prompts`` prompts of the
     FIRST set (the primary one: its speed-up and the simulated == real check; on CPU real
     decoding costs far more than simulation, so it is not repeated on every set).
@@ -377,7 +379,8 @@ def evaluate_sets(target_model, drafter, embed, lm_head, sets: Sequence[EvalSet]
         if n_real:
             t1 = time.perf_counter()
             real = real_decode(target_model, drafter, cfg, embed, lm_head,
-                               es.prompts[:n_real], max_new, eos, device)
+                               es.prompts[:n_real], max_new, eos, device,
+                               compile_shapes=compile_shapes)
             rchains = [real_chain(r, len(r.tokens)) for r in real["results"]]
             same_tokens = [r.tokens == c for r, c in zip(real["results"],
                                                          sim["continuations"])]

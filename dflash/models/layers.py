@@ -121,15 +121,19 @@ def out_mlp(layer, x, o, fused=None):
 
 
 def compile_region(fn: Callable, backend, fullgraph: bool = False,
-                   mode: str | None = None) -> Callable:
+                   mode: str | None = None, static: bool = True) -> Callable:
     """The one regional compile: ``fn`` (a layer module first, for a per-layer region) is
     compiled once with static shapes (a graph per shape, shared by every layer). Call the
     result only inside the compile gate (:mod:`dflash.runtime.gate`): its first call per shape
     compiles. ``fullgraph``: a graph break is an error (a region meant as one graph); ``mode``:
     torch.compile's (e.g. "max-autotune-no-cudagraphs": Triton GEMM templates tried against
-    cuBLAS per shape, epilogues fused; a longer compile)."""
+    cuBLAS per shape, epilogues fused; a longer compile). ``static=False``: torch's automatic
+    dynamic shapes instead (the first shape compiles static; a dimension seen at a second size
+    recompiles symbolic once, and that graph serves every later size: a sweep over batch sizes
+    and verify widths compiles about once, not once per shape)."""
     kw = {"mode": mode} if mode else {}
-    return torch.compile(fn, backend=backend, dynamic=False, fullgraph=fullgraph, **kw)
+    return torch.compile(fn, backend=backend, dynamic=False if static else None,
+                         fullgraph=fullgraph, **kw)
 
 
 def attend_cache(layer, x, q, k_cache, v_cache, mask, fused=None):

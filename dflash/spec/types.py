@@ -160,6 +160,7 @@ class BenchSpec:
     reference_max_new_tokens: int = 2048
     decode_batches: tuple[int, ...] = (1, 4, 16, 64)
     decode_widths: tuple[int, ...] = (4, 8, 16)  # verify widths of the decode sweep
+    decode_shapes: str = "static"  # the sweep's compiled regions: a graph per shape, or symbolic
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from ..eval.reference import evaluate_reference, reference_questions
 from ..eval.report import training_curves, write_report
 from ..eval.serving import goal, sweep
 from ..eval.tau import evaluate_sets
+from ..artifacts.cache import compile_cache_dir
 from ..artifacts.manifest import atomic_write_text, expect, read_manifest, verify_files
 from ..models.drafter import DFlashConfig, load_drafter, verify_export
 from ..models.dtypes import dtype_of
@@ -67,7 +68,8 @@ def evaluate_tau(spec, drafter_dir: Path, device: str, results_dir: Path | None 
                 f"drafter.dtype {spec.drafter.dtype}, bench.eval_max_new_tokens "
                 f"{b.eval_max_new_tokens}, bench.real_prompts {b.real_prompts})")
         per_set = evaluate_sets(tgt.model, drafter, embed, head, sets, b.eval_max_new_tokens,
-                                eos_ids_of(tgt), b.real_prompts, device, b.eval_batch_size)
+                                eos_ids_of(tgt), b.real_prompts, device, b.eval_batch_size,
+                                compile_shapes=b.decode_shapes)
         wall["eval_sets_s"], t = clock() - t, clock()
         step = (f"evaluating τ under the reference protocol (bench.protocols, "
                 f"bench.reference_max_new_tokens {b.reference_max_new_tokens})")
@@ -159,10 +161,10 @@ def _decode_speed_or_failure(tgt, drafter, embed, head, es, b, device, results_d
 def decode_speed(tgt, drafter, embed, head, es, b, device) -> dict:
     """Tokens/s target-only vs speculative at ``bench.decode_batches`` (1, 4, 16, 64) on the
     primary set's prompts through the one decoder (the full block and each verify width of
-    ``bench.decode_widths``), with the adaptive choice among them served at each,
-    HF static-cache ``generate`` in the same run at batch 1 only (``serving.HF_BATCHES``), and
-    the issue's batch-1 goal ratios. CUDA only: on CPU the decoder runs eagerly and times
-    Python."""
+    ``bench.decode_widths``; its regions compiled per ``bench.decode_shapes``), with the
+    adaptive choice among them served at each, HF static-cache ``generate`` in the same run at
+    batch 1 only (``serving.HF_BATCHES``), and the issue's batch-1 goal ratios. CUDA only: on
+    CPU the decoder runs eagerly and times Python."""
     if not b.decode_batches:
         return {"skipped": "bench.decode_batches is []"}
     if not str(device).startswith("cuda"):
@@ -173,7 +175,7 @@ def decode_speed(tgt, drafter, embed, head, es, b, device) -> dict:
     pad = tgt.tokenizer.pad_token_id
     r = sweep(tgt.model, drafter, es.prompts, b.eval_max_new_tokens, eos, b.decode_batches,
               min_prompts=max(1, b.real_prompts), pad_id=eos[0] if pad is None else pad,
-              widths=b.decode_widths,
+              widths=b.decode_widths, compile_shapes=b.decode_shapes,
               embed=embed, lm_head=head, log=lambda m: print(m.replace("[decode]", "[bench]"),
                                                               flush=True))
     r.pop("first")
@@ -200,6 +202,9 @@ def run(ctx: StageContext) -> dict:
     out = ctx.results / "bench"
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    # the env's compile cache, as warm-up and train use it: a rerun of this stage, or the next
+    # arm's bench with the same drafter shapes, loads its decoders' kernels instead of compiling
+    compile_cache_dir(ctx.env_fingerprint)
     train = verify_train(ctx)
     source, metrics = throughput_source(ctx, train, out)
     perf = throughput(ctx, source, metrics)
