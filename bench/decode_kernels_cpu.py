@@ -22,7 +22,8 @@ import torch._inductor.config
 
 from bench.gpu.decode_speed import random_models
 from bench.gpu.step_profile import step_profile
-from dflash.decode.speculative import COMPILE_SCOPES, Decoder
+from dflash.decode.compile_choices import COMPILE_SCOPES
+from dflash.decode.speculative import Decoder
 
 
 def count(depth: int, scope: str, with_drafter: bool) -> dict:

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from bench.gpu import decode_speed
-from dflash.decode.speculative import COMPILE_SCOPES, DEFAULT_COMPILE_SCOPE
+from dflash.decode.compile_choices import COMPILE_SCOPES, DEFAULT_COMPILE_SCOPE
 
 REPO = Path(__file__).resolve().parents[1]
 

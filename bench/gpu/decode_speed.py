@@ -7,7 +7,7 @@ vs simulated per prompt; the lossless counts and margins. Prints the table, writ
     PYTHONPATH=$PWD python -m bench.gpu.decode_speed --spec specs/smollm2-quality.yaml \\
         --drafter results/smollm2-quality/train/drafter --batches 1,4,16,64 \\
         --hf-batches 1,4,16,64 --budget-s 420 --out bench/results/h200/decode_speed.json
-    # the compile scopes side by side (dflash.decode.speculative.COMPILE_SCOPES; "scope:mode" adds a
+    # the compile scopes side by side (dflash.decode.compile_choices.COMPILE_SCOPES; "scope:mode" adds a
     # torch.compile mode), same prompts, same drafter: per scope ms per step (wall and one
     # captured replay), compile seconds, kernels per step (CUDA profiler), the goal ratios
     PYTHONPATH=$PWD python -m bench.gpu.decode_speed --spec specs/smollm2-quality.yaml \\
@@ -57,8 +57,9 @@ from bench.gpu.step_profile import step_profile
 from dflash.decode.generate import eos_ids_of
 from dflash.eval.evalsets import load_eval_sets
 from dflash.decode.adaptive import choose
-from dflash.decode.speculative import (COMPILE_SCOPES, COMPILE_SHAPES, DEFAULT_COMPILE_SCOPE,
-                                       DEFAULT_COMPILE_SHAPES, Decoder)
+from dflash.decode.compile_choices import (COMPILE_SCOPES, COMPILE_SHAPES, DEFAULT_COMPILE_SCOPE,
+                                           DEFAULT_COMPILE_SHAPES)
+from dflash.decode.speculative import Decoder
 from dflash.eval.serving import goal, hf_static_generate, pair, tau_gap, timed_decode
 from dflash.eval.tau import simulate, summarize
 from dflash.models.drafter import DFlashConfig, DFlashDrafter, load_drafter

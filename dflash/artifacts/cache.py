@@ -16,7 +16,8 @@ def compile_cache_dir(env_fingerprint: str) -> Path:
     """One inductor/triton cache per env fingerprint: a changed stack never reuses stale kernels.
 
     Set before the first compile; warmup and train use the same directory, so training starts
-    with the kernels warmup built.
+    with the kernels warmup built; the bench stage too, so its rerun (or another spec's bench
+    with the same decoder shapes) loads its decoders' kernels.
     """
     d = cache_root() / "compile" / env_fingerprint
     d.mkdir(parents=True, exist_ok=True)

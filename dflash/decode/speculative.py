@@ -28,7 +28,8 @@ One step for every sequence of the batch at once, device tensors only:
 The target-only baseline is the same step with K = 1 and no drafter. The prefill is the same
 target forward at position 0, right-padded (on CUDA to a multiple of 32, captured per length).
 
-On CUDA the step's pieces are compiled regions (``compile_scope``, :data:`COMPILE_SCOPES`: the
+On CUDA the step's pieces are compiled regions (``compile_scope``,
+:data:`~dflash.decode.compile_choices.COMPILE_SCOPES`: the
 data engine's per-layer pieces apart, each whole layer with its cache write, the same with
 concatenated GEMMs, or the whole step; a per-layer graph per shape serves every layer of a
 model) and the whole step is captured once as a CUDA graph, compile and capture under the
@@ -61,6 +62,8 @@ from ..errors import DFlashError
 from ..models.layers import (attend_cache, cached_layer, compile_region, fused_weights, qkv,
                               rope_of, write_kv)
 from ..models.layers import unsupported_reason as _layers_unsupported
+from .compile_choices import (COMPILE_SCOPES, COMPILE_SHAPES, DEFAULT_COMPILE_SCOPE,
+                              DEFAULT_COMPILE_SHAPES, FUSED_GEMM_SCOPES, choice, graph_count)
 from .decoded import Decoded, decoded_of
 from .speculative_step import (DraftPair, StepGlue, argmax_head, context_kv, drafter_rope,
                                greedy_head)
@@ -70,37 +73,6 @@ from ..runtime.busy import DeviceBusy
 from ..runtime.gate import get_gate
 from ..runtime.tracing import worker_thread_setup
 
-
-def _graph_count() -> int:
-    """Graphs dynamo compiled in this process (the decoder compiles under the exclusive gate)."""
-    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-
-
-# what is one compiled region on CUDA (``compile_scope``); the step is captured whole either way
-COMPILE_SCOPES = {
-    "regions": "qkv, attend_cache, the heads and the drafter's context K/V compiled apart; the "
-               "K/V writes, prologues and acceptance eager ATen ops captured into the graph",
-    "layer": "each whole layer one region (qkv + K/V cache write + attention + MLP; one graph "
-             "per model and shape), and the step's glue as regions: verify and draft "
-             "prologues, acceptance, drafter context with its cache writes",
-    "fused": "layer, and each layer's q/k/v and gate/up projections one GEMM each "
-             "(concatenated copies of those weights: 4 GEMMs per layer instead of 7), the "
-             "drafter context's k/v projections of every layer one GEMM",
-    "step": "fused, and the whole step one inductor graph (every layer unrolled: fewest "
-            "kernels, longest compile, one per batch size)",
-}
-DEFAULT_COMPILE_SCOPE = "fused"
-FUSED_GEMM_SCOPES = ("fused", "step")
-
-# how a region's graphs follow the batch size, verify width and cache length (``compile_shapes``)
-COMPILE_SHAPES = {
-    "static": "a graph per shape: every batch size, verify width and cache length compiles "
-              "its own (round 17's decoding sweep: 274 s, mostly compiling 16 decoders)",
-    "dynamic": "torch's automatic dynamic shapes: a dimension seen at a second size "
-               "recompiles symbolic once, and that graph serves every later size (batch sizes "
-               "and widths after the first two decoders compile nothing)",
-}
-DEFAULT_COMPILE_SHAPES = "static"
 
 DraftHook = Callable[[int, int, int], Sequence[int]]  # (prompt index, anchor, anchor_pos)
 
@@ -137,14 +109,10 @@ class Decoder(StepGlue):
             raise DFlashError(f"decoder: unsupported target: {why}")
         if batch < 1 or max_new_tokens < 1:
             raise DFlashError("decoder: batch and max_new_tokens must be >= 1")
-        self.scope, self.compile_mode = compile_scope or DEFAULT_COMPILE_SCOPE, compile_mode
-        if self.scope not in COMPILE_SCOPES:
-            raise DFlashError(f"decoder: compile_scope {self.scope!r} (one of "
-                              f"{', '.join(COMPILE_SCOPES)})")
-        self.shapes = compile_shapes or DEFAULT_COMPILE_SHAPES
-        if self.shapes not in COMPILE_SHAPES:
-            raise DFlashError(f"decoder: compile_shapes {self.shapes!r} (one of "
-                              f"{', '.join(COMPILE_SHAPES)})")
+        self.compile_mode = compile_mode
+        self.scope = choice("compile_scope", compile_scope, COMPILE_SCOPES, DEFAULT_COMPILE_SCOPE)
+        self.shapes = choice("compile_shapes", compile_shapes, COMPILE_SHAPES,
+                             DEFAULT_COMPILE_SHAPES)
 
         self.target, self.drafter, self.hook = target, drafter, draft_hook
         self.layers = list(target.model.layers)
@@ -344,11 +312,11 @@ class Decoder(StepGlue):
         whose compile fails falls back to "regions" (the pieces first run compiled on the
         H200), loudly and recorded (``scope_compile_error``): slower, never wrong."""
         worker_thread_setup()  # recompile limit: one graph per (model, batch, block) shape
-        graphs0 = _graph_count()
+        graphs0 = graph_count()
         try:
             self._compile_scope_and_warm_up()
         finally:
-            self.stats["graphs_compiled"] = _graph_count() - graphs0
+            self.stats["graphs_compiled"] = graph_count() - graphs0
 
     def _compile_scope_and_warm_up(self) -> None:
         backend = self.compile if not isinstance(self.compile, bool) else "inductor"
