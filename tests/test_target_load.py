@@ -113,3 +113,17 @@ def test_dropped_layer_patterns_are_exact():
     # layers past the kept 4 of 6
     assert isinstance(pat, str)
     assert [i for i in range(6) if rx.search(f"model.layers.{i}.self_attn.q_proj.weight")] == [4, 5]
+
+
+def test_smollm2_config_is_read_without_converting_the_weights(tmp_path, monkeypatch):
+    """On a machine whose cache holds no converted SmolLM2 (`dflash validate` on a fresh box),
+    the config comes from the GGUF's metadata: SmolLM2-135M's shapes, and no weights converted
+    (the converted folder is not made)."""
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    spec = dataclasses.replace(MICRO, model="smollm2-135m-instruct", init="pretrained")
+    c = hf_config(spec)
+    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+            c.intermediate_size, c.vocab_size) == (30, 576, 9, 3, 1536, 49152)
+    assert c.tie_word_embeddings and c.max_position_embeddings == 8192
+    assert c.rms_norm_eps == pytest.approx(1e-5)    # the GGUF keeps it as a float32
+    assert not list((tmp_path / "cache").glob("smollm2-*"))     # nothing converted
