@@ -27,7 +27,7 @@ next_dir() {  # the next call's folder (the repo grew past one call for every sm
 # imports beyond the image (PROBE_WHEELS: round 18's bench.gpu.decode_speed reads specs, so
 # jsonschema and its dependencies), then the others whole (an sdist too), largest first
 PROBE_WHEELS=${PROBE_WHEELS:-jsonschema-[0-9] jsonschema_specifications- referencing- rpds_py-}
-first=$(for w in $PROBE_WHEELS; do ls "$WHEELS"/$w*; done)
+first=$(for w in $PROBE_WHEELS; do ls "$WHEELS"/$w* 2>/dev/null || echo "no $w* wheel" >&2; done)
 for f in $first $(ls -S "$WHEELS"/* | grep -vxF -f <(printf '%s\n' $first)); do
   [ "$f" = "$smol" ] && continue
   s=$(stat -c %s "$f")
