@@ -137,6 +137,10 @@ shapes_ab() {  # bench.gpu.decode_speed with static, then dynamic shapes: random
       > "$RES/decode_shapes_$s.log" 2>&1
     stamp "decode_shapes $s rc=$?"
   done
+  python3 -m bench.decode_shapes_verdict "$RES/decode_shapes_static.json" \
+    "$RES/decode_shapes_dynamic.json" --out "$RES/decode_shapes_verdict.json" \
+    > "$RES/decode_shapes_verdict.log" 2>&1
+  stamp "decode_shapes verdict rc=$?: $(tail -n 1 "$RES/decode_shapes_verdict.log")"
 }
 
 attention() {  # bench.gpu.drafter_attention over the variants $@, at most 150 s
