@@ -8,6 +8,7 @@ folder ~0.2 s); Qwen3-8B/32B-shaped targets are real architecture configs with r
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.metadata
 import importlib.util
 import inspect
@@ -220,7 +221,8 @@ def load_target(target: TargetSpec, device: str, seed: int = 0,
     src = None  # the weights' folder, made first (converted once): the config is then its own
     if pretrained:
         src = smollm2_hf_dir() if target.model in BUILTIN_PRETRAINED else _user_dir(target.model)
-    config = hf_config(target)
+    full_cfg = hf_config(target)  # read once: the model's own copy may be truncated below
+    config = copy.deepcopy(full_cfg)
     if num_layers is not None:
         config.num_hidden_layers = num_layers
         if hasattr(config, "layer_types") and config.layer_types:
@@ -231,14 +233,13 @@ def load_target(target: TargetSpec, device: str, seed: int = 0,
             model = AutoModelForCausalLM.from_config(config, dtype=dtype,
                                                      attn_implementation=impl)
     else:
-        with _expected_unexpected_keys(config, dropped_layer_keys(hf_config(target), num_layers)):
+        with _expected_unexpected_keys(config, dropped_layer_keys(full_cfg, num_layers)):
             model = AutoModelForCausalLM.from_pretrained(src, config=config, dtype=dtype,
                                                          attn_implementation=impl).to(device)
     model.eval().requires_grad_(False)
     # feature workers need no tokenizer (random-weight targets then need no SmolLM2 package)
     tok = AutoTokenizer.from_pretrained(tokenizer_dir(target.model)) if need_tokenizer \
         else None
-    full_cfg = hf_config(target)
     return Target(model=model, tokenizer=tok, config=full_cfg,
                   layer_ids=layer_ids(target, full_cfg), attention=attention)
 
