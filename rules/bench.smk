@@ -35,7 +35,7 @@ rule bench:
         fields=spec_params("bench"),
         code=code_hash("bench"),
     resources:
-        **device_resources(),
+        **device_resources("bench"),
     log:
         f"{LOGS}/{{spec}}/bench.log",
     benchmark:

@@ -101,6 +101,7 @@ LOGS = config["logs"]
 BENCHMARKS = config["benchmarks"]
 SLURM = config["slurm"]  # profiles/slurm: jobs go to a SLURM cluster (see device_resources)
 GPU_JOBS = config["gpu_jobs"]  # jobs per CUDA device (config/config.schema.yaml: default 1)
+GPU_MEMORY_GB = config.get("gpu_memory_gb")  # each device's memory (default: nvidia-smi's)
 
 
 def _load_sweep_arms():
@@ -144,19 +145,42 @@ def python_for(wc):
 
 
 # GPUs, from the specs only (dflash/runtime/resources.py says how, locally and on SLURM): a
-# resource of capacity gpu_jobs (default 1) per CUDA device any spec names, so by default two
-# jobs never share a GPU. register_resource overrides `--resources cuda_0=N`: the config decides.
+# resource of 2 x gpu_jobs units (default 1) per CUDA device any spec names. Train and bench
+# hold a device whole (2), so by default they never share a GPU; a warm-up or data stage whose
+# estimated memory is small beside the device's holds half (1): a small pair's warm-up runs
+# beside its data stage. register_resource overrides `--resources cuda_0=N`: the config decides.
 CUDA_DEVICES = resources.cuda_devices(SPECS)
 for _device in CUDA_DEVICES:
-    workflow.register_resource(resources.resource_name(_device), GPU_JOBS)
+    workflow.register_resource(resources.resource_name(_device), resources.UNITS * GPU_JOBS)
+# each device's memory: config gpu_memory_gb, else nvidia-smi (none: every stage holds it whole)
+DEVICE_BYTES = resources.device_memory(CUDA_DEVICES, GPU_MEMORY_GB)
+_STAGE_BYTES = {}
 
 
-def device_resources():
-    return resources.device_resources(SPECS, SLURM)
+def device_share(spec, stage, device):
+    """The units of `device` a job of `spec`'s `stage` holds (dflash.runtime.resources.units).
+    The estimate (dflash.train.budget.stage_memory: torch and the target's config) is made
+    only for a stage that may share, on a machine whose devices' memory is known, once a spec."""
+    estimate = None
+    if stage in resources.HALF_STAGES and DEVICE_BYTES.get(device):
+        if spec not in _STAGE_BYTES:
+            try:
+                from dflash.train.budget import stage_memory
+
+                _STAGE_BYTES[spec] = stage_memory(SPECS[spec])
+            except Exception:  # no estimate (say the target's package is not in this interpreter):
+                _STAGE_BYTES[spec] = None  # the safe rule, every stage holds its GPU whole
+        if _STAGE_BYTES[spec] is not None:
+            estimate = _STAGE_BYTES[spec][stage].get(device, 0)
+    return resources.units(stage, estimate, DEVICE_BYTES.get(device))
+
+
+def device_resources(stage):
+    return resources.device_resources(SPECS, SLURM, stage, device_share)
 
 
 def train_resources():
-    return resources.train_resources(SPECS, SLURM)
+    return resources.train_resources(SPECS, SLURM, device_share)
 
 
 onstart:

@@ -69,7 +69,7 @@ def by_key(stage, fn):
 
 
 def shared_resources(stage):
-    return {k: by_key(stage, v) if callable(v) else v for k, v in device_resources().items()}
+    return {k: by_key(stage, v) if callable(v) else v for k, v in device_resources(stage).items()}
 
 
 def shared_spec(stage):

@@ -140,6 +140,7 @@ def test_report_holds_the_plots_with_their_captions(wf):
     ("resultz=out", "Additional properties are not allowed ('resultz' was unexpected)"),
     ("default_spec=nope", "default_spec 'nope' is not a spec in specs/"),
     ("gpu_jobs=0", "0 is less than the minimum of 1"),
+    ("gpu_memory_gb=-1", "-1 is less than the minimum of 0"),
 ])
 def test_bad_config_is_refused_before_anything_runs(wf, config, message):
     r = snakemake(wf, "-n", "--config", config)
@@ -154,7 +155,7 @@ def test_gpu_jobs_hold_the_devices_their_spec_names(tmp_path, micro_spec):
     res = [ln.strip() for ln in (r.stdout + r.stderr).splitlines() if "gpu=" in ln]
     # train also carries `launch` (empty here: srun only for a multi-node job on SLURM)
     res = [ln.removesuffix(", launch=") for ln in res]
-    assert len(res) == 4 and set(res) == {"resources: tmpdir=/tmp, gpu=2, cuda_0=1, cuda_1=1"}, res
+    assert len(res) == 4 and set(res) == {"resources: tmpdir=/tmp, gpu=2, cuda_0=2, cuda_1=2"}, res
 
 
 def test_nothing_reruns_when_nothing_changed(wf):

@@ -382,6 +382,7 @@ def test_rule_params_are_derived_not_raw_config():
         'config["default_spec"]', 'config["results"]', 'config["logs"]', 'config["benchmarks"]',
         'config["slurm"]',  # a boolean (config.schema.yaml): jobs go to a SLURM cluster
         'config["gpu_jobs"]',  # an integer 1..16 (config.schema.yaml): a resource's capacity
+        'config.get("gpu_memory_gb")',  # a number >= 0 (config.schema.yaml) or absent
     ], common
 
 

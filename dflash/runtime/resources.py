@@ -2,8 +2,8 @@
 
 ``rules/common.smk`` binds these to the workflow's specs and config; the rules use the result.
 Snakemake never picks devices (the stages use the spec's device names), so locally each job
-holds every CUDA device its spec names: a resource of capacity 1 per device (``cuda_0``,
-``cuda_1``, ...; :func:`cuda_devices`), and two jobs never share a GPU on any machine. ``gpu``
+holds every CUDA device its spec names: a resource per device (``cuda_0``, ``cuda_1``, ...;
+:func:`cuda_devices`), and two measured stages never share a GPU on any machine. ``gpu``
 is the count (for executors that place jobs by it; limit it with ``--resources gpu=N``). A spec
 with ``topology.nodes`` > 1 holds the GPUs of all its nodes (as they run here: local processes;
 ``Spec.machine_devices``).
@@ -16,12 +16,28 @@ SLURM may spread over nodes), so instead each job asks for ``nodes`` and ``gres:
 node. Only the train rule may span nodes (``topology.nodes``); every other stage is a one-node
 job.
 
-Owns: the resource functions and the executor check. Standard library only (Snakemake imports
-it at parse time, before any environment exists).
+Sharing a GPU (local runs): each device is a resource of ``UNITS`` × ``gpu_jobs`` units. The
+train and bench stages hold a device whole (``UNITS``): their tokens/s, MFU and decoding speed
+are measurements of a GPU of their own. The warm-up (mostly compiling, on the host) and the
+data stage hold half of it (1 unit) when the stage's estimated peak memory there (``dflash
+validate`` prints it: :func:`dflash.train.budget.stage_memory`) is at most ``HALF_AT_MOST`` of
+the device's memory: two of them then fit with room to spare for the estimate's error, so a
+small pair's warm-up runs beside its data stage (round 15 on one H200: about a minute off the
+DAG). The device's memory comes from ``nvidia-smi`` (:func:`device_memory`) or the config's
+``gpu_memory_gb``; where neither says, every stage holds its device whole.
+
+Owns: the resource functions, the sharing rule and the executor check. Standard library only
+(Snakemake imports it at parse time, before any environment exists).
 """
 from __future__ import annotations
 
+import os
+import subprocess
 from typing import Callable, Mapping
+
+UNITS = 2                 # a device's units per gpu_jobs: a whole job holds 2, a half job 1
+HALF_STAGES = ("warmup", "data")   # the stages that may hold half a device
+HALF_AT_MOST = 0.3        # of the device's memory, the stage's estimate, for half of it
 
 
 def cuda_devices(specs: Mapping) -> list[str]:
@@ -47,9 +63,57 @@ def nodes(spec) -> int:
     return spec.topology.nodes
 
 
-def device_resources(specs: Mapping, slurm: bool) -> dict[str, Callable]:
+def units(stage: str, estimate_bytes: int | None, device_bytes: int | None) -> int:
+    """The units of one device a job of ``stage`` holds: half (1) for a warm-up or data stage
+    whose estimated peak there is at most ``HALF_AT_MOST`` of the device's memory, else whole
+    (``UNITS``); whole too where either figure is unknown."""
+    if stage in HALF_STAGES and estimate_bytes is not None and device_bytes \
+            and estimate_bytes <= HALF_AT_MOST * device_bytes:
+        return 1
+    return UNITS
+
+
+def parse_device_memory(smi_csv: str, visible: str | None) -> dict[str, int]:
+    """``nvidia-smi --query-gpu=index,memory.total --format=csv,noheader,nounits`` (MiB) as
+    {``cuda:i``: bytes} in torch's numbering: ``CUDA_VISIBLE_DEVICES`` (``visible``), when set,
+    renumbers the devices; one it names by UUID or MIG leaves the numbering unknown ({})."""
+    total = {}
+    for line in smi_csv.splitlines():
+        index, _, mib = (x.strip() for x in line.partition(","))
+        if index.isdigit() and mib.isdigit():
+            total[int(index)] = int(mib) * 2**20
+    if visible is None:
+        return {f"cuda:{i}": b for i, b in sorted(total.items())}
+    order = [x.strip() for x in visible.split(",") if x.strip()]
+    if not all(x.isdigit() for x in order):
+        return {}
+    return {f"cuda:{i}": total[int(x)] for i, x in enumerate(order) if int(x) in total}
+
+
+def device_memory(devices: list[str], gpu_memory_gb: float | None = None) -> dict[str, int]:
+    """{device: bytes} for the CUDA ``devices``: the config's ``gpu_memory_gb`` for each (0:
+    none, which turns sharing off), else what ``nvidia-smi`` reports ({} where it is absent or
+    fails: no sharing)."""
+    if gpu_memory_gb is not None:
+        return {d: int(gpu_memory_gb * 1e9) for d in devices} if gpu_memory_gb > 0 else {}
+    if not devices:
+        return {}
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.total",
+                            "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                           timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    if r.returncode != 0:
+        return {}
+    return parse_device_memory(r.stdout, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def device_resources(specs: Mapping, slurm: bool, stage: str = "",
+                     share: Callable[[str, str, str], int] | None = None) -> dict[str, Callable]:
     """Resources of a stage: this machine's GPUs it holds (locally), or on SLURM a one-node job
-    (the train rule adds the multi-node part, :func:`train_resources`)."""
+    (the train rule adds the multi-node part, :func:`train_resources`). ``share(spec, stage,
+    device)``: the units a job holds of a device (:func:`units`; default whole)."""
     if slurm:
         def gres(wc):
             k = gpus_per_node(specs[wc.spec])
@@ -63,7 +127,12 @@ def device_resources(specs: Mapping, slurm: bool) -> dict[str, Callable]:
         return len({d for d in specs[wc.spec].machine_devices() if d != "cpu"}) or None
 
     def holds(device):
-        return lambda wc: 1 if device in specs[wc.spec].machine_devices() else None
+        def f(wc):
+            if device not in specs[wc.spec].machine_devices():
+                return None
+            return share(wc.spec, stage, device) if share else UNITS
+
+        return f
 
     return {"gpu": gpus, **{resource_name(d): holds(d) for d in cuda_devices(specs)}}
 
@@ -93,7 +162,8 @@ def srun(n: int) -> str:
             f"--cpus-per-task=${{SLURM_CPUS_PER_TASK:-1}} --kill-on-bad-exit=1 ")
 
 
-def train_resources(specs: Mapping, slurm: bool) -> dict[str, Callable]:
+def train_resources(specs: Mapping, slurm: bool,
+                    share: Callable[[str, str, str], int] | None = None) -> dict[str, Callable]:
     """The train rule's resources: a one-node stage's, and under SLURM with topology.nodes > 1
     a multi-node job: `nodes`, `tasks` = one per node, `gres` per node, and `mpi` — which makes
     the plugin's jobstep run the rule's shell in the allocation as it is instead of under
@@ -101,7 +171,7 @@ def train_resources(specs: Mapping, slurm: bool) -> dict[str, Callable]:
     (:func:`srun`). `launch` is empty otherwise. It sits in the shell command, so the command
     text (Snakemake's `code` rerun trigger) is the same under every profile: a train run on the
     cluster is not redone by a later local `snakemake bench_<spec>`."""
-    res = device_resources(specs, slurm)
+    res = device_resources(specs, slurm, "train", share)
 
     def launch(wc):
         n = nodes(specs[wc.spec])

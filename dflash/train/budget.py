@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from ..errors import DFlashError
-from ..models.drafter import DFlashConfig
+from ..models.drafter import DFlashConfig, head_dim_of
 from ..models.target import hf_config, layer_ids
 from ..spec.types import cache_mode
 from .cache_budget import cache_device, store_bytes
@@ -127,6 +127,46 @@ MEMORY: list[Item] = [Item("target", _target_memory), Item("drafter", _drafter_m
                       Item("feature cache", _device_cache_memory)]
 
 
+def kv_cache_bytes(tcfg, rows: int, length: int, dtype_bytes: int) -> int:
+    """A static KV cache of ``rows`` sequences of ``length`` positions over every layer."""
+    return tcfg.num_hidden_layers * 2 * tcfg.num_key_value_heads * head_dim_of(tcfg) * rows \
+        * length * dtype_bytes
+
+
+def _generate_memory(s: Sizes) -> dict:
+    """The data stage's fast engine on each target device (:class:`dflash.decode.engine.Engine`
+    at ``data.gen_batch_size`` slots): the whole target, its static KV cache (a spare row; the
+    longest sequence either phase writes: a prompt and its answer, or the writer's prefix and
+    prompt), one prefill batch's activations and the decode step's fp32 logits."""
+    t, d = s.tcfg, s.spec.data
+    bytes_ = DTYPE_BYTES[s.spec.target.dtype]
+    untied = not getattr(t, "tie_word_embeddings", True)
+    weights = (_params(t, t.num_hidden_layers, vocab=True)
+               + untied * t.vocab_size * t.hidden_size) * bytes_
+    longest = max(s.sample_tokens, d.max_prompt_tokens + d.self_written.max_tokens)
+    slots, S = d.gen_batch_size, -(-longest // 16) * 16
+    kv = kv_cache_bytes(t, slots + 1, S, bytes_)
+    prefill_rows = min(slots, max(16, min(slots // 16, 256)))
+    acts = prefill_rows * S * t.hidden_size * bytes_ * (4 + t.intermediate_size // t.hidden_size)
+    logits = slots * t.vocab_size * 4 * 2
+    return {dev: weights + kv + acts + logits for dev in s.spec.topology.targets}
+
+
+def stage_memory(spec) -> dict[str, dict[str, int]]:
+    """Estimated peak bytes per device of the GPU stages (what decides whether a warm-up or data
+    stage may share its GPU: :func:`dflash.runtime.resources.units`): ``warmup`` loads the
+    target and drafter and runs their steps (the training items but the feature cache),
+    ``data`` the generation engine, ``train`` every training item."""
+    s = sizes(spec)
+    out: dict[str, dict[str, int]] = {"warmup": {}, "data": _generate_memory(s), "train": {}}
+    for item in MEMORY:
+        for dev, n in item.estimate(s).items():
+            out["train"][dev] = out["train"].get(dev, 0) + n
+            if item.name != "feature cache":
+                out["warmup"][dev] = out["warmup"].get(dev, 0) + n
+    return out
+
+
 # ---- time -----------------------------------------------------------------------------------
 def peak(spec, results: Path | None = None) -> tuple[float, str, dict]:
     """(FLOP/s per device, where it comes from, measured MFUs if any)."""
@@ -178,7 +218,8 @@ def budget(spec, results: Path | None = None) -> dict:
         for dev, n in item.estimate(s).items():
             memory.setdefault(dev, {})[item.name] = n
     disk = {item.name: item.estimate(s) for item in DISK}
-    return {"memory": memory, "disk": disk, "disk_total": sum(disk.values()),
+    return {"memory": memory, "data_memory": _generate_memory(s),
+            "disk": disk, "disk_total": sum(disk.values()),
             "seconds": stage_seconds(s, flops_per_s, mfu), "steps": s.steps,
             "peak_flops_per_s": flops_per_s, "peak_source": source,
             "mfu": {**ASSUMED_MFU, **mfu}, "warmup_compiles": spec.batching.num_buckets
@@ -195,6 +236,8 @@ def render(b: dict) -> list[str]:
     for dev, items in b["memory"].items():
         lines.append(f"  memory {dev}: {_gb(sum(items.values()))} ("
                      + ", ".join(f"{k} {_gb(v)}" for k, v in items.items()) + ")")
+    for dev, n in b.get("data_memory", {}).items():
+        lines.append(f"  memory {dev}, data stage: {_gb(n)} (the generation engine)")
     lines.append(f"  disk: {_gb(b['disk_total'])} ("
                  + ", ".join(f"{k} {_gb(v)}" for k, v in b["disk"].items()) + ")")
     if b["seconds"]:

@@ -1,0 +1,82 @@
+"""Sharing a GPU between the warm-up and the data stage (dflash/runtime/resources.py): the rule,
+the device memory it reads, the estimates it compares, and what the DAG's jobs then hold."""
+import torch
+
+from dflash.decode.engine import Engine
+from dflash.decode.static import round_up
+from dflash.models.target import load_target
+from dflash.runtime import resources
+from dflash.runtime.harness import REPO, copy_workflow, snakemake
+from dflash.spec.load import load_spec
+from dflash.train.budget import kv_cache_bytes, stage_memory
+
+GB = 10**9
+
+
+def test_only_a_small_warmup_or_data_stage_holds_half_a_device():
+    h200 = 141 * GB
+    assert resources.units("warmup", 13 * GB, h200) == 1
+    assert resources.units("data", int(0.3 * h200), h200) == 1
+    assert resources.units("data", int(0.3 * h200) + 1, h200) == resources.UNITS
+    for measured in ("train", "bench", "env"):  # measurements (and env) always hold it whole
+        assert resources.units(measured, 1, h200) == resources.UNITS
+    # what is not known keeps the old rule: whole
+    assert resources.units("data", None, h200) == resources.UNITS
+    assert resources.units("data", 1, None) == resources.UNITS
+
+
+def test_device_memory_follows_torch_numbering():
+    smi = "0, 143771\n1, 81559\n"
+    assert resources.parse_device_memory(smi, None) == {"cuda:0": 143771 * 2**20,
+                                                        "cuda:1": 81559 * 2**20}
+    # CUDA_VISIBLE_DEVICES=1: torch's cuda:0 is the second GPU
+    assert resources.parse_device_memory(smi, "1") == {"cuda:0": 81559 * 2**20}
+    assert resources.parse_device_memory(smi, "GPU-3f2a") == {}  # by UUID: unknown, no sharing
+    assert resources.parse_device_memory("", None) == {}
+    assert resources.device_memory(["cuda:0"], 80) == {"cuda:0": 80 * GB}
+    assert resources.device_memory(["cuda:0"], 0) == {}  # the config turns sharing off
+
+
+def test_the_estimates_put_the_small_pair_beside_itself_and_the_8b_warmup_alone_on_80gb():
+    smol = stage_memory(load_spec(REPO / "specs" / "smollm2-quality.yaml"))
+    big = stage_memory(load_spec(REPO / "specs" / "qwen3-8b-1gpu.yaml"))
+    for stage in ("warmup", "data"):
+        assert resources.units(stage, smol[stage]["cuda:0"], 141 * GB) == 1
+    # the 8B warm-up (~39 GB: the 8B target and a 1.3B-parameter drafter's training state)
+    # holds a whole 80 GB GPU; its data stage's engine stays under 0.3 of it
+    assert resources.units("warmup", big["warmup"]["cuda:0"], 80 * GB) == resources.UNITS
+    assert big["warmup"]["cuda:0"] > 30 * GB and smol["data"]["cuda:0"] > smol["warmup"]["cuda:0"]
+    assert big["train"]["cuda:0"] >= big["warmup"]["cuda:0"]
+
+
+def test_the_kv_cache_estimate_is_the_engine_cache():
+    """The data stage's estimate counts the engine's static cache as the engine allocates it."""
+    spec = load_spec(REPO / "tests" / "specs" / "micro.yaml")
+    model = load_target(spec.target, "cpu", spec.seed, need_tokenizer=False).model
+    eng = Engine(model, slots=5, max_len=40, max_new_tokens=12, eos_ids=[2], compile=False)
+    held = sum(t.numel() * t.element_size() for t in eng.k_rows + eng.v_rows)
+    el = torch.empty((), dtype=eng.dtype).element_size()
+    assert held == kv_cache_bytes(model.config, 5 + 1, round_up(40, 16), el)
+
+
+def test_the_dag_shares_a_gpu_only_between_small_warmup_and_data_stages(tmp_path):
+    wf = copy_workflow(tmp_path, [REPO / "specs" / "smollm2-quality.yaml",
+                                  REPO / "specs" / "qwen3-8b-1gpu.yaml"])
+
+    def held(target, *config):
+        r = snakemake(wf, "-n", target, "--config", *config)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        out, rule, got = r.stdout + r.stderr, None, {}
+        for line in out.splitlines():
+            line = line.strip()
+            if line.startswith("rule ") and line.endswith(":"):
+                rule = line[5:-1]
+            elif line.startswith("resources:") and "cuda_0=" in line:
+                got[rule] = int(line.split("cuda_0=")[1].split(",")[0])
+        return got
+
+    assert held("train_smollm2-quality", "gpu_memory_gb=141") == {
+        "env": 2, "warmup": 1, "data": 1, "train": 2}
+    assert held("train_qwen3-8b-1gpu", "gpu_memory_gb=80") == {
+        "env": 2, "warmup": 2, "data": 1, "train": 2}
+    assert set(held("train_smollm2-quality", "gpu_memory_gb=0").values()) == {2}
