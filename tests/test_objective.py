@@ -284,6 +284,31 @@ def test_replica_step_counts_only_supervised_positions():
     assert torch.isfinite(res.loss) and rep.flat_grad().abs().sum() > 0
 
 
+def test_head_chunk_reaches_the_replica_and_changes_neither_loss_nor_gradient():
+    """compile.head_chunk (a speed knob: the logits of one chunk at a time) gives the replica's
+    step the same loss, hits and gradient as the default chunk (float32), in 16-row chunks."""
+    flat = {}
+    for chunk in (2048, 16):
+        spec = parse_spec({**KD_SPEC, "loss": {"gamma": 4}, "compile": {"head_chunk": chunk}},
+                          "kd.yaml")
+        cfg = DFlashConfig.of_spec(spec)
+        [rep] = make_replicas(spec, cfg, initial_state(cfg, 0), 10)
+        assert rep.objective.head_chunk == chunk
+        r = row(4)
+        blocks = rep.anchors(r, 1)
+        feats = torch.randn(1, 64, len(cfg.target_layer_ids) * cfg.hidden_size,
+                            generator=torch.Generator().manual_seed(2))
+        res = rep.forward_backward(r, feats, blocks)
+        assert chunk == 2048 or res.labelled > chunk  # more than one chunk
+        flat[chunk] = (res.loss.detach(), res.hits, rep.flat_grad().clone())
+    (loss, hits, grad), (loss0, hits0, grad0) = flat[16], flat[2048]
+    assert torch.equal(hits, hits0)
+    assert_f32_close(loss, loss0, res.labelled * cfg.vocab_size)
+    assert_f32_close(grad, grad0, cfg.vocab_size * cfg.hidden_size)
+    with pytest.raises(SpecError, match="compile.head_chunk"):
+        parse_spec({**KD_SPEC, "compile": {"head_chunk": 8}}, "kd.yaml")
+
+
 # ---------------------------------------------------------------------------------------------
 # the compiled head loss (compile.head_loss): the eager path's numbers, one graph for any n
 # ---------------------------------------------------------------------------------------------

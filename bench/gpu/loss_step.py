@@ -40,6 +40,10 @@ SmolLM2-135M's shape without its package: ``--smollm2-shape`` writes its public 
     python -m bench.gpu.loss_step --spec specs/smollm2-quality.yaml --smollm2-shape \
         --arms compiled,graph --caps none,8 --iters 10 --steps 8 --profile --out loss_step3.json
     python -m bench.gpu.loss_step --smoke --profile --out /tmp/loss_step_smoke.json
+
+``--head-chunks 2048,512,256``: every step arm once per ``compile.head_chunk`` (rows per chunk of
+the fused head; each record says its ``head_chunk``): whether a chunk's logits kept in L2
+makes the captured step faster (round 18's call 1).
 """
 from __future__ import annotations
 
@@ -245,6 +249,9 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--no-step", action="store_true", help="the loss alone only")
+    ap.add_argument("--head-chunks", default="",
+                    help="comma list: every step arm once per compile.head_chunk (rows per "
+                         "chunk of the head), in this order; default: the spec's")
     ap.add_argument("--profile", action="store_true", help="top kernels of the step per arm")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU, tests/specs/micro.yaml, 2 iterations: the script's own check")
@@ -291,15 +298,22 @@ def main() -> None:
         # today's step first: the first arm also pays the drafter's compile (about a minute
         # on the H200), and a run cut short by its time limit keeps what it measured
         order = {"compiled": 0, "graph": 1, "prodgraph": 2, "nohead": 3, "fused": 4, "main": 5}
-        for arm, cap in sorted(step_arms, key=lambda ac: order[ac[0]]):
-            r = _guarded(step_graph if arm == "graph" else step_whole, spec, a.device, arm,
+        chunks = [int(c) for c in a.head_chunks.split(",") if c] or [spec.compile.head_chunk]
+        runs = [(arm, cap, c) for c in chunks
+                for arm, cap in sorted(step_arms, key=lambda ac: order[ac[0]])]
+        for arm, cap, chunk in runs:
+            r = _guarded(step_graph if arm == "graph" else step_whole,
+                         spec.replace(compile={"head_chunk": chunk}), a.device, arm,
                          cap, a.steps, out["peak"]["flops_per_s"], a.profile)
+            r["head_chunk"] = chunk
             if "error" in r:
-                print(f"[loss_step] whole step {arm} cap {cap}: {r['error']}", flush=True)
+                print(f"[loss_step] whole step {arm} cap {cap} chunk {chunk}: {r['error']}",
+                      flush=True)
                 out["step"].append(r)
                 save()
                 continue
-            print(f"[loss_step] whole step {arm} cap {cap}: {r['s_per_step']} s/step, MFU "
+            print(f"[loss_step] whole step {arm} cap {cap} chunk {chunk}: {r['s_per_step']} "
+                  f"s/step, MFU "
                   f"{r['mfu_while_busy']}, compile {r['compile_s']} s", flush=True)
             if arm == "graph":
                 print(f"  captured {r['captured']} (uncaptured {r['uncaptured_s_per_step']} "

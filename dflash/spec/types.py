@@ -144,6 +144,7 @@ class CompileSpec:
     backend: str
     head_loss: str
     cuda_graph_step: str
+    head_chunk: int = 2048
 
 
 @dataclass(frozen=True)
@@ -317,10 +318,13 @@ def stage_fields(spec: Spec) -> dict[str, dict[str, Any]]:
 
 def _compile_identity(c: CompileSpec) -> dict:
     """The compile section as its fingerprint sees it: ``cuda_graph_step`` off leaves it as it
-    was before the field existed (the default, auto, captures on CUDA: a new warm-up)."""
+    was before the field existed (the default, auto, captures on CUDA: a new warm-up), and so
+    does ``head_chunk`` at its default (2048)."""
     plain = _plain(c)
     if c.cuda_graph_step in ("off", False):
         del plain["cuda_graph_step"]
+    if c.head_chunk == 2048:  # the default: as it was before the field existed
+        del plain["head_chunk"]
     return plain
 
 

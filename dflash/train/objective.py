@@ -43,6 +43,7 @@ class Objective:
     max_position: int | None = None  # None: every block position k >= 1 carries loss
     top_k: int = 32                  # soft labels kept per position (kd, ce+kd)
     head_backend: str | None = None  # torch.compile backend of the head's chunks; None: eager
+    head_chunk: int = 2048           # rows per chunk of the head (compile.head_chunk)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -86,13 +87,15 @@ class Objective:
     # ---- loss --------------------------------------------------------------------------------
     def loss(self, hidden: torch.Tensor, lm_head: torch.Tensor, blocks: Blocks,
              soft: SoftLabels | None = None, row_len: int | None = None,
-             chunk: int = 2048, host: Blocks | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             chunk: int | None = None, host: Blocks | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss, hits) for one row's blocks: hidden [1, A*B, H] (or [A*B, H]) of the drafter,
         the frozen head [V, H], the blocks (on hidden's device) and, for kd / ce+kd, the row's
         soft labels (``row_len`` = L). hits [B]: supervised positions whose top-1 equals the
         label, per block position (no gradient). ``host``: the same blocks on the CPU (the
-        replica has them): the supervised rows are then found there, without a device sync."""
-        B = self.block_size
+        replica has them): the supervised rows are then found there, without a device sync.
+        ``chunk``: rows per chunk of the head (default ``head_chunk``)."""
+        B, chunk = self.block_size, chunk or self.head_chunk
         h = hidden.reshape(-1, hidden.shape[-1])
         keep, k, y, w = self._rows(host if host is not None else blocks, h.device)
         hits = torch.zeros(B, dtype=torch.float32, device=h.device)
@@ -108,7 +111,7 @@ class Objective:
         return (total + (const * w).sum()) / w.sum(), hits
 
     def static_loss(self, hidden: torch.Tensor, lm_head: torch.Tensor, blocks: Blocks,
-                    chunk: int = 2048, position_weights: torch.Tensor | None = None
+                    chunk: int | None = None, position_weights: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`loss` (kind ``ce``) over a fixed set of block tokens: every slot's positions
         k = 1..K (K = ``max_position``, else B−1), weight 0 where there is no label. Nothing
@@ -122,7 +125,7 @@ class Objective:
         if self.kind != "ce":
             raise ValueError(f"loss.kind {self.kind!r}: the fixed-shape (CUDA-graph) loss "
                              f"has hard labels only (soft labels vary in count per row)")
-        B, Hd = self.block_size, hidden.shape[-1]
+        B, Hd, chunk = self.block_size, hidden.shape[-1], chunk or self.head_chunk
         K = B - 1 if self.max_position is None else min(self.max_position, B - 1)
 
         def sel(t):  # [A*B, ...] -> the rows k = 1..K of every slot, [A*K, ...]

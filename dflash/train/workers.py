@@ -7,6 +7,8 @@ torch dtype; the target worker whether to produce soft labels (the objective's k
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..models.drafter import DFlashConfig, DFlashDrafter
@@ -24,7 +26,9 @@ from .replica import DrafterReplica
 
 
 def objective(spec, cfg: DFlashConfig) -> Objective:
-    return Objective.of(cfg, spec.batching, spec.loss)
+    """The spec's objective; its head's chunk is ``compile.head_chunk`` (a speed knob)."""
+    return dataclasses.replace(Objective.of(cfg, spec.batching, spec.loss),
+                               head_chunk=spec.compile.head_chunk)
 
 
 def buckets(spec) -> list[int]:
