@@ -329,6 +329,21 @@ def test_validate_prints_the_budget(tmp_path, capsys):
     assert "features.cache disk (float8_e4m3): <= " in out and ": fits" in out, out
 
 
+def test_validate_without_devices_prints_a_gpu_store_unchecked(tmp_path, capsys):
+    """A store on a CUDA device that `--no-devices` (or a CPU box) cannot ask: its size is
+    printed and the check is left to the train stage, with no traceback (it was
+    `AssertionError: Torch not compiled with CUDA enabled` for the recipe sweep's
+    device-cache arm)."""
+    path = tmp_path / "gpucache.yaml"
+    gpu = {"targets": ["cuda:0"], "drafters": ["cuda:0"], "allow_shared_devices": True}
+    path.write_text(yaml.safe_dump(dict(SPEC, name="gpucache", topology=gpu,
+                                        features={"cache": "device"})))
+    assert main(["validate", str(path), "--no-devices", "--results", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "features.cache device (target): <= " in out, out
+    assert "not checked against cuda:0's free memory" in out, out
+
+
 def _reference_read(cache, row, key):
     """The per-sample gather the cache did before its one index_select: the stored bytes."""
     src = fp.raw_bytes(cache.a.t[key])

@@ -23,15 +23,22 @@ from .sweeps import load_sweep
 from .types import cache_mode
 
 
-def _print_cache_budget(spec, root: str) -> None:
+def _print_cache_budget(spec, root: str, check_devices: bool = True) -> None:
     """``features.cache`` on: its storage budget against this machine's free memory or disk
     (exact once the data stage has run, else an upper bound from data.*). An exact budget
-    that does not fit fails here as it would fail the train stage."""
+    that does not fit fails here as it would fail the train stage. A store on a CUDA device
+    that cannot be asked (``--no-devices``, or no CUDA here) is printed, not checked."""
     if cache_mode(spec) == "off":
         return  # no torch import for the common case
     fc = importlib.import_module("dflash.train.cache_budget")  # by name: not for the common case
-    b = fc.spec_budget(spec, results_dir(spec, root))
+    dev = fc.cache_device(spec) if cache_mode(spec) == "device" else None
+    unknown = bool(dev and dev.startswith("cuda")) and not (
+        check_devices and fc.torch.cuda.is_available())
+    b = fc.spec_budget(spec, results_dir(spec, root), available=0 if unknown else None)
     if b is None:
+        return
+    if unknown:
+        print(f"   {b.need()}: not checked against {dev}'s free memory (no devices asked here)")
         return
     verdict = "fits" if b.fits else "does NOT fit: the train stage would refuse it"
     print(f"   {b.describe()}: {verdict}")
@@ -81,7 +88,7 @@ def validate(paths: list[str], check_devices: bool, results: str = "results",
             nodes = f" on each of {s.topology.nodes} nodes" if s.topology.nodes > 1 else ""
             print(f"ok: {where} (spec '{s.name}', devices {', '.join(s.devices())}{nodes})")
             print("\n".join(render(b)), flush=True)
-            _print_cache_budget(s, results)
+            _print_cache_budget(s, results, check_devices)
             if show:  # JSON first: tuples become lists, as YAML can dump them
                 print(f"--- # {where} as validated")
                 print(yaml.safe_dump(json.loads(json.dumps(s.to_dict())), sort_keys=False))

@@ -70,11 +70,13 @@ class Budget:
     def fits(self) -> bool:
         return self.bytes <= self.available
 
-    def describe(self) -> str:
+    def need(self) -> str:
         bound = "<= " if self.upper_bound else ""
         return (f"features.cache {self.mode} ({self.dtype}): {bound}{gb(self.bytes)} for "
-                f"{bound}{self.tokens:,} tokens of {self.samples:,} samples; "
-                f"{gb(self.available)} usable in {self.where}")
+                f"{bound}{self.tokens:,} tokens of {self.samples:,} samples")
+
+    def describe(self) -> str:
+        return f"{self.need()}; {gb(self.available)} usable in {self.where}"
 
 
 def gb(n: int) -> str:
