@@ -238,6 +238,21 @@ def _guarded(fn, spec, device, arm, cap, *args) -> dict:
         return {"arm": arm, "max_position": cap, "error": f"{type(e).__name__}: {e}"[:2000]}
 
 
+def print_step(r: dict, arm: str, cap, chunk: int) -> None:
+    """One whole-step record as the log shows it (time, MFU, capture, the top kernels)."""
+    print(f"[loss_step] whole step {arm} cap {cap} chunk {chunk}: {r['s_per_step']} s/step, "
+          f"MFU {r['mfu_while_busy']}, compile {r['compile_s']} s", flush=True)
+    if arm == "graph":
+        print(f"  captured {r['captured']} (uncaptured {r['uncaptured_s_per_step']} "
+              f"s/step) {r.get('capture_error', '')}\n  check {r['check']}", flush=True)
+    if "busy_ms_per_step" in r.get("profile", {}):
+        print(f"  profile: {r['profile']['busy_ms_per_step']} ms busy, "
+              f"{r['profile']['launches_per_step']} launches per step", flush=True)
+    for k in r.get("profile", {}).get("top", [])[:15]:
+        print(f"    {k['ms_per_step']:8.3f} ms {k['calls_per_step']:6.1f}x  "
+              f"{k['name'][:100]}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--spec")
@@ -312,18 +327,7 @@ def main() -> None:
                 out["step"].append(r)
                 save()
                 continue
-            print(f"[loss_step] whole step {arm} cap {cap} chunk {chunk}: {r['s_per_step']} "
-                  f"s/step, MFU "
-                  f"{r['mfu_while_busy']}, compile {r['compile_s']} s", flush=True)
-            if arm == "graph":
-                print(f"  captured {r['captured']} (uncaptured {r['uncaptured_s_per_step']} "
-                      f"s/step) {r.get('capture_error', '')}\n  check {r['check']}", flush=True)
-            if "busy_ms_per_step" in r.get("profile", {}):
-                print(f"  profile: {r['profile']['busy_ms_per_step']} ms busy, "
-                      f"{r['profile']['launches_per_step']} launches per step", flush=True)
-            for k in r.get("profile", {}).get("top", [])[:15]:
-                print(f"    {k['ms_per_step']:8.3f} ms {k['calls_per_step']:6.1f}x  "
-                      f"{k['name'][:100]}", flush=True)
+            print_step(r, arm, cap, chunk)
             out["step"].append(r)
             save()
     print(f"wrote {a.out}")
