@@ -8,7 +8,7 @@ from dflash.models.target import load_target
 from dflash.runtime import resources
 from dflash.runtime.harness import REPO, copy_workflow, snakemake
 from dflash.spec.load import load_spec
-from dflash.train.budget import kv_cache_bytes, stage_memory
+from dflash.train.budget import budget, kv_cache_bytes, render, stage_memory
 
 GB = 10**9
 
@@ -80,3 +80,15 @@ def test_the_dag_shares_a_gpu_only_between_small_warmup_and_data_stages(tmp_path
     assert held("train_qwen3-8b-1gpu", "gpu_memory_gb=80") == {
         "env": 2, "warmup": 2, "data": 1, "train": 2}
     assert set(held("train_smollm2-quality", "gpu_memory_gb=0").values()) == {2}
+
+
+def test_validate_says_on_which_gpu_the_warmup_runs_beside_the_data_stage():
+    spec = load_spec(REPO / "specs" / "smollm2-quality.yaml")
+    m = stage_memory(spec)
+    need = max(m["warmup"]["cuda:0"], m["data"]["cuda:0"]) / resources.HALF_AT_MOST
+    lines = [x for x in render(budget(spec)) if "data stage" in x]
+    assert lines == [f"  memory cuda:0, data stage: {m['data']['cuda:0'] / 1e9:.2f} GB (the "
+                     f"generation engine; beside the warm-up on a GPU of >= {need / 1e9:.2f} GB)"]
+    # the smallest such GPU is where both hold half of it
+    assert resources.units("data", m["data"]["cuda:0"], need * 1.001) == 1
+    assert resources.units("data", m["data"]["cuda:0"], need * 0.99) == resources.UNITS

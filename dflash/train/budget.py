@@ -25,6 +25,7 @@ import torch
 from ..errors import DFlashError
 from ..models.drafter import DFlashConfig, head_dim_of
 from ..models.target import hf_config, layer_ids
+from ..runtime.resources import HALF_AT_MOST
 from ..spec.types import cache_mode
 from .cache_budget import cache_device, store_bytes
 from .flops import linear_params, best_seconds_per_call, drafter_flops_per_step, target_flops
@@ -237,7 +238,10 @@ def render(b: dict) -> list[str]:
         lines.append(f"  memory {dev}: {_gb(sum(items.values()))} ("
                      + ", ".join(f"{k} {_gb(v)}" for k, v in items.items()) + ")")
     for dev, n in b.get("data_memory", {}).items():
-        lines.append(f"  memory {dev}, data stage: {_gb(n)} (the generation engine)")
+        warm = sum(v for k, v in b["memory"].get(dev, {}).items() if k != "feature cache")
+        beside = (f"; beside the warm-up on a GPU of >= {_gb(max(n, warm) / HALF_AT_MOST)}"
+                  if dev.startswith("cuda") else "")   # dflash.runtime.resources.units' rule
+        lines.append(f"  memory {dev}, data stage: {_gb(n)} (the generation engine{beside})")
     lines.append(f"  disk: {_gb(b['disk_total'])} ("
                  + ", ".join(f"{k} {_gb(v)}" for k, v in b["disk"].items()) + ")")
     if b["seconds"]:
