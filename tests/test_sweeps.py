@@ -169,7 +169,13 @@ def test_repo_sweeps_validate():
     # and steered (the same count, written toward MT-Bench's categories) have a data stage of
     # their own
     own_data = ("prompts1x", "steered")
-    assert len({s.fingerprint("data") for k, s in recipe.items() if k not in own_data}) == 1
+    steered_data = ("steered", "steered-gamma4-depth8")   # round 18's candidate: steered's data
+    assert len({s.fingerprint("data") for k, s in recipe.items()
+                if k not in own_data + steered_data}) == 1
+    assert recipe["steered-gamma4-depth8"].fingerprint("data") == recipe["steered"].fingerprint(
+        "data")
+    combo = recipe["steered-gamma4-depth8"]
+    assert (combo.loss.gamma, combo.drafter.num_layers) == (4, 8)   # depth8's warm-up (below)
     assert len({recipe[k].fingerprint("data") for k in ("ref",) + own_data}) == 3
     # round 17's steered arm: the base's prompts and budget, written under MT-Bench's eight
     # categories; the base's warm-up (no compiled shape changes)
@@ -193,7 +199,7 @@ def test_repo_sweeps_validate():
     own = ("depth3", "depth8", "block8", "block8-anchors2x", "anchors1344", "uncapped", "kd",
            "ce-kd")
     # the feature cache's place is no compiled shape: block 8 on the GPU's cache is block 8's
-    shares = {"block8-device-cache": "block8"}
+    shares = {"block8-device-cache": "block8", "steered-gamma4-depth8": "depth8"}
     assert len({s.fingerprint("warmup") for k, s in recipe.items()
                 if k not in own and k not in shares}) == 1
     assert len({s.fingerprint("warmup") for s in recipe.values()}) == 1 + len(own)
