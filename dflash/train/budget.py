@@ -238,10 +238,11 @@ def render(b: dict) -> list[str]:
         lines.append(f"  memory {dev}: {_gb(sum(items.values()))} ("
                      + ", ".join(f"{k} {_gb(v)}" for k, v in items.items()) + ")")
     for dev, n in b.get("data_memory", {}).items():
+        if not dev.startswith("cuda"):  # the fast engine's estimate; the GPU-sharing rule
+            continue
         warm = sum(v for k, v in b["memory"].get(dev, {}).items() if k != "feature cache")
-        beside = (f"; beside the warm-up on a GPU of >= {_gb(max(n, warm) / HALF_AT_MOST)}"
-                  if dev.startswith("cuda") else "")   # dflash.runtime.resources.units' rule
-        lines.append(f"  memory {dev}, data stage: {_gb(n)} (the generation engine{beside})")
+        lines.append(f"  memory {dev}, data stage: {_gb(n)} (the generation engine; beside the "
+                     f"warm-up on a GPU of >= {_gb(max(n, warm) / HALF_AT_MOST)})")
     lines.append(f"  disk: {_gb(b['disk_total'])} ("
                  + ", ".join(f"{k} {_gb(v)}" for k, v in b["disk"].items()) + ")")
     if b["seconds"]:
