@@ -69,6 +69,8 @@ def test_full_dag_artifacts(wf):
     for stage in ("env", "warmup", "data", "train"):
         m = json.loads((res / stage / "manifest.json").read_text())
         assert m["stage"] == stage and m["manifest_version"] == 1
+        # the GPU stages record their devices' peak memory: none on a CPU spec
+        assert stage == "env" or m["peak_device_memory"] == {}, (stage, m.get("peak_device_memory"))
     train = json.loads((res / "train" / "manifest.json").read_text())
     assert train["gate"]["recompiles_after_warmup"] == 0
     assert train["gate"]["race_errors"] == 0

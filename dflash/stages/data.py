@@ -48,6 +48,7 @@ from ..eval.evalsets import eval_overlap
 from ..artifacts.manifest import atomic_path, fingerprint, sha256_file, write_manifest
 from ..models.target import load_target, target_fingerprint
 from ..runtime import faults
+from ..runtime.device_memory import peak_device_memory
 from ..train.budget import check_disk  # no rerun trigger: code_fingerprint.NOT_RERUN_TRIGGERS
 from . import StageContext
 
@@ -93,7 +94,8 @@ def run(ctx: StageContext) -> dict:
     table = merge_shards(shard_dir, chunks, samples)
     manifest = _write(spec, data_dir, table, fingerprints, plan_fp, report, prompts, chunks,
                       resumed, gen, time.time() - t0, per_source,
-                      {"env_drift_overridden": ctx.drift, "shared_with": ctx.shared_with})
+                      {"env_drift_overridden": ctx.drift, "shared_with": ctx.shared_with,
+                       "peak_device_memory": peak_device_memory(spec.topology.targets)})
     log(f"wrote {data_dir / DATASET}: {table.num_rows} samples, "
          f"{manifest['tokens']['total_tokens']} tokens in {time.time() - t0:.1f}s")
     return manifest

@@ -17,6 +17,7 @@ from ..artifacts.cache import compile_cache_dir
 from ..artifacts.manifest import write_manifest
 from ..models.drafter import DFlashConfig
 from ..models.dtypes import dtype_of
+from ..runtime.device_memory import peak_device_memory
 from ..runtime.gate import get_gate
 from ..train.warm import warm_all, warm_target_features
 from ..train.workers import buckets, initial_state, make_replicas
@@ -93,6 +94,7 @@ def run(ctx: StageContext) -> dict:
         seconds_by_phase={k: round(v, 3) for k, v in phases.items()},
         drafter_config=cfg.to_dict(), feature_width=feat_width,
         gate=get_gate().stats().summary(),
+        peak_device_memory=peak_device_memory(spec.devices()),
         env_drift_overridden=ctx.drift, shared_with=ctx.shared_with)
     print(f"[warmup] done: {len(records)} (device, bucket) compiles in {total:.1f}s; "
           f"cache {cache}", flush=True)

@@ -33,6 +33,7 @@ from ..artifacts.manifest import expect, read_manifest, write_manifest
 from ..models.drafter import DFlashConfig, export_checksums, export_drafter
 from ..runtime import distributed
 from ..runtime.distributed import PeerFailed
+from ..runtime.device_memory import peak_device_memory
 from ..runtime.faults import injected_failures
 from ..runtime.gate import get_gate
 from ..runtime.status import StatusReporter, by_role
@@ -340,7 +341,8 @@ def write_train_manifest(job: Job, progress: Progress, trained: Trained, warm_st
         files={f"drafter/{f}": sha for f, sha in export_checksums(job.out / "drafter").items()}
         if job.persist else {},
         topology=asdict(spec.topology), distributed=across or {"nodes": 1},
-        feature_cache=trained.feature_cache)
+        feature_cache=trained.feature_cache,
+        peak_device_memory=peak_device_memory(spec.devices()))
     trained.status.done(manifest)
     print(f"[train] done: {steps_run} steps in {trained.seconds:.1f}s, final loss "
           f"{manifest['final_loss']}, recompiles after warmup "
