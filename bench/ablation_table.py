@@ -32,7 +32,6 @@ is printed as a change to apply: an arm that costs more must buy more than the e
 """
 from __future__ import annotations
 
-import gzip
 import json
 import math
 from functools import partial
@@ -44,6 +43,7 @@ from bench import md_block
 from bench.ablation_plot import plot
 from bench.entry import run
 from bench.figures_from_log import CUT, as_report
+from bench.metrics_file import read_metrics
 from dflash.errors import DFlashError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,16 +73,6 @@ def read_json(path: Path) -> dict:
         return json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
         raise DFlashError(f"{path}: not readable JSON ({type(e).__name__}: {e})") from None
-
-
-def read_metrics(path: Path) -> list[dict]:
-    """metrics.jsonl or .jsonl.gz: one dict per logged step."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    try:
-        with opener(path, "rt") as f:
-            return [json.loads(line) for line in f if line.strip()]
-    except (OSError, ValueError) as e:
-        raise DFlashError(f"{path}: not a metrics.jsonl ({type(e).__name__}: {e})") from None
 
 
 def sibling(report: Path, stage: str, name: str) -> Path:

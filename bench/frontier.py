@@ -30,7 +30,8 @@ from functools import partial
 from pathlib import Path
 
 from bench import md_block
-from bench.ablation_table import H200, REPO, metrics_of, read_json, read_metrics, sibling, timeline
+from bench.ablation_table import H200, REPO, metrics_of, read_json, sibling, timeline
+from bench.metrics_file import read_metrics
 from bench.entry import run
 from bench.figures_from_log import figures
 from dflash.errors import DFlashError
@@ -43,15 +44,15 @@ SETS = ("mtbench", "humaneval", "heldout")
 # full-budget DAG runs not in ablation.json: label, the folder's stage files (stage -> file)
 DAGS = ({"label": "3 epochs, feature cache (round 6)",
          "bench_log": "round6-2026-12-01/lease/logs/smollm2-quality/bench.log",
-         "metrics": "round6-2026-12-01/lease/r/smollm2-quality__train__metrics.jsonl",
+         "metrics": "round6-2026-12-01/lease/r/smollm2-quality__train__metrics.jsonl.gz",
          "data": "round6-2026-12-01/lease/r/smollm2-quality__data__manifest.json"},
         {"label": "code drafter, smollm2-code (round 9)",
          "bench_log": "round9-2026-12-02/lease/logs/smollm2-code/bench.log",
-         "metrics": "round9-2026-12-02/lease/r/smollm2-code__train__metrics.jsonl",
+         "metrics": "round9-2026-12-02/lease/r/smollm2-code__train__metrics.jsonl.gz",
          "data": "round9-2026-12-02/lease/r/smollm2-code__data__manifest.json"},
         {"label": "positions 1..8 supervised, smollm2-recipe-cap8 (round 10)",
          "bench_log": "round10-2026-12-02/lease/logs/smollm2-recipe-cap8/bench.log",
-         "metrics": "round10-2026-12-02/lease/r/smollm2-recipe-cap8__train__metrics.jsonl",
+         "metrics": "round10-2026-12-02/lease/r/smollm2-recipe-cap8__train__metrics.jsonl.gz",
          "data": "round10-2026-12-02/lease/r/smollm2-quality__data__manifest.json"})
 # the data manifests of ablation.json's full-budget runs (run 1 committed none: data n/a)
 RUN_DATA = {"smollm2-quality-run2": "smollm2-quality-run2/data__manifest.json"}

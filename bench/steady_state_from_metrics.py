@@ -12,6 +12,8 @@ import argparse
 import json
 from pathlib import Path
 
+from bench.metrics_file import read_metrics
+
 
 def steady_state(rows: list[dict], skip: int, token_budget: int | None) -> dict:
     s = rows[skip:]
@@ -35,7 +37,7 @@ def main() -> None:
     ap.add_argument("--token-budget", type=int, default=None)
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
-    rows = [json.loads(x) for x in a.metrics.read_text().splitlines() if x.strip()]
+    rows = read_metrics(a.metrics)
     res = steady_state(rows, a.skip, a.token_budget)
     epochs = sorted({r["epoch"] for r in rows if "epoch" in r})
     if len(epochs) > 1:

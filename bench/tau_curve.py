@@ -3,7 +3,7 @@
     python -m bench.tau_curve bench/results/h200/smollm2-quality-run1 \
         bench/results/h200/smollm2-greedy-run2 --out bench/results/h200/tau_curve
 
-Reads each run folder's ``metrics.jsonl`` (``monitor.tau_every_steps`` writes ``tau_heldout``:
+Reads each run folder's ``metrics.jsonl`` (or ``.jsonl.gz``; ``monitor.tau_every_steps`` writes ``tau_heldout``:
 simulated τ on held-out prompts) and writes ``<out>.json`` (per run: step, target tokens seen,
 τ, top-1 draft accuracy at block positions 1-4) and ``<out>.png``.
 """
@@ -13,13 +13,12 @@ import argparse
 import json
 from pathlib import Path
 
+from bench.metrics_file import read_metrics
+
 
 def curve(run: Path) -> list[dict]:
     tokens, points = 0, []
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        if not line.strip():
-            continue
-        m = json.loads(line)
+    for m in read_metrics(run / "metrics.jsonl"):
         tokens += m["tokens"]
         if m.get("tau_heldout") is not None:
             points.append({"step": m["step"], "target_tokens": tokens,

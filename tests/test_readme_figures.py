@@ -7,6 +7,7 @@ import json
 import pytest
 
 from bench import figures_from_log, readme_figures, steady_state_from_metrics
+from bench.metrics_file import read_metrics
 from dflash.errors import DFlashError
 from dflash.runtime.harness import REPO
 
@@ -64,8 +65,7 @@ def test_a_missing_file_or_key_is_one_clear_error():
     ("smollm2-quality-run2", "metrics.jsonl", 8192),
     ("qwen3-8b-2gpu-balanced", "qwen3-8b-2gpu-balanced__train__metrics.jsonl", 16384)])
 def test_the_steady_state_files_are_what_the_script_makes_of_the_metrics(run, metrics, budget):
-    rows = [json.loads(x) for x in (H200 / run / metrics).read_text().splitlines()
-            if x.strip()]
+    rows = read_metrics(H200 / run / metrics)   # or its .gz
     committed = json.loads((H200 / run / "steady_state.json").read_text())
     assert steady_state_from_metrics.steady_state(rows, 5, budget) == committed
 

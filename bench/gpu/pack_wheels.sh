@@ -10,7 +10,8 @@
 # Every call carries the repo too, so its size sets the number of calls: a round's call archives
 # (results.tgz, committed as each call brings them back) leave the tree once the round's lease/
 # is extracted and committed; the history keeps them (round 17: 57 MB of repo left a call 9 MB
-# for wheels, 41 MB without the archives leaves 23 MB: 5 calls).
+# for wheels, 41 MB without the archives leaves 23 MB: 5 calls; 31 MB with the older rounds'
+# metrics gzipped, 2026-12-05, leaves 34 MB: 4 calls). A round's metrics go in gzipped.
 set -euo pipefail
 WHEELS=${WHEELS:-/work/wheels-py312}
 LIMIT=$(( 64 * 1024 * 1024 - 1024 * 1024 ))                 # a call's carry, less some slack

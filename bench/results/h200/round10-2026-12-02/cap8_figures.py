@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from bench.figures_from_log import figures
+from bench.metrics_file import read_metrics
 from dflash.models.drafter import DFlashConfig
 from dflash.spec.load import load_spec
 from dflash.train.flops import DATASHEET_PEAKS, drafter_useful_flops
@@ -37,7 +38,7 @@ def tau_sets(log: str) -> dict:
 
 def train_figures(spec_path: Path, manifest: Path, metrics: Path) -> dict:
     m = json.loads(manifest.read_text())
-    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    rows = read_metrics(metrics)
     st = m["steady_state"]
     window = rows[len(rows) - st["steps"]:]
     dcfg = DFlashConfig.of_spec(load_spec(spec_path))
@@ -62,14 +63,14 @@ r8 = H200 / "round8-2026-12-02/lease"
 r8_report = json.loads((r8 / "r/smollm2-quality__bench__report.json").read_text())
 before = train_figures(H200.parent.parent.parent / "specs/smollm2-quality.yaml",
                        r8 / "r/smollm2-quality__train__manifest.json",
-                       r8 / "r/smollm2-quality__train__metrics.jsonl")
+                       r8 / "r/smollm2-quality__train__metrics.jsonl.gz")
 before["report_drafter_mfu_datasheet"] = r8_report["mfu_datasheet"]["drafter_mfu"]
 before["tau"] = {k: {"tau": v["tau"], "prompts": v["prompts"]}
                  for k, v in r8_report["acceptance"]["sets"].items()}
 lease = R / "lease"
 after = train_figures(lease / "r/smollm2-recipe.sweep/specs/smollm2-recipe-cap8.yaml",
                       lease / "r/smollm2-recipe-cap8__train__manifest.json",
-                      lease / "r/smollm2-recipe-cap8__train__metrics.jsonl")
+                      lease / "r/smollm2-recipe-cap8__train__metrics.jsonl.gz")
 after["tau"] = tau_sets((lease / "logs/smollm2-recipe-cap8/bench.log").read_text())
 out = {"note": __doc__.split("\n\n")[0], "before": {"run": "round 8, smollm2-quality", **before},
        "after": {"run": "round 10, smollm2-recipe-cap8 (loss.max_position 8)", **after},
