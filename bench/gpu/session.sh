@@ -31,7 +31,8 @@
 #   calls 1..N-1:  bash bench/gpu/session.sh stash   (carry .whl, then .whl2 ... as packed)
 #   (or call 1: `probes`, which also installs the small wheels and runs PROBE alone, at most
 #   PROBE_S seconds: round 18's `shapes_ab`, ~200-330 s; PLAN_S less by as much: round 18,
-#   30 device-minutes: PLAN_S=1300 WATCH_S=530 for the launch, less by a failed start's ~91 s)
+#   30 device-minutes, 4 calls of wheels: PLAN_S=1320 WATCH_S=530 for the launch, less by a
+#   failed start's ~91 s)
 #   last:    bash bench/gpu/session.sh launch     (carry the last .whlN; watches WATCH_S)
 #   then:    bash bench/gpu/session.sh watch      (WATCH_S seconds at most)
 set -uo pipefail
