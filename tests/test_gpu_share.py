@@ -42,11 +42,14 @@ def test_the_estimates_put_the_small_pair_beside_itself_and_the_8b_warmup_alone_
     big = stage_memory(load_spec(REPO / "specs" / "qwen3-8b-1gpu.yaml"))
     for stage in ("warmup", "data"):
         assert resources.units(stage, smol[stage]["cuda:0"], 141 * GB) == 1
-    # the 8B warm-up (~39 GB: the 8B target and a 1.3B-parameter drafter's training state)
-    # holds a whole 80 GB GPU; its data stage's engine stays under 0.3 of it
-    assert resources.units("warmup", big["warmup"]["cuda:0"], 80 * GB) == resources.UNITS
-    assert big["warmup"]["cuda:0"] > 30 * GB and smol["data"]["cuda:0"] > smol["warmup"]["cuda:0"]
-    assert big["train"]["cuda:0"] >= big["warmup"]["cuda:0"]
+    # the 8B warm-up (~39 GB of training items, x2.3 as round 18 measured the warm-up's peak)
+    # holds a whole GPU, an H200's too; its data stage's engine stays under 0.3 of 80 GB
+    for gpu in (80 * GB, 150 * GB):
+        assert resources.units("warmup", big["warmup"]["cuda:0"], gpu) == resources.UNITS
+    assert big["warmup"]["cuda:0"] > 80 * GB and smol["data"]["cuda:0"] > smol["warmup"]["cuda:0"]
+    # round 18's measured peaks (warm-up 6.72 GB, data 13.34 GB) are within 10 % of these
+    assert abs(smol["warmup"]["cuda:0"] / 6.72e9 - 1) < 0.1
+    assert abs(smol["data"]["cuda:0"] / 13.34e9 - 1) < 0.1
 
 
 def test_the_kv_cache_estimate_is_the_engine_cache():
