@@ -155,6 +155,11 @@ def graph_update_check(rep, gs, row, feats, blocks) -> dict:
 def _graph_work(spec, device: str, cap, steps: int, peak, profile: bool) -> dict:
     """The graph arm's measurement in a training-like worker thread (see step_graph)."""
     gate, cuda = get_gate(), device.startswith("cuda")
+    # the check's "today" is the uncaptured step: with compile.cuda_graph_step auto (the default
+    # since round 5) warm_replica would capture the replica's whole step, and forward_backward
+    # would replay it, optimizer included, so its gradient read after would not be the step's
+    # (round 18's check read grad_rel 1.84 at every chunk; round 5's, before the default, 0.003)
+    spec = spec.replace(compile={"cuda_graph_step": "off"})
     cfg = DFlashConfig.of_spec(spec)
     L, fdt = buckets(spec)[-1], dtype_of(spec.target.dtype)
     width = len(cfg.target_layer_ids) * cfg.hidden_size
