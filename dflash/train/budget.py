@@ -166,7 +166,10 @@ def stage_memory(spec) -> dict[str, dict[str, int]]:
     target and drafter and runs their steps (the training items but the feature cache, times
     :data:`WARMUP_OVER_ESTIMATE`, the measured ratio), ``data`` the generation engine (round 18:
     13.34 GB measured for 12.99 estimated), ``train`` every training item."""
-    s = sizes(spec)
+    return _stage_memory(sizes(spec))
+
+
+def _stage_memory(s: Sizes) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {"warmup": {}, "data": _generate_memory(s), "train": {}}
     for item in MEMORY:
         for dev, n in item.estimate(s).items():
@@ -227,7 +230,7 @@ def budget(spec, results: Path | None = None) -> dict:
         for dev, n in item.estimate(s).items():
             memory.setdefault(dev, {})[item.name] = n
     disk = {item.name: item.estimate(s) for item in DISK}
-    return {"memory": memory, "data_memory": _generate_memory(s),
+    return {"memory": memory, "stages": _stage_memory(s),
             "disk": disk, "disk_total": sum(disk.values()),
             "seconds": stage_seconds(s, flops_per_s, mfu), "steps": s.steps,
             "peak_flops_per_s": flops_per_s, "peak_source": source,
@@ -245,11 +248,11 @@ def render(b: dict) -> list[str]:
     for dev, items in b["memory"].items():
         lines.append(f"  memory {dev}: {_gb(sum(items.values()))} ("
                      + ", ".join(f"{k} {_gb(v)}" for k, v in items.items()) + ")")
-    for dev, n in b.get("data_memory", {}).items():
+    stages = b.get("stages", {})
+    for dev, n in stages.get("data", {}).items():
         if not dev.startswith("cuda"):  # the fast engine's estimate; the GPU-sharing rule
             continue
-        warm = sum(v for k, v in b["memory"].get(dev, {}).items()
-                   if k != "feature cache") * WARMUP_OVER_ESTIMATE
+        warm = stages["warmup"].get(dev, 0)
         lines.append(f"  memory {dev}, data stage: {_gb(n)} (the generation engine; beside the "
                      f"warm-up on a GPU of >= {_gb(max(n, warm) / HALF_AT_MOST)})")
     lines.append(f"  disk: {_gb(b['disk_total'])} ("
