@@ -12,12 +12,21 @@ anything else is one clear error naming ``ref.json``. Δτ is taken against the 
 The lender's train files need not have come back (round 13's did not), so its cost is the bench
 stage's own figure, ``gpu_minutes.train`` of report.json, and the equal-minutes ratio uses the
 same figure of each arm (``report_train_minutes``): like against like, across two machines.
+
+Round 19 ran only data arms (the steered prompts, alone and with γ 4 and 8 layers): no arm there
+can share the ref's dataset. It borrows round 17's run of the sweep's base spec (a ``ref`` arm
+in all but name: bench/ablation_table.py's ``base_as_ref``), and the dataset rule becomes: when
+every arm of the sweep in the folder changes ``data``, the lent dataset must have been made
+byte-identical by two committed runs (data generation reproduces across leases: rounds 16 and
+17 wrote the base's, rounds 18 and 19 the steered one, each pair with one sha256), so it is the
+dataset the folder's own ref would have trained on.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from bench.ablation_table import REPO, _by_category, _rel, read_json, sibling, taus
+from bench.ablation_table import (H200, REPO, _by_category, _rel, base_as_ref, overrides,
+                                  read_json, sibling, taus)
 from dflash.errors import DFlashError
 
 REF_FILE = "ref.json"
@@ -46,14 +55,19 @@ def lent_ref(folder: Path, rows: list[dict]) -> dict | None:
     if not doc.get("why"):
         raise DFlashError(f"{path}: says not why the lent ref compares ('why')")
     rep = read_json(report)
-    sweeps = {r["sweep"] for r in rows if rep.get("spec") == f"{r['sweep']}-ref"}
+    sweeps = {r["sweep"] for r in rows if rep.get("spec") in (f"{r['sweep']}-ref",
+                                                              base_as_ref(r["sweep"]))}
     if not sweeps:
         raise DFlashError(f"{path}: {rep.get('spec')!r} is no ref arm of the sweeps here "
                           f"({sorted({r['sweep'] for r in rows})})")
     sweep = sweeps.pop()
     data, lent = _data_manifest(report, path)
-    if not any(r["data_sha256"] == lent for r in rows if r["sweep"] == sweep):
-        raise DFlashError(f"{path}: the lent ref trained on dataset {lent[:12]}, no arm here did")
+    arms = [r for r in rows if r["sweep"] == sweep]
+    if not any(r["data_sha256"] == lent for r in arms) and not (
+            all(_data_arm(sweep, r["arm"]) for r in arms) and _reproduced(lent, report)):
+        raise DFlashError(f"{path}: the lent ref trained on dataset {lent[:12]}, no arm here did"
+                          + (" and no other committed run made it" if all(
+                              _data_arm(sweep, r["arm"]) for r in arms) else ""))
     steps = rep["step_time"]
     acc = rep["acceptance"]
     return {
@@ -71,3 +85,18 @@ def lent_ref(folder: Path, rows: list[dict]) -> dict | None:
         "train_by_category": _by_category(acc["sets"], "train"),
         "while_training": [],
     }
+
+
+def _data_arm(sweep: str, arm: str) -> bool:
+    """Whether the arm changes the data (so it can never share its ref's dataset)."""
+    return any(k.startswith("data.") for k in overrides(sweep, arm))
+
+
+def _reproduced(sha: str, report: Path) -> bool:
+    """Whether a committed run other than ``report``'s made the dataset ``sha`` too."""
+    for path in H200.rglob("*__data__manifest.json"):
+        if path.parent != report.parent:
+            doc = read_json(path)
+            if (doc.get("dataset") or {}).get("sha256") == sha:
+                return True
+    return False

@@ -200,6 +200,47 @@ def test_a_lent_ref_that_does_not_compare_is_one_clear_error(at, tmp_path):
         at.arm_rows(tmp_path, ["smollm2-recipe"])
 
 
+R19 = REPO / "bench" / "results" / "h200" / "round19-2026-12-05" / "lease" / "r"
+R17_QUALITY = "bench/results/h200/round17-2026-12-04/lease/r/smollm2-quality__bench__report.json"
+
+
+def test_round19s_data_arms_take_round17s_base_run_as_ref(data):
+    """Round 19 ran only data arms (the steered prompts): its ref.json lends round 17's run of
+    the sweep's base, whose dataset two committed runs made byte-identical (rounds 16 and 17)."""
+    r19 = {r["arm"]: r for r in data["arms"] if "round19-2026-12-05" in r["folder"]}
+    assert set(r19) == {"ref", "steered", "steered-gamma4-depth8"}
+    assert r19["ref"]["ref_from"] == R17_QUALITY and r19["ref"]["tau"]["mtbench"] == 2.5811
+    combo = r19["steered-gamma4-depth8"]
+    assert combo["delta"]["mtbench"] == round(combo["tau"]["mtbench"] - 2.5811, 4) > 0.3
+    assert combo["verdict"] == combo["verdict_equal_gpu_minutes"] == "wins"
+    assert combo["apply"]["loss.gamma"] == 4 and combo["apply"]["drafter.num_layers"] == 8
+
+
+def test_a_lent_base_run_needs_data_arms_and_a_reproduced_dataset(at, tmp_path, monkeypatch):
+    for f in R19.glob("smollm2-recipe-steered__*"):
+        if f.suffix != ".png":
+            shutil.copy(f, tmp_path / f.name)
+    ref = tmp_path / "ref.json"
+    ref.write_text(json.dumps({"report": R17_QUALITY, "why": "the base's run, data reproduced"}))
+    assert [r["arm"] for r in at.arm_rows(tmp_path, ["smollm2-recipe"])] == ["steered", "ref"]
+    # a base dataset no other committed run made: the lent ref's data is not shown to be the one
+    # this folder's ref would have trained on
+    from bench import ablation_ref
+    monkeypatch.setattr(ablation_ref, "_reproduced", lambda sha, report: False)
+    with pytest.raises(DFlashError, match="ref.json: the lent ref trained on dataset fe0fc3c35671, "
+                                          "no arm here did and no other committed run made it"):
+        at.arm_rows(tmp_path, ["smollm2-recipe"])
+    # an arm that keeps the base's data (gamma4) cannot borrow another dataset's ref
+    monkeypatch.undo()
+    for f in tmp_path.glob("smollm2-recipe-steered__*"):
+        f.rename(f.with_name(f.name.replace("-steered__", "-gamma4__")))
+    report = tmp_path / "smollm2-recipe-gamma4__bench__report.json"
+    report.write_text(json.dumps(dict(json.loads(report.read_text()), spec="smollm2-recipe-gamma4")))
+    with pytest.raises(DFlashError, match="ref.json: the lent ref trained on dataset fe0fc3c35671, "
+                                          "no arm here did$"):
+        at.arm_rows(tmp_path, ["smollm2-recipe"])
+
+
 def test_round16s_cut_arm_is_tabled_from_its_figures_against_the_dags_run(data):
     """Round 16's epochs6 arm: the call's limit cut its bench stage after MT-Bench and HumanEval,
     so its row comes from ``<arm>__bench__figures.json`` (the bench log's lines, no report); its

@@ -142,10 +142,12 @@ def test_unsteered_spec_fingerprints_are_unchanged():
     tiny = yaml.safe_load((ROOT / "specs" / "tiny.yaml").read_text())
     tiny["data"].update(max_prompts=96, max_new_tokens=96)
     assert parse_spec(tiny, "specs/tiny.yaml").fingerprint("data") == "eb4c7ba94552789d"
-    # smollm2-quality's data until round 14 (20.6K prompts; 30.6K since): the recipe sweeps that
-    # pin it still train on that stage (rounds 12-14's dataset.sha256 d2ee1a4f...)
+    # smollm2-quality's data until round 14 (20.6K prompts; 30.6K since; steered since round
+    # 19): the recipe sweeps that pin it still train on that stage (rounds 12-14's
+    # dataset.sha256 d2ee1a4f...)
     raw = yaml.safe_load((ROOT / "specs" / "smollm2-quality.yaml").read_text())
     raw["data"]["sources"][0]["count"], raw["data"]["max_prompts"] = 20000, 20600
+    del raw["data"]["self_written"]
     assert parse_spec(raw, "q.yaml").fingerprint("data") == "daeb6f5b066a72cd"
     one_ep = {a.arm: a.spec for a in load_sweep(ROOT / "sweeps" / "smollm2-recipe-1ep.yaml").arms}
     assert one_ep["ref"].fingerprint("data") == "daeb6f5b066a72cd"

@@ -165,33 +165,28 @@ def test_repo_sweeps_validate():
     assert {recipe[a].optim.lr for a in ("ref", "lr12e-4", "lr24e-4")} == {6e-4, 1.2e-3, 2.4e-3}
     # every arm but the data arms shares the base's one data stage; its warm-up too, but for the arms that change
     # a compiled shape: depth and block (the drafter, the row), uncapped and kd / ce-kd (the loss's rows and inputs)
-    # the base's 30.6K prompts since round 14 (prompts15x's): only prompts1x (round 13's 20.6K)
-    # and steered (the same count, written toward MT-Bench's categories) have a data stage of
-    # their own
-    own_data = ("prompts1x", "steered")
-    steered_data = ("steered", "steered-gamma4-depth8")   # round 18's candidate: steered's data
-    assert len({s.fingerprint("data") for k, s in recipe.items()
-                if k not in own_data + steered_data}) == 1
-    assert recipe["steered-gamma4-depth8"].fingerprint("data") == recipe["steered"].fingerprint(
-        "data")
-    combo = recipe["steered-gamma4-depth8"]
-    assert (combo.loss.gamma, combo.drafter.num_layers) == (4, 8)   # depth8's warm-up (below)
-    # the code spec at that recipe (round 18's step 3): smollm2-code's data, depth8's warm-up
-    code = {a.arm: a.spec for a in load_sweep(REPO / "sweeps" / "smollm2-code-recipe.yaml").arms}
-    code_spec = load_spec(REPO / "specs" / "smollm2-code.yaml")
-    assert (code["gamma4-depth8"].loss.gamma, code["gamma4-depth8"].drafter.num_layers) == (4, 8)
-    assert code["gamma4-depth8"].fingerprint("data") == code_spec.fingerprint("data")
-    assert code["gamma4-depth8"].fingerprint("warmup") == recipe["depth8"].fingerprint("warmup")
-    assert code["ref"].fingerprint("train") == code_spec.fingerprint("train")
+    # the base's 30.6K steered prompts since round 19 (steered-gamma4-depth8's): only prompts1x
+    # (round 13's 20.6K) and round17 (the same count unsteered) have a data stage of their own;
+    # the arms that became the base (gamma4, depth8, steered, steered-gamma4-depth8) equal ref
+    own_data = ("prompts1x", "round17")
+    assert len({s.fingerprint("data") for k, s in recipe.items() if k not in own_data}) == 1
     assert len({recipe[k].fingerprint("data") for k in ("ref",) + own_data}) == 3
-    # round 17's steered arm: the base's prompts and budget, written under MT-Bench's eight
-    # categories; the base's warm-up (no compiled shape changes)
-    steered = recipe["steered"].data
+    for arm in ("gamma4", "depth8", "steered", "steered-gamma4-depth8"):
+        assert all(recipe[arm].fingerprint(st) == recipe["ref"].fingerprint(st)
+                   for st in ("data", "warmup", "train")), arm
+    assert (recipe["ref"].loss.gamma, recipe["ref"].drafter.num_layers) == (4, 8)
+    # round17: the base until round 19, unsteered (the data fingerprint of round 17's dataset),
+    # γ 7, 5 layers (a warm-up of its own)
+    old = recipe["round17"]
+    assert (old.loss.gamma, old.drafter.num_layers) == (7, 5)
+    assert old.data.self_written.categories == () and old.data.self_written.max_tokens == 128
+    # the steered prompts: the base's prompts and budget, written under MT-Bench's eight
+    # categories
+    steered = recipe["ref"].data
     assert set(steered.self_written.categories) == {
         "writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
-    assert (steered.max_prompts, steered.max_new_tokens) == (recipe["ref"].data.max_prompts,
-                                                             recipe["ref"].data.max_new_tokens)
-    assert recipe["steered"].fingerprint("warmup") == recipe["ref"].fingerprint("warmup")
+    assert (old.data.max_prompts, old.data.max_new_tokens) == (steered.max_prompts,
+                                                               steered.max_new_tokens)
     # round 16: the base trains 6 epochs (the epochs6 arm's); prompts15x pins round 15's 3
     assert recipe["epochs6"].fingerprint("train") == recipe["ref"].fingerprint("train")
     assert recipe["prompts15x"].fingerprint("train") != recipe["ref"].fingerprint("train")
@@ -203,10 +198,10 @@ def test_repo_sweeps_validate():
     assert recipe["epochs10"].fingerprint("warmup") == recipe["ref"].fingerprint("warmup")
     assert recipe["prompts1x"].data.max_prompts == 20600 and recipe["ref"].data.max_prompts == 30600
     assert recipe["prompts15x-2ep"].fingerprint("warmup") == recipe["ref"].fingerprint("warmup")
-    own = ("depth3", "depth8", "block8", "block8-anchors2x", "anchors1344", "uncapped", "kd",
+    own = ("depth3", "round17", "block8", "block8-anchors2x", "anchors1344", "uncapped", "kd",
            "ce-kd")
     # the feature cache's place is no compiled shape: block 8 on the GPU's cache is block 8's
-    shares = {"block8-device-cache": "block8", "steered-gamma4-depth8": "depth8"}
+    shares = {"block8-device-cache": "block8"}
     assert len({s.fingerprint("warmup") for k, s in recipe.items()
                 if k not in own and k not in shares}) == 1
     assert len({s.fingerprint("warmup") for s in recipe.values()}) == 1 + len(own)
