@@ -4,6 +4,8 @@ import logging
 import re
 import shlex
 import sys
+import threading
+import time
 from pathlib import Path
 
 # The one sys.path edit, on purpose (docs/design.md "Where things live"): this workflow imports
@@ -155,6 +157,28 @@ for _device in CUDA_DEVICES:
 # each device's memory: config gpu_memory_gb, else nvidia-smi (none: every stage holds it whole)
 DEVICE_BYTES = resources.device_memory(CUDA_DEVICES, GPU_MEMORY_GB)
 _STAGE_BYTES = {}
+_ESTIMATOR = {"fn": None, "import_s": 0.0}
+
+
+def _import_estimator():
+    t0 = time.perf_counter()
+    try:
+        from dflash.train.budget import stage_memory
+
+        _ESTIMATOR["fn"] = stage_memory
+    except Exception:  # no estimate (say the target's package is not in this interpreter):
+        pass  # the safe rule, every stage holds its GPU whole
+    _ESTIMATOR["import_s"] = time.perf_counter() - t0
+
+
+# The estimator imports torch and transformers into Snakemake's own process, which schedules
+# nothing meanwhile: rounds 18 and 19 on an H200 waited 45 s and 36 s after the env stage before
+# the warm-up and data stage started (round 17's DAG, before the sharing, none). The import starts
+# here, in a thread, so the DAG's first jobs (env) run while it loads; device_share waits for it
+# and logs what each estimate cost.
+_ESTIMATOR_IMPORT = threading.Thread(target=_import_estimator, daemon=True)
+if any(DEVICE_BYTES.values()):
+    _ESTIMATOR_IMPORT.start()
 
 
 def device_share(spec, stage, device):
@@ -164,12 +188,16 @@ def device_share(spec, stage, device):
     estimate = None
     if stage in resources.HALF_STAGES and DEVICE_BYTES.get(device):
         if spec not in _STAGE_BYTES:
+            waited = time.perf_counter()
+            _ESTIMATOR_IMPORT.join()
+            t0 = time.perf_counter()
             try:
-                from dflash.train.budget import stage_memory
-
-                _STAGE_BYTES[spec] = stage_memory(SPECS[spec])
-            except Exception:  # no estimate (say the target's package is not in this interpreter):
-                _STAGE_BYTES[spec] = None  # the safe rule, every stage holds its GPU whole
+                _STAGE_BYTES[spec] = _ESTIMATOR["fn"](SPECS[spec])
+            except Exception:  # no estimator or no estimate: the safe rule, the GPU whole
+                _STAGE_BYTES[spec] = None
+            print(f"[resources] {spec}: memory estimate in {time.perf_counter() - t0:.1f} s, "
+                  f"{t0 - waited:.1f} s waited for the estimator's import "
+                  f"({_ESTIMATOR['import_s']:.1f} s in all)", file=sys.stderr)
         if _STAGE_BYTES[spec] is not None:
             estimate = _STAGE_BYTES[spec][stage].get(device, 0)
     return resources.units(stage, estimate, DEVICE_BYTES.get(device))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import ablation_table
+from bench import ablation_ref, ablation_table
 from bench.figures_from_log import as_report
 from dflash.errors import DFlashError
 
@@ -225,7 +225,6 @@ def test_a_lent_base_run_needs_data_arms_and_a_reproduced_dataset(at, tmp_path, 
     assert [r["arm"] for r in at.arm_rows(tmp_path, ["smollm2-recipe"])] == ["steered", "ref"]
     # a base dataset no other committed run made: the lent ref's data is not shown to be the one
     # this folder's ref would have trained on
-    from bench import ablation_ref
     monkeypatch.setattr(ablation_ref, "_reproduced", lambda sha, report: False)
     with pytest.raises(DFlashError, match="ref.json: the lent ref trained on dataset fe0fc3c35671, "
                                           "no arm here did and no other committed run made it"):
