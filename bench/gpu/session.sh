@@ -13,13 +13,15 @@
 # what comes back is one archive, results.tgz (at most 8 files come back): commit each as it
 # comes; once the round's last is extracted as lease/ and committed, the archives leave the
 # tree (the history keeps them; bench/gpu/pack_wheels.sh says why).
-# Round 19 (issue #35): the plan alone (no probe call; round 18 answered the shapes A/B and the
-# head chunks), most needed first: the candidate default (prompts steered toward MT-Bench's
-# categories, γ 4, 8 layers) through its bench, with the base's warm-up beside its data stage;
-# the steered prompts alone (the data part of the candidate's gain: same data stage, the base's
-# warm-up); the loss-step probe's gradient check (27a10cb) at today's head chunk.
-# (Round 18 ran the shapes A/B, the candidate's training to step 11,002 and the head chunks:
-# bench/results/h200/round18-2026-12-05/README.md.)
+# Round 20 (issue #35): the plan alone, most needed first: the whole DAG of smollm2-quality at
+# its new default (round 19's candidate: steered prompts, γ 4, 8 layers; ~1,190 s by round 19's
+# stage times and round 17's bench: the 20-minute budget, the reference protocol, the decoding
+# sweep with its widths, and the `[resources]` lines that time the memory estimates Snakemake
+# makes before the warm-up and data stage); then what a warm compile cache saves the decoding
+# sweep (the lever for the bench's cost: its decoders compiled beside the data stage); then the
+# code spec at the new recipe, if a longer hold leaves it the time.
+# (Round 19 ran the candidate through its bench, the steered prompts alone and the loss-step
+# check: bench/results/h200/round19-2026-12-05/README.md.)
 # (Round 17 ran the 6-epoch default's whole DAG and the attention probe; its arms did not fit:
 # bench/results/h200/round17-2026-12-04/README.md.)
 # (Round 16 ran the 3-epoch default's whole DAG and the epochs6 arm, whose bench was cut:
@@ -33,8 +35,9 @@
 #   (or call 1: `probes`, which also installs the small wheels and runs PROBE alone, at most
 #   PROBE_S seconds: round 18's `shapes_ab`, ~200-330 s; PLAN_S less by as much. Round 18's
 #   hold: 1,568 s = probes 256 + plan 1,057 + ~255 for its five calls' transfers and the
-#   install; so with 30 device-minutes and 4 calls of wheels, no probe: PLAN_S=1450, less by a
-#   failed start's ~91 s)
+#   install; round 19's: 1,653 s = the machine's start ~88 + 3 stashes ~7 each + install ~27
+#   + plan 1,327 + the decode runs after it 162; so with 30 device-minutes and 4 calls of
+#   wheels, no probe: PLAN_S=1560, less by a failed start's ~91 s)
 #   last:    bash bench/gpu/session.sh launch     (carry the last .whlN; watches WATCH_S)
 #   then:    bash bench/gpu/session.sh watch      (WATCH_S seconds at most)
 set -uo pipefail
@@ -101,22 +104,17 @@ data_and_warmups() {  # the Snakemake targets $@ (data stages, warm-ups) at once
 
 plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the hold cuts is last)
   begin "start"
-  # 1. #35's τ 3.0: the candidate default through its bench (steered data ~315 s: 60 chunks at
-  #    round 18's 4.6 s alone; train ~475 s: 11,298 steps, round 18's pace; bench ~75 s;
-  #    Snakemake and env ~30 s), the base's warm-up beside its data stage for step 2 (each half
-  #    the GPU: the warm-ups one after the other, 93 s each, inside the data's ~315 s). Its data
-  #    stage alone: round 18's two at once took 9.6 s a chunk each, no faster than one after the
-  #    other. τ reproduces across machines (round 16's epochs6 arm and round 17's DAG within
-  #    0.013), so it answers against round 17's 2.581 alone; MT-Bench's τ comes first
-  #    (--prioritize: the candidate's data and warm-up first, the base's warm-up in the room left)
-  local c=smollm2-recipe-steered-gamma4-depth8
-  when 800 1050 bench_run $c steered-gamma4-depth8 1050 warmup_smollm2-quality --prioritize bench_$c
-  # 2. the steered prompts alone (step 1's data, the base's warm-up): the data part of step 1's
-  #    gain. Train ~400 s + bench ~75 s
-  when 470 560 arm steered 560
-  # 3. bench.gpu.loss_step's gradient check with its baseline uncaptured (27a10cb; round 18
-  #    read 1.84 from the harness fault), today's head chunk only (~100 s)
-  HEAD_CHUNKS=2048 when 90 130 head_chunks
+  # 1. #35's 20-minute DAG at the new default, alone on the GPU: env → warm-up beside data →
+  #    train → bench (τ on four sets, the reference protocol, the decoding sweep). Round 19's
+  #    stamps: env 10 s, 36 s waiting, data 267 s, train 464 s; round 17's bench 411 s
+  when 1100 1320 bench_run smollm2-quality quality 1320
+  # 2. the bench's decoders from a warm compile cache: bench.gpu.decode_speed twice on random
+  #    SmolLM2-shaped models (8 layers, batch 16, the sweep's widths), one inductor/Triton cache
+  #    (round 18's CPU box: 121.6 s cold, 12.7 s warm); ~100 s
+  when 90 170 warm_cache
+  # 3. the in-domain code drafter at the new recipe (HumanEval ≥ 3.5): data ~260 s, train
+  #    ~450 s, bench ~110 s (HumanEval first)
+  when 820 900 bench_run smollm2-code code 900
   stamp "done"
 }
 
@@ -138,6 +136,17 @@ shapes_ab() {  # bench.gpu.decode_speed with static, then dynamic shapes: random
     "$RES/decode_shapes_dynamic.json" --out "$RES/decode_shapes_verdict.json" \
     > "$RES/decode_shapes_verdict.log" 2>&1
   stamp "decode_shapes verdict rc=$?: $(tail -n 1 "$RES/decode_shapes_verdict.log")"
+}
+
+warm_cache() {  # the decoding sweep's decoders compiled cold, then again from the same caches
+  for run in cold warm; do
+    TORCHINDUCTOR_CACHE_DIR=/tmp/ind-sweep TRITON_CACHE_DIR=/tmp/tri-sweep \
+    timeout -k 20 $(left 80) python3 -W ignore -m bench.gpu.decode_speed --random \
+      --drafter-layers 8 --batches 16 --adaptive-widths 4,8 --hf-batches "" --no-simulated \
+      --no-kernel-profile \
+      --budget-s 70 --out "$RES/decode_cache_$run.json" > "$RES/decode_cache_$run.log" 2>&1
+    stamp "decode cache $run rc=$?: $(grep -h '^compiled:' "$RES/decode_cache_$run.log")"
+  done
 }
 
 head_chunks() {  # #34: the captured drafter step (bench.gpu.loss_step's graph arm, SmolLM2's
