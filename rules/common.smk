@@ -171,11 +171,12 @@ def _import_estimator():
     _ESTIMATOR["import_s"] = time.perf_counter() - t0
 
 
-# The estimator imports torch and transformers into Snakemake's own process, which schedules
-# nothing meanwhile: rounds 18 and 19 on an H200 waited 45 s and 36 s after the env stage before
-# the warm-up and data stage started (round 17's DAG, before the sharing, none). The import starts
-# here, in a thread, so the DAG's first jobs (env) run while it loads; device_share waits for it
-# and logs what each estimate cost.
+# Rounds 18 and 19 on an H200 waited 45 s and 36 s after the env stage before the warm-up and
+# data stage started (round 17's DAG, before the sharing, none). The one new work at that point
+# is the estimator: it imports torch and transformers into Snakemake's own process, which
+# schedules nothing meanwhile. The import starts here, in a thread, so the DAG's first job (env)
+# runs while it loads; device_share waits for it and logs what each estimate cost (the next
+# lease says whether that was the wait).
 _ESTIMATOR_IMPORT = threading.Thread(target=_import_estimator, daemon=True)
 if any(DEVICE_BYTES.values()):
     _ESTIMATOR_IMPORT.start()
