@@ -1,5 +1,6 @@
 """The bench stage's τ on the real SmolLM2 target: eval sets, the report, one-line failures."""
 import json
+import re
 from pathlib import Path
 
 import pyarrow as pa
@@ -236,7 +237,12 @@ def test_tau_monitor_equals_simulated_tau_of_the_replica(tmp_path):
     spec = load_spec(path)
     cfg = DFlashConfig.of_spec(spec)
     rep = make_replicas(spec, cfg, initial_state(cfg, 0), 10)[0]
-    mon = TauMonitor(spec, tmp_path, "cpu", log=lambda _: None)
+    lines = []
+    mon = TauMonitor(spec, tmp_path, "cpu", log=lines.append)
+    # the set-up's line says where its seconds went; the parts add up to the whole
+    parts = [float(x) for x in re.findall(r"(\d+\.\d)s", lines[0])]
+    assert lines[0].startswith("[train] τ monitor: 3 held-out prompts") and len(parts) == 4
+    assert abs(sum(parts[1:]) - parts[0]) <= 0.15
     got = mon(rep)
     tgt = load_target(spec.target, "cpu", seed=spec.seed)
     prompts, _ = heldout_prompts(spec, tmp_path, tgt.tokenizer, 3)
