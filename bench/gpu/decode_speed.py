@@ -72,11 +72,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def random_models(device: str, drafter_layers: int, block: int, target_layers: int = 30,
-                  dtype=torch.bfloat16):
-    """SmolLM2-135M's architecture with random weights (bf16), and a random drafter
-    (``target_layers`` < 30: a shallower stack of the same layers, for a CPU smoke run)."""
+                  dtype=torch.bfloat16, seed: int = 0):
+    """SmolLM2-135M's architecture with random weights (bf16; ``seed`` draws them), and a random
+    drafter (``target_layers`` < 30: a shallower stack of the same layers, for a CPU smoke run)."""
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     tc = LlamaConfig(hidden_size=576, num_hidden_layers=target_layers, num_attention_heads=9,
                      num_key_value_heads=3, intermediate_size=1536, vocab_size=49152,
                      tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=100000.0,
@@ -130,6 +130,10 @@ def parse(argv):
     ap.add_argument("--max-new", type=int, default=256)
     ap.add_argument("--drafter-layers", type=int, default=1, help="--random: drafter layers")
     ap.add_argument("--block", type=int, default=16, help="--random: block size")
+    ap.add_argument("--weights-seed", type=int, default=0,
+                    help="--random: the seed of the weights (the prompts keep theirs): a second "
+                         "run with another seed and the same compile caches times what a warm "
+                         "cache saves a trained drafter's decoders")
     ap.add_argument("--sync-every", type=int, default=None)
     ap.add_argument("--verify-tokens", type=int, default=None,
                     help="tokens per verify (anchor + drafts; default the drafter's block)")
@@ -376,7 +380,7 @@ def main(argv=None) -> int:
     if a.random:
         target, drafter, a.eos, a.pad = random_models(
             dev, a.drafter_layers, a.block, a.target_layers,
-            torch.float32 if a.smoke and dev == "cpu" else torch.bfloat16)
+            torch.float32 if a.smoke and dev == "cpu" else torch.bfloat16, a.weights_seed)
         prompts = random_prompts(max(a.prompts, 64))
     else:
         target, drafter, a.eos, a.pad, prompts = real_models(a.spec, a.drafter, dev, a.prompts)

@@ -139,13 +139,16 @@ shapes_ab() {  # bench.gpu.decode_speed with static, then dynamic shapes: random
 }
 
 warm_cache() {  # the decoding sweep's decoders compiled cold, then again from the same caches
+  # with other weights (as a trained drafter's would be: its weights are not the warm-up's)
+  local seed=0
   for run in cold warm; do
     TORCHINDUCTOR_CACHE_DIR=/tmp/ind-sweep TRITON_CACHE_DIR=/tmp/tri-sweep \
-    timeout -k 20 $(left 80) python3 -W ignore -m bench.gpu.decode_speed --random \
+    timeout -k 20 $(left 80) python3 -W ignore -m bench.gpu.decode_speed --random --weights-seed $seed \
       --drafter-layers 8 --batches 16 --adaptive-widths 4,8 --hf-batches "" --no-simulated \
       --no-kernel-profile \
       --budget-s 70 --out "$RES/decode_cache_$run.json" > "$RES/decode_cache_$run.log" 2>&1
     stamp "decode cache $run rc=$?: $(grep -h '^compiled:' "$RES/decode_cache_$run.log")"
+    seed=1
   done
 }
 
