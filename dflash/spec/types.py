@@ -113,6 +113,7 @@ class OptimSpec:
     grad_clip: float
     weight_decay: float
     beta2: float
+    min_lr_ratio: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -304,7 +305,8 @@ def stage_fields(spec: Spec) -> dict[str, dict[str, Any]]:
         # features, when a cache is on: a cached epoch >= 1 row holds its samples' epoch-0
         # features (float8 storage rounds them), so the weights depend on it; off leaves the
         # fingerprint as it was before the field existed
-        "train": {"loss": spec.loss, "optim": spec.optim, "checkpoint": spec.checkpoint,
+        "train": {"loss": spec.loss, "optim": _optim_identity(spec.optim),
+                  "checkpoint": spec.checkpoint,
                   "topology": spec.topology, "monitor": _monitor_identity(spec.monitor),
                   "seed": spec.seed,
                   **({"features": spec.features} if cache_mode(spec) != "off" else {}),
@@ -325,6 +327,15 @@ def _compile_identity(c: CompileSpec) -> dict:
         del plain["cuda_graph_step"]
     if c.head_chunk == 2048:  # the default: as it was before the field existed
         del plain["head_chunk"]
+    return plain
+
+
+def _optim_identity(o: OptimSpec) -> dict:
+    """The optim section as the train fingerprint sees it: ``min_lr_ratio`` 0 (the cosine to 0)
+    leaves it as it was before the field existed."""
+    plain = _plain(o)
+    if not o.min_lr_ratio:
+        del plain["min_lr_ratio"]
     return plain
 
 

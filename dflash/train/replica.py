@@ -37,15 +37,16 @@ class StepResult:
     counts: list[int] | None = None
 
 
-def lr_lambda(total_steps: int, warmup_ratio: float):
-    """Linear warmup then cosine decay to 0 (the paper's recipe)."""
+def lr_lambda(total_steps: int, warmup_ratio: float, min_ratio: float = 0.0):
+    """Linear warmup then cosine decay to ``min_ratio`` of the peak (0: to 0, the paper's
+    recipe)."""
     warm = max(1, int(round(total_steps * warmup_ratio)))
 
     def f(step: int) -> float:
         if step < warm:
             return (step + 1) / warm
         progress = (step - warm) / max(1, total_steps - warm)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
     return f
 
@@ -64,7 +65,8 @@ def make_optimizer(params: list, optim: OptimSpec, device: str, total_steps: int
           else dict(foreach=not fused, fused=fused or None))
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, o.beta2), weight_decay=o.weight_decay,
                             **kw)
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total_steps, o.warmup_ratio))
+    return opt, torch.optim.lr_scheduler.LambdaLR(
+        opt, lr_lambda(total_steps, o.warmup_ratio, o.min_lr_ratio))
 
 
 class DrafterReplica:
