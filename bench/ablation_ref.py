@@ -63,11 +63,11 @@ def lent_ref(folder: Path, rows: list[dict]) -> dict | None:
     sweep = sweeps.pop()
     data, lent = _data_manifest(report, path)
     arms = [r for r in rows if r["sweep"] == sweep]
+    data_arms = all(_data_arm(sweep, r["arm"]) for r in arms)
     if not any(r["data_sha256"] == lent for r in arms) and not (
-            all(_data_arm(sweep, r["arm"]) for r in arms) and _reproduced(lent, report)):
+            data_arms and _reproduced(lent, report)):
         raise DFlashError(f"{path}: the lent ref trained on dataset {lent[:12]}, no arm here did"
-                          + (" and no other committed run made it" if all(
-                              _data_arm(sweep, r["arm"]) for r in arms) else ""))
+                          + (" and no other committed run made it" if data_arms else ""))
     steps = rep["step_time"]
     acc = rep["acceptance"]
     return {

@@ -4,8 +4,8 @@ import logging
 import re
 import shlex
 import sys
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 # The one sys.path edit, on purpose (docs/design.md "Where things live"): this workflow imports
@@ -157,18 +157,16 @@ for _device in CUDA_DEVICES:
 # each device's memory: config gpu_memory_gb, else nvidia-smi (none: every stage holds it whole)
 DEVICE_BYTES = resources.device_memory(CUDA_DEVICES, GPU_MEMORY_GB)
 _STAGE_BYTES = {}
-_ESTIMATOR = {"fn": None, "import_s": 0.0}
 
 
 def _import_estimator():
+    """(dflash.train.budget.stage_memory or None where it cannot be imported, seconds taken)."""
     t0 = time.perf_counter()
     try:
         from dflash.train.budget import stage_memory
-
-        _ESTIMATOR["fn"] = stage_memory
     except Exception:  # no estimate (say the target's package is not in this interpreter):
-        pass  # the safe rule, every stage holds its GPU whole
-    _ESTIMATOR["import_s"] = time.perf_counter() - t0
+        stage_memory = None  # the safe rule, every stage holds its GPU whole
+    return stage_memory, time.perf_counter() - t0
 
 
 # Rounds 18 and 19 on an H200 waited 45 s and 36 s after the env stage before the warm-up and
@@ -177,9 +175,8 @@ def _import_estimator():
 # schedules nothing meanwhile. The import starts here, in a thread, so the DAG's first job (env)
 # runs while it loads; device_share waits for it and logs what each estimate cost (the next
 # lease says whether that was the wait).
-_ESTIMATOR_IMPORT = threading.Thread(target=_import_estimator, daemon=True)
-if any(DEVICE_BYTES.values()):
-    _ESTIMATOR_IMPORT.start()
+_ESTIMATOR = (ThreadPoolExecutor(1, "estimator-import").submit(_import_estimator)
+              if any(DEVICE_BYTES.values()) else None)
 
 
 def device_share(spec, stage, device):
@@ -190,15 +187,15 @@ def device_share(spec, stage, device):
     if stage in resources.HALF_STAGES and DEVICE_BYTES.get(device):
         if spec not in _STAGE_BYTES:
             waited = time.perf_counter()
-            _ESTIMATOR_IMPORT.join()
+            stage_memory, import_s = _ESTIMATOR.result()
             t0 = time.perf_counter()
             try:
-                _STAGE_BYTES[spec] = _ESTIMATOR["fn"](SPECS[spec])
+                _STAGE_BYTES[spec] = stage_memory(SPECS[spec])
             except Exception:  # no estimator or no estimate: the safe rule, the GPU whole
                 _STAGE_BYTES[spec] = None
             print(f"[resources] {spec}: memory estimate in {time.perf_counter() - t0:.1f} s, "
                   f"{t0 - waited:.1f} s waited for the estimator's import "
-                  f"({_ESTIMATOR['import_s']:.1f} s in all)", file=sys.stderr)
+                  f"({import_s:.1f} s in all)", file=sys.stderr)
         if _STAGE_BYTES[spec] is not None:
             estimate = _STAGE_BYTES[spec][stage].get(device, 0)
     return resources.units(stage, estimate, DEVICE_BYTES.get(device))

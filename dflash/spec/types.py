@@ -305,7 +305,8 @@ def stage_fields(spec: Spec) -> dict[str, dict[str, Any]]:
         # features, when a cache is on: a cached epoch >= 1 row holds its samples' epoch-0
         # features (float8 storage rounds them), so the weights depend on it; off leaves the
         # fingerprint as it was before the field existed
-        "train": {"loss": spec.loss, "optim": _optim_identity(spec.optim),
+        # optim.min_lr_ratio 0 (the cosine to 0) as before the field existed
+        "train": {"loss": spec.loss, "optim": _as_before(spec.optim, min_lr_ratio=0.0),
                   "checkpoint": spec.checkpoint,
                   "topology": spec.topology, "monitor": _monitor_identity(spec.monitor),
                   "seed": spec.seed,
@@ -318,25 +319,22 @@ def stage_fields(spec: Spec) -> dict[str, dict[str, Any]]:
     }
 
 
+def _as_before(section, **before) -> dict:
+    """``section`` as its fingerprint sees it: each field named in ``before`` (added after the
+    section's first runs) left out where it holds the value, or one of the values (a tuple),
+    that runs the section as it was before the field existed."""
+    plain = _plain(section)
+    for name, values in before.items():
+        if getattr(section, name) in (values if isinstance(values, tuple) else (values,)):
+            del plain[name]
+    return plain
+
+
 def _compile_identity(c: CompileSpec) -> dict:
     """The compile section as its fingerprint sees it: ``cuda_graph_step`` off leaves it as it
     was before the field existed (the default, auto, captures on CUDA: a new warm-up), and so
     does ``head_chunk`` at its default (2048)."""
-    plain = _plain(c)
-    if c.cuda_graph_step in ("off", False):
-        del plain["cuda_graph_step"]
-    if c.head_chunk == 2048:  # the default: as it was before the field existed
-        del plain["head_chunk"]
-    return plain
-
-
-def _optim_identity(o: OptimSpec) -> dict:
-    """The optim section as the train fingerprint sees it: ``min_lr_ratio`` 0 (the cosine to 0)
-    leaves it as it was before the field existed."""
-    plain = _plain(o)
-    if not o.min_lr_ratio:
-        del plain["min_lr_ratio"]
-    return plain
+    return _as_before(c, cuda_graph_step=("off", False), head_chunk=2048)
 
 
 def _monitor_identity(m: MonitorSpec) -> dict:
