@@ -1,6 +1,7 @@
-# DFlash drafter training: build pinned env -> warmup compile -> data -> train -> benchmark.
+# DFlash drafter training: build pinned env -> warmup compile -> data -> train -> benchmark,
+# and beside the data stage the bench's decoders compiled ahead (decoders; CUDA specs only).
 # One spec = one experiment (specs/<name>.yaml). Named targets per spec:
-#   env_<spec>, warmup_<spec>, data_<spec>, train_<spec>, bench_<spec>
+#   env_<spec>, warmup_<spec>, data_<spec>, decoders_<spec>, train_<spec>, bench_<spec>
 # `snakemake --cores all` runs the default spec (config/config.yaml) through bench.
 #
 # No conda: or container: directives, on purpose: the env stage is the one environment mechanism.
@@ -28,6 +29,7 @@ include: "rules/share.smk"
 include: "rules/env.smk"
 include: "rules/warmup.smk"
 include: "rules/data.smk"
+include: "rules/decoders.smk"
 include: "rules/train.smk"
 include: "rules/bench.smk"
 

@@ -18,7 +18,7 @@ from .errors import DFlashError
 # library: the bench stage's timed run is dflash.train.trainer), so no stage's code fingerprint
 # (dflash.artifacts.code_fingerprint) includes another stage module. Tools: dflash.<module>.main(argv)
 # takes the rest of the command line.
-STAGES = ("env", "warmup", "data", "train", "bench")
+STAGES = ("env", "warmup", "data", "decoders", "train", "bench")
 TOOLS = {
     "audit": ("env.audit", "pinned vs live environment; non-zero on drift"),
     "check-env": ("env.drift", "this interpreter against results/<spec>/env; exit 1 on drift"),

@@ -24,6 +24,7 @@ from dflash.artifacts.sharing import lock_digest
 from dflash.runtime import resources
 from dflash.spec.load import load_spec
 from dflash.spec.sweeps import load_sweeps, materialise
+from dflash.spec.types import no_decoders_stage
 
 
 def _load_specs():
@@ -95,7 +96,7 @@ def refuse_requested(targets):
             sys.exit(2)
 
 
-STAGE_TARGETS = ("env", "warmup", "data", "train", "bench")
+STAGE_TARGETS = ("env", "warmup", "data", "decoders", "train", "bench")
 # the config (validated by the Snakefile) enters here only
 DEFAULT_SPEC = config["default_spec"]
 RESULTS = config["results"]
@@ -147,10 +148,11 @@ def python_for(wc):
 
 
 # GPUs, from the specs only (dflash/runtime/resources.py says how, locally and on SLURM): a
-# resource of 2 x gpu_jobs units (default 1) per CUDA device any spec names. Train and bench
-# hold a device whole (2), so by default they never share a GPU; a warm-up or data stage whose
-# estimated memory is small beside the device's holds half (1): a small pair's warm-up runs
-# beside its data stage. register_resource overrides `--resources cuda_0=N`: the config decides.
+# resource of 3 x gpu_jobs units (default 1) per CUDA device any spec names. Train and bench
+# hold a device whole (3), so by default they never share a GPU; a warm-up, data or decoders
+# stage whose estimated memory is small beside the device's holds a third (1): a small pair's
+# warm-up and decoders run beside its data stage. register_resource overrides
+# `--resources cuda_0=N`: the config decides.
 CUDA_DEVICES = resources.cuda_devices(SPECS)
 for _device in CUDA_DEVICES:
     workflow.register_resource(resources.resource_name(_device), resources.UNITS * GPU_JOBS)
@@ -184,7 +186,7 @@ def device_share(spec, stage, device):
     The estimate (dflash.train.budget.stage_memory: torch and the target's config) is made
     only for a stage that may share, on a machine whose devices' memory is known, once a spec."""
     estimate = None
-    if stage in resources.HALF_STAGES and DEVICE_BYTES.get(device):
+    if stage in resources.SHARING_STAGES and DEVICE_BYTES.get(device):
         if spec not in _STAGE_BYTES:
             waited = time.perf_counter()
             stage_memory, import_s = _ESTIMATOR.result()
@@ -272,6 +274,15 @@ def default_outputs(wc):
         raise WorkflowError(f"config: default_spec {DEFAULT_SPEC!r} is not a spec in specs/ "
                             f"(have: {', '.join(SPECS) or 'none'})")
     return bench_outputs(DEFAULT_SPEC)
+
+
+def decoders_ahead(wc):
+    """The bench's input from the decoders stage (its decoding sweep compiled ahead, beside the
+    data stage): the manifest where the spec has the stage (dflash.spec.types.no_decoders_stage),
+    else nothing, so a CPU spec's DAG has no such job."""
+    if no_decoders_stage(SPECS[wc.spec]) is not None:
+        return []
+    return [f"{RESULTS}/{wc.spec}/decoders/manifest.json"]
 
 
 def upstream(*stages):

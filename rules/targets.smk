@@ -1,5 +1,5 @@
-# Named targets for every spec file: env_<spec>, warmup_<spec>, data_<spec>, train_<spec>,
-# bench_<spec>. `snakemake --cores all train_expanded` runs env -> warmup (+ data) -> train.
+# Named targets for every spec file: env_<spec>, warmup_<spec>, data_<spec>, decoders_<spec>,
+# train_<spec>, bench_<spec>. `snakemake --cores all train_expanded` runs env -> warmup (+ data) -> train.
 for _name in SPECS:
 
     rule:
@@ -22,6 +22,12 @@ for _name in SPECS:
 
     rule:
         name:
+            f"decoders_{_name}"
+        input:
+            f"{RESULTS}/{_name}/decoders/manifest.json",
+
+    rule:
+        name:
             f"train_{_name}"
         input:
             f"{RESULTS}/{_name}/train/manifest.json",
@@ -38,7 +44,7 @@ for _name in SPECS:
 # results/<spec>/) on the command line, the refusal is one line before the DAG is built; reached
 # otherwise (e.g. the default target), the rule's input function refuses it.
 for _name in BAD_SPECS:
-    for _stage in ("env", "warmup", "data", "train", "bench"):
+    for _stage in STAGE_TARGETS:
 
         rule:
             name:

@@ -1,22 +1,24 @@
-"""Sharing a GPU between the warm-up and the data stage (dflash/runtime/resources.py): the rule,
-the device memory it reads, the estimates it compares, and what the DAG's jobs then hold."""
+"""Sharing a GPU between the warm-up, the data stage and the decoders stage
+(dflash/runtime/resources.py): the rule, the device memory it reads, the estimates it compares,
+and what the DAG's jobs then hold."""
 import torch
 
 from dflash.decode.engine import Engine
 from dflash.decode.static import round_up
 from dflash.models.target import load_target
 from dflash.runtime import resources
-from dflash.runtime.harness import REPO, copy_workflow, snakemake
+from dflash.runtime.harness import REPO, copy_workflow, snakemake, units_held
 from dflash.spec.load import load_spec
 from dflash.train.budget import budget, kv_cache_bytes, render, stage_memory
 
 GB = 10**9
 
 
-def test_only_a_small_warmup_or_data_stage_holds_half_a_device():
+def test_only_a_small_warmup_data_or_decoders_stage_holds_a_third_of_a_device():
     h200 = 141 * GB
     assert resources.units("warmup", 13 * GB, h200) == 1
     assert resources.units("data", int(0.3 * h200), h200) == 1
+    assert resources.units("decoders", int(0.3 * h200), h200) == 1
     assert resources.units("data", int(0.3 * h200) + 1, h200) == resources.UNITS
     for measured in ("train", "bench", "env"):  # measurements (and env) always hold it whole
         assert resources.units(measured, 1, h200) == resources.UNITS
@@ -73,29 +75,22 @@ def test_the_dag_shares_a_gpu_only_between_small_warmup_and_data_stages(tmp_path
     def held(target, *config):
         r = snakemake(wf, "-n", target, "--config", *config)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-        out, rule, got = r.stdout + r.stderr, None, {}
-        for line in out.splitlines():
-            line = line.strip()
-            if line.startswith("rule ") and line.endswith(":"):
-                rule = line[5:-1]
-            elif line.startswith("resources:") and "cuda_0=" in line:
-                got[rule] = int(line.split("cuda_0=")[1].split(",")[0])
-        return got
+        return {k: v for k, v in units_held(r.stdout + r.stderr).items() if v is not None}
 
     assert held("train_smollm2-quality", "gpu_memory_gb=141") == {
-        "env": 2, "warmup": 1, "data": 1, "train": 2}
+        "env": 3, "warmup": 1, "data": 1, "train": 3}
     assert held("train_qwen3-8b-1gpu", "gpu_memory_gb=80") == {   # both alone (above)
-        "env": 2, "warmup": 2, "data": 2, "train": 2}
-    assert set(held("train_smollm2-quality", "gpu_memory_gb=0").values()) == {2}
+        "env": 3, "warmup": 3, "data": 3, "train": 3}
+    assert set(held("train_smollm2-quality", "gpu_memory_gb=0").values()) == {3}
 
 
 def test_validate_says_on_which_gpu_the_warmup_runs_beside_the_data_stage():
     spec = load_spec(REPO / "specs" / "smollm2-quality.yaml")
     m = stage_memory(spec)
-    need = max(m["warmup"]["cuda:0"], m["data"]["cuda:0"]) / resources.HALF_AT_MOST
+    need = max(m["warmup"]["cuda:0"], m["data"]["cuda:0"]) / resources.SHARE_AT_MOST
     lines = [x for x in render(budget(spec)) if "data stage" in x]
     assert lines == [f"  memory cuda:0, data stage: {m['data']['cuda:0'] / 1e9:.2f} GB (the "
                      f"generation engine; beside the warm-up on a GPU of >= {need / 1e9:.2f} GB)"]
-    # the smallest such GPU is where both hold half of it
+    # the smallest such GPU is where each holds a third of it
     assert resources.units("data", m["data"]["cuda:0"], need * 1.001) == 1
     assert resources.units("data", m["data"]["cuda:0"], need * 0.99) == resources.UNITS

@@ -188,8 +188,8 @@ def test_status_works_during_every_stage(tmp_path, capsys):
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[1].split() == ["env", "done", "in", "1m15s"]
-    assert lines[3].startswith("  data    running (log") and "40/96 samples" in lines[3]
-    assert lines[4].split() == ["train", "not", "started"]
+    assert lines[3].startswith("  data     running (log") and "40/96 samples" in lines[3]
+    assert lines[4].split() == ["train", "not", "started"]  # no decoders line: not started
     (res / "train").mkdir()
     (res / "train" / "status.json").write_text(json.dumps({
         "phase": "training", "step": 10, "total_steps": 40, "elapsed_s": 30.0, "eta_s": 90.0,

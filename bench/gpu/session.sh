@@ -17,9 +17,11 @@
 # its new default (round 19's candidate: steered prompts, γ 4, 8 layers; ~1,190 s by round 19's
 # stage times and round 17's bench: the 20-minute budget, the reference protocol, the decoding
 # sweep with its widths, and the `[resources]` lines that time the memory estimates Snakemake
-# makes before the warm-up and data stage); then what a warm compile cache saves the decoding
-# sweep (the lever for the bench's cost: its decoders compiled beside the data stage); then the
-# code spec at the new recipe, if a longer hold leaves it the time.
+# makes before the warm-up and data stage; and, new since round 19, the decoders stage: the
+# bench's decoding sweep compiled ahead beside the data stage, so the bench loads its kernels:
+# the DAG's bench_seconds and the decoders manifest say what that saved); then what a warm
+# compile cache saves the same sweep on one machine, cold against warm (the A/B of that lever);
+# then the code spec at the new recipe, if a longer hold leaves it the time.
 # (Round 19 ran the candidate through its bench, the steered prompts alone and the loss-step
 # check: bench/results/h200/round19-2026-12-05/README.md.)
 # (Round 17 ran the 6-epoch default's whole DAG and the attention probe; its arms did not fit:
@@ -104,9 +106,10 @@ data_and_warmups() {  # the Snakemake targets $@ (data stages, warm-ups) at once
 
 plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the hold cuts is last)
   begin "start"
-  # 1. #35's 20-minute DAG at the new default, alone on the GPU: env → warm-up beside data →
-  #    train → bench (τ on four sets, the reference protocol, the decoding sweep). Round 19's
-  #    stamps: env 10 s, 36 s waiting, data 267 s, train 464 s; round 17's bench 411 s
+  # 1. #35's 20-minute DAG at the new default, alone on the GPU: env → warm-up and decoders
+  #    beside data → train → bench (τ on four sets, the reference protocol, the decoding sweep
+  #    from the decoders' cache). Round 19's stamps: env 10 s, 36 s waiting, data 267 s, train
+  #    464 s; round 17's bench 411 s (its sweep 274 s, nine tenths compiling)
   when 1100 1320 bench_run smollm2-quality quality 1320
   # 2. the bench's decoders from a warm compile cache: bench.gpu.decode_speed twice on random
   #    SmolLM2-shaped models (8 layers, batch 16, the sweep's widths), one inductor/Triton cache

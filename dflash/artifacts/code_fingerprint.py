@@ -39,7 +39,7 @@ NOT_RERUN_TRIGGERS: dict[str, dict[str, str]] = {
     "data": {"dflash.train.budget": "the disk budget check (model shapes, FLOPs) refuses a run "
                                     "before generation; it does not change the dataset",
              **_SHARERS},
-    **{stage: dict(_SHARERS) for stage in ("env", "warmup", "train", "bench")},
+    **{stage: dict(_SHARERS) for stage in ("env", "warmup", "decoders", "train", "bench")},
 }
 
 

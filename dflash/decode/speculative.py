@@ -130,8 +130,8 @@ class Decoder(StepGlue):
         # (anchor + K-1 drafts): with τ ≈ 2 drafts past the 8th are rarely accepted, and a
         # narrower verify costs less (vLLM's num_speculative_tokens); still lossless
         self.Kd = self.K
-        if verify_tokens is not None and self.K > 1:
-            self.K = max(2, min(int(verify_tokens), self.Kd))
+        if self.K > 1:
+            self.K = verify_width(self.Kd, verify_tokens)
         self.N, self.max_new = int(batch), int(max_new_tokens)
         self.S = round_up(max(int(max_len), self.max_new + 1) + self.Kd, 16)
         self.eos = torch.tensor(sorted({int(e) for e in eos_ids}), device=self.device)
@@ -435,4 +435,10 @@ class Decoder(StepGlue):
             self.gen, self.steps, self.out, self.margin, self.acc_log, self.len_log)))
 
 
-__all__ = ["Decoder"]
+def verify_width(block: int, verify_tokens: int | None = None) -> int:
+    """Tokens one verify checks (anchor + drafts): ``verify_tokens`` clipped to [2, block], or
+    the drafter's whole block."""
+    return block if verify_tokens is None else max(2, min(int(verify_tokens), block))
+
+
+__all__ = ["Decoder", "verify_width"]

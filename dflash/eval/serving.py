@@ -38,7 +38,7 @@ from ..runtime.busy import sync
 from ..runtime.gate import get_gate
 from ..decode.adaptive import choose
 from ..decode.decoded import lossless_evidence
-from ..decode.speculative import Decoder
+from ..decode.speculative import Decoder, verify_width
 from .spread import pooled_interval
 
 SWEEP_BATCHES = (1, 4, 16, 64)
@@ -81,6 +81,29 @@ def verify_widths(widths: Sequence[int], block: int) -> list[int]:
     return sorted({min(int(w), int(block)) for w in widths})
 
 
+def decoder_plan(drafter, prompts: Sequence[Sequence[int]], batch: int, max_new: int,
+                 eos: Sequence[int], embed=None, lm_head=None, widths: Sequence[int] = (),
+                 **kw) -> list[tuple[int, dict]]:
+    """The decoders :func:`pair` builds at one batch size, in its order, as (verify width,
+    :class:`Decoder` keyword arguments): target-only (width 0), the full block (or ``kw``'s
+    ``verify_tokens``), then every other verify width of ``widths`` (:func:`verify_widths`).
+    The one list the timed sweep and the compile ahead (:func:`compile_ahead`) both build from,
+    so their decoders have the same shapes by construction."""
+    max_len = max(len(p) for p in prompts) + max_new
+    common = dict(batch=batch, max_len=max_len, max_new_tokens=max_new, eos_ids=eos, **kw)
+    base = {k: v for k, v in common.items() if k != "verify_tokens"}
+    block = drafter.cfg.block_size
+    first = verify_width(block, kw.get("verify_tokens"))
+    spec = dict(drafter=drafter, embed=embed, lm_head=lm_head, **common)
+    return [(0, {"drafter": None, **base}), (first, spec)] + [
+        (w, {**spec, "verify_tokens": w}) for w in verify_widths(widths, block) if w != first]
+
+
+def decoder_name(width: int) -> str:
+    """A decoder of :func:`decoder_plan` as the sweep's records name it (``wall_s``)."""
+    return "target_only" if width == 0 else f"verify_{width}"
+
+
 def pair(target, drafter, prompts: Sequence[Sequence[int]], batch: int, max_new: int,
          eos: Sequence[int], embed=None, lm_head=None, inspect=None,
          widths: Sequence[int] = (), **kw) -> dict:
@@ -90,34 +113,20 @@ def pair(target, drafter, prompts: Sequence[Sequence[int]], batch: int, max_new:
     target-only itself); the per-prompt results and the lossless evidence (``inspect``:
     :func:`timed_decode`'s); the adaptive choice and what it serves: the chosen engine's timed
     decode (``served``, ``served_results``), over target-only's. ``widths``: verify widths
-    timed beside the full block (:func:`verify_widths`), each its own decoder, one at a time:
-    the choice picks among all of them, ``widths`` records each one's figures."""
-    max_len = max(len(p) for p in prompts) + max_new
-    common = dict(batch=batch, max_len=max_len, max_new_tokens=max_new, eos_ids=eos, **kw)
-    t = time.perf_counter()
-    base = Decoder(target, None, **{k: v for k, v in common.items() if k != "verify_tokens"})
-    rb, tb = timed_decode(base, prompts, inspect, warm=1)
-    stats_base = dict(base.stats)
-    del base
-    cost = {"target_only": time.perf_counter() - t}
-    runs = {}  # verify width -> (results, timed seconds, stats)
-
-    def speculative(**extra) -> int:
+    timed beside the full block (:func:`verify_widths`), each its own decoder, one at a time
+    (:func:`decoder_plan`): the choice picks among all of them, ``widths`` records each one's
+    figures."""
+    cost, runs = {}, {}  # runs: verify width (0: target-only) -> (results, timed s, stats)
+    plan = decoder_plan(drafter, prompts, batch, max_new, eos, embed, lm_head, widths, **kw)
+    for w, kwargs in plan:
         t = time.perf_counter()
-        spec = Decoder(target, drafter, embed=embed, lm_head=lm_head, **{**common, **extra})
-        res, sec = timed_decode(spec, prompts, inspect, warm=1)
-        runs[spec.K] = (res, sec, dict(spec.stats))
-        cost[f"verify_{spec.K}"] = time.perf_counter() - t
-        block = spec.Kd
-        del spec
+        dec = Decoder(target, **kwargs)
+        runs[w] = (*timed_decode(dec, prompts, inspect, warm=1), dict(dec.stats))
+        del dec  # one decoder's caches and graphs at a time
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
-        return block
-
-    block = speculative()          # the full block (or kw's verify_tokens): the row's figures
-    width = max(runs)
-    for w in verify_widths(widths, block):
-        if w not in runs:
-            speculative(verify_tokens=w)
+        cost[decoder_name(w)] = time.perf_counter() - t
+    rb, tb, stats_base = runs.pop(0)
+    width = plan[1][0]  # the full block (or kw's verify_tokens): the row's figures
     rs, ts, st = runs[width]
     nb, ns = sum(len(r.tokens) for r in rb), sum(len(r.tokens) for r in rs)
     adaptive = adaptive_choice(batch, stats_base, st, width, rs, max_new,
@@ -221,12 +230,12 @@ def _engine(stats: dict) -> dict:
     return {k: stats[k] for k in keep if k in stats}
 
 
-def hf_static_generate(model, prompts: Sequence[Sequence[int]], batch: int, max_new: int,
-                       eos: Sequence[int], pad_id: int, gate=None) -> dict:
+def hf_static_wave(model, prompts: Sequence[Sequence[int]], batch: int, max_new: int,
+                   eos: Sequence[int], pad_id: int):
     """HF ``generate(cache_implementation="static")`` (transformers compiles its step on CUDA),
-    greedy, ``batch`` prompts at a time, after one untimed warm-up wave. Tokens counted up to
-    each answer's first eos (inclusive)."""
-    gate = gate or get_gate()
+    greedy, as a function of one wave of at most ``batch`` of ``prompts`` (each left-padded to
+    the longest of them all, so no wave recompiles) -> its tokens, each answer counted up to its
+    first eos (inclusive)."""
     dev = next(model.parameters()).device
     P = max(len(p) for p in prompts)
     gc = GenerationConfig(max_new_tokens=max_new, min_new_tokens=0, do_sample=False,
@@ -234,7 +243,7 @@ def hf_static_generate(model, prompts: Sequence[Sequence[int]], batch: int, max_
                           pad_token_id=pad_id)
     stops = set(int(e) for e in eos)
 
-    def wave(ps):
+    def wave(ps) -> int:
         ids = torch.full((batch, P), pad_id, dtype=torch.long)
         att = torch.zeros((batch, P), dtype=torch.long)
         for i, p in enumerate(ps):
@@ -249,6 +258,16 @@ def hf_static_generate(model, prompts: Sequence[Sequence[int]], batch: int, max_
             n += cut
         return n
 
+    return wave
+
+
+def hf_static_generate(model, prompts: Sequence[Sequence[int]], batch: int, max_new: int,
+                       eos: Sequence[int], pad_id: int, gate=None) -> dict:
+    """HF static-cache ``generate`` (:func:`hf_static_wave`), ``batch`` prompts at a time, timed
+    after one untimed warm-up wave (its compile)."""
+    gate = gate or get_gate()
+    dev = next(model.parameters()).device
+    wave = hf_static_wave(model, prompts, batch, max_new, eos, pad_id)
     with gate.exclusive("decoder: HF static-cache generate warm-up (its compile)"):
         wave(prompts[:batch])
     sync(dev)
@@ -309,6 +328,58 @@ def sweep(target, drafter, prompts: Sequence[Sequence[int]], max_new: int, eos: 
     return {"batches": rows, "first": first, "max_new_tokens": max_new}
 
 
+def compile_ahead(target, drafter, prompts: Sequence[Sequence[int]], max_new: int,
+                  eos: Sequence[int], batches: Sequence[int] = SWEEP_BATCHES,
+                  min_prompts: int = 8, hf_batches: Sequence[int] = HF_BATCHES, pad_id: int = 0,
+                  embed=None, lm_head=None, log=print, widths: Sequence[int] = DECODE_WIDTHS,
+                  **kw) -> list[dict]:
+    """Every decoder :func:`sweep` builds from the same arguments (:func:`decoder_plan`, its
+    prompts per batch size), compiled, captured and decoding its prompts once, one at a time;
+    HF static generate's warm-up wave where the sweep times it. What is compiled lands in the
+    process's compile cache (``TORCHINDUCTOR_CACHE_DIR``): nothing in it depends on the weights,
+    so a sweep in another process, of a trained drafter of the same shape, loads the kernels
+    instead of compiling them (:mod:`dflash.stages.decoders`). One record per decoder: its
+    seconds, the compile's share and the graphs compiled."""
+    rows = []
+    for b in batches:
+        ps = list(prompts[:max(b, min_prompts)])
+        for w, kwargs in decoder_plan(drafter, ps, b, max_new, eos, embed, lm_head, widths,
+                                      **kw):
+            t = time.perf_counter()
+            dec = Decoder(target, **kwargs)
+            dec.prepare()
+            dec.decode(ps)  # the prefill's shapes, as the sweep's untimed first decode
+            rows.append({"batch": b, "decoder": decoder_name(w),
+                         "seconds": round(time.perf_counter() - t, 3),
+                         "compile_seconds": round(dec.stats["compile_seconds"], 3),
+                         "graphs_compiled": dec.stats.get("graphs_compiled")})
+            del dec
+            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        if b in hf_batches:
+            t = time.perf_counter()
+            with get_gate().exclusive("decoder: HF static-cache generate (compiled ahead)"):
+                hf_static_wave(target, ps, b, max_new, eos, pad_id)(ps[:b])
+            rows.append({"batch": b, "decoder": "hf_static",
+                         "seconds": round(time.perf_counter() - t, 3)})
+        done = [r for r in rows if r["batch"] == b]
+        log(f"[decoders] batch {b}: {len(done)} decoder(s) in "
+            f"{sum(r['seconds'] for r in done):.1f}s ("
+            + ", ".join(f"{r['decoder']} {r['seconds']:.1f}s" for r in done) + ")")
+    return rows
+
+
+def sweep_arguments(bench, tokenizer, prompts: Sequence[Sequence[int]], eos: Sequence[int],
+                    embed, lm_head, log=print) -> dict:
+    """The arguments of :func:`sweep` (and :func:`compile_ahead`) but the two models, from a
+    spec's ``bench`` section and the primary eval set's ``prompts``: the bench stage times with
+    them and the decoders stage compiles ahead with them, so both build the same decoders."""
+    pad = tokenizer.pad_token_id
+    return dict(prompts=prompts, max_new=bench.eval_max_new_tokens, eos=eos,
+                batches=bench.decode_batches, min_prompts=max(1, bench.real_prompts),
+                pad_id=eos[0] if pad is None else pad, widths=bench.decode_widths,
+                compile_shapes=bench.decode_shapes, embed=embed, lm_head=lm_head, log=log)
+
+
 def goal(row: dict) -> dict:
     """The batch-1 goal figures of one sweep row (#36: speculative ≥ 0.85 × τ × target-only)."""
     spec, base, tau = row["speculative_tokens_per_s"], row["target_only_tokens_per_s"], row["tau"]
@@ -326,4 +397,6 @@ def _f(x) -> str:
 
 
 __all__ = ["SWEEP_BATCHES", "DECODE_WIDTHS", "HF_BATCHES", "verify_widths", "SERVING_GAP",
-           "timed_decode", "pair", "adaptive_choice", "hf_static_generate", "tau_gap", "sweep", "goal"]
+           "timed_decode", "decoder_plan", "decoder_name", "pair", "adaptive_choice",
+           "hf_static_wave", "hf_static_generate", "tau_gap", "sweep", "compile_ahead",
+           "sweep_arguments", "goal"]

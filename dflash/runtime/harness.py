@@ -62,6 +62,20 @@ def snakemake(wf: Path, *args: str, env: dict | None = None, timeout: int = 900
                           env=e, capture_output=True, text=True, timeout=timeout)
 
 
+def units_held(output: str, resource: str = "cuda_0") -> dict[str, int | None]:
+    """What each job of a dry run's output holds of ``resource``: {rule: units}, None for a job
+    that holds none (the last job of a rule stands for it)."""
+    rule, got = None, {}
+    for line in output.splitlines():
+        line = line.strip()
+        if line.startswith("rule ") and line.endswith(":"):
+            rule = line[5:-1]
+            got.setdefault(rule, None)
+        elif line.startswith("resources:") and f"{resource}=" in line:
+            got[rule] = int(line.split(f"{resource}=")[1].split(",")[0])
+    return got
+
+
 def job_counts(output: str) -> dict[str, int]:
     """The 'Job stats' table Snakemake prints: {rule: count}, without named targets."""
     m = re.search(r"Job stats:\n(.*?)\ntotal", output, re.S)

@@ -18,11 +18,12 @@ job.
 
 Sharing a GPU (local runs): each device is a resource of ``UNITS`` × ``gpu_jobs`` units. The
 train and bench stages hold a device whole (``UNITS``): their tokens/s, MFU and decoding speed
-are measurements of a GPU of their own. The warm-up (mostly compiling, on the host) and the
-data stage hold half of it (1 unit) when the stage's estimated peak memory there (``dflash
-validate`` prints it: :func:`dflash.train.budget.stage_memory`) is at most ``HALF_AT_MOST`` of
-the device's memory: two of them then fit with room to spare for the estimate's error, so a
-small pair's warm-up runs beside its data stage (round 15 on one H200: about a minute off the
+are measurements of a GPU of their own. The warm-up (mostly compiling, on the host), the data
+stage and the decoders stage (the bench's decoders compiled ahead) hold one unit each, a third,
+when the stage's estimated peak memory there (``dflash validate`` prints it:
+:func:`dflash.train.budget.stage_memory`) is at most ``SHARE_AT_MOST`` of the device's memory:
+the three then fit with room for the estimate's error, so a small pair's warm-up and decoders
+run beside its data stage (round 15 on one H200, the warm-up beside it: about a minute off the
 DAG). The device's memory comes from ``nvidia-smi`` (:func:`device_memory`) or the config's
 ``gpu_memory_gb``; where neither says, every stage holds its device whole.
 
@@ -35,9 +36,9 @@ import os
 import subprocess
 from typing import Callable, Mapping
 
-UNITS = 2                 # a device's units per gpu_jobs: a whole job holds 2, a half job 1
-HALF_STAGES = ("warmup", "data")   # the stages that may hold half a device
-HALF_AT_MOST = 0.3        # of the device's memory, the stage's estimate, for half of it
+UNITS = 3                 # a device's units per gpu_jobs: a whole job holds 3, a sharing job 1
+SHARING_STAGES = ("warmup", "data", "decoders")  # the stages that may hold a third of a device
+SHARE_AT_MOST = 0.3       # of the device's memory, the stage's estimate, for a third of it
 
 
 def cuda_devices(specs: Mapping) -> list[str]:
@@ -64,11 +65,11 @@ def nodes(spec) -> int:
 
 
 def units(stage: str, estimate_bytes: int | None, device_bytes: int | None) -> int:
-    """The units of one device a job of ``stage`` holds: half (1) for a warm-up or data stage
-    whose estimated peak there is at most ``HALF_AT_MOST`` of the device's memory, else whole
-    (``UNITS``); whole too where either figure is unknown."""
-    if stage in HALF_STAGES and estimate_bytes is not None and device_bytes \
-            and estimate_bytes <= HALF_AT_MOST * device_bytes:
+    """The units of one device a job of ``stage`` holds: one for a warm-up, data or decoders
+    stage whose estimated peak there is at most ``SHARE_AT_MOST`` of the device's memory, else
+    whole (``UNITS``); whole too where either figure is unknown."""
+    if stage in SHARING_STAGES and estimate_bytes is not None and device_bytes \
+            and estimate_bytes <= SHARE_AT_MOST * device_bytes:
         return 1
     return UNITS
 

@@ -152,7 +152,8 @@ class StatusReporter:
         self._write()
 
 
-STAGES = ("env", "warmup", "data", "train", "bench")
+STAGES = ("env", "warmup", "data", "decoders", "train", "bench")
+OPTIONAL = ("decoders",)  # a CPU spec's DAG has none (dflash.spec.types.no_decoders_stage)
 # what each stage's record calls its duration (the bench stage's record is its report.json)
 SECONDS_KEYS = ("seconds", "seconds_total", "wall_s")
 
@@ -178,7 +179,7 @@ def _last_line(log: Path) -> str | None:
 
 def stage_lines(spec_dir: Path, logs: Path) -> list[str]:
     """One line per stage: done (from its manifest), running or failed (its log's last line,
-    with its age), or not started."""
+    with its age), or not started (a stage a spec may not have, only once it has started)."""
     out = []
     for st in STAGES:
         m, log = (spec_dir / st / ("report.json" if st == "bench" else "manifest.json"),
@@ -190,13 +191,13 @@ def stage_lines(spec_dir: Path, logs: Path) -> list[str]:
                 rec = {}
             secs = next((rec[k] for k in SECONDS_KEYS if isinstance(rec.get(k), (int, float))),
                         None)
-            out.append(f"  {st:7s} done" + (f" in {duration(secs)}" if secs else ""))
+            out.append(f"  {st:8s} done" + (f" in {duration(secs)}" if secs else ""))
         elif log.is_file():
             age = time.time() - log.stat().st_mtime
-            out.append(f"  {st:7s} {'running' if age < 120 else 'stopped'} (log {duration(age)} "
+            out.append(f"  {st:8s} {'running' if age < 120 else 'stopped'} (log {duration(age)} "
                        f"ago): {_last_line(log) or '(empty)'}")
-        else:
-            out.append(f"  {st:7s} not started")
+        elif st not in OPTIONAL:
+            out.append(f"  {st:8s} not started")
     return out
 
 

@@ -315,8 +315,46 @@ def stage_fields(spec: Spec) -> dict[str, dict[str, Any]]:
                   # as it was before the field existed
                   **({"drafter.init": spec.drafter.init} if spec.drafter.init != "random"
                      else {})},
+        # the bench's decoders compiled ahead: their shapes (the target, the drafter, the
+        # primary eval set's prompts, the sweep's batch sizes and widths), not the weights
+        "decoders": {**target_identity, "target.num_feature_layers": t.num_feature_layers,
+                     "target.layer_ids": t.layer_ids, "drafter": _shape_only(spec.drafter),
+                     "topology.targets": spec.topology.targets, "seed": spec.seed,
+                     **{f"bench.{k}": v for k, v in _decoders_bench(spec.bench).items()}},
         "bench": {"bench": spec.bench},
     }
+
+
+# eval sets whose prompts are read from the data stage's output (its training prompts; the
+# held-out prompts are those the data did not use)
+EVAL_SETS_FROM_DATA = ("heldout", "train")
+
+
+def _decoders_bench(b: BenchSpec) -> dict:
+    """The bench fields its decoding sweep's decoders are built from."""
+    return {"primary_set": b.eval_sets[0] if b.eval_sets else None,
+            "eval_prompts": b.eval_prompts, "eval_max_new_tokens": b.eval_max_new_tokens,
+            "real_prompts": b.real_prompts, "decode_batches": b.decode_batches,
+            "decode_widths": b.decode_widths, "decode_shapes": b.decode_shapes}
+
+
+def no_decoders_stage(spec: Spec) -> str | None:
+    """Why a spec's DAG has no decoders stage (None: it has one, and its bench waits for it).
+    The stage compiles the bench's decoding sweep ahead, so it exists where the sweep compiles
+    (a CUDA target, ``bench.decode_batches`` not empty, a pretrained target: a random one has
+    no τ to bench) and where the sweep's prompts, the first of ``bench.eval_sets``, are known
+    before the data stage has run."""
+    b = spec.bench
+    if not str(spec.topology.targets[0]).startswith("cuda"):
+        return f"the target runs on {spec.topology.targets[0]}: the bench decodes eagerly there"
+    if not b.decode_batches:
+        return "bench.decode_batches is []: no decoding sweep"
+    if spec.target.init == "random" or b.eval_prompts == 0 or not b.eval_sets:
+        return "no τ evaluation (a random target, bench.eval_prompts 0 or no bench.eval_sets)"
+    if b.eval_sets[0] in EVAL_SETS_FROM_DATA:
+        return (f"bench.eval_sets[0] is {b.eval_sets[0]!r}: its prompts come from the data "
+                f"stage's output")
+    return None
 
 
 def _as_before(section, **before) -> dict:

@@ -23,7 +23,7 @@ from ..errors import DFlashError
 from ..eval.evalsets import load_eval_sets
 from ..eval.reference import evaluate_reference, reference_questions
 from ..eval.report import training_curves, write_report
-from ..eval.serving import goal, sweep
+from ..eval.serving import goal, sweep, sweep_arguments
 from ..eval.tau import evaluate_sets
 from ..artifacts.cache import compile_cache_dir
 from ..artifacts.manifest import atomic_write_text, expect, read_manifest, verify_files
@@ -171,13 +171,9 @@ def decode_speed(tgt, drafter, embed, head, es, b, device) -> dict:
         return {"skipped": f"on {device}: the sweep times captured CUDA-graph steps"}
     if not es.prompts:
         return {"skipped": f"no {es.name} prompts"}
-    eos = eos_ids_of(tgt)
-    pad = tgt.tokenizer.pad_token_id
-    r = sweep(tgt.model, drafter, es.prompts, b.eval_max_new_tokens, eos, b.decode_batches,
-              min_prompts=max(1, b.real_prompts), pad_id=eos[0] if pad is None else pad,
-              widths=b.decode_widths, compile_shapes=b.decode_shapes,
-              embed=embed, lm_head=head, log=lambda m: print(m.replace("[decode]", "[bench]"),
-                                                              flush=True))
+    r = sweep(tgt.model, drafter, **sweep_arguments(
+        b, tgt.tokenizer, es.prompts, eos_ids_of(tgt), embed, head,
+        log=lambda m: print(m.replace("[decode]", "[bench]"), flush=True)))
     r.pop("first")
     one = next((x for x in r["batches"] if x["batch"] == 1), None)
     return {**r, "set": es.name, "goal_batch1": goal(one) if one else None}
@@ -223,8 +219,22 @@ def run(ctx: StageContext) -> dict:
                                 "tau_parts": tau.get("seconds")},
               # monitor.profile_steps: the train stage's profile summary, shown as a table
               "profile": _read_json(ctx.results / "train" / "profile.json"),
+              "decoders_ahead": decoders_ahead(ctx),
               "drafter_dir": str(drafter_dir)}
     return write_report(out, report, metrics, tau)
+
+
+def decoders_ahead(ctx: StageContext) -> dict | None:
+    """What the decoders stage compiled ahead for this bench's sweep (None: the spec has no
+    such stage): its decoders and seconds, beside which the sweep's own compile seconds
+    (``acceptance.decode_speed``, each engine's ``compile_seconds``) say what it saved."""
+    path = ctx.results / "decoders" / "manifest.json"
+    if not path.is_file():
+        return None
+    m = read_manifest(path, "decoders")
+    return {"skipped": m.get("skipped"), "decoders": len(m.get("compiled") or ()),
+            "seconds": m.get("seconds_total"),
+            "same_env": m["fingerprints"].get("env") == ctx.env_fingerprint}
 
 
 def gpu_minutes(ctx: StageContext, train: dict, gpus: int, bench_s: float, tau: dict) -> dict:

@@ -25,7 +25,7 @@ import torch
 from ..errors import DFlashError
 from ..models.drafter import DFlashConfig, head_dim_of
 from ..models.target import hf_config, layer_ids
-from ..runtime.resources import HALF_AT_MOST
+from ..runtime.resources import SHARE_AT_MOST
 from ..spec.types import cache_mode
 from .cache_budget import cache_device, store_bytes
 from .flops import linear_params, best_seconds_per_call, drafter_flops_per_step, target_flops
@@ -167,17 +167,45 @@ DATA_OVER_ESTIMATE = 1.5
 WARMUP_OVER_ESTIMATE = 2.3
 
 
+# the bench's prompts are the eval sets' (MT-Bench first turns in the chat template: ~30-400
+# tokens), not the data's: a bound for the decoders' caches
+DECODE_PROMPT_TOKENS = 1024
+
+
+def _decoders_memory(s: Sizes) -> dict:
+    """The decoders stage (the bench's sweep compiled ahead) on the target's device, one decoder
+    at a time at the sweep's largest batch: the whole target and the drafter, each with a copy
+    of its GEMM weights (the "fused" scope concatenates them), the target's and the drafter's
+    static KV caches and a verify's fp32 logits; times :data:`WARMUP_OVER_ESTIMATE` (compile
+    workspaces and the captured graphs' pool, as in the warm-up)."""
+    t, c, b = s.tcfg, s.dcfg, s.spec.bench
+    if not b.decode_batches:
+        return {}
+    bytes_ = DTYPE_BYTES[s.spec.target.dtype]
+    untied = not getattr(t, "tie_word_embeddings", True)
+    weights = 2 * (_params(t, t.num_hidden_layers, vocab=True) + untied * t.vocab_size
+                   * t.hidden_size) * bytes_ + 2 * s.drafter_params * DTYPE_BYTES[s.spec.drafter.dtype]
+    rows = max(b.decode_batches) + 1
+    S = -(-(DECODE_PROMPT_TOKENS + b.eval_max_new_tokens + c.block_size) // 16) * 16
+    kv = kv_cache_bytes(t, rows, S, bytes_) \
+        + c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * rows * S * bytes_
+    logits = rows * c.block_size * t.vocab_size * 4
+    return {s.spec.topology.targets[0]: int((weights + kv + logits) * WARMUP_OVER_ESTIMATE)}
+
+
 def stage_memory(spec) -> dict[str, dict[str, int]]:
     """Estimated peak bytes per device of the GPU stages (what decides whether a warm-up or data
     stage may share its GPU: :func:`dflash.runtime.resources.units`): ``warmup`` loads the
     target and drafter and runs their steps (the training items but the feature cache, times
     :data:`WARMUP_OVER_ESTIMATE`, the measured ratio), ``data`` the generation engine (times
-    :data:`DATA_OVER_ESTIMATE`), ``train`` every training item."""
+    :data:`DATA_OVER_ESTIMATE`), ``decoders`` the bench's decoders compiled ahead
+    (:func:`_decoders_memory`), ``train`` every training item."""
     return _stage_memory(sizes(spec))
 
 
 def _stage_memory(s: Sizes) -> dict[str, dict[str, int]]:
-    out: dict[str, dict[str, int]] = {"warmup": {}, "data": _generate_memory(s), "train": {}}
+    out: dict[str, dict[str, int]] = {"warmup": {}, "data": _generate_memory(s),
+                                      "decoders": _decoders_memory(s), "train": {}}
     for item in MEMORY:
         for dev, n in item.estimate(s).items():
             out["train"][dev] = out["train"].get(dev, 0) + n
@@ -261,7 +289,7 @@ def render(b: dict) -> list[str]:
             continue
         warm = stages["warmup"].get(dev, 0)
         lines.append(f"  memory {dev}, data stage: {_gb(n)} (the generation engine; beside the "
-                     f"warm-up on a GPU of >= {_gb(max(n, warm) / HALF_AT_MOST)})")
+                     f"warm-up on a GPU of >= {_gb(max(n, warm) / SHARE_AT_MOST)})")
     lines.append(f"  disk: {_gb(b['disk_total'])} ("
                  + ", ".join(f"{k} {_gb(v)}" for k, v in b["disk"].items()) + ")")
     if b["seconds"]:

@@ -1,0 +1,83 @@
+"""The decoders stage: the bench stage's decoding sweep compiled ahead, beside the data stage.
+
+The sweep (``bench.decode_batches`` × target-only, the full block and each of
+``bench.decode_widths``; HF static generate at batch 1) took 274 s of round 17's 411 s bench
+stage on an H200, nine tenths of it compiling its 16 decoders
+(``bench/results/h200/round17-2026-12-04/``), at the end of the DAG where nothing runs beside
+it. Nothing a decoder compiles depends on the drafter's weights, only on shapes: the target, the
+drafter's config, the primary eval set's prompts, the batch sizes and widths. So this stage
+builds the same decoders (:func:`dflash.eval.serving.compile_ahead`, from the same
+:func:`~dflash.eval.serving.sweep_arguments` the bench uses) with a random drafter of the spec's
+shape, compiles, captures and decodes each once, into the env's compile cache
+(:func:`dflash.artifacts.cache.compile_cache_dir`), while the data stage generates and the
+warm-up compiles; the bench stage then loads their kernels. The manifest records each decoder's
+seconds (the bench report's ``decode_speed`` shows what its own compiles then took).
+
+A spec has this stage only where the bench compiles a sweep: :func:`dflash.spec.types.no_decoders_stage`
+says why not otherwise (run by hand there, the stage records that reason and compiles nothing).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..artifacts.cache import compile_cache_dir
+from ..artifacts.manifest import write_manifest
+from ..decode.generate import eos_ids_of
+from ..eval.evalsets import load_eval_sets
+from ..eval.serving import compile_ahead, sweep_arguments
+from ..models.drafter import DFlashConfig, DFlashDrafter
+from ..models.dtypes import dtype_of
+from ..models.target import load_target, target_embeddings
+from ..runtime.device_memory import peak_device_memory
+from ..runtime.gate import get_gate
+from ..spec.types import no_decoders_stage
+from . import StageContext
+
+
+def random_drafter(spec, device: str) -> DFlashDrafter:
+    """A drafter of the spec's shape as the bench stage loads the trained one
+    (:func:`dflash.models.drafter.load_drafter`): its config read back from the exported form,
+    its weights random (seeded), in ``drafter.dtype`` on ``device``."""
+    cfg = DFlashConfig.from_hf_dict(DFlashConfig.of_spec(spec).to_hf_dict())
+    torch.manual_seed(spec.seed)
+    model = DFlashDrafter(cfg).to(device=device, dtype=dtype_of(spec.drafter.dtype))
+    return model.eval()
+
+
+def run(ctx: StageContext) -> dict:
+    """The stage as its phases: the models and prompts the bench decodes with, then every
+    decoder of its sweep compiled ahead, then the manifest."""
+    spec, b = ctx.spec, ctx.spec.bench
+    cache = compile_cache_dir(ctx.env_fingerprint)
+    t0, phases, rows = time.perf_counter(), {}, []
+    skipped = no_decoders_stage(spec)
+    if skipped is None:
+        device = spec.topology.targets[0]
+        tgt = load_target(spec.target, device, seed=spec.seed)
+        drafter = random_drafter(spec, device)
+        embed, head = target_embeddings(spec.target, spec.seed)
+        first = load_eval_sets(spec, None, tgt.tokenizer, b.eval_sets[:1], b.eval_prompts)[0]
+        phases["load_s"] = round(time.perf_counter() - t0, 3)
+        print(f"[decoders] compiling the bench's decoding sweep ahead: batch sizes "
+              f"{list(b.decode_batches)}, verify widths {list(b.decode_widths)} beside the "
+              f"full block, on {len(first.prompts)} {first.name} prompts "
+              f"({b.decode_shapes} shapes; cache {cache})", flush=True)
+        t = time.perf_counter()
+        rows = compile_ahead(tgt.model, drafter, **sweep_arguments(
+            b, tgt.tokenizer, first.prompts, eos_ids_of(tgt), embed, head))
+        phases["compile_s"] = round(time.perf_counter() - t, 3)
+    else:
+        print(f"[decoders] nothing to compile ahead: {skipped}", flush=True)
+    total = time.perf_counter() - t0
+    manifest = write_manifest(
+        ctx.results / "decoders" / "manifest.json", "decoders",
+        fingerprints={"env": ctx.env_fingerprint, "decoders": spec.fingerprint("decoders")},
+        skipped=skipped, compiled=rows, compile_cache=str(cache),
+        seconds_total=round(total, 3), seconds_by_phase=phases,
+        gate=get_gate().stats().summary(),
+        peak_device_memory=peak_device_memory(spec.topology.targets[:1]),
+        env_drift_overridden=ctx.drift)
+    print(f"[decoders] done: {len(rows)} decoder(s) compiled ahead in {total:.1f}s", flush=True)
+    return manifest
