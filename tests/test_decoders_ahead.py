@@ -20,6 +20,9 @@ from dflash.runtime import resources
 from dflash.runtime.harness import REPO, copy_workflow, snakemake, units_held
 from dflash.spec.load import load_spec
 from dflash.spec.types import no_decoders_stage
+from dflash.artifacts.manifest import read_manifest
+from dflash.stages import StageContext, decoders
+from dflash.stages.bench import decoders_ahead
 from dflash.train.budget import stage_memory
 
 V, MASK, B, EOS = 96, 95, 5, 93
@@ -113,6 +116,20 @@ def test_which_specs_have_the_stage_and_what_reruns_it():
     for same in ({"optim": {"lr": 1e-3}}, {"data": {"temperature": 0.7}},
                  {"bench": {"reference_max_new_tokens": 1024}}, {"drafter": {"init": "target-layers"}}):
         assert quality.replace(**same).fingerprint("decoders") == fp, same
+
+
+def test_run_by_hand_on_a_spec_without_the_stage_it_records_why(tmp_path, monkeypatch):
+    """`dflash decoders` on a CPU spec: nothing compiled, the reason and the fingerprints in a
+    sealed manifest the bench reads back."""
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    spec = load_spec(REPO / "tests" / "specs" / "micro.yaml")
+    ctx = StageContext(spec=spec, results=tmp_path / "micro", env_fingerprint="e" * 16)
+    m = decoders.run(ctx)
+    assert m["compiled"] == [] and m["failed"] is None and "eagerly" in m["skipped"]
+    assert m["fingerprints"] == {"env": "e" * 16, "decoders": spec.fingerprint("decoders")}
+    assert read_manifest(tmp_path / "micro" / "decoders" / "manifest.json", "decoders") == m
+    assert decoders_ahead(ctx) == {"skipped": m["skipped"], "failed": None, "decoders": 0,
+                                   "seconds": m["seconds_total"], "same_env": True}
 
 
 def test_the_small_pair_compiles_its_decoders_beside_the_data_stage(tmp_path):

@@ -111,10 +111,10 @@ plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the 
   #    from the decoders' cache). Round 19's stamps: env 10 s, 36 s waiting, data 267 s, train
   #    464 s; round 17's bench 411 s (its sweep 274 s, nine tenths compiling)
   when 1100 1320 bench_run smollm2-quality quality 1320
-  # 2. the bench's decoders from a warm compile cache: bench.gpu.decode_speed twice on random
-  #    SmolLM2-shaped models (8 layers, batch 16, the sweep's widths), one inductor/Triton cache
-  #    (round 18's CPU box: 121.6 s cold, 12.7 s warm); ~100 s
-  when 90 170 warm_cache
+  # 2. the decoders stage's A/B on one machine: the sweep cold, compiled ahead, and from the
+  #    ahead cache with other weights (bench.decoders_ahead; random SmolLM2-shaped models, 8
+  #    layers, batch 16, the sweep's widths; the CPU box: bench/results/cpu/decoders_ahead/); ~150 s
+  when 150 200 warm_cache
   # 3. the in-domain code drafter at the new recipe (HumanEval ≥ 3.5): data ~260 s, train
   #    ~450 s, bench ~110 s (HumanEval first)
   when 820 900 bench_run smollm2-code code 900
@@ -141,18 +141,12 @@ shapes_ab() {  # bench.gpu.decode_speed with static, then dynamic shapes: random
   stamp "decode_shapes verdict rc=$?: $(tail -n 1 "$RES/decode_shapes_verdict.log")"
 }
 
-warm_cache() {  # the decoding sweep's decoders compiled cold, then again from the same caches
-  # with other weights (as a trained drafter's would be: its weights are not the warm-up's)
-  local seed=0
-  for run in cold warm; do
-    TORCHINDUCTOR_CACHE_DIR=/tmp/ind-sweep TRITON_CACHE_DIR=/tmp/tri-sweep \
-    timeout -k 20 $(left 80) python3 -W ignore -m bench.gpu.decode_speed --random --weights-seed $seed \
-      --drafter-layers 8 --batches 16 --adaptive-widths 4,8 --hf-batches "" --no-simulated \
-      --no-kernel-profile \
-      --budget-s 70 --out "$RES/decode_cache_$run.json" > "$RES/decode_cache_$run.log" 2>&1
-    stamp "decode cache $run rc=$?: $(grep -h '^compiled:' "$RES/decode_cache_$run.log")"
-    seed=1
-  done
+warm_cache() {  # the decoders stage's lever A/B on one machine (bench.decoders_ahead): the sweep
+  # cold, then compile_ahead (the stage's work) into a second cache, then the sweep from it with
+  # other drafter weights; random SmolLM2-shaped models, 8 layers, batch 16, widths 4 and 8
+  timeout -k 20 $(left 200) python3 -W ignore -m bench.decoders_ahead --drafter-layers 8 \
+    --batches 16 --widths 4,8 --out "$RES/decoders_ahead.json" > "$RES/decoders_ahead.log" 2>&1
+  stamp "decoders_ahead rc=$?: $(tail -n 1 "$RES/decoders_ahead.log")"
 }
 
 head_chunks() {  # #34: the captured drafter step (bench.gpu.loss_step's graph arm, SmolLM2's

@@ -232,7 +232,8 @@ def decoders_ahead(ctx: StageContext) -> dict | None:
     if not path.is_file():
         return None
     m = read_manifest(path, "decoders")
-    return {"skipped": m.get("skipped"), "decoders": len(m.get("compiled") or ()),
+    return {"skipped": m.get("skipped"), "failed": m.get("failed"),
+            "decoders": len(m.get("compiled") or ()),
             "seconds": m.get("seconds_total"),
             "same_env": m["fingerprints"].get("env") == ctx.env_fingerprint}
 

@@ -13,17 +13,21 @@ shape, compiles, captures and decodes each once, into the env's compile cache
 warm-up compiles; the bench stage then loads their kernels. The manifest records each decoder's
 seconds (the bench report's ``decode_speed`` shows what its own compiles then took).
 
-A spec has this stage only where the bench compiles a sweep: :func:`dflash.spec.types.no_decoders_stage`
+A failure while compiling is recorded (``failed`` in the manifest, the traceback in
+``decoders/error.txt``), not raised: the stage only saves the bench time, so the bench still
+runs and compiles its decoders itself. A spec has this stage only where the bench compiles a
+sweep: :func:`dflash.spec.types.no_decoders_stage`
 says why not otherwise (run by hand there, the stage records that reason and compiles nothing).
 """
 from __future__ import annotations
 
 import time
+import traceback
 
 import torch
 
 from ..artifacts.cache import compile_cache_dir
-from ..artifacts.manifest import write_manifest
+from ..artifacts.manifest import atomic_write_text, write_manifest
 from ..decode.generate import eos_ids_of
 from ..eval.evalsets import load_eval_sets
 from ..eval.serving import compile_ahead, sweep_arguments
@@ -51,7 +55,7 @@ def run(ctx: StageContext) -> dict:
     decoder of its sweep compiled ahead, then the manifest."""
     spec, b = ctx.spec, ctx.spec.bench
     cache = compile_cache_dir(ctx.env_fingerprint)
-    t0, phases, rows = time.perf_counter(), {}, []
+    t0, phases, rows, failed = time.perf_counter(), {}, [], None
     skipped = no_decoders_stage(spec)
     if skipped is None:
         device = spec.topology.targets[0]
@@ -65,8 +69,16 @@ def run(ctx: StageContext) -> dict:
               f"full block, on {len(first.prompts)} {first.name} prompts "
               f"({b.decode_shapes} shapes; cache {cache})", flush=True)
         t = time.perf_counter()
-        rows = compile_ahead(tgt.model, drafter, **sweep_arguments(
-            b, tgt.tokenizer, first.prompts, eos_ids_of(tgt), embed, head))
+        try:
+            rows = compile_ahead(tgt.model, drafter, **sweep_arguments(
+                b, tgt.tokenizer, first.prompts, eos_ids_of(tgt), embed, head))
+        except Exception as e:  # noqa: BLE001 - recorded: the bench still runs, compiling itself
+            failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            path = ctx.results / "decoders" / "error.txt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(path, traceback.format_exc())
+            print(f"[decoders] warning: compiling ahead failed ({failed}; traceback in {path}); "
+                  f"the bench stage compiles its decoders itself", flush=True)
         phases["compile_s"] = round(time.perf_counter() - t, 3)
     else:
         print(f"[decoders] nothing to compile ahead: {skipped}", flush=True)
@@ -74,7 +86,7 @@ def run(ctx: StageContext) -> dict:
     manifest = write_manifest(
         ctx.results / "decoders" / "manifest.json", "decoders",
         fingerprints={"env": ctx.env_fingerprint, "decoders": spec.fingerprint("decoders")},
-        skipped=skipped, compiled=rows, compile_cache=str(cache),
+        skipped=skipped, failed=failed, compiled=rows, compile_cache=str(cache),
         seconds_total=round(total, 3), seconds_by_phase=phases,
         gate=get_gate().stats().summary(),
         peak_device_memory=peak_device_memory(spec.topology.targets[:1]),
