@@ -13,10 +13,10 @@
 # what comes back is one archive, results.tgz (at most 8 files come back): commit each as it
 # comes; once the round's last is extracted as lease/ and committed, the archives leave the
 # tree (the history keeps them; bench/gpu/pack_wheels.sh says why).
-# Round 20 (issue #35): the plan alone, most needed first: the whole DAG of smollm2-quality at
-# its new default (round 19's candidate: steered prompts, γ 4, 8 layers; ~1,190 s by round 19's
-# stage times and round 17's bench: the 20-minute budget, the reference protocol, the decoding
-# sweep with its widths, and the `[resources]` lines that time the memory estimates Snakemake
+# Round 20 (issue #35): the plan alone, most needed first: the whole DAG of the candidate default
+# (today's recipe, round 19's winner, for 9 epochs instead of 6: τ 3.0 by the committed slope;
+# ~1,200 s by round 19's stage times and round 17's bench: the 20-minute budget, the reference
+# protocol, the decoding sweep with its widths, and the `[resources]` lines that time the memory estimates Snakemake
 # makes before the warm-up and data stage; and, new since round 19, the decoders stage: the
 # bench's decoding sweep compiled ahead beside the data stage, so the bench loads its kernels:
 # the DAG's bench_seconds and the decoders manifest say what that saved); then what a warm
@@ -106,11 +106,14 @@ data_and_warmups() {  # the Snakemake targets $@ (data stages, warm-ups) at once
 
 plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the hold cuts is last)
   begin "start"
-  # 1. #35's 20-minute DAG at the new default, alone on the GPU: env → warm-up and decoders
-  #    beside data → train → bench (τ on four sets, the reference protocol, the decoding sweep
-  #    from the decoders' cache). Round 19's stamps: env 10 s, 36 s waiting, data 267 s, train
-  #    464 s; round 17's bench 411 s (its sweep 274 s, nine tenths compiling)
-  when 1100 1320 bench_run smollm2-quality quality 1320
+  # 1. #35's 20-minute DAG for the candidate default, alone on the GPU: today's recipe for 9
+  #    epochs (the recipe sweep's epochs9 arm: the default's env, data, warm-up and decoders by
+  #    content, its whole bench), env → warm-up and decoders beside data → train → bench (τ on
+  #    four sets, the reference protocol, the decoding sweep from the decoders' cache). Round
+  #    19's stamps: env 10 s, 36 s waiting, data 267 s, train 464 s at 6 epochs (+~63 s a cached
+  #    epoch); round 17's bench 411 s (its sweep 274 s, nine tenths compiling): ~1,200 s. The
+  #    6-epoch default's DAG is this one less three cached epochs (its train stage's epoch marks)
+  when 1150 1380 bench_run smollm2-recipe-epochs9 epochs9 1380
   # 2. the decoders stage's A/B on one machine: the sweep cold, compiled ahead, and from the
   #    ahead cache with other weights (bench.decoders_ahead; random SmolLM2-shaped models, 8
   #    layers, batch 16, the sweep's widths; the CPU box: bench/results/cpu/decoders_ahead/); ~150 s
