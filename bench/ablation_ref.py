@@ -20,6 +20,11 @@ every arm of the sweep in the folder changes ``data``, the lent dataset must hav
 byte-identical by two committed runs (data generation reproduces across leases: rounds 16 and
 17 wrote the base's, rounds 18 and 19 the steered one, each pair with one sha256), so it is the
 dataset the folder's own ref would have trained on.
+
+A run of another name lends as ref too when it trained exactly as the sweep's ref arm trains
+today (:func:`trains_as_ref`: its recorded training, shape and data fingerprints are today's
+ref's): round 19's ``steered-gamma4-depth8`` arm became the base, so round 20's ``epochs9``
+arm borrows that run, on the same dataset.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ from pathlib import Path
 from bench.ablation_table import (H200, REPO, _by_category, _rel, base_as_ref, overrides,
                                   read_json, sibling, taus)
 from dflash.errors import DFlashError
+from dflash.spec.sweeps import load_sweep
 
 REF_FILE = "ref.json"
 COST_BASIS = "report.json gpu_minutes.train (the lender's train files did not come back)"
@@ -56,10 +62,11 @@ def lent_ref(folder: Path, rows: list[dict]) -> dict | None:
         raise DFlashError(f"{path}: says not why the lent ref compares ('why')")
     rep = read_json(report)
     sweeps = {r["sweep"] for r in rows if rep.get("spec") in (f"{r['sweep']}-ref",
-                                                              base_as_ref(r["sweep"]))}
+                                                              base_as_ref(r["sweep"]))
+              or trains_as_ref(rep, report, r["sweep"])}
     if not sweeps:
         raise DFlashError(f"{path}: {rep.get('spec')!r} is no ref arm of the sweeps here "
-                          f"({sorted({r['sweep'] for r in rows})})")
+                          f"({sorted({r['sweep'] for r in rows})}) and trained no ref's recipe")
     sweep = sweeps.pop()
     data, lent = _data_manifest(report, path)
     arms = [r for r in rows if r["sweep"] == sweep]
@@ -85,6 +92,21 @@ def lent_ref(folder: Path, rows: list[dict]) -> dict | None:
         "train_by_category": _by_category(acc["sets"], "train"),
         "while_training": [],
     }
+
+
+def trains_as_ref(rep: dict, report: Path, sweep: str) -> bool:
+    """Whether the lent run trained exactly as the sweep's ``ref`` arm trains today: the
+    training, shape and data fingerprints it recorded (report.json ``fingerprints``, its data
+    manifest's) are those of today's ``<sweep>-ref``. Round 19's candidate arm
+    (``steered-gamma4-depth8``) became the base, so its run is the ref's from then on."""
+    ref = next((a.spec for a in load_sweep(REPO / "sweeps" / f"{sweep}.yaml").arms
+                if a.name == f"{sweep}-ref"), None)
+    fp = rep.get("fingerprints") or {}
+    data = sibling(report, "data", "manifest.json")
+    return ref is not None and data.is_file() \
+        and fp.get("spec_train") == ref.fingerprint("train") \
+        and fp.get("spec_shape") == ref.fingerprint("warmup") \
+        and (read_json(data).get("fingerprints") or {}).get("data") == ref.fingerprint("data")
 
 
 def _data_arm(sweep: str, arm: str) -> bool:

@@ -240,6 +240,30 @@ def test_a_lent_base_run_needs_data_arms_and_a_reproduced_dataset(at, tmp_path, 
         at.arm_rows(tmp_path, ["smollm2-recipe"])
 
 
+def test_a_run_that_trained_todays_ref_recipe_is_lent_as_ref(at, tmp_path):
+    """Round 19's candidate arm became the sweep's base: its run recorded the training, shape
+    and data fingerprints today's ref arm has, so a later folder's arm (here a stand-in: its
+    files under another arm's name, keeping the base's data) may borrow it as ref; a run of
+    another recipe may not."""
+    cand = "bench/results/h200/round19-2026-12-05/lease/r/" \
+           "smollm2-recipe-steered-gamma4-depth8__bench__report.json"
+    for f in R19.glob("smollm2-recipe-steered-gamma4-depth8__*"):
+        if f.suffix != ".png":
+            shutil.copy(f, tmp_path / f.name.replace("-steered-gamma4-depth8__", "-epochs9__"))
+    report = tmp_path / "smollm2-recipe-epochs9__bench__report.json"
+    report.write_text(json.dumps(dict(json.loads(report.read_text()), spec="smollm2-recipe-epochs9")))
+    ref = tmp_path / "ref.json"
+    ref.write_text(json.dumps({"report": cand, "why": "round 19's run of today's ref recipe"}))
+    rows = {r["arm"]: r for r in at.arm_rows(tmp_path, ["smollm2-recipe"])}
+    assert set(rows) == {"epochs9", "ref"} and rows["ref"]["ref_from"] == cand
+    assert rows["ref"]["tau"]["mtbench"] == rows["epochs9"]["tau"]["mtbench"] == 2.8819
+    steered = cand.replace("-gamma4-depth8__", "__")
+    ref.write_text(json.dumps({"report": steered, "why": "not the ref's recipe"}))
+    with pytest.raises(DFlashError, match="is no ref arm of the sweeps here .* and trained no "
+                                          "ref's recipe"):
+        at.arm_rows(tmp_path, ["smollm2-recipe"])
+
+
 def test_round16s_cut_arm_is_tabled_from_its_figures_against_the_dags_run(data):
     """Round 16's epochs6 arm: the call's limit cut its bench stage after MT-Bench and HumanEval,
     so its row comes from ``<arm>__bench__figures.json`` (the bench log's lines, no report); its
