@@ -157,7 +157,7 @@ def test_gpu_jobs_hold_the_devices_their_spec_names(tmp_path, micro_spec):
     res = [ln.strip() for ln in (r.stdout + r.stderr).splitlines() if "gpu=" in ln]
     # train also carries `launch` (empty here: srun only for a multi-node job on SLURM)
     res = [ln.removesuffix(", launch=") for ln in res]
-    assert len(res) == 4 and set(res) == {"resources: tmpdir=/tmp, gpu=2, cuda_0=2, cuda_1=2"}, res
+    assert len(res) == 4 and set(res) == {"resources: tmpdir=/tmp, gpu=2, cuda_0=3, cuda_1=3"}, res
 
 
 def test_nothing_reruns_when_nothing_changed(wf):

@@ -87,10 +87,13 @@ def test_the_dag_shares_a_gpu_only_between_small_warmup_and_data_stages(tmp_path
 def test_validate_says_on_which_gpu_the_warmup_runs_beside_the_data_stage():
     spec = load_spec(REPO / "specs" / "smollm2-quality.yaml")
     m = stage_memory(spec)
-    need = max(m["warmup"]["cuda:0"], m["data"]["cuda:0"]) / resources.SHARE_AT_MOST
+    need = max(m["warmup"]["cuda:0"], m["data"]["cuda:0"], m["decoders"]["cuda:0"]) \
+        / resources.SHARE_AT_MOST
     lines = [x for x in render(budget(spec)) if "data stage" in x]
     assert lines == [f"  memory cuda:0, data stage: {m['data']['cuda:0'] / 1e9:.2f} GB (the "
-                     f"generation engine; beside the warm-up on a GPU of >= {need / 1e9:.2f} GB)"]
+                     f"generation engine; beside the warm-up and the decoders stage "
+                     f"({m['decoders']['cuda:0'] / 1e9:.2f} GB) on a GPU of >= "
+                     f"{need / 1e9:.2f} GB)"]
     # the smallest such GPU is where each holds a third of it
     assert resources.units("data", m["data"]["cuda:0"], need * 1.001) == 1
     assert resources.units("data", m["data"]["cuda:0"], need * 0.99) == resources.UNITS

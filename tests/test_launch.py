@@ -107,7 +107,7 @@ def test_simulated_nodes_hold_every_gpu_they_use(tmp_path):
     res = [ln.strip() for ln in (r.stdout + r.stderr).splitlines() if "gpu=" in ln]
     # train also carries `launch` (empty here: srun only for a multi-node job on SLURM)
     res = [ln.removesuffix(", launch=") for ln in res]
-    assert res and set(res) == {"resources: tmpdir=/tmp, gpu=2, cuda_0=2, cuda_1=2"}, res
+    assert res and set(res) == {"resources: tmpdir=/tmp, gpu=2, cuda_0=3, cuda_1=3"}, res
 
 
 def test_one_machine_uses_a_local_rendezvous_and_refuses_another_host(tmp_path):

@@ -338,7 +338,7 @@ def test_lock_path_must_stay_in_the_repository(lock):
 # Snakemake: what reaches the shell
 # ---------------------------------------------------------------------------------------------
 RULE_FILES = sorted(REPO.glob("rules/*.smk"))
-STAGES = ["env", "warmup", "data", "train", "bench"]
+STAGES = ["env", "warmup", "data", "decoders", "train", "bench"]
 
 
 def test_rules_run_only_the_stage_command():

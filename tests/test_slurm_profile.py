@@ -154,7 +154,7 @@ def test_local_multi_node_jobs_hold_every_simulated_nodes_gpus(tmp_path):
     for rule in ("env", "warmup", "data", "train"):
         res = jobs[rule, "two-by-two"]["resources"]
         assert {k: v for k, v in res.items() if k.startswith(("gpu", "cuda"))} == {
-            "gpu": 4, "cuda_0": 2, "cuda_1": 2, "cuda_2": 2, "cuda_3": 2}, (rule, res)
+            "gpu": 4, "cuda_0": 3, "cuda_1": 3, "cuda_2": 3, "cuda_3": 3}, (rule, res)
         assert not {"nodes", "tasks", "mpi", "gres"} & set(res)
     assert jobs["train", "two-by-two"]["resources"]["launch"] == ""
     shell = jobs["train", "two-by-two"]["shell"]

@@ -26,7 +26,7 @@ from ..errors import DFlashError
 from ..models.drafter import DFlashConfig, head_dim_of
 from ..models.target import hf_config, layer_ids
 from ..runtime.resources import SHARE_AT_MOST
-from ..spec.types import cache_mode
+from ..spec.types import cache_mode, no_decoders_stage
 from .cache_budget import cache_device, store_bytes
 from .flops import linear_params, best_seconds_per_call, drafter_flops_per_step, target_flops
 
@@ -177,9 +177,10 @@ def _decoders_memory(s: Sizes) -> dict:
     at a time at the sweep's largest batch: the whole target and the drafter, each with a copy
     of its GEMM weights (the "fused" scope concatenates them), the target's and the drafter's
     static KV caches and a verify's fp32 logits; times :data:`WARMUP_OVER_ESTIMATE` (compile
-    workspaces and the captured graphs' pool, as in the warm-up)."""
+    workspaces and the captured graphs' pool, as in the warm-up; the stage's own peak is in its
+    manifest, ``peak_device_memory``, to hold this against). {} for a spec without the stage."""
     t, c, b = s.tcfg, s.dcfg, s.spec.bench
-    if not b.decode_batches:
+    if no_decoders_stage(s.spec) is not None:
         return {}
     bytes_ = DTYPE_BYTES[s.spec.target.dtype]
     untied = not getattr(t, "tie_word_embeddings", True)
@@ -288,8 +289,11 @@ def render(b: dict) -> list[str]:
         if not dev.startswith("cuda"):  # the fast engine's estimate; the GPU-sharing rule
             continue
         warm = stages["warmup"].get(dev, 0)
+        dec = stages.get("decoders", {}).get(dev)
+        also = f" and the decoders stage ({_gb(dec)})" if dec else ""
         lines.append(f"  memory {dev}, data stage: {_gb(n)} (the generation engine; beside the "
-                     f"warm-up on a GPU of >= {_gb(max(n, warm) / SHARE_AT_MOST)})")
+                     f"warm-up{also} on a GPU of >= "
+                     f"{_gb(max(n, warm, dec or 0) / SHARE_AT_MOST)})")
     lines.append(f"  disk: {_gb(b['disk_total'])} ("
                  + ", ".join(f"{k} {_gb(v)}" for k, v in b["disk"].items()) + ")")
     if b["seconds"]:
