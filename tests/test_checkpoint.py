@@ -88,3 +88,39 @@ def test_checkpoint_files_respect_the_umask(tmp_path):
     modes = {f.name: f.stat().st_mode & 0o777 for f in path.iterdir()}
     assert modes == {"model.safetensors": 0o640, "optim.safetensors": 0o640,
                      "state.json": 0o640}, modes
+
+
+def test_a_checkpoint_written_beside_training_is_the_one_written_in_the_step(tmp_path):
+    """The background writer's files equal the synchronous save's, byte for byte, although the
+    replica trains on before the write: the snapshot is the step's, not the live tensors."""
+    rep = replica()
+    want = ckpt.save(tmp_path / "sync", 2, rep, {"tokens": 2}, keep=2, run_fingerprint=RUN)
+    w = ckpt.Writer()
+    w.save(tmp_path / "async", 2, rep, {"tokens": 2}, keep=2, run_fingerprint=RUN)
+    with torch.no_grad():  # the next steps change the weights and moments in place
+        for p in rep.params:
+            p.add_(1.0)
+            rep.opt.state[p]["exp_avg"].add_(1.0)
+    got = w.finish()
+    w.close()
+    assert got.name == want.name == "step-00000002"
+    for f in ("model.safetensors", "optim.safetensors"):
+        assert (got / f).read_bytes() == (want / f).read_bytes()
+    assert json.loads((got / "state.json").read_text()) == \
+        json.loads((want / "state.json").read_text())
+    (path, state), _ = decide(tmp_path / "async")
+    assert path == got and state["step"] == 2
+
+
+def test_a_failed_background_write_is_raised_at_the_next_save_and_logged_at_close(tmp_path):
+    rep = replica()
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("a file where the checkpoints go")
+    w = ckpt.Writer()
+    w.save(blocked, 2, rep, {}, keep=2, run_fingerprint=RUN)  # returns: the write is queued
+    with pytest.raises(FileExistsError):
+        w.save(tmp_path / "ok", 4, rep, {}, keep=2, run_fingerprint=RUN)
+    w.save(blocked, 6, rep, {}, keep=2, run_fingerprint=RUN)
+    said = []
+    w.close(log=said.append)  # a failed run keeps its own error: this one is only logged
+    assert len(said) == 1 and said[0].startswith("[train] the last checkpoint was not written")

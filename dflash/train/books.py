@@ -101,6 +101,8 @@ class StepBooks:
         self.monitor, self.tau_every = monitor, tau_every
         self.tracker = tracker  # dflash.train.tracker.Tracker (monitor.tensorboard) or None
         self.metrics = MetricsLog(out / "metrics.jsonl", start_step) if writer else None
+        # checkpoints are written beside the next steps (the step pays for its snapshot)
+        self.checkpoints = ckpt.Writer() if writer and persist else None
         self.t0 = time.perf_counter()
         self.feature_cache = None  # flushed before every checkpoint (features.cache: disk)
 
@@ -142,11 +144,19 @@ class StepBooks:
             if self.feature_cache is not None:
                 self.feature_cache.flush()  # what this checkpoint's steps computed is stored
             # every rank has reached this step (the step's record was gathered from all)
-            ckpt.save(self.out / "checkpoints", rec.step + 1, self.replica, dict(self.counters),
-                      self.checkpoint.keep, self.run_fingerprint, self.ledger.state(),
-                      nodes=self.nodes)
+            self.checkpoints.save(self.out / "checkpoints", rec.step + 1, self.replica,
+                                  dict(self.counters), self.checkpoint.keep,
+                                  self.run_fingerprint, self.ledger.state(), nodes=self.nodes)
+
+    def finish(self) -> None:
+        """A run that finished: its last checkpoint on disk (a failed write raises here)."""
+        if self.checkpoints is not None:
+            self.checkpoints.finish()
 
     def close(self) -> None:
+        """Always, a failed run too: the write in flight completes (a resume finds it)."""
+        if self.checkpoints is not None:
+            self.checkpoints.close()
         if self.metrics is not None:
             self.metrics.close()
         if self.tracker is not None:

@@ -249,6 +249,7 @@ def train_steps(job: Job, progress: Progress, targets: list, fail_at: dict,
             lambda msg: pipe.fail("watchdog", job.comm.name(), PeerFailed(msg)))
     try:
         pipe.run(on_tick=status.tick if job.main else None, tick_s=5.0)
+        books.finish()
     finally:
         books.close()
         if profiler is not None:
