@@ -13,7 +13,6 @@ off the device; on the CPU it is a host copy.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -23,6 +22,7 @@ from types import SimpleNamespace
 
 import torch
 
+from bench.entry import run, write_result
 from dflash.models.drafter import DFlashConfig, DFlashDrafter
 from dflash.spec.load import load_spec
 from dflash.train import checkpoint as ckpt
@@ -85,10 +85,9 @@ def main(argv=None) -> int:
           f"the step stalls {m['in_step_s']:.3f} s writing it, {m['beside_s']:.3f} s with the "
           f"background writer (its write {m['write_s']:.3f} s beside the next steps)")
     if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(out, indent=1) + "\n")
+        write_result(a.out, out)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

@@ -32,6 +32,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from bench.gpu.decode_speed import random_models, random_prompts
+from bench.entry import run, write_result
 from dflash.eval.serving import compile_ahead, sweep
 
 REPO = Path(__file__).resolve().parents[1]
@@ -108,10 +109,9 @@ def main(argv=None) -> int:
     print(f"the sweep from the stage's cache: {runs['warm']['seconds']:.1f} s against "
           f"{runs['cold']['seconds']:.1f} s cold ({out['sweep_warm_over_cold']:.2f}x)")
     if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(out, indent=1) + "\n")
+        write_result(a.out, out)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

@@ -21,7 +21,7 @@ from dflash.runtime.harness import REPO, copy_workflow, snakemake, units_held
 from dflash.spec.load import load_spec
 from dflash.spec.types import no_decoders_stage
 from dflash.artifacts.manifest import read_manifest
-from dflash.stages import StageContext, decoders
+from dflash.stages import StageContext, decoders, failure_line
 from dflash.stages.bench import decoders_ahead
 from dflash.train.budget import stage_memory
 
@@ -130,6 +130,19 @@ def test_run_by_hand_on_a_spec_without_the_stage_it_records_why(tmp_path, monkey
     assert read_manifest(tmp_path / "micro" / "decoders" / "manifest.json", "decoders") == m
     assert decoders_ahead(ctx) == {"skipped": m["skipped"], "failed": None, "decoders": 0,
                                    "seconds": m["seconds_total"], "same_env": True}
+
+
+def test_a_failure_the_stage_survives_is_one_line_and_a_traceback_file(tmp_path):
+    """What the decoders stage (and the bench's sweep) record instead of raising."""
+    try:
+        raise RuntimeError("CUDA out of memory\nTried to allocate 2 GiB")
+    except RuntimeError as e:
+        line = failure_line(e, tmp_path / "decoders" / "error.txt")
+        bare = failure_line(e, None)
+    assert bare == "RuntimeError: CUDA out of memory"
+    assert line == f"{bare} (traceback in {tmp_path / 'decoders' / 'error.txt'})"
+    text = (tmp_path / "decoders" / "error.txt").read_text()
+    assert text.startswith("Traceback") and "Tried to allocate 2 GiB" in text
 
 
 def test_the_small_pair_compiles_its_decoders_beside_the_data_stage(tmp_path):

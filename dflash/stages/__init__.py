@@ -6,11 +6,12 @@ environment, so it starts without the environment check.
 """
 from __future__ import annotations
 
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..env.drift import check_env
-from ..artifacts.manifest import read_manifest
+from ..artifacts.manifest import atomic_write_text, read_manifest
 from ..spec.load import load_spec
 from ..spec.sharers import sharers
 from ..spec.types import Spec
@@ -70,3 +71,14 @@ def shared_note(shared: list[str] | None) -> str:
         return (f" · shared with {', '.join(shared[:NOTE_NAMES])} and {len(shared) - NOTE_NAMES} "
                 f"more (the manifest's shared_with lists all {len(shared)})")
     return " · shared with " + (", ".join(shared) if shared else "no other spec")
+
+
+def failure_line(e: BaseException, traceback_file: Path | None) -> str:
+    """A failure as a stage reports it in one line, the exception being handled: its type and
+    first line, its traceback written to ``traceback_file`` (when given) and named there."""
+    line = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    if traceback_file is None:
+        return line
+    traceback_file.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(traceback_file, traceback.format_exc())
+    return f"{line} (traceback in {traceback_file})"

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import time
-import traceback
 from pathlib import Path
 
 from ..data.dataset import load_dataset
@@ -26,14 +25,14 @@ from ..eval.report import training_curves, write_report
 from ..eval.serving import goal, sweep, sweep_arguments
 from ..eval.tau import evaluate_sets
 from ..artifacts.cache import compile_cache_dir
-from ..artifacts.manifest import atomic_write_text, expect, read_manifest, verify_files
+from ..artifacts.manifest import expect, read_manifest, verify_files
 from ..models.drafter import DFlashConfig, load_drafter, verify_export
 from ..models.dtypes import dtype_of
 from ..models.target import hf_config, load_target, target_embeddings
 from ..runtime.status import by_role
 from ..train.flops import drafter_useful_flops, measure_peak_flops, mfu_against_datasheet, target_flops, worker_balance
 from ..train.trainer import timed_run
-from . import StageContext
+from . import StageContext, failure_line
 
 
 # ---------------------------------------------------------------------------------------------
@@ -84,15 +83,9 @@ def evaluate_tau(spec, drafter_dir: Path, device: str, results_dir: Path | None 
     except DFlashError:
         raise
     except Exception as e:  # noqa: BLE001 - one message for the user, the traceback to a file
-
-        where = ""
-        if results_dir is not None:
-            path = results_dir / "bench" / "tau_error.txt"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(path, traceback.format_exc())
-            where = f" (traceback in {path})"
-        raise DFlashError(f"bench: τ evaluation failed while {step}: {type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}{where}") from None
+        where = None if results_dir is None else results_dir / "bench" / "tau_error.txt"
+        raise DFlashError(f"bench: τ evaluation failed while {step}: "
+                          f"{failure_line(e, where)}") from None
     t = clock()
     speed = _decode_speed_or_failure(tgt, drafter, embed, head, sets[0], b, device, results_dir)
     wall["decode_sweep_s"] = clock() - t
@@ -147,13 +140,8 @@ def _decode_speed_or_failure(tgt, drafter, embed, head, es, b, device, results_d
     try:
         return decode_speed(tgt, drafter, embed, head, es, b, device)
     except Exception as e:  # noqa: BLE001 - recorded, not raised
-
-        msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        if results_dir is not None:
-            path = results_dir / "bench" / "decode_error.txt"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(path, traceback.format_exc())
-            msg += f" (traceback in {path})"
+        msg = failure_line(e, None if results_dir is None
+                           else results_dir / "bench" / "decode_error.txt")
         print(f"[bench] warning: the decoding sweep failed: {msg}", flush=True)
         return {"failed": msg}
 

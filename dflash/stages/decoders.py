@@ -22,12 +22,11 @@ says why not otherwise (run by hand there, the stage records that reason and com
 from __future__ import annotations
 
 import time
-import traceback
 
 import torch
 
 from ..artifacts.cache import compile_cache_dir
-from ..artifacts.manifest import atomic_write_text, write_manifest
+from ..artifacts.manifest import write_manifest
 from ..decode.generate import eos_ids_of
 from ..eval.evalsets import load_eval_sets
 from ..eval.serving import compile_ahead, sweep_arguments
@@ -37,7 +36,7 @@ from ..models.target import load_target, target_embeddings
 from ..runtime.device_memory import peak_device_memory
 from ..runtime.gate import get_gate
 from ..spec.types import no_decoders_stage
-from . import StageContext
+from . import StageContext, failure_line
 
 
 def random_drafter(spec, device: str) -> DFlashDrafter:
@@ -73,12 +72,9 @@ def run(ctx: StageContext) -> dict:
             rows = compile_ahead(tgt.model, drafter, **sweep_arguments(
                 b, tgt.tokenizer, first.prompts, eos_ids_of(tgt), embed, head))
         except Exception as e:  # noqa: BLE001 - recorded: the bench still runs, compiling itself
-            failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            path = ctx.results / "decoders" / "error.txt"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(path, traceback.format_exc())
-            print(f"[decoders] warning: compiling ahead failed ({failed}; traceback in {path}); "
-                  f"the bench stage compiles its decoders itself", flush=True)
+            failed = failure_line(e, ctx.results / "decoders" / "error.txt")
+            print(f"[decoders] warning: compiling ahead failed ({failed}); the bench stage "
+                  f"compiles its decoders itself", flush=True)
         phases["compile_s"] = round(time.perf_counter() - t, 3)
     else:
         print(f"[decoders] nothing to compile ahead: {skipped}", flush=True)
