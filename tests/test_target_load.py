@@ -11,7 +11,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from dflash.models.target import dropped_layer_keys, hf_config, load_target
+from dflash.models.target import _gguf_config, dropped_layer_keys, hf_config, load_target
 from dflash.spec.load import section_spec
 
 MICRO = section_spec("target", {"model": "llama-micro", "init": "random", "dtype": "float32",
@@ -127,3 +127,7 @@ def test_smollm2_config_is_read_without_converting_the_weights(tmp_path, monkeyp
     assert c.tie_word_embeddings and c.max_position_embeddings == 8192
     assert c.rms_norm_eps == pytest.approx(1e-5)    # the GGUF keeps it as a float32
     assert not list((tmp_path / "cache").glob("smollm2-*"))     # nothing converted
+    # read once a process (a memory estimate asks for it twice a spec), each caller a copy
+    hits = _gguf_config.cache_info().hits
+    c.num_hidden_layers = 1
+    assert hf_config(spec).num_hidden_layers == 30 and _gguf_config.cache_info().hits == hits + 1

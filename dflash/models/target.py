@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import importlib.metadata
 import importlib.util
 import inspect
@@ -127,8 +128,18 @@ def hf_config(target: TargetSpec):
         if (converted / "config.json").is_file():
             return AutoConfig.from_pretrained(converted)
         gguf = _smollm2_gguf()
-        return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        return copy.deepcopy(_gguf_config(str(gguf), gguf.stat().st_mtime_ns))
     return AutoConfig.from_pretrained(_user_dir(model))
+
+
+@functools.lru_cache(maxsize=4)
+def _gguf_config(path: str, mtime_ns: int):
+    """A GGUF's config, read once a process: parsing its metadata (the vocabulary's 49K strings
+    included) took ~3 s on the 2-core box, and a memory estimate asked twice per spec, for
+    every spec Snakemake schedules (``mtime_ns``: a replaced file is read again). Callers get a
+    copy (:func:`hf_config`)."""
+    gguf = Path(path)
+    return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 
 def default_layer_ids(num_target_layers: int, n: int) -> list[int]:
