@@ -162,21 +162,29 @@ _STAGE_BYTES = {}
 
 
 def _import_estimator():
-    """(dflash.train.budget.stage_memory or None where it cannot be imported, seconds taken)."""
+    """(dflash.train.budget.stage_memory or None where it cannot be imported, seconds taken),
+    each CUDA spec's target config read meanwhile (hf_config keeps a GGUF's, the ~3 s of the
+    first estimate: then an estimate is arithmetic)."""
     t0 = time.perf_counter()
     try:
         from dflash.train.budget import stage_memory
+        from dflash.models.target import hf_config
     except Exception:  # no estimate (say the target's package is not in this interpreter):
-        stage_memory = None  # the safe rule, every stage holds its GPU whole
+        return None, time.perf_counter() - t0  # the safe rule, every stage holds its GPU whole
+    for target in {s.target for s in SPECS.values() if set(s.machine_devices()) - {"cpu"}}:
+        try:
+            hf_config(target)
+        except Exception:  # that spec's estimate fails the same way later: its GPU whole
+            pass
     return stage_memory, time.perf_counter() - t0
 
 
 # Rounds 18 and 19 on an H200 waited 45 s and 36 s after the env stage before the warm-up and
 # data stage started (round 17's DAG, before the sharing, none). The one new work at that point
 # is the estimator: it imports torch and transformers into Snakemake's own process, which
-# schedules nothing meanwhile. The import starts here, in a thread, so the DAG's first job (env)
-# runs while it loads; device_share waits for it and logs what each estimate cost (the next
-# lease says whether that was the wait).
+# schedules nothing meanwhile. The import (and the reading of the targets' configs) starts here,
+# in a thread, so the DAG's first job (env) runs while it loads; device_share waits for it and
+# logs what each estimate cost (the next lease says whether that was the wait).
 _ESTIMATOR = (ThreadPoolExecutor(1, "estimator-import").submit(_import_estimator)
               if any(DEVICE_BYTES.values()) else None)
 
