@@ -12,7 +12,8 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
 from dflash.decode.generate import eos_ids_of
 from dflash.errors import DFlashError, SpecError
-from dflash.eval.evalsets import heldout_prompts, load_eval_sets, user_prompt
+from dflash.eval.evalsets import (_key, heldout_prompts, load_eval_sets, training_prompts,
+                                  user_prompt)
 from dflash.eval.report import ci, fmt, width_series, write_plots
 from dflash.eval.serving import verify_widths
 from dflash.decode.eager import speculative_generate
@@ -74,6 +75,17 @@ def test_eval_sets_mtbench_categories_humaneval_heldout(tmp_path):
     again, note = heldout_prompts(spec, tmp_path, tok, 5)
     assert len(again) == 5 and not any(p in used for p in again)
     assert again[:2] == first[3:5] and "3 training prompts excluded" in note
+
+
+def test_training_prompts_are_each_samples_prompt_ids_from_the_flat_column(tmp_path):
+    """The held-out set's exclusion keys: each row's first num_prompt_tokens ids (clamped to the
+    row, as a list slice is), whatever the parquet's int width, across row groups."""
+    rows = [[5, 6, 7, 1, 2], [5, 6, 9], [8]]
+    table = pa.table({"input_ids": pa.array(rows, type=pa.list_(pa.int32())),
+                      "num_prompt_tokens": [3, 2, 4]})
+    pq.write_table(table, tmp_path / "ds.parquet", row_group_size=2)
+    assert training_prompts(tmp_path / "ds.parquet") == {_key([5, 6, 7]), _key([5, 6]), _key([8])}
+    assert _key([5, 6, 7]) != _key([5, 6]) and _key((5, 6)) == _key([5, 6])
 
 
 def test_evaluate_tau_report_and_markdown(tmp_path, exported):

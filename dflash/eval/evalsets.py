@@ -32,6 +32,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import pyarrow.parquet as pq
 
 from ..data.prompts import CHATTERBOT, load_prompts, normalize, package_dir, render_prompt
@@ -196,6 +197,24 @@ def user_prompt(tokenizer, user_text: str) -> list[int]:
     return render_prompt(tokenizer, [{"role": "user", "content": user_text}])
 
 
+def _key(ids) -> bytes:
+    """A prompt's token ids as a set key: int64 bytes (no tuple of Python ints per prompt)."""
+    return np.asarray(ids, dtype=np.int64).tobytes()
+
+
+def training_prompts(ds_path: Path) -> set[bytes]:
+    """Every training sample's prompt (its first ``num_prompt_tokens`` ids) as :func:`_key`,
+    sliced from the parquet's flat id column: 15.4M ids a steered quality dataset, which a
+    Python list of lists took ~1.2 s to build on the 2-core box before the first lookup, at the
+    τ monitor's set-up (on the train stage's path) and the bench's held-out set alike."""
+    t = pq.read_table(ds_path, columns=["input_ids", "num_prompt_tokens"])
+    col = t["input_ids"].combine_chunks()
+    values = col.values.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+    offsets = col.offsets.to_numpy()
+    ends = np.minimum(offsets[:-1] + t["num_prompt_tokens"].to_numpy(), offsets[1:])
+    return {values[a:b].tobytes() for a, b in zip(offsets[:-1].tolist(), ends.tolist())}
+
+
 def heldout_prompts(spec, results_dir: Path | None, tokenizer, n: int) -> tuple[list[list[int]],
                                                                                 str]:
     """Up to ``n`` prompts of the training source that the training data does not contain.
@@ -214,12 +233,8 @@ def heldout_prompts(spec, results_dir: Path | None, tokenizer, n: int) -> tuple[
     if not held:
         return [], f"data sources {srcs} have no prompt file to hold prompts out of"
     src = held[0]
-    used: set[tuple[int, ...]] = set()
     ds_path = Path(results_dir) / "data" / "dataset.parquet" if results_dir else None
-    if ds_path is not None and ds_path.is_file():
-        t = pq.read_table(ds_path, columns=["input_ids", "num_prompt_tokens"])
-        for ids, npt in zip(t["input_ids"].to_pylist(), t["num_prompt_tokens"].to_pylist()):
-            used.add(tuple(ids[:npt]))
+    used = training_prompts(ds_path) if ds_path is not None and ds_path.is_file() else set()
     prompts, _ = load_prompts(src, 10_000_000, spec.seed, 1.0)
     out: list[list[int]] = []
     for p in reversed(prompts):
@@ -228,7 +243,7 @@ def heldout_prompts(spec, results_dir: Path | None, tokenizer, n: int) -> tuple[
         if any(m["role"] == "user" and is_mtbench(m["content"]) for m in p.messages):
             continue
         ids = render_prompt(tokenizer, p.messages)
-        if tuple(ids) in used or len(ids) > d.max_prompt_tokens:
+        if _key(ids) in used or len(ids) > d.max_prompt_tokens:
             continue
         out.append(ids)
     note = (f"{len(out)} prompts of {src} not in the training data ({len(used)} training "
