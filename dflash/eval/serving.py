@@ -23,7 +23,9 @@ engine, 5–22 s each on the H200 for SmolLM2-135M in round 17; ``"dynamic"``: t
 after the first two reuse symbolic graphs and only capture), each with one warm and one timed
 decode of ``max(batch, min_prompts)`` prompts, and HF's static-cache generate only at the
 batch sizes in ``hf_batches`` (default batch 1: each other batch size was one more transformers
-compile and one more slow timed run, for a reference the goal reads at batch 1 only).
+compile and one more slow timed run, for a reference the goal reads at batch 1 only). Those
+compiles are made ahead, in another process, by :func:`compile_ahead` (the decoders stage,
+beside the data stage): the same :func:`decoder_plan`, so the sweep loads their kernels.
 """
 from __future__ import annotations
 
