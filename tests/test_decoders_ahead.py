@@ -9,10 +9,10 @@ import sys
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from torch._dynamo.utils import counters
-
+from dflash.artifacts.manifest import read_manifest
 from dflash.decode.speculative import verify_width
 from dflash.eval.serving import compile_ahead, decoder_plan, sweep
 from dflash.models.drafter import DFlashConfig, DFlashDrafter
@@ -20,7 +20,6 @@ from dflash.runtime import resources
 from dflash.runtime.harness import REPO, copy_workflow, snakemake, units_held
 from dflash.spec.load import load_spec
 from dflash.spec.types import no_decoders_stage
-from dflash.artifacts.manifest import read_manifest
 from dflash.stages import StageContext, decoders, failure_line
 from dflash.stages.bench import decoders_ahead
 from dflash.train.budget import stage_memory
