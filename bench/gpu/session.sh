@@ -118,7 +118,11 @@ plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the 
   #    ahead cache with other weights (bench.decoders_ahead; random SmolLM2-shaped models, 8
   #    layers, batch 16, the sweep's widths; the CPU box: bench/results/cpu/decoders_ahead/); ~150 s
   when 150 200 warm_cache
-  # 3. the in-domain code drafter at the new recipe (HumanEval ≥ 3.5): data ~260 s, train
+  # 3. the H200's figures of two CPU-box measurements, ~60 s: a step's stall at a checkpoint
+  #    (in the step vs the background writer, with the device-to-host snapshot) and the memory
+  #    estimates Snakemake makes before the warm-up and data stage on a fresh cache
+  when 60 90 small_probes
+  # 4. the in-domain code drafter at the new recipe (HumanEval ≥ 3.5): data ~260 s, train
   #    ~450 s, bench ~110 s (HumanEval first)
   when 820 900 bench_run smollm2-code code 900
   stamp "done"
@@ -150,6 +154,16 @@ warm_cache() {  # the decoders stage's lever A/B on one machine (bench.decoders_
   timeout -k 20 $(left 200) python3 -W ignore -m bench.decoders_ahead --drafter-layers 8 \
     --batches 16 --widths 4,8 --out "$RES/decoders_ahead.json" > "$RES/decoders_ahead.log" 2>&1
   stamp "decoders_ahead rc=$?: $(tail -n 1 "$RES/decoders_ahead.log")"
+}
+
+small_probes() {  # bench.checkpoint_stall and bench.estimate_cost on this machine
+  timeout -k 10 $(left 60) python3 -W ignore -m bench.checkpoint_stall \
+    --spec specs/smollm2-quality.yaml --repeats 4 --out "$RES/checkpoint_stall.json" \
+    > "$RES/checkpoint_stall.log" 2>&1
+  stamp "checkpoint_stall rc=$?: $(tail -n 1 "$RES/checkpoint_stall.log")"
+  timeout -k 10 $(left 30) python3 -W ignore -m bench.estimate_cost specs/smollm2-quality.yaml \
+    specs/smollm2-code.yaml --out "$RES/estimate_cost.json" > "$RES/estimate_cost.log" 2>&1
+  stamp "estimate_cost rc=$?: $(tail -n 1 "$RES/estimate_cost.log")"
 }
 
 head_chunks() {  # #34: the captured drafter step (bench.gpu.loss_step's graph arm, SmolLM2's
