@@ -15,7 +15,7 @@ same figure of each arm (``report_train_minutes``): like against like, across tw
 
 Round 19 ran only data arms (the steered prompts, alone and with γ 4 and 8 layers): no arm there
 can share the ref's dataset. It borrows round 17's run of the sweep's base spec (a ``ref`` arm
-in all but name: bench/ablation_table.py's ``base_as_ref``), and the dataset rule becomes: when
+in all but name: bench/ablation_files.py's ``base_as_ref``), and the dataset rule becomes: when
 every arm of the sweep in the folder changes ``data``, the lent dataset must have been made
 byte-identical by two committed runs (data generation reproduces across leases: rounds 16 and
 17 wrote the base's, rounds 18 and 19 the steered one, each pair with one sha256), so it is the
@@ -30,8 +30,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.ablation_table import (H200, REPO, _by_category, _rel, base_as_ref, overrides,
-                                  read_json, sibling, taus)
+from bench.ablation_files import (H200, REPO, base_as_ref, by_category, overrides, read_json,
+                                  rel, sibling, taus)
 from dflash.errors import DFlashError
 from dflash.spec.sweeps import load_sweep
 
@@ -45,7 +45,7 @@ def _data_manifest(report: Path, where: Path) -> tuple[dict, str]:
     manifest = read_json(path) if path.is_file() else {}
     sha = (manifest.get("dataset") or {}).get("sha256")
     if not sha:
-        raise DFlashError(f"{where}: {_rel(path)} has no dataset.sha256")
+        raise DFlashError(f"{where}: {rel(path)} has no dataset.sha256")
     return manifest, sha
 
 
@@ -78,7 +78,7 @@ def lent_ref(folder: Path, rows: list[dict]) -> dict | None:
     steps = rep["step_time"]
     acc = rep["acceptance"]
     return {
-        "arm": "ref", "sweep": sweep, "folder": _rel(folder), "ref_from": _rel(report),
+        "arm": "ref", "sweep": sweep, "folder": rel(folder), "ref_from": rel(report),
         "why": doc["why"], "cost_basis": COST_BASIS,
         # steady-state tokens/s × the steps' mean time: the lender's counters did not come back
         "target_tokens": round(rep["tokens_per_s"] * steps["mean_s"] * steps["steps"]),
@@ -88,8 +88,8 @@ def lent_ref(folder: Path, rows: list[dict]) -> dict | None:
         "data_seconds": data["seconds"], "data_checksum": lent, "data_sha256": lent,
         "data_shared_by": 1,
         "tau": taus(acc["sets"]),
-        "mtbench_by_category": _by_category(acc["sets"], "mtbench"),
-        "train_by_category": _by_category(acc["sets"], "train"),
+        "mtbench_by_category": by_category(acc["sets"], "mtbench"),
+        "train_by_category": by_category(acc["sets"], "train"),
         "while_training": [],
     }
 

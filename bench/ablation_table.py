@@ -37,22 +37,18 @@ import math
 from functools import partial
 from pathlib import Path
 
-import yaml
-
 from bench import md_block
+from bench.ablation_files import (H200, REPO, SETS, arms, base_as_ref, by_category, has_train_files,
+                                  metrics_of, overrides, read_json, rel, sibling, timeline, taus)
 from bench.ablation_plot import plot
+from bench.ablation_ref import lent_ref
 from bench.entry import run
 from bench.figures_from_log import CUT, as_report
 from bench.metrics_file import read_metrics
-from dflash.errors import DFlashError
 
-REPO = Path(__file__).resolve().parents[1]
-
-H200 = REPO / "bench" / "results" / "h200"
 OUT_JSON = H200 / "ablation.json"
 OUT_PNG = H200 / "tau_vs_gpu_minutes.png"
 BEGIN, END = "<!-- ours:ablation:begin -->", "<!-- ours:ablation:end -->"
-SETS = ("mtbench", "humaneval", "heldout", "train")
 MTBENCH_ORDER = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
                  "humanities")  # question.jsonl's order
 WIN_MTBENCH = 0.05
@@ -61,60 +57,6 @@ CHECKPOINT_EVERY = 500  # checkpoint.every_steps of specs/smollm2-quality.yaml (
 # the full-budget runs beside the arms: folder under H200, label, epochs (their README says 3)
 RUNS = ({"folder": "smollm2-quality-run1", "label": "3 epochs (run 1)", "epochs": 3},
         {"folder": "smollm2-quality-run2", "label": "3 epochs (run 2)", "epochs": 3})
-
-
-def _rel(path: Path) -> str:
-    p = Path(path).resolve()
-    return str(p.relative_to(REPO)) if p.is_relative_to(REPO) else str(p)
-
-
-def read_json(path: Path) -> dict:
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise DFlashError(f"{path}: not readable JSON ({type(e).__name__}: {e})") from None
-
-
-def sibling(report: Path, stage: str, name: str) -> Path:
-    """``<arm>__<stage>__<name>`` beside ``<arm>__bench__report.json`` (or its figures)."""
-    return report.with_name(report.name.replace("__bench__report.json", f"__{stage}__{name}")
-                            .replace(CUT, f"__{stage}__{name}"))
-
-
-def has_train_files(report: Path) -> bool:
-    """Whether the train manifest beside a report came back (round 13's ref arm: the machine was
-    lost while its train folder was set aside; not tabled, listed in ``without_train_files``)."""
-    return sibling(report, "train", "manifest.json").is_file()
-
-
-def metrics_of(report: Path) -> list[dict]:
-    for name in ("metrics.jsonl.gz", "metrics.jsonl"):
-        if (p := sibling(report, "train", name)).is_file():
-            return read_metrics(p)
-    raise DFlashError(f"{sibling(report, 'train', 'metrics.jsonl[.gz]')}: missing")
-
-
-def timeline(metrics: list[dict]) -> dict[int, tuple[float, int]]:
-    """step -> (training seconds so far, target tokens so far). ``t`` restarts at 0 when a
-    train stage resumes from a checkpoint: each segment's seconds add up (a step logged twice,
-    replayed after the resume, keeps its last figures)."""
-    out, before, prev, tokens = {}, 0.0, 0.0, 0
-    for m in metrics:
-        if m["t"] < prev:  # a new segment (resumed)
-            before += prev
-        prev = m["t"]
-        tokens += m["tokens"]
-        out[m["step"]] = (before + m["t"], tokens)
-    return out
-
-
-def taus(sets: dict) -> dict:
-    return {s: round(sets[s]["tau"], 4) if sets.get(s, {}).get("tau") is not None else None
-            for s in SETS}
-
-
-def _by_category(sets: dict, name: str) -> dict:
-    return {c: round(t, 4) for c, t in (sets.get(name, {}).get("tau_by_category") or {}).items()}
 
 
 def gpu_shares(spans: dict[str, tuple[float, float]]) -> dict[str, float]:
@@ -151,11 +93,11 @@ def arm_rows(folder: Path, sweeps: list[str]) -> list[dict]:
             if base is not None and rep.get("spec") == base:
                 rows.append(dict(_row(rep_path, rep, sweep, "ref", folder, spans),
                                  ref_from=base))
-    order = {sw: list(_arms(sw)) for sw in {r["sweep"] for r in rows}}
+    order = {sw: list(arms(sw)) for sw in {r["sweep"] for r in rows}}
     rows.sort(key=lambda r: (r["sweep"], order[r["sweep"]].index(r["arm"])
                              if r["arm"] in order[r["sweep"]] else len(order[r["sweep"]])))
     shares = gpu_shares(spans)
-    lent = None if any(r["arm"] == "ref" for r in rows) else _lent_ref(folder, rows)
+    lent = None if any(r["arm"] == "ref" for r in rows) else lent_ref(folder, rows)
     spans_by_data = {o["data_checksum"]: o["data_span"] for o in rows}
     for r in rows:
         r["gpu_share"] = round(shares[r["arm"]], 4)
@@ -169,11 +111,6 @@ def arm_rows(folder: Path, sweeps: list[str]) -> list[dict]:
     return rows + ([lent] if lent else [])
 
 
-def _lent_ref(folder: Path, rows: list[dict]) -> dict | None:
-    from bench.ablation_ref import lent_ref  # noqa: PLC0415 - it builds on this module's readers
-    return lent_ref(folder, rows)
-
-
 def _row(rep_path: Path, rep: dict, sweep: str, arm: str, folder: Path, spans: dict) -> dict:
     """One arm's row from its report and the stage files beside it (``spans`` gets its train
     stage's span, for the GPU shares)."""
@@ -184,7 +121,7 @@ def _row(rep_path: Path, rep: dict, sweep: str, arm: str, folder: Path, spans: d
     spans[arm] = (train["created_unix"] - train["wall_s"], train["created_unix"])
     acc = rep["acceptance"]
     return {
-        "arm": arm, "sweep": sweep, "folder": _rel(folder),
+        "arm": arm, "sweep": sweep, "folder": rel(folder),
         "target_tokens": train.get("counters", {}).get("tokens", last[1]),
         "steps": len(line), "train_step_seconds": round(last[0], 2),
         "data_seconds": data["seconds"], "data_checksum": data["checksum"],
@@ -192,28 +129,13 @@ def _row(rep_path: Path, rep: dict, sweep: str, arm: str, folder: Path, spans: d
         "report_train_minutes": (rep.get("gpu_minutes") or {}).get("train"),
         "data_span": [round(data["created_unix"] - data["seconds"], 1), data["created_unix"]],
         "tau": taus(acc["sets"]),
-        "mtbench_by_category": _by_category(acc["sets"], "mtbench"),
-        "train_by_category": _by_category(acc["sets"], "train"),
+        "mtbench_by_category": by_category(acc["sets"], "mtbench"),
+        "train_by_category": by_category(acc["sets"], "train"),
         "while_training": [{"step": p["step"], "t": line[p["step"]][0],
                             "target_tokens": line[p["step"]][1],
                             "tau_heldout": round(p["tau"], 4)}
                            for p in rep.get("tau_while_training", [])],
     }
-
-
-def base_as_ref(sweep: str) -> str | None:
-    """The sweep's base spec, when its run trains exactly as the ``ref`` arm would: ``ref`` has
-    no overrides and the sweep-wide ones touch only ``bench`` (how τ and decoding are measured,
-    never the training or the data). None otherwise."""
-    path = REPO / "sweeps" / f"{sweep}.yaml"
-    try:
-        doc = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as e:
-        raise DFlashError(f"{path}: not a readable sweep ({type(e).__name__}: {e})") from None
-    arms = doc.get("arms") or {}
-    if "ref" not in arms or arms["ref"] or set(doc.get("overrides") or {}) - {"bench"}:
-        return None
-    return doc.get("base")
 
 
 def run_row(run: dict) -> dict:
@@ -225,7 +147,7 @@ def run_row(run: dict) -> dict:
         rep = read_json(folder / "report.json")
         tau, seconds = taus(rep["acceptance"]["sets"]), metrics[-1]["t"]
         tokens = sum(m["tokens"] for m in metrics)
-        cats = _by_category(rep["acceptance"]["sets"], "mtbench")
+        cats = by_category(rep["acceptance"]["sets"], "mtbench")
     else:  # run 2: call 2 logged steps 0..k; call 3 resumed from the last checkpoint <= k
         fig = read_json(folder / "figures.json")
         tau = {s: fig["tau"].get(s, {}).get("tau_simulated") for s in SETS}
@@ -235,36 +157,10 @@ def run_row(run: dict) -> dict:
         tokens = read_json(folder / "data__manifest.json")["tokens"]["total_tokens"] * run[
             "epochs"]
         cats = {}
-    return {"arm": run["label"], "folder": _rel(folder), "target_tokens": tokens,
+    return {"arm": run["label"], "folder": rel(folder), "target_tokens": tokens,
             "train_step_seconds": round(seconds, 2), "gpu_share": 1.0,
             "gpu_minutes": round(seconds / 60, 3), "tau": tau,
             "mtbench_by_category": cats}
-
-
-def _arms(sweep: str) -> dict:
-    """sweeps/<sweep>.yaml's arms (name -> overrides), in file order."""
-    path = REPO / "sweeps" / f"{sweep}.yaml"
-    try:
-        return (yaml.safe_load(path.read_text()) or {}).get("arms") or {}
-    except (OSError, yaml.YAMLError) as e:
-        raise DFlashError(f"{path}: not a readable sweep ({type(e).__name__}: {e})") from None
-
-
-def overrides(sweep: str, arm: str) -> dict:
-    """The arm's fields in sweeps/<sweep>.yaml, flattened (``loss.kind: kd``): what a winner
-    would apply to the defaults or the quality spec."""
-    arms = _arms(sweep)
-    out: dict = {}
-
-    def flat(prefix: str, v) -> None:
-        if isinstance(v, dict):
-            for k, x in v.items():
-                flat(f"{prefix}.{k}" if prefix else k, x)
-        else:
-            out[prefix] = v
-    flat("", (arms or {}).get(arm) or {})
-    out.pop("bench.protocols", None)  # how the ref arm is measured, not a recipe change
-    return out
 
 
 def verdict(row: dict, ref: dict | None) -> tuple[dict, str]:
@@ -364,7 +260,7 @@ def collect() -> dict:
                            "at once split each second evenly); the data stage apart",
             "tau_per_doubling": slope,
             "arms": arms, "runs": runs, "curve": curve(arms),
-            "without_train_files": [_rel(p) for p in reports if not has_train_files(p)]}
+            "without_train_files": [rel(p) for p in reports if not has_train_files(p)]}
 
 
 def _f(x, fmt="{:.3f}") -> str:

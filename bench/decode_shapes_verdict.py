@@ -18,7 +18,7 @@ import argparse
 import math
 from pathlib import Path
 
-from bench.ablation_table import read_json
+from bench.ablation_files import read_json
 from bench.entry import run, write_result
 from dflash.errors import DFlashError
 

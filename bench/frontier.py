@@ -30,7 +30,7 @@ from functools import partial
 from pathlib import Path
 
 from bench import md_block
-from bench.ablation_table import H200, REPO, metrics_of, read_json, sibling, timeline
+from bench.ablation_files import H200, REPO, metrics_of, read_json, sibling, timeline
 from bench.metrics_file import read_metrics
 from bench.entry import run
 from bench.figures_from_log import figures

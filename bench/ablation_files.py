@@ -1,0 +1,117 @@
+"""The committed H200 files the recipe ablations are read from, and the sweep files' arms:
+one room for the readers that bench/ablation_table.py (the table), bench/ablation_ref.py (a
+lent ref) and bench/frontier.py (the frontier) share, so none of them imports another's.
+
+A bench stage's files sit beside its report as ``<arm>__<stage>__<name>`` (bench/gpu/session.sh's
+naming); a report cut after its first τ sets is ``<arm>__bench__figures.json``
+(bench/figures_from_log.py).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from bench.figures_from_log import CUT
+from bench.metrics_file import read_metrics
+from dflash.errors import DFlashError
+
+REPO = Path(__file__).resolve().parents[1]
+H200 = REPO / "bench" / "results" / "h200"
+SETS = ("mtbench", "humaneval", "heldout", "train")
+
+
+def rel(path: Path) -> str:
+    p = Path(path).resolve()
+    return str(p.relative_to(REPO)) if p.is_relative_to(REPO) else str(p)
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise DFlashError(f"{path}: not readable JSON ({type(e).__name__}: {e})") from None
+
+
+def sibling(report: Path, stage: str, name: str) -> Path:
+    """``<arm>__<stage>__<name>`` beside ``<arm>__bench__report.json`` (or its figures)."""
+    return report.with_name(report.name.replace("__bench__report.json", f"__{stage}__{name}")
+                            .replace(CUT, f"__{stage}__{name}"))
+
+
+def has_train_files(report: Path) -> bool:
+    """Whether the train manifest beside a report came back (round 13's ref arm: the machine was
+    lost while its train folder was set aside; not tabled, listed in ``without_train_files``)."""
+    return sibling(report, "train", "manifest.json").is_file()
+
+
+def metrics_of(report: Path) -> list[dict]:
+    for name in ("metrics.jsonl.gz", "metrics.jsonl"):
+        if (p := sibling(report, "train", name)).is_file():
+            return read_metrics(p)
+    raise DFlashError(f"{sibling(report, 'train', 'metrics.jsonl[.gz]')}: missing")
+
+
+def timeline(metrics: list[dict]) -> dict[int, tuple[float, int]]:
+    """step -> (training seconds so far, target tokens so far). ``t`` restarts at 0 when a
+    train stage resumes from a checkpoint: each segment's seconds add up (a step logged twice,
+    replayed after the resume, keeps its last figures)."""
+    out, before, prev, tokens = {}, 0.0, 0.0, 0
+    for m in metrics:
+        if m["t"] < prev:  # a new segment (resumed)
+            before += prev
+        prev = m["t"]
+        tokens += m["tokens"]
+        out[m["step"]] = (before + m["t"], tokens)
+    return out
+
+
+def taus(sets: dict) -> dict:
+    return {s: round(sets[s]["tau"], 4) if sets.get(s, {}).get("tau") is not None else None
+            for s in SETS}
+
+
+def by_category(sets: dict, name: str) -> dict:
+    return {c: round(t, 4) for c, t in (sets.get(name, {}).get("tau_by_category") or {}).items()}
+
+
+def base_as_ref(sweep: str) -> str | None:
+    """The sweep's base spec, when its run trains exactly as the ``ref`` arm would: ``ref`` has
+    no overrides and the sweep-wide ones touch only ``bench`` (how τ and decoding are measured,
+    never the training or the data). None otherwise."""
+    path = REPO / "sweeps" / f"{sweep}.yaml"
+    try:
+        doc = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise DFlashError(f"{path}: not a readable sweep ({type(e).__name__}: {e})") from None
+    arms = doc.get("arms") or {}
+    if "ref" not in arms or arms["ref"] or set(doc.get("overrides") or {}) - {"bench"}:
+        return None
+    return doc.get("base")
+
+
+def arms(sweep: str) -> dict:
+    """sweeps/<sweep>.yaml's arms (name -> overrides), in file order."""
+    path = REPO / "sweeps" / f"{sweep}.yaml"
+    try:
+        return (yaml.safe_load(path.read_text()) or {}).get("arms") or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise DFlashError(f"{path}: not a readable sweep ({type(e).__name__}: {e})") from None
+
+
+def overrides(sweep: str, arm: str) -> dict:
+    """The arm's fields in sweeps/<sweep>.yaml, flattened (``loss.kind: kd``): what a winner
+    would apply to the defaults or the quality spec."""
+    found = arms(sweep)
+    out: dict = {}
+
+    def flat(prefix: str, v) -> None:
+        if isinstance(v, dict):
+            for k, x in v.items():
+                flat(f"{prefix}.{k}" if prefix else k, x)
+        else:
+            out[prefix] = v
+    flat("", (found or {}).get(arm) or {})
+    # bench.*: how an arm is measured (the epochs9 arm's whole bench), never a recipe change
+    return {k: v for k, v in out.items() if not k.startswith("bench.")}
