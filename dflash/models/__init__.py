@@ -1,5 +1,6 @@
 """models: the networks. The frozen target (which model, GGUF conversion, loading, the feature
-layer rule: target.py; features and soft labels on packed rows: features.py; captured per row
+layer rule: target.py; features and soft labels on packed rows: features.py; the FlexAttention
+interface it registers with transformers: flex_interface.py; captured per row
 length: target_graph.py; what it hands the drafter: target_output.py), the spec's dtype names
 (dtypes), the DFlash drafter (config, layers, export/import and its content check; `dflash
 export-check`: export_check.py), the decoder layer's math that the feature extractor and

@@ -1,7 +1,8 @@
 """The target's features on packed rows: :class:`FeatureExtractor` (the feature layers' hidden
-states, and soft labels for a distilling objective, from one forward), the compiled per-layer
-path (:func:`packed_layer`, one regional compile shared by every layer) and the FlexAttention
-interface that :func:`dflash.models.target.load_target` registers for ``attention="flex"``.
+states, and soft labels for a distilling objective, from one forward) and the compiled per-layer
+path (:func:`packed_layer`, one regional compile shared by every layer). The FlexAttention
+interface :func:`dflash.models.target.load_target` registers for ``attention="flex"`` is
+:mod:`dflash.models.flex_interface`.
 """
 from __future__ import annotations
 
@@ -11,34 +12,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
-from transformers import AttentionInterface
 
 from .. import settings
 from ..errors import SpecError
 from ..spec.types import TargetSpec
 from .layers import compile_region, out_mlp, qkv, rope_of, unsupported_reason
-from .masks import compiled_flex_attention, document_block_mask, document_dense_mask
+from .masks import document_block_mask, document_dense_mask
 from .target_output import SoftLabels, TargetOutput, soft_positions
 
 if TYPE_CHECKING:
     from .target import Target
-
-
-FLEX_IMPL = "packed_doc_flex"  # must not contain "flash": transformers reads that as flash-attn
-
-
-def _flex_attention_forward(module, query, key, value, attention_mask, scaling=None,
-                            dropout=0.0, **_kwargs):
-    """transformers attention interface: q/k/v [B, heads, L, D] -> ([B, L, heads, D], None)."""
-    out = compiled_flex_attention()(query, key, value, block_mask=attention_mask,
-                                    scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
-                                    kernel_options=settings.flex_kernel_options())
-    return out.transpose(1, 2).contiguous(), None
-
-
-def register_flex() -> str:
-    AttentionInterface.register(FLEX_IMPL, _flex_attention_forward)
-    return FLEX_IMPL
 
 
 def packed_layer(layer, x, cos, sin, rope, mask, kernel_options=None):

@@ -213,7 +213,7 @@ def load_target(target: TargetSpec, device: str, seed: int = 0,
                 attention: str = "sdpa") -> Target:
     """Load the frozen target on ``device``.
 
-    ``attention`` "flex" loads it with the FlexAttention interface below: its forward then needs
+    ``attention`` "flex" loads it with :mod:`dflash.models.flex_interface`: its forward then needs
     a document BlockMask (:class:`FeatureExtractor` builds it); generation keeps "sdpa".
 
     ``num_layers`` truncates the decoder to its first layers: a feature-only worker needs layers
@@ -223,7 +223,7 @@ def load_target(target: TargetSpec, device: str, seed: int = 0,
     if attention == "flex":
         # here only: the flex interface loads transformers' modeling code (~1 s), and validate and
         # the budgets import this module for the config and the layer rule alone
-        from .features import register_flex
+        from .flex_interface import register_flex
 
         impl = register_flex()
     else:
