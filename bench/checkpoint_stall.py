@@ -9,6 +9,9 @@ off the device; on the CPU it is a host copy.
 
     python -m bench.checkpoint_stall --spec specs/smollm2-quality.yaml \
         --out bench/results/cpu/checkpoint_stall/cpu.json
+
+``--metrics FILE --every N`` reads the stalls off a committed run instead: each checkpoint
+step's time (metrics.jsonl's ``t``, a step to the next) less the run's median step time.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from types import SimpleNamespace
 import torch
 
 from bench.entry import run, write_result
+from bench.metrics_file import read_metrics
 from dflash.models.drafter import DFlashConfig, DFlashDrafter
 from dflash.spec.load import load_spec
 from dflash.train import checkpoint as ckpt
@@ -46,12 +50,35 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def stalls_of_run(metrics: list[dict], every: int) -> dict:
+    """A run's stall at each checkpoint (written after steps every-1, 2·every-1, ...): that
+    step's time to the next less the median step time (a resumed run's restarted ``t`` skipped)."""
+    dt = {a["step"]: b["t"] - a["t"] for a, b in zip(metrics, metrics[1:]) if b["t"] >= a["t"]}
+    median = statistics.median(dt.values())
+    at = [s for s in sorted(dt) if (s + 1) % every == 0]
+    excess = [round(dt[s] - median, 4) for s in at]
+    return {"every": every, "median_step_s": round(median, 5), "checkpoints": len(at),
+            "stall_s": excess, "stall_median_s": round(statistics.median(excess), 4),
+            "stall_total_s": round(sum(excess), 3)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--spec", default="specs/smollm2-quality.yaml")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--metrics", type=Path, help="a committed run's metrics.jsonl[.gz]")
+    ap.add_argument("--every", type=int, default=500, help="its checkpoint.every_steps")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
+    if a.metrics:
+        out = {"command": "python -m bench.checkpoint_stall " + " ".join(
+            argv if argv is not None else sys.argv[1:]), "metrics": str(a.metrics),
+            **stalls_of_run(read_metrics(a.metrics), a.every)}
+        print(f"{out['checkpoints']} checkpoints: median stall {out['stall_median_s']:.3f} s, "
+              f"{out['stall_total_s']:.1f} s in all (median step {out['median_step_s']:.4f} s)")
+        if a.out:
+            write_result(a.out, out)
+        return 0
     device = "cuda" if torch.cuda.is_available() else "cpu"
     spec = load_spec(a.spec)
     rep = replica(spec, device)

@@ -3,7 +3,7 @@ rule bench:
     input:
         env=f"{RESULTS}/{{spec}}/env/manifest.json",
         train=f"{RESULTS}/{{spec}}/train/manifest.json",
-        decoders=decoders_ahead,  # its decoding sweep compiled ahead (CUDA specs only)
+        decoders=decoders_input,  # its decoding sweep compiled ahead (CUDA specs only)
     output:
         json=report(f"{RESULTS}/{{spec}}/bench/report.json", caption="../report/report_json.rst",
                     category="Benchmark", subcategory="{spec}"),

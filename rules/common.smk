@@ -284,7 +284,7 @@ def default_outputs(wc):
     return bench_outputs(DEFAULT_SPEC)
 
 
-def decoders_ahead(wc):
+def decoders_input(wc):
     """The bench's input from the decoders stage (its decoding sweep compiled ahead, beside the
     data stage): the manifest where the spec has the stage (dflash.spec.types.no_decoders_stage),
     else nothing, so a CPU spec's DAG has no such job."""

@@ -1,6 +1,6 @@
 # Stage 3b: the bench's decoding sweep compiled ahead with a random drafter of the spec's shape,
 # into the env's compile cache, beside the data stage; the bench then loads its kernels. Only a
-# spec whose bench compiles a sweep on CUDA has this job (decoders_ahead in rules/common.smk).
+# spec whose bench compiles a sweep on CUDA has this job (decoders_input in rules/common.smk).
 rule decoders:
     input:
         intact=intact("decoders"),  # damaged output -> set aside -> rerun
