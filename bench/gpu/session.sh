@@ -129,6 +129,18 @@ plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the 
 }
 
 
+plan_code() {  # a hold too short for the candidate's whole DAG (round 20: two starts that failed
+  # and a machine taken back mid-launch left ~1,150 s of the 1,800): the in-domain code drafter at
+  # the new recipe first (#35 item 3, HumanEval >= 3.5; ~850 s on an H200 by round 19's stamps:
+  # env, data ~270, train ~460, bench ~110 with HumanEval first, whose τ its log prints as soon as
+  # it is measured), then the small probes and the decoders' A/B if time is left
+  begin "start (code)"
+  when 700 1000 bench_run smollm2-code code 1000
+  when 60 90 small_probes
+  when 150 200 warm_cache
+  stamp "done"
+}
+
 shapes_ab() {  # bench.gpu.decode_speed with static, then dynamic shapes: random SmolLM2-135M-shaped
   # models (5-layer drafter, block 16), batches 4/16/64, target-only and the full block (a
   # narrower verify is one more decoder of the same kind); 165 s each, each with its own empty
@@ -308,6 +320,7 @@ launch)
   sleep 5; watch
   ;;
 plan) plan ;;
+plan_code) plan_code ;;
 plan_rest) plan_rest ;;
 watch) trap pack EXIT; watch ;;
 esac
