@@ -133,9 +133,11 @@ plan_code() {  # a hold too short for the candidate's whole DAG (round 20: two s
   # and a machine taken back mid-launch left ~1,150 s of the 1,800): the in-domain code drafter at
   # the new recipe first (#35 item 3, HumanEval >= 3.5; ~850 s on an H200 by round 19's stamps:
   # env, data ~270, train ~460, bench ~110 with HumanEval first, whose τ its log prints as soon as
-  # it is measured), then the small probes and the decoders' A/B if time is left
+  # it is measured), then the small probes and the decoders' A/B if time is left; a plan under
+  # 850 s runs the recipe sweep's code-3ep arm instead (the same data stage, 3 epochs: ~630 s)
   begin "start (code)"
-  when 700 1000 bench_run smollm2-code code 1000
+  if [ $(left 1000) -ge 850 ]; then bench_run smollm2-code code 1000
+  else when 560 800 arm code-3ep 800; fi
   when 60 90 small_probes
   when 150 200 warm_cache
   stamp "done"
