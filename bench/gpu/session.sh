@@ -143,6 +143,14 @@ plan_code() {  # a hold too short for the candidate's whole DAG (round 20: two s
   stamp "done"
 }
 
+plan_levers() {  # a hold too short for any τ run (round 20: ~650 s of plan after five failed
+  # starts and a machine taken back): the H200's figures of this week's CPU-box levers alone
+  begin "start (levers)"
+  when 150 240 warm_cache
+  when 60 90 small_probes
+  stamp "done"
+}
+
 shapes_ab() {  # bench.gpu.decode_speed with static, then dynamic shapes: random SmolLM2-135M-shaped
   # models (5-layer drafter, block 16), batches 4/16/64, target-only and the full block (a
   # narrower verify is one more decoder of the same kind); 165 s each, each with its own empty
@@ -323,6 +331,7 @@ launch)
   ;;
 plan) plan ;;
 plan_code) plan_code ;;
+plan_levers) plan_levers ;;
 plan_rest) plan_rest ;;
 watch) trap pack EXIT; watch ;;
 esac
