@@ -168,13 +168,13 @@ def test_repo_sweeps_validate():
     # the base's 30.6K steered prompts since round 19 (steered-gamma4-depth8's): only prompts1x
     # (round 13's 20.6K) and round17 (the same count unsteered) have a data stage of their own;
     # the arms that became the base (gamma4, depth8, steered, steered-gamma4-depth8) equal ref
-    # code-3ep: the code spec's data stage, shared with specs/smollm2-code.yaml by content
-    own_data = ("prompts1x", "round17", "code-3ep")
+    # code-2ep: the code spec's data stage, shared with specs/smollm2-code.yaml by content
+    own_data = ("prompts1x", "round17", "code-2ep")
     assert len({s.fingerprint("data") for k, s in recipe.items() if k not in own_data}) == 1
     assert len({recipe[k].fingerprint("data") for k in ("ref",) + own_data}) == 4
     code = load_spec(REPO / "specs" / "smollm2-code.yaml")
-    assert all(recipe["code-3ep"].fingerprint(st) == code.fingerprint(st) for st in ("data", "warmup"))
-    assert (recipe["code-3ep"].optim.epochs, code.optim.epochs) == (3, 6)
+    assert all(recipe["code-2ep"].fingerprint(st) == code.fingerprint(st) for st in ("data", "warmup"))
+    assert (recipe["code-2ep"].optim.epochs, code.optim.epochs) == (2, 6)
     for arm in ("gamma4", "depth8", "steered", "steered-gamma4-depth8"):
         assert all(recipe[arm].fingerprint(st) == recipe["ref"].fingerprint(st)
                    for st in ("data", "warmup", "train")), arm

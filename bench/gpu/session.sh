@@ -134,10 +134,10 @@ plan_code() {  # a hold too short for the candidate's whole DAG (round 20: two s
   # the new recipe first (#35 item 3, HumanEval >= 3.5; ~850 s on an H200 by round 19's stamps:
   # env, data ~270, train ~460, bench ~110 with HumanEval first, whose τ its log prints as soon as
   # it is measured), then the small probes and the decoders' A/B if time is left; a plan under
-  # 850 s runs the recipe sweep's code-3ep arm instead (the same data stage, 3 epochs: ~630 s)
+  # 850 s runs the recipe sweep's code-2ep arm instead (the same data stage, 2 epochs: ~600 s)
   begin "start (code)"
   if [ $(left 1000) -ge 850 ]; then bench_run smollm2-code code 1000
-  else when 560 800 arm code-3ep 800; fi
+  else when 520 800 arm code-2ep 800; fi
   when 60 90 small_probes
   when 150 200 warm_cache
   stamp "done"
