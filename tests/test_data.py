@@ -91,6 +91,12 @@ def test_dataset_and_manifest(reference, capsys):
     assert g["engine_requested"] == "auto" and g["engine"] == "fast"
     assert g["engine_settings"]["cpu"]["slots"] == 4 and not g["engine_settings"]["cpu"]["compiled"]
     assert g["new_tokens_generated"] == t["response"]["total"] and g["new_tokens_per_second"] > 0
+    # where the stage's seconds went, phase by phase, in the order they ran (the write after
+    # the manifest: its log line); the generation phase holds the timed generation
+    ph = m["seconds_by_phase"]
+    assert list(ph) == ["checks_s", "prompts_s", "plan_s", "generation_s", "merge_s"]
+    assert all(v >= 0 for v in ph.values()) and sum(ph.values()) <= m["seconds"]
+    assert ph["generation_s"] >= g["generate_seconds"]
 
     # loss_mask covers exactly the response; the prompt is the chat-templated prompt
 

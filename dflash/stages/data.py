@@ -50,7 +50,7 @@ from ..models.target import load_target, target_fingerprint
 from ..runtime import faults
 from ..runtime.device_memory import peak_device_memory
 from ..train.budget import check_disk  # no rerun trigger: code_fingerprint.NOT_RERUN_TRIGGERS
-from . import StageContext
+from . import PhaseClock, StageContext
 
 
 def _stats(values: list[int]) -> dict:
@@ -63,7 +63,7 @@ def run(ctx: StageContext) -> dict:
     written, :func:`dflash.runtime.faults.shard_written` runs the test hooks (tests use it to
     simulate an interruption)."""
     spec = ctx.spec
-    t0 = time.time()
+    t0, clock = time.time(), PhaseClock()
     check_data(spec)                      # the model-free checks again, with field path and file
     check_disk(spec, ctx.results.parent)  # the run's disk budget fits, before any generation
     d = spec.data
@@ -72,9 +72,14 @@ def run(ctx: StageContext) -> dict:
     fingerprints = {"data": spec.fingerprint("data"), "target": target_fingerprint(spec.target)}
     code = stage_code_fingerprint("data")  # shards of other generating code are made again
 
+    # the phases' wall seconds (the manifest's seconds_by_phase; the write after it, the log
+    # line): round 19's 248 s stage had ~55 s outside the self-written prompts and the timed
+    # generation that no log line accounted for
+    clock.end("checks")
     tokenizer = None if d.source == SYNTHETIC else tokenizer_for(spec.target.model)
     samples, report, prompts, per_source = build_samples(spec, tokenizer, data_dir,
                                                          overlap=eval_overlap)
+    clock.end("prompts")
     chunks = make_chunks(samples, d.gen_batch_size)
     plan_fp = fingerprint([[s.sample_id, list(s.prompt_ids)] for c in chunks for s in c])
     meta = {"fingerprints": fingerprints, "plan": plan_fp, "code": code}
@@ -89,15 +94,21 @@ def run(ctx: StageContext) -> dict:
     if resumed:
         log(f"resuming: {len(done)} samples in {resumed} chunk(s) already done, "
              f"{sum(len(c) for _, c in todo)} samples in {len(todo)} chunk(s) to generate")
+    clock.end("plan")
     gen = _generate(spec, todo, shard_dir, len(chunks), resumed)
+    clock.end("generation")  # the target's load and the engine's set-up included
 
     table = merge_shards(shard_dir, chunks, samples)
+    clock.end("merge")
     manifest = _write(spec, data_dir, table, fingerprints, plan_fp, report, prompts, chunks,
                       resumed, gen, time.time() - t0, per_source,
                       {"env_drift_overridden": ctx.drift, "shared_with": ctx.shared_with,
-                       "peak_device_memory": peak_device_memory(spec.topology.targets)})
+                       "peak_device_memory": peak_device_memory(spec.topology.targets),
+                       "seconds_by_phase": dict(clock.seconds)})
+    clock.end("write")
     log(f"wrote {data_dir / DATASET}: {table.num_rows} samples, "
-         f"{manifest['tokens']['total_tokens']} tokens in {time.time() - t0:.1f}s")
+         f"{manifest['tokens']['total_tokens']} tokens in {time.time() - t0:.1f}s "
+         f"({clock.summary()})")
     return manifest
 
 

@@ -37,7 +37,7 @@ from ..models.target import load_target, target_embeddings
 from ..runtime.device_memory import peak_device_memory
 from ..runtime.gate import get_gate
 from ..spec.types import no_decoders_stage
-from . import StageContext, failure_line
+from . import PhaseClock, StageContext, failure_line
 
 
 NICENESS = 10  # os.nice increment: below the data stage and the warm-up on the host's CPUs
@@ -58,7 +58,7 @@ def run(ctx: StageContext) -> dict:
     decoder of its sweep compiled ahead, then the manifest."""
     spec, b = ctx.spec, ctx.spec.bench
     cache = compile_cache_dir(ctx.env_fingerprint)
-    t0, phases, rows, failed = time.perf_counter(), {}, [], None
+    t0, clock, rows, failed = time.perf_counter(), PhaseClock(), [], None
     skipped = no_decoders_stage(spec)
     if skipped is None:
         # beside the data stage, whose generation loop is on the DAG's critical path: this
@@ -70,12 +70,11 @@ def run(ctx: StageContext) -> dict:
         drafter = random_drafter(spec, device)
         embed, head = target_embeddings(spec.target, spec.seed)
         first = load_eval_sets(spec, None, tgt.tokenizer, b.eval_sets[:1], b.eval_prompts)[0]
-        phases["load_s"] = round(time.perf_counter() - t0, 3)
+        clock.end("load")
         print(f"[decoders] compiling the bench's decoding sweep ahead: batch sizes "
               f"{list(b.decode_batches)}, verify widths {list(b.decode_widths)} beside the "
               f"full block, on {len(first.prompts)} {first.name} prompts "
               f"({b.decode_shapes} shapes; cache {cache})", flush=True)
-        t = time.perf_counter()
         try:
             rows = compile_ahead(tgt.model, drafter, **sweep_arguments(
                 b, tgt.tokenizer, first.prompts, eos_ids_of(tgt), embed, head))
@@ -83,7 +82,7 @@ def run(ctx: StageContext) -> dict:
             failed = failure_line(e, ctx.results / "decoders" / "error.txt")
             print(f"[decoders] warning: compiling ahead failed ({failed}); the bench stage "
                   f"compiles its decoders itself", flush=True)
-        phases["compile_s"] = round(time.perf_counter() - t, 3)
+        clock.end("compile")
     else:
         print(f"[decoders] nothing to compile ahead: {skipped}", flush=True)
     total = time.perf_counter() - t0
@@ -91,7 +90,7 @@ def run(ctx: StageContext) -> dict:
         ctx.results / "decoders" / "manifest.json", "decoders",
         fingerprints={"env": ctx.env_fingerprint, "decoders": spec.fingerprint("decoders")},
         skipped=skipped, failed=failed, compiled=rows, compile_cache=str(cache),
-        seconds_total=round(total, 3), seconds_by_phase=phases,
+        seconds_total=round(total, 3), seconds_by_phase=clock.seconds,
         gate=get_gate().stats().summary(),
         peak_device_memory=peak_device_memory(spec.topology.targets[:1]),
         env_drift_overridden=ctx.drift)

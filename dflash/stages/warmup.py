@@ -21,7 +21,7 @@ from ..runtime.device_memory import peak_device_memory
 from ..runtime.gate import get_gate
 from ..train.warm import warm_all, warm_target_features
 from ..train.workers import buckets, initial_state, make_replicas
-from . import StageContext
+from . import PhaseClock, StageContext
 
 
 @contextlib.contextmanager
@@ -46,13 +46,13 @@ def heartbeat(line, every_s: float = 15.0):
 def run(ctx: StageContext) -> dict:
     spec = ctx.spec
     cache = compile_cache_dir(ctx.env_fingerprint)
-    t0 = time.perf_counter()
+    t0, clock = time.perf_counter(), PhaseClock()
     cfg = DFlashConfig.of_spec(spec)
     feat_width = len(cfg.target_layer_ids) * cfg.hidden_size
     replicas = make_replicas(spec, cfg, initial_state(cfg, spec.seed), total_steps=1000)
     # where the stage's seconds go, not only its compiles': the 8B warm-up spent ~61 s of its
     # 126 s cold (and of 67 s warm) outside any compile (bench/results/h200/round7-2026-12-02)
-    phases = {"replicas_s": time.perf_counter() - t0}
+    clock.end("replicas")
 
     done: list[dict] = []
 
@@ -74,13 +74,11 @@ def run(ctx: StageContext) -> dict:
     with heartbeat(lambda s: f"[warmup] still compiling ({s:.0f}s in; "
                              f"{sum('replica' in r for r in done)}/{expected} drafter compiles "
                              f"done)"):
-        t = time.perf_counter()
         records = warm_target_features(spec, buckets(spec), log=log)
-        phases["target_s"] = time.perf_counter() - t
-        t = time.perf_counter()
+        clock.end("target")
         records += warm_all(replicas, buckets(spec), feat_width, dtype_of(spec.target.dtype),
                             optimizer_step=True, log=log)
-        phases["drafters_s"] = time.perf_counter() - t
+        clock.end("drafters")
     total = time.perf_counter() - t0
     per_device: dict[str, float] = {}
     for r in records:
@@ -91,7 +89,7 @@ def run(ctx: StageContext) -> dict:
         fingerprints={"env": ctx.env_fingerprint, "shape": spec.fingerprint("warmup")},
         compiled=records, buckets=buckets(spec), compile_cache=str(cache),
         seconds_total=round(total, 3), seconds_per_device=per_device,
-        seconds_by_phase={k: round(v, 3) for k, v in phases.items()},
+        seconds_by_phase=clock.seconds,
         drafter_config=cfg.to_dict(), feature_width=feat_width,
         gate=get_gate().stats().summary(),
         peak_device_memory=peak_device_memory(spec.devices()),
