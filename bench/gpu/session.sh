@@ -116,8 +116,9 @@ plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the 
   when 1150 1380 bench_run smollm2-recipe-epochs9 epochs9 1380
   # 2. the decoders stage's A/B on one machine: the sweep cold, compiled ahead, and from the
   #    ahead cache with other weights (bench.decoders_ahead; random SmolLM2-shaped models, 8
-  #    layers, batch 16, the sweep's widths; the CPU box: bench/results/cpu/decoders_ahead/); ~150 s
-  when 150 200 warm_cache
+  #    layers, batch 16, the sweep's widths; the CPU box: bench/results/cpu/decoders_ahead/; round 20 on an H100:
+  #    bench/results/h100/round20-2026-12-05/, 0.19x); ~215 s, on the H200 the first time
+  when 230 260 warm_cache
   # 3. the H200's figures of two CPU-box measurements, ~60 s: a step's stall at a checkpoint
   #    (in the step vs the background writer, with the device-to-host snapshot) and the memory
   #    estimates Snakemake makes before the warm-up and data stage on a fresh cache
@@ -139,14 +140,14 @@ plan_code() {  # a hold too short for the candidate's whole DAG (round 20: two s
   if [ $(left 1000) -ge 850 ]; then bench_run smollm2-code code 1000
   else when 520 800 arm code-2ep 800; fi
   when 60 90 small_probes
-  when 150 200 warm_cache
+  when 230 260 warm_cache
   stamp "done"
 }
 
 plan_levers() {  # a hold too short for any τ run (round 20: ~650 s of plan after five failed
   # starts and a machine taken back): the H200's figures of this week's CPU-box levers alone
   begin "start (levers)"
-  when 150 240 warm_cache
+  when 230 260 warm_cache
   when 60 90 small_probes
   stamp "done"
 }
@@ -173,7 +174,8 @@ shapes_ab() {  # bench.gpu.decode_speed with static, then dynamic shapes: random
 warm_cache() {  # the decoders stage's lever A/B on one machine (bench.decoders_ahead): the sweep
   # cold, then compile_ahead (the stage's work) into a second cache, then the sweep from it with
   # other drafter weights; random SmolLM2-shaped models, 8 layers, batch 16, widths 4 and 8
-  timeout -k 20 $(left 200) python3 -W ignore -m bench.decoders_ahead --drafter-layers 8 \
+  # round 20 (H100): three processes of 88, 90 and 34 s; the first try's 200 s cut the third
+  timeout -k 20 $(left 260) python3 -W ignore -m bench.decoders_ahead --drafter-layers 8 \
     --batches 16 --widths 4,8 --out "$RES/decoders_ahead.json" > "$RES/decoders_ahead.log" 2>&1
   stamp "decoders_ahead rc=$?: $(tail -n 1 "$RES/decoders_ahead.log")"
 }
