@@ -13,7 +13,7 @@
 # what comes back is one archive, results.tgz (at most 8 files come back): commit each as it
 # comes; once the round's last is extracted as lease/ and committed, the archives leave the
 # tree (the history keeps them; bench/gpu/pack_wheels.sh says why).
-# Round 20 (issue #35): the plan alone, most needed first: the whole DAG of the candidate default
+# Round 21 (issue #35; round 20's plan, which its hold did not run): the plan alone, most needed first: the whole DAG of the candidate default
 # (today's recipe, round 19's winner, for 9 epochs instead of 6: τ 3.0 by the committed slope;
 # ~1,200 s by round 19's stage times and round 17's bench: the 20-minute budget, the reference
 # protocol, the decoding sweep with its widths, and the `[resources]` lines that time the memory estimates Snakemake
@@ -22,6 +22,9 @@
 # the DAG's bench_seconds and the decoders manifest say what that saved); then what a warm
 # compile cache saves the same sweep on one machine, cold against warm (the A/B of that lever);
 # then the code spec at the new recipe, if a longer hold leaves it the time.
+# A hold too short for it: PLAN=plan_code (the code spec, or its code-2ep arm) or PLAN=plan_levers.
+# (Round 20 lost its machine mid-launch, nine starts failed; on an H100 it ran the decoders
+# stage's A/B alone: bench/results/h100/round20-2026-12-05/README.md.)
 # (Round 19 ran the candidate through its bench, the steered prompts alone and the loss-step
 # check: bench/results/h200/round19-2026-12-05/README.md.)
 # (Round 17 ran the 6-epoch default's whole DAG and the attention probe; its arms did not fit:
