@@ -23,7 +23,7 @@ dataset the folder's own ref would have trained on.
 
 A run of another name lends as ref too when it trained exactly as the sweep's ref arm trains
 today (:func:`trains_as_ref`: its recorded training, shape and data fingerprints are today's
-ref's): round 19's ``steered-gamma4-depth8`` arm became the base, so round 20's ``epochs9``
+ref's): round 19's ``steered-gamma4-depth8`` arm became the base, so the next hold's ``epochs9``
 arm borrows that run, on the same dataset.
 """
 from __future__ import annotations

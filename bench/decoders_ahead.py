@@ -11,8 +11,8 @@ models (bench.gpu.decode_speed's):
 
 Prints and writes each run's wall seconds (and each decoder's), the graphs dynamo compiled
 and inductor's cache counters. On CPU the decoders compile with inductor's
-C++ backend (the bench decodes eagerly there: the figures are the mechanism's, the H200's are
-round 20's); on CUDA as the bench compiles them.
+C++ backend (the bench decodes eagerly there: the figures are the mechanism's; an H100's:
+bench/results/h100/round20-2026-12-05/); on CUDA as the bench compiles them.
 
     python -m bench.decoders_ahead --target-layers 4 --drafter-layers 1 --batches 1,4 \
         --widths 4,8 --max-new 16 --out bench/results/cpu/decoders_ahead/cpu.json
