@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from types import SimpleNamespace
 
 import torch
 
-from bench.entry import run, write_result
+from bench.entry import command_line, run, write_result
 from bench.metrics_file import read_metrics
 from dflash.models.drafter import DFlashConfig, DFlashDrafter
 from dflash.spec.load import load_spec
@@ -71,8 +70,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
     if a.metrics:
-        out = {"command": "python -m bench.checkpoint_stall " + " ".join(
-            argv if argv is not None else sys.argv[1:]), "metrics": str(a.metrics),
+        out = {"command": command_line("bench.checkpoint_stall", argv), "metrics": str(a.metrics),
             **stalls_of_run(read_metrics(a.metrics), a.every)}
         print(f"{out['checkpoints']} checkpoints: median stall {out['stall_median_s']:.3f} s, "
               f"{out['stall_total_s']:.1f} s in all (median step {out['median_step_s']:.4f} s)")
@@ -102,8 +100,7 @@ def main(argv=None) -> int:
                     rows["write_s"].append(time.perf_counter() - t)
         writer.close()
         size = sum(f.stat().st_size for f in path.iterdir())
-    out = {"command": "python -m bench.checkpoint_stall " + " ".join(
-        argv if argv is not None else sys.argv[1:]), "device": device,
+    out = {"command": command_line("bench.checkpoint_stall", argv), "device": device,
         "spec": spec.name, "drafter_params": params, "checkpoint_bytes": size,
         "repeats": a.repeats, **{k: [round(x, 4) for x in v] for k, v in rows.items()},
         "median": {k: round(statistics.median(v), 4) for k, v in rows.items()}}

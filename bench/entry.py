@@ -1,6 +1,7 @@
 """What every bench script ends with: its ``__main__`` (:func:`run`: a :class:`DFlashError`, bad
 input such as a missing file or a malformed JSON, is one line naming the file, never a traceback,
-as the CLI does) and its result file (:func:`write_result`: the JSON, written atomically).
+as the CLI does), its result file (:func:`write_result`: the JSON, written atomically) and the
+command that made it (:func:`command_line`, the result's ``command``).
 """
 from __future__ import annotations
 
@@ -20,6 +21,12 @@ def run(main: Callable[[], int | None]) -> None:
     except DFlashError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
+
+
+def command_line(module: str, argv: list[str] | None) -> str:
+    """``python -m <module> <arguments>`` as the script was called: ``argv`` when ``main`` was
+    handed one (tests, one script calling another), else the process's own."""
+    return f"python -m {module} " + " ".join(sys.argv[1:] if argv is None else argv)
 
 
 def write_result(path: str | Path, doc: dict) -> None:

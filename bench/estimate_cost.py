@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench.entry import run, write_result
+from bench.entry import command_line, run, write_result
 from dflash.spec.load import load_spec
 from dflash.train.budget import stage_memory
 
@@ -26,8 +25,7 @@ def main(argv=None) -> int:
     ap.add_argument("specs", nargs="+")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
-    out = {"command": "python -m bench.estimate_cost " + " ".join(
-        argv if argv is not None else sys.argv[1:]), "estimates": []}
+    out = {"command": command_line("bench.estimate_cost", argv), "estimates": []}
     with tempfile.TemporaryDirectory() as cache:
         os.environ["DFLASH_CACHE"] = cache  # read at each use: a fresh machine's empty cache
         for path in a.specs:

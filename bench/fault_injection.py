@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from bench.entry import command_line
 from dflash.runtime.faults import (
     REPO,
     Run,
@@ -244,8 +245,7 @@ def summary(a, argv, w, root: str, spec: dict, ref: dict, campaigns: list[dict])
     every_epoch_once = all(epochs_exactly_once(c["epochs"], all_ids) for c in campaigns)
     return {
         "benchmark": "kill -9 fault injection, train stage",
-        "command": "python -m bench.fault_injection " + " ".join(
-            argv if argv is not None else sys.argv[1:]),
+        "command": command_line("bench.fault_injection", argv),
         "stage_command": " ".join(["python", "-m", "dflash", "train", w.spec_file(),
                                    "--results", root]),
         "torch": torch.__version__, "python": platform.python_version(),

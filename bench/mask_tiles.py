@@ -12,11 +12,10 @@ Defaults are the quality spec's bucket: 8,192 tokens, 1,536 block slots of 16, 3
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 
-from bench.entry import run, write_result
+from bench.entry import command_line, run, write_result
 from dflash.models.masks import dense_mask, flex_block_mask
 from dflash.train.anchors import sample_anchors
 from dflash.train.warm import synthetic_row
@@ -69,7 +68,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     row, blocks = bucket(a)
-    doc = {"command": "python -m bench.mask_tiles " + " ".join(sys.argv[1:] if argv is None else argv),
+    doc = {"command": command_line("bench.mask_tiles", argv),
            "torch": torch.__version__, "seq": a.seq, "docs": a.docs, "anchors": a.anchors,
            "block": a.block, "queries": a.anchors * a.block, "keys": a.seq + a.anchors * a.block,
            **tile_counts(row.doc_ids, blocks, a.tiles)}
