@@ -95,7 +95,9 @@ def test_dataset_and_manifest(reference, capsys):
     # the manifest: its log line); the generation phase holds the timed generation
     ph = m["seconds_by_phase"]
     assert list(ph) == ["checks_s", "prompts_s", "plan_s", "generation_s", "merge_s"]
-    assert all(v >= 0 for v in ph.values()) and sum(ph.values()) <= m["seconds"]
+    # each phase is rounded to 3 decimals, the stage's seconds to 2 (a fresh clone's run:
+    # phases summing to 1.121 against seconds 1.12)
+    assert all(v >= 0 for v in ph.values()) and sum(ph.values()) <= m["seconds"] + 0.01
     assert ph["generation_s"] >= g["generate_seconds"]
 
     # loss_mask covers exactly the response; the prompt is the chat-templated prompt
