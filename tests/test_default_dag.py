@@ -45,7 +45,9 @@ def test_warmup_lists_every_bucket_for_every_drafter_device(tiny):
     # the stage's seconds by phase: building the replicas, the target's compile, the drafters'
     phases = warm["seconds_by_phase"]
     assert set(phases) == {"replicas_s", "target_s", "drafters_s"}
-    assert all(v >= 0 for v in phases.values()) and sum(phases.values()) <= warm["seconds_total"]
+    # the phases are contiguous, each rounded to 3 decimals: their sum may pass the rounded
+    # total by rounding alone (a fresh clone's run: 35.548 against 35.547)
+    assert all(v >= 0 for v in phases.values()) and sum(phases.values()) <= warm["seconds_total"] + 0.002
     drafter_compiles = max(c["seconds"] for c in warm["compiled"] if "replica" in c)
     assert phases["drafters_s"] >= drafter_compiles - 1e-3
 
