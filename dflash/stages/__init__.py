@@ -6,7 +6,6 @@ environment, so it starts without the environment check.
 """
 from __future__ import annotations
 
-import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,21 +83,3 @@ def failure_line(e: BaseException, traceback_file: Path | None) -> str:
     atomic_write_text(traceback_file, traceback.format_exc())
     return f"{line} (traceback in {traceback_file})"
 
-
-class PhaseClock:
-    """A stage's wall seconds per named phase, as its manifest's ``seconds_by_phase`` records
-    them (``<phase>_s``): each :meth:`end` closes the phase that ran since the clock started or
-    the last phase ended."""
-
-    def __init__(self):
-        self._t = time.perf_counter()
-        self.seconds: dict[str, float] = {}
-
-    def end(self, phase: str) -> None:
-        now = time.perf_counter()
-        self.seconds[f"{phase}_s"] = round(now - self._t, 3)
-        self._t = now
-
-    def summary(self) -> str:
-        """One log line's worth: ``prompts 80.1s, generation 118.0s, ...``."""
-        return ", ".join(f"{k.removesuffix('_s')} {v:.1f}s" for k, v in self.seconds.items())

@@ -29,6 +29,7 @@ from ..artifacts.manifest import expect, read_manifest, verify_files
 from ..models.drafter import DFlashConfig, load_drafter, verify_export
 from ..models.dtypes import dtype_of
 from ..models.target import hf_config, load_target, target_embeddings
+from ..runtime.clock import PhaseClock
 from ..runtime.status import by_role
 from ..train.flops import drafter_useful_flops, measure_peak_flops, mfu_against_datasheet, target_flops, worker_balance
 from ..train.trainer import timed_run
@@ -50,8 +51,7 @@ def evaluate_tau(spec, drafter_dir: Path, device: str, results_dir: Path | None 
     if spec.target.init == "random":
         return {"skipped": "random-weight target: acceptance is meaningless"}
     step = "loading the target (target.model, target.dtype)"
-    clock, wall = time.perf_counter, {}  # the bench stage's seconds per part (bench_seconds)
-    t = clock()
+    clock = PhaseClock()  # the τ part's seconds by phase (bench_seconds.tau_parts)
     try:
         tgt = load_target(spec.target, device, seed=spec.seed)
         step = f"loading the exported drafter {drafter_dir} (drafter.dtype)"
@@ -62,14 +62,14 @@ def evaluate_tau(spec, drafter_dir: Path, device: str, results_dir: Path | None 
         step = "loading the eval prompts (bench.eval_sets)"
         sets = load_eval_sets(spec, results_dir, tgt.tokenizer, b.eval_sets,
                               b.eval_prompts)
-        wall["load_s"], t = clock() - t, clock()
+        clock.end("load")
         step = (f"evaluating τ on {device} (target.dtype {spec.target.dtype}, "
                 f"drafter.dtype {spec.drafter.dtype}, bench.eval_max_new_tokens "
                 f"{b.eval_max_new_tokens}, bench.real_prompts {b.real_prompts})")
         per_set = evaluate_sets(tgt.model, drafter, embed, head, sets, b.eval_max_new_tokens,
                                 eos_ids_of(tgt), b.real_prompts, device, b.eval_batch_size,
                                 compile_shapes=b.decode_shapes)
-        wall["eval_sets_s"], t = clock() - t, clock()
+        clock.end("eval_sets")
         step = (f"evaluating τ under the reference protocol (bench.protocols, "
                 f"bench.reference_max_new_tokens {b.reference_max_new_tokens})")
         ref = (evaluate_reference(tgt.model, tgt.tokenizer, drafter,
@@ -79,16 +79,18 @@ def evaluate_tau(spec, drafter_dir: Path, device: str, results_dir: Path | None 
                                   b.reference_max_new_tokens, eos_ids_of(tgt), device,
                                   b.eval_batch_size)
                if "reference" in b.protocols else None)
-        wall["reference_s"] = clock() - t if ref is not None else None
+        if ref is None:
+            clock.skip("reference")
+        else:
+            clock.end("reference")
     except DFlashError:
         raise
     except Exception as e:  # noqa: BLE001 - one message for the user, the traceback to a file
         where = None if results_dir is None else results_dir / "bench" / "tau_error.txt"
         raise DFlashError(f"bench: τ evaluation failed while {step}: "
                           f"{failure_line(e, where)}") from None
-    t = clock()
     speed = _decode_speed_or_failure(tgt, drafter, embed, head, sets[0], b, device, results_dir)
-    wall["decode_sweep_s"] = clock() - t
+    clock.end("decode_sweep")
     # the headline figures are the first evaluated set's (mtbench by default)
     primary = next((k for k, v in per_set.items() if "tau" in v), None)
     first = per_set.get(primary, {})
@@ -103,7 +105,7 @@ def evaluate_tau(spec, drafter_dir: Path, device: str, results_dir: Path | None 
             "target_only_tokens_per_s": real.get("target_only_tokens_per_s"),
             "speculative_tokens_per_s": real.get("speculative_tokens_per_s"),
             "speedup": real.get("speedup"), "decode_speed": speed,
-            "seconds": part_seconds(wall, per_set, speed)}
+            "seconds": part_seconds(clock.seconds, per_set, speed)}
 
 
 def part_seconds(wall: dict, per_set: dict, speed: dict) -> dict:

@@ -48,9 +48,10 @@ from ..eval.evalsets import eval_overlap
 from ..artifacts.manifest import atomic_path, fingerprint, sha256_file, write_manifest
 from ..models.target import load_target, target_fingerprint
 from ..runtime import faults
+from ..runtime.clock import PhaseClock
 from ..runtime.device_memory import peak_device_memory
 from ..train.budget import check_disk  # no rerun trigger: code_fingerprint.NOT_RERUN_TRIGGERS
-from . import PhaseClock, StageContext
+from . import StageContext
 
 
 def _stats(values: list[int]) -> dict:

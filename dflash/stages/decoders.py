@@ -34,10 +34,11 @@ from ..eval.serving import compile_ahead, sweep_arguments
 from ..models.drafter import DFlashConfig, DFlashDrafter
 from ..models.dtypes import dtype_of
 from ..models.target import load_target, target_embeddings
+from ..runtime.clock import PhaseClock
 from ..runtime.device_memory import peak_device_memory
 from ..runtime.gate import get_gate
 from ..spec.types import no_decoders_stage
-from . import PhaseClock, StageContext, failure_line
+from . import StageContext, failure_line
 
 
 NICENESS = 10  # os.nice increment: below the data stage and the warm-up on the host's CPUs

@@ -17,11 +17,12 @@ from ..artifacts.cache import compile_cache_dir
 from ..artifacts.manifest import write_manifest
 from ..models.drafter import DFlashConfig
 from ..models.dtypes import dtype_of
+from ..runtime.clock import PhaseClock
 from ..runtime.device_memory import peak_device_memory
 from ..runtime.gate import get_gate
 from ..train.warm import warm_all, warm_target_features
 from ..train.workers import buckets, initial_state, make_replicas
-from . import PhaseClock, StageContext
+from . import StageContext
 
 
 @contextlib.contextmanager
