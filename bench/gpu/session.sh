@@ -115,8 +115,11 @@ plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the 
   #    four sets, the reference protocol, the decoding sweep from the decoders' cache). Round
   #    19's stamps: env 10 s, 36 s waiting, data 267 s, train 464 s at 6 epochs (+~63 s a cached
   #    epoch); round 17's bench 411 s (its sweep 274 s, nine tenths compiling): ~1,200 s. The
-  #    6-epoch default's DAG is this one less three cached epochs (its train stage's epoch marks)
-  when 1150 1380 bench_run smollm2-recipe-epochs9 epochs9 1380
+  #    6-epoch default's DAG is this one less three cached epochs (its train stage's epoch marks).
+  #    Round 19's candidate arm ran env to its lighter bench (no reference, no sweep) in 875 s:
+  #    + 3 epochs ~189 + the reference ~70 + the sweep from the decoders' cache ~52: ~1,190 s, so
+  #    under 1,230 s a cut bench would leave neither figure: PLAN=plan_code instead
+  when 1230 1380 bench_run smollm2-recipe-epochs9 epochs9 1380
   # 2. the decoders stage's A/B on one machine: the sweep cold, compiled ahead, and from the
   #    ahead cache with other weights (bench.decoders_ahead; random SmolLM2-shaped models, 8
   #    layers, batch 16, the sweep's widths; the CPU box: bench/results/cpu/decoders_ahead/; round 20 on an H100:
