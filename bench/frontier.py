@@ -26,6 +26,7 @@ MT-Bench τ against the total, and among points whose total is known.
 from __future__ import annotations
 
 import json
+import re
 from functools import partial
 from pathlib import Path
 
@@ -105,7 +106,9 @@ def from_reports(specs: set[str]) -> list[dict]:
     """Every committed ``<spec>__bench__report.json`` of a spec in ``specs`` (not a sweep's
     arm: those are ablation.json's) that measured τ, as a point."""
     out = []
-    for rep_path in sorted(H200.rglob("*__bench__report.json")):
+    # rounds in their order (round7 before round21), so a new round's point comes last and the
+    # docs' citations of the others (frontier.json#points.N) keep their N
+    for rep_path in sorted(H200.rglob("*__bench__report.json"), key=_natural):
         rep = read_json(rep_path)
         sets = (rep.get("acceptance") or {}).get("sets") or {}
         tau = {s: sets[s]["tau"] for s in SETS if (sets.get(s) or {}).get("tau") is not None}
@@ -117,6 +120,10 @@ def from_reports(specs: set[str]) -> list[dict]:
                          str(rep_path.relative_to(REPO)), tau, line[max(line)][0] / 60,
                          data["seconds"]))
     return out
+
+
+def _natural(path: Path) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(path))]
 
 
 def frontier(points: list[dict]) -> list[str]:
