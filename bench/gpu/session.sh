@@ -13,16 +13,14 @@
 # what comes back is one archive, results.tgz (at most 8 files come back): commit each as it
 # comes; once the round's last is extracted as lease/ and committed, the archives leave the
 # tree (the history keeps them; bench/gpu/pack_wheels.sh says why).
-# Round 21 (issue #35; round 20's plan, which its hold did not run): the plan alone, most needed first: the whole DAG of the candidate default
-# (today's recipe, round 19's winner, for 9 epochs instead of 6: τ 3.0 by the committed slope;
-# ~1,200 s by round 19's stage times and round 17's bench: the 20-minute budget, the reference
-# protocol, the decoding sweep with its widths, and the `[resources]` lines that time the memory estimates Snakemake
-# makes before the warm-up and data stage; and, new since round 19, the decoders stage: the
-# bench's decoding sweep compiled ahead beside the data stage, so the bench loads its kernels:
-# the DAG's bench_seconds and the decoders manifest say what that saved); then what a warm
-# compile cache saves the same sweep on one machine, cold against warm (the A/B of that lever);
-# then the code spec at the new recipe, if a longer hold leaves it the time.
-# A hold too short for it: PLAN=plan_code (the code spec, or its code-2ep arm) or PLAN=plan_levers.
+# Round 22 (issue #35): `plan` picks one run by PLAN_S, the most needed that fits whole: the
+# candidate default's whole DAG (today's recipe for 9 epochs: τ 3.0 by the committed slope, the
+# 20 minutes, the reference protocol, the sweep from the decoders stage's cache, the
+# `[resources]` lines) from 1,230 s; else the 6-epoch default's whole DAG from 1,050 s; else the
+# schedule's-tail arm (lr-floor10) from 900 s. With 30 device-minutes, five wheel calls and no
+# failed start that is PLAN_S ~1,560: the first. Each failed start (~90 s) moves it down a rung.
+# (Round 21: five starts failed; `PLAN=plan_code` ran the code spec's whole DAG, then the small
+# probes and the decoders stage's A/B: bench/results/h200/round21-2026-12-05/README.md.)
 # (Round 20 lost its machine mid-launch, nine starts failed; on an H100 it ran the decoders
 # stage's A/B alone: bench/results/h100/round20-2026-12-05/README.md.)
 # (Round 19 ran the candidate through its bench, the steered prompts alone and the loss-step
@@ -42,7 +40,9 @@
 #   hold: 1,568 s = probes 256 + plan 1,057 + ~255 for its five calls' transfers and the
 #   install; round 19's: 1,653 s = the machine's start ~88 + 3 stashes ~7 each + install ~27
 #   + plan 1,327 + the decode runs after it 162; so with 30 device-minutes and 4 calls of
-#   wheels, no probe: PLAN_S=1560, less by a failed start's ~91 s)
+#   wheels, no probe: PLAN_S=1560, less by a failed start's ~91 s; round 21's: 1,123 s = the
+#   start ~88 + 4 stashes ~12 + install ~25 + plan 997 with nothing after it: PLAN_S = the
+#   budget at launch less ~130 leaves the collecting calls their margin)
 #   last:    bash bench/gpu/session.sh launch     (carry the last .whlN; watches WATCH_S)
 #   then:    bash bench/gpu/session.sh watch      (WATCH_S seconds at most)
 set -uo pipefail
@@ -107,36 +107,32 @@ data_and_warmups() {  # the Snakemake targets $@ (data stages, warm-ups) at once
   stamp "$* rc=$?"
 }
 
-plan() {  # the round's GPU work, most needed first; PLAN_S bounds it (what the hold cuts is last)
-  begin "start"
-  # 1. #35's 20-minute DAG for the candidate default, alone on the GPU: today's recipe for 9
-  #    epochs (the recipe sweep's epochs9 arm: the default's env, data, warm-up and decoders by
-  #    content, its whole bench), env → warm-up and decoders beside data → train → bench (τ on
-  #    four sets, the reference protocol, the decoding sweep from the decoders' cache). Round
-  #    19's stamps: env 10 s, 36 s waiting, data 267 s, train 464 s at 6 epochs (+~63 s a cached
-  #    epoch); round 17's bench 411 s (its sweep 274 s, nine tenths compiling): ~1,200 s. The
-  #    6-epoch default's DAG is this one less three cached epochs (its train stage's epoch marks).
-  #    Round 19's candidate arm ran env to its lighter bench (no reference, no sweep) in 875 s:
-  #    + 3 epochs ~189 + the reference ~70 + the sweep from the decoders' cache ~52: ~1,190 s, so
-  #    under 1,230 s a cut bench would leave neither figure: PLAN=plan_code instead
-  when 1230 1380 bench_run smollm2-recipe-epochs9 epochs9 1380
-  # 2. the decoders stage's A/B on one machine: the sweep cold, compiled ahead, and from the
-  #    ahead cache with other weights (bench.decoders_ahead; random SmolLM2-shaped models, 8
-  #    layers, batch 16, the sweep's widths; the CPU box: bench/results/cpu/decoders_ahead/; round 20 on an H100:
-  #    bench/results/h100/round20-2026-12-05/, 0.19x); ~215 s, on the H200 the first time
-  when 230 260 warm_cache
-  # 3. the H200's figures of two CPU-box measurements, ~60 s: a step's stall at a checkpoint
-  #    (in the step vs the background writer, with the device-to-host snapshot) and the memory
-  #    estimates Snakemake makes before the warm-up and data stage on a fresh cache
-  when 60 90 small_probes
-  # 4. the in-domain code drafter at the new recipe (HumanEval ≥ 3.5): data ~260 s, train
-  #    ~450 s, bench ~110 s (HumanEval first)
-  when 820 900 bench_run smollm2-code code 900
+plan() {  # the round's GPU work, chosen by the plan's time (PLAN_S): the most needed that fits
+  # whole, since a run cut in its bench leaves neither its τ report nor its DAG's wall.
+  # Round 21 measured what the earlier plans had after the candidate (the code spec's whole DAG,
+  # the decoders stage's A/B and the small probes on an H200), so each plan is one run.
+  begin "start (PLAN_S ${PLAN_S:-?})"
+  local s; s=$(left 1380)
+  # 1. #35's τ 3.0 and 20 minutes for the candidate default, alone on the GPU: today's recipe
+  #    for 9 epochs (the recipe sweep's epochs9 arm: the default's env, data, warm-up and
+  #    decoders by content, its whole bench: τ on four sets, the reference protocol, the sweep
+  #    at batches 1-64 from the decoders stage's cache). By round 19's arm (env to its lighter
+  #    bench 875 s) + 3 epochs ~189 + the reference ~70 + the sweep ~60: ~1,190 s; the decoders
+  #    stage compiles 16 decoders beside the data stage (round 21's 5 at batch 1: 109 s), which
+  #    may hold the train stage back by a minute
+  if [ "$s" -ge 1230 ]; then bench_run smollm2-recipe-epochs9 epochs9 1380
+  # 2. a shorter hold: the 6-epoch default's own whole DAG (its 20 minutes at this recipe, τ
+  #    again beside round 19's arm: ~1,000 s by the same stamps)
+  elif [ "$s" -ge 1050 ]; then bench_run smollm2-quality quality 1230
+  # 3. shorter still: the schedule's tail, the one lever of #35's list free per step and never
+  #    run (the cosine to a tenth of lr instead of 0), against round 19's arm lent as ref: ~875 s
+  elif [ "$s" -ge 900 ]; then arm lr-floor10 1050
+  else stamp "no τ run fits $s s"; fi
   stamp "done"
 }
 
 
-plan_code() {  # a hold too short for the candidate's whole DAG (round 20: two starts that failed
+plan_code() {  # (round 21 ran it) a hold too short for the candidate's whole DAG (round 20: two starts that failed
   # and a machine taken back mid-launch left ~1,150 s of the 1,800): the in-domain code drafter at
   # the new recipe first (#35 item 3, HumanEval >= 3.5; ~850 s on an H200 by round 19's stamps:
   # env, data ~270, train ~460, bench ~110 with HumanEval first, whose τ its log prints as soon as
@@ -147,14 +143,6 @@ plan_code() {  # a hold too short for the candidate's whole DAG (round 20: two s
   else when 520 800 arm code-2ep 800; fi
   when 60 90 small_probes
   when 230 260 warm_cache
-  stamp "done"
-}
-
-plan_levers() {  # a hold too short for any τ run (round 20: ~650 s of plan after five failed
-  # starts and a machine taken back): the H200's figures of this week's CPU-box levers alone
-  begin "start (levers)"
-  when 230 260 warm_cache
-  when 60 90 small_probes
   stamp "done"
 }
 
@@ -339,7 +327,6 @@ launch)
   ;;
 plan) plan ;;
 plan_code) plan_code ;;
-plan_levers) plan_levers ;;
 plan_rest) plan_rest ;;
 watch) trap pack EXIT; watch ;;
 esac
