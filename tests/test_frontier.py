@@ -73,3 +73,11 @@ def test_a_committed_spec_run_is_a_point(tmp_path, monkeypatch):
     assert p["tau"] == {"mtbench": 2.0, "humaneval": 2.5, "heldout": None}
     assert p["gpu_minutes"] == {"data": 1.5, "train": 3.0, "total": 4.5, "data_beside": 0}
     assert p["gain_per_gpu_minute"] == round(1.0 / 4.5, 4)
+
+
+def test_report_points_come_in_their_rounds_order():
+    """The docs cite points by index (frontier.json#points.N): reports sort by round number
+    (round7 before round21), so a new round's point comes after every committed one."""
+    rounds = [int(p["label"].split("(round")[1].split("-")[0])
+              for p in fr.collect()["points"] if p["source"].endswith("__bench__report.json")]
+    assert rounds == sorted(rounds) and {7, 8, 21} <= set(rounds)
