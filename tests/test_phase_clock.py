@@ -17,4 +17,5 @@ def test_phases_are_contiguous_and_a_skipped_phase_is_none():
     assert list(s) == ["load_s", "reference_s", "sweep_s"] and s["reference_s"] is None
     assert s["load_s"] >= 0.02 and s["sweep_s"] >= 0.01
     assert s["load_s"] + s["sweep_s"] <= wall + 0.001  # contiguous: no time counted twice
+    assert s["load_s"] + s["sweep_s"] <= clock.elapsed() + 0.001  # the whole wall holds them
     assert clock.summary() == f"load {s['load_s']:.1f}s, sweep {s['sweep_s']:.1f}s"

@@ -14,8 +14,12 @@ class PhaseClock:
     (each rounded to a millisecond)."""
 
     def __init__(self):
-        self._t = time.perf_counter()
+        self._t = self._start = time.perf_counter()
         self.seconds: dict[str, float | None] = {}
+
+    def elapsed(self) -> float:
+        """Seconds since the clock started (the stage's whole wall, its phases and any after)."""
+        return time.perf_counter() - self._start
 
     def end(self, phase: str) -> None:
         now = time.perf_counter()

@@ -82,4 +82,3 @@ def failure_line(e: BaseException, traceback_file: Path | None) -> str:
     traceback_file.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(traceback_file, traceback.format_exc())
     return f"{line} (traceback in {traceback_file})"
-

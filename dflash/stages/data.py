@@ -64,7 +64,7 @@ def run(ctx: StageContext) -> dict:
     written, :func:`dflash.runtime.faults.shard_written` runs the test hooks (tests use it to
     simulate an interruption)."""
     spec = ctx.spec
-    t0, clock = time.time(), PhaseClock()
+    clock = PhaseClock()
     check_data(spec)                      # the model-free checks again, with field path and file
     check_disk(spec, ctx.results.parent)  # the run's disk budget fits, before any generation
     d = spec.data
@@ -102,13 +102,13 @@ def run(ctx: StageContext) -> dict:
     table = merge_shards(shard_dir, chunks, samples)
     clock.end("merge")
     manifest = _write(spec, data_dir, table, fingerprints, plan_fp, report, prompts, chunks,
-                      resumed, gen, time.time() - t0, per_source,
+                      resumed, gen, clock.elapsed(), per_source,
                       {"env_drift_overridden": ctx.drift, "shared_with": ctx.shared_with,
                        "peak_device_memory": peak_device_memory(spec.topology.targets),
                        "seconds_by_phase": dict(clock.seconds)})
     clock.end("write")
     log(f"wrote {data_dir / DATASET}: {table.num_rows} samples, "
-         f"{manifest['tokens']['total_tokens']} tokens in {time.time() - t0:.1f}s "
+         f"{manifest['tokens']['total_tokens']} tokens in {clock.elapsed():.1f}s "
          f"({clock.summary()})")
     return manifest
 

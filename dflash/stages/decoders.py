@@ -22,7 +22,6 @@ says why not otherwise (run by hand there, the stage records that reason and com
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 
@@ -59,7 +58,7 @@ def run(ctx: StageContext) -> dict:
     decoder of its sweep compiled ahead, then the manifest."""
     spec, b = ctx.spec, ctx.spec.bench
     cache = compile_cache_dir(ctx.env_fingerprint)
-    t0, clock, rows, failed = time.perf_counter(), PhaseClock(), [], None
+    clock, rows, failed = PhaseClock(), [], None
     skipped = no_decoders_stage(spec)
     if skipped is None:
         # beside the data stage, whose generation loop is on the DAG's critical path: this
@@ -86,7 +85,7 @@ def run(ctx: StageContext) -> dict:
         clock.end("compile")
     else:
         print(f"[decoders] nothing to compile ahead: {skipped}", flush=True)
-    total = time.perf_counter() - t0
+    total = clock.elapsed()
     manifest = write_manifest(
         ctx.results / "decoders" / "manifest.json", "decoders",
         fingerprints={"env": ctx.env_fingerprint, "decoders": spec.fingerprint("decoders")},
