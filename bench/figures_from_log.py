@@ -14,6 +14,7 @@ import re
 from datetime import datetime
 from pathlib import Path
 
+from bench.entry import command_line, write_result
 from dflash.errors import DFlashError
 
 TAU = re.compile(r"^\[bench\] τ (\w+): ([\d.]+) over (\d+) prompts \(simulated in [\d.]+s"
@@ -79,16 +80,17 @@ def as_report(path: Path) -> dict:
             "acceptance": {"sets": sets}}
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("log", type=Path)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--decode", action="store_true",
                     help="also the decoding sweep's rows and the DAG's wall clock")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     text = a.log.read_text()
-    res = {"source": str(a.log), **figures(text), **(decode_and_clock(text) if a.decode else {})}
-    a.out.write_text(json.dumps(res, indent=1) + "\n")
+    res = {"command": command_line("bench.figures_from_log", argv), "source": str(a.log),
+           **figures(text), **(decode_and_clock(text) if a.decode else {})}
+    write_result(a.out, res)
     print(json.dumps(res, indent=1))
 
 
