@@ -121,10 +121,14 @@ plan() {  # the round's GPU work, chosen by the plan's time (PLAN_S): the most n
   #    stage compiles 16 decoders beside the data stage (round 21's 5 at batch 1: 109 s), which
   #    may hold the train stage back by a minute
   if [ "$s" -ge 1230 ]; then bench_run smollm2-recipe-epochs9 epochs9 1380
-  # 2. a shorter hold: the 6-epoch default's own whole DAG (its 20 minutes at this recipe, τ
+  # 2. a little less: whether more cached epochs reach τ 3.0 at all, before the 20 minutes
+  #    (round 22: three failed starts): the epochs10 arm, its lighter bench (MT-Bench, HumanEval,
+  #    held-out, train; no reference protocol, no sweep): round 19's arm 875 s + 4 epochs ~252
+  elif [ "$s" -ge 1150 ]; then arm epochs10 1230
+  # 3. a shorter hold: the 6-epoch default's own whole DAG (its 20 minutes at this recipe, τ
   #    again beside round 19's arm: ~1,000 s by the same stamps)
   elif [ "$s" -ge 1050 ]; then bench_run smollm2-quality quality 1230
-  # 3. shorter still: the schedule's tail, the one lever of #35's list free per step and never
+  # 4. shorter still: the schedule's tail, the one lever of #35's list free per step and never
   #    run (the cosine to a tenth of lr instead of 0), against round 19's arm lent as ref: ~875 s
   elif [ "$s" -ge 900 ]; then arm lr-floor10 1050
   else stamp "no τ run fits $s s"; fi
