@@ -1,4 +1,4 @@
-"""The committed H200 files the recipe ablations are read from, and the sweep files' arms:
+"""The committed GPU files the recipe ablations are read from, and the sweep files' arms:
 one room for the readers that bench/ablation_table.py (the table), bench/ablation_ref.py (a
 lent ref) and bench/frontier.py (the frontier) share, so none of them imports another's.
 
@@ -18,13 +18,45 @@ from bench.metrics_file import read_metrics
 from dflash.errors import DFlashError
 
 REPO = Path(__file__).resolve().parents[1]
-H200 = REPO / "bench" / "results" / "h200"
+RESULTS = REPO / "bench" / "results"
+H200 = RESULTS / "h200"
+# the GPUs whose committed rounds hold arms and runs, H200's first: the tables keep their rows'
+# order (the docs cite them by index) and a round on another GPU comes after. Round 22 ran on an
+# H100 (no H200 started): the byte-identical dataset, training within 1.4 % of the H200's
+# tokens/s (round 19: 244.6K, round 22: 241.2K), so its GPU-minutes compare
+GPUS = (H200, RESULTS / "h100")
 SETS = ("mtbench", "humaneval", "heldout", "train")
 
 
 def rel(path: Path) -> str:
     p = Path(path).resolve()
     return str(p.relative_to(REPO)) if p.is_relative_to(REPO) else str(p)
+
+
+def committed(pattern: str, key=None) -> list[Path]:
+    """The committed files matching ``pattern`` under every GPU's results, GPU by GPU
+    (:data:`GPUS`' order), each GPU's sorted by ``key`` (the path by default)."""
+    return [p for root in GPUS for p in sorted(root.rglob(pattern), key=key)]
+
+
+def committed_folders(*suffixes: str) -> list[Path]:
+    """The folders holding a committed file whose name ends with one of ``suffixes``, GPU by GPU,
+    each GPU's sorted: the rows the docs cite by index keep it when another GPU's round comes."""
+    return [f for root in GPUS
+            for f in sorted({p.parent for s in suffixes for p in root.rglob("*" + s)})]
+
+
+def short(folder: str) -> str:
+    """A results folder as the tables show it: an H200 round bare (as always), another GPU's
+    under its GPU (``h100/round22-...``)."""
+    return folder.removeprefix("bench/results/").removeprefix("h200/")
+
+
+def round_of(path: Path) -> str:
+    """The round folder a committed file sits in, as the tables show it (``round21-2026-12-05``;
+    another GPU's: ``h100/round22-2026-12-05``)."""
+    root = next(r for r in GPUS if Path(path).is_relative_to(r))
+    return short(rel(root / Path(path).relative_to(root).parts[0]))
 
 
 def read_json(path: Path) -> dict:

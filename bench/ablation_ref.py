@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.ablation_files import (H200, REPO, base_as_ref, by_category, overrides, read_json,
+from bench.ablation_files import (REPO, base_as_ref, by_category, committed, overrides, read_json,
                                   rel, sibling, taus)
 from dflash.errors import DFlashError
 from dflash.spec.sweeps import load_sweep
@@ -116,7 +116,7 @@ def _data_arm(sweep: str, arm: str) -> bool:
 
 def _reproduced(sha: str, report: Path) -> bool:
     """Whether a committed run other than ``report``'s made the dataset ``sha`` too."""
-    for path in H200.rglob("*__data__manifest.json"):
+    for path in committed("*__data__manifest.json"):
         if path.parent != report.parent:
             doc = read_json(path)
             if (doc.get("dataset") or {}).get("sha256") == sha:

@@ -1,12 +1,13 @@
 """The recipe ablations of issue #26 as one table, one verdict per arm and one τ-vs-GPU-minutes
-curve, rendered from the committed H200 files (never copied by hand):
+curve, rendered from the committed GPU files (never copied by hand):
 
     python -m bench.ablation_table                              # print the table + verdicts
     python -m bench.ablation_table --write docs/benchmarks.md   # + ablation.json, the plot
     python -m bench.ablation_table --check docs/benchmarks.md   # exit 1 if md or JSON is stale
 
 Arms: every ``<arm>__bench__report.json`` (a bench stage cut after its first τ sets:
-``<arm>__bench__figures.json``, bench/figures_from_log.py) under bench/results/h200/ whose
+``<arm>__bench__figures.json``, bench/figures_from_log.py) under bench/results/h200/ (then
+another GPU's folder: bench/ablation_files.py's ``GPUS``) whose
 ``spec`` is ``<sweep>-<arm>`` of a sweep in sweeps/ (bench/gpu/session.sh's naming), with the
 ``<arm>__train__manifest.json``, ``__train__metrics.jsonl[.gz]`` and ``__data__manifest.json``
 beside it; Δ is against the ``ref`` arm of the SAME folder (the same lease and code), or the one
@@ -38,8 +39,9 @@ from functools import partial
 from pathlib import Path
 
 from bench import md_block
-from bench.ablation_files import (H200, REPO, SETS, arms, base_as_ref, by_category, has_train_files,
-                                  metrics_of, overrides, read_json, rel, sibling, timeline, taus)
+from bench.ablation_files import (H200, REPO, SETS, arms, base_as_ref, by_category, committed,
+                                  committed_folders, has_train_files, metrics_of, overrides,
+                                  read_json, rel, short, sibling, timeline, taus)
 from bench.ablation_plot import plot
 from bench.ablation_ref import lent_ref
 from bench.entry import run
@@ -229,8 +231,8 @@ def curve(arms: list[dict]) -> dict:
 def collect() -> dict:
     sweeps = sorted(p.stem for p in (REPO / "sweeps").glob("*.yaml"))
     arms = []
-    reports = sorted(H200.rglob("*__bench__report.json"))
-    for folder in sorted({p.parent for p in [*reports, *H200.rglob("*" + CUT)]}):
+    reports = committed("*__bench__report.json")
+    for folder in committed_folders("__bench__report.json", CUT):
         rows = arm_rows(folder, sweeps)
         for r in rows:  # against the ref arm of the same lease and sweep
             ref = next((o for o in rows if o["arm"] == "ref" and o["sweep"] == r["sweep"]),
@@ -282,7 +284,7 @@ def render(data: dict) -> str:
         data_s = (f"{r['data_seconds']:.0f} ({r['data_shared_by']})" if "data_seconds" in r
                   else "n/a")
         lines.append(
-            f"| {r['arm']} | `{r['folder'].removeprefix('bench/results/h200/')}` | "
+            f"| {r['arm']} | `{short(r['folder'])}` | "
             f"{r['target_tokens'] / 1e6:.2f}M | {r['gpu_minutes']:.2f} ({r['gpu_share']:.2f}) | "
             f"{data_s} | {_f(t['mtbench'])} | {_f(t['humaneval'])} | {_f(t['heldout'])} | "
             f"{_f(t['train'])} | {_d(d.get('mtbench'))} | {_d(d.get('humaneval'))} | "
@@ -292,7 +294,7 @@ def render(data: dict) -> str:
     lines += ["", "τ per MT-Bench category (first turns, simulated, pooled):", "",
               "| arm | folder | " + " | ".join(cats) + " |", "|---|---|" + "---|" * len(cats)]
     for r in rows:
-        lines.append(f"| {r['arm']} | `{r['folder'].removeprefix('bench/results/h200/')}` | "
+        lines.append(f"| {r['arm']} | `{short(r['folder'])}` | "
                      + " | ".join(_f(r["mtbench_by_category"].get(c)) for c in cats) + " |")
     own = [r for r in data["arms"] if r.get("train_by_category")]
     for r in own:
@@ -310,7 +312,7 @@ def render(data: dict) -> str:
                  f"{_d(eq.get('humaneval'))}: **{r['verdict_equal_gpu_minutes']}**" if eq else "")
         deltas = (f" (Δ MT-Bench {_d(r['delta'].get('mtbench'))}, "
                   f"HumanEval {_d(r['delta'].get('humaneval'))}{cost})" if r["delta"] else "")
-        lines.append(f"- {r['arm']} (`{r['folder'].removeprefix('bench/results/h200/')}`): "
+        lines.append(f"- {r['arm']} (`{short(r['folder'])}`): "
                      f"**{r['verdict']}**{deltas}{equal}" + (f"; to apply: {fields}" if fields else ""))
     slope = data.get("tau_per_doubling")
     if slope:

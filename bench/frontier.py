@@ -1,4 +1,4 @@
-"""τ against GPU-minutes, the figure of merit of issue #35: every committed H200 arm and DAG run
+"""τ against GPU-minutes, the figure of merit of issue #35: every committed GPU arm and DAG run
 with its τ (MT-Bench 80 first turns, HumanEval 164, held-out) beside its GPU-minutes, data and
 train counted apart, the frontier (the runs no other run beats at fewer minutes) and the plot:
 
@@ -31,7 +31,8 @@ from functools import partial
 from pathlib import Path
 
 from bench import md_block
-from bench.ablation_files import H200, REPO, metrics_of, read_json, sibling, timeline
+from bench.ablation_files import (H200, REPO, committed, metrics_of, read_json, rel, round_of,
+                                  sibling, timeline)
 from bench.metrics_file import read_metrics
 from bench.entry import run
 from bench.figures_from_log import figures
@@ -81,8 +82,8 @@ def from_ablation(data: dict) -> list[dict]:
                  a.get("data_seconds"), a.get("data_beside", 0))
            for a in data["arms"] if not a.get("ref_from")]
     for r in data["runs"]:
-        rel = RUN_DATA.get(Path(r["folder"]).name)
-        secs = read_json(H200 / rel)["seconds"] if rel else None
+        data_file = RUN_DATA.get(Path(r["folder"]).name)
+        secs = read_json(H200 / data_file)["seconds"] if data_file else None
         out.append(point(r["arm"], r["folder"], r["tau"], r["gpu_minutes"], secs))
     return out
 
@@ -108,7 +109,7 @@ def from_reports(specs: set[str]) -> list[dict]:
     out = []
     # rounds in their order (round7 before round21), so a new round's point comes last and the
     # docs' citations of the others (frontier.json#points.N) keep their N
-    for rep_path in sorted(H200.rglob("*__bench__report.json"), key=_natural):
+    for rep_path in committed("*__bench__report.json", key=_natural):
         rep = read_json(rep_path)
         sets = (rep.get("acceptance") or {}).get("sets") or {}
         tau = {s: sets[s]["tau"] for s in SETS if (sets.get(s) or {}).get("tau") is not None}
@@ -116,8 +117,8 @@ def from_reports(specs: set[str]) -> list[dict]:
             continue
         line = timeline(metrics_of(rep_path))
         data = read_json(sibling(rep_path, "data", "manifest.json"))
-        out.append(point(f"{rep['spec']} ({rep_path.relative_to(H200).parts[0]})",
-                         str(rep_path.relative_to(REPO)), tau, line[max(line)][0] / 60,
+        out.append(point(f"{rep['spec']} ({round_of(rep_path)})", rel(rep_path), tau,
+                         line[max(line)][0] / 60,
                          data["seconds"]))
     return out
 
@@ -184,8 +185,8 @@ def plot(data: dict, png: Path) -> None:
     for p in pts:
         ax.annotate(p["label"], (p["gpu_minutes"]["total"], p["tau"]["mtbench"]), fontsize=6,
                     xytext=(3, -9), textcoords="offset points")
-    ax.set(xlabel="GPU-minutes, data + train (one H200)", ylabel="τ (simulated, greedy, block 16)",
-           title="τ vs GPU-minutes (committed H200 runs)")
+    ax.set(xlabel="GPU-minutes, data + train (one H200; h100/: one H100)",
+           ylabel="τ (simulated, greedy, block 16)", title="τ vs GPU-minutes (committed runs)")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(png, dpi=100)

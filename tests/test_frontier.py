@@ -1,5 +1,5 @@
 """bench/frontier.py: τ against GPU-minutes (data and train apart), the frontier, the block in
-docs/benchmarks.md, from the committed H200 files."""
+docs/benchmarks.md, from the committed GPU files."""
 from __future__ import annotations
 
 import json
@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from bench import ablation_files
 from bench import frontier as fr
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
@@ -66,10 +67,17 @@ def test_a_committed_spec_run_is_a_point(tmp_path, monkeypatch):
     for spec, rep in (("qwen3-8b-2gpu", {"acceptance": {"skipped": "random"}}),
                       ("smollm2-recipe-1ep-ref", {"acceptance": {"sets": sets}})):
         (run.parent / f"{spec}__bench__report.json").write_text(json.dumps({"spec": spec, **rep}))
-    monkeypatch.setattr(fr, "H200", h200)
-    monkeypatch.setattr(fr, "REPO", tmp_path)
-    [p] = fr.from_reports({"smollm2-code", "qwen3-8b-2gpu", "smollm2-quality"})
+    # another GPU's round (round 22's H100) comes after every H200 round, under its GPU's name
+    h100_run = tmp_path / "bench" / "results" / "h100" / "round2" / "lease"
+    h100_run.mkdir(parents=True)
+    for f in run.parent.glob("smollm2-code__*"):
+        (h100_run / f.name).write_bytes(f.read_bytes())
+    monkeypatch.setattr(ablation_files, "GPUS", (h200, h100_run.parents[1]))
+    monkeypatch.setattr(ablation_files, "REPO", tmp_path)
+    p, h100 = fr.from_reports({"smollm2-code", "qwen3-8b-2gpu", "smollm2-quality"})
     assert p["label"] == "smollm2-code (round7)"
+    assert h100["label"] == "smollm2-code (h100/round2)"
+    assert h100["source"] == "bench/results/h100/round2/lease/smollm2-code__bench__report.json"
     assert p["tau"] == {"mtbench": 2.0, "humaneval": 2.5, "heldout": None}
     assert p["gpu_minutes"] == {"data": 1.5, "train": 3.0, "total": 4.5, "data_beside": 0}
     assert p["gain_per_gpu_minute"] == round(1.0 / 4.5, 4)
