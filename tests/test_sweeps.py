@@ -169,9 +169,15 @@ def test_repo_sweeps_validate():
     # (round 13's 20.6K) and round17 (the same count unsteered) have a data stage of their own;
     # the arms that became the base (gamma4, depth8, steered, steered-gamma4-depth8) equal ref
     # code-2ep: the code spec's data stage, shared with specs/smollm2-code.yaml by content
-    own_data = ("prompts1x", "round17", "code-2ep")
+    # prompts2x-3ep: twice the steered prompts (60K self-written), no feature cache, the base's
+    # warm-up
+    own_data = ("prompts1x", "round17", "code-2ep", "prompts2x-3ep")
     assert len({s.fingerprint("data") for k, s in recipe.items() if k not in own_data}) == 1
-    assert len({recipe[k].fingerprint("data") for k in ("ref",) + own_data}) == 4
+    assert len({recipe[k].fingerprint("data") for k in ("ref",) + own_data}) == 5
+    fresh = recipe["prompts2x-3ep"]
+    assert fresh.fingerprint("warmup") == recipe["ref"].fingerprint("warmup")
+    assert fresh.data.self_written.categories == recipe["ref"].data.self_written.categories
+    assert (fresh.data.max_prompts, fresh.optim.epochs, fresh.features.cache) == (60600, 3, "off")
     code = load_spec(REPO / "specs" / "smollm2-code.yaml")
     assert all(recipe["code-2ep"].fingerprint(st) == code.fingerprint(st) for st in ("data", "warmup"))
     assert (recipe["code-2ep"].optim.epochs, code.optim.epochs) == (2, 6)

@@ -13,12 +13,13 @@
 # what comes back is one archive, results.tgz (at most 8 files come back): commit each as it
 # comes; once the round's last is extracted as lease/ and committed, the archives leave the
 # tree (the history keeps them; bench/gpu/pack_wheels.sh says why).
-# Round 22 (issue #35): `plan` picks one run by PLAN_S, the most needed that fits whole: the
-# candidate default's whole DAG (today's recipe for 9 epochs: τ 3.0 by the committed slope, the
-# 20 minutes, the reference protocol, the sweep from the decoders stage's cache, the
-# `[resources]` lines) from 1,230 s; else the 6-epoch default's whole DAG from 1,050 s; else the
-# schedule's-tail arm (lr-floor10) from 900 s. With 30 device-minutes, five wheel calls and no
-# failed start that is PLAN_S ~1,560: the first. Each failed start (~90 s) moves it down a rung.
+# Round 23 (issue #35): `plan` picks one run by PLAN_S, the most needed that fits whole: twice
+# the fresh samples for half the epochs (the prompts2x-3ep arm) from 1,150 s; else the 6-epoch
+# default's whole DAG from 1,050 s; else the schedule's-tail arm (lr-floor10) from 900 s. With
+# 30 device-minutes, six wheel calls and no failed start that is PLAN_S ~1,560: the first.
+# (Round 22: four starts failed, then an H100 for 1,366 s: PLAN_S 1,215 ran the epochs10 arm,
+# 1,077 s of plan, from round 22's plan: the epochs9 whole DAG from 1,230 s, epochs10 from
+# 1,150: bench/results/h100/round22-2026-12-05/README.md.)
 # (Round 21: five starts failed; `PLAN=plan_code` ran the code spec's whole DAG, then the small
 # probes and the decoders stage's A/B: bench/results/h200/round21-2026-12-05/README.md.)
 # (Round 20 lost its machine mid-launch, nine starts failed; on an H100 it ran the decoders
@@ -109,26 +110,20 @@ data_and_warmups() {  # the Snakemake targets $@ (data stages, warm-ups) at once
 
 plan() {  # the round's GPU work, chosen by the plan's time (PLAN_S): the most needed that fits
   # whole, since a run cut in its bench leaves neither its τ report nor its DAG's wall.
-  # Round 21 measured what the earlier plans had after the candidate (the code spec's whole DAG,
-  # the decoders stage's A/B and the small probes on an H200), so each plan is one run.
+  # Round 22 measured the epochs (10 lose at equal minutes: bench/results/h100/round22-2026-12-05/),
+  # so the candidates for #35's τ 3.0 are fresh samples now; each plan is one run.
   begin "start (PLAN_S ${PLAN_S:-?})"
   local s; s=$(left 1380)
-  # 1. #35's τ 3.0 and 20 minutes for the candidate default, alone on the GPU: today's recipe
-  #    for 9 epochs (the recipe sweep's epochs9 arm: the default's env, data, warm-up and
-  #    decoders by content, its whole bench: τ on four sets, the reference protocol, the sweep
-  #    at batches 1-64 from the decoders stage's cache). By round 19's arm (env to its lighter
-  #    bench 875 s) + 3 epochs ~189 + the reference ~70 + the sweep ~60: ~1,190 s; the decoders
-  #    stage compiles 16 decoders beside the data stage (round 21's 5 at batch 1: 109 s), which
-  #    may hold the train stage back by a minute
-  if [ "$s" -ge 1230 ]; then bench_run smollm2-recipe-epochs9 epochs9 1380
-  # 2. a little less: whether more cached epochs reach τ 3.0 at all, before the 20 minutes
-  #    (round 22: three failed starts): the epochs10 arm, its lighter bench (MT-Bench, HumanEval,
-  #    held-out, train; no reference protocol, no sweep): round 19's arm 875 s + 4 epochs ~252
-  elif [ "$s" -ge 1150 ]; then arm epochs10 1230
-  # 3. a shorter hold: the 6-epoch default's own whole DAG (its 20 minutes at this recipe, τ
-  #    again beside round 19's arm: ~1,000 s by the same stamps)
+  # 1. twice the fresh samples for half the epochs (the recipe sweep's prompts2x-3ep arm: 60.6K
+  #    steered prompts x 2 answers, 3 epochs, no feature cache, the arm's lighter bench): its
+  #    own data stage ~2x round 22's 226.5 s, training ~510 s (every epoch runs the target:
+  #    round 19's epoch 0 84.5 s for 61.2K samples), bench ~65, env and waits ~35: ~1,100 s
+  if [ "$s" -ge 1150 ]; then arm prompts2x-3ep 1300
+  # 2. a shorter hold: the 6-epoch default's own whole DAG (its 20 minutes at this recipe with
+  #    the reference protocol and the sweep from the decoders stage's cache, never measured at
+  #    this recipe: ~1,000 s by rounds 19, 21 and 22's stamps; τ again beside round 19's arm)
   elif [ "$s" -ge 1050 ]; then bench_run smollm2-quality quality 1230
-  # 4. shorter still: the schedule's tail, the one lever of #35's list free per step and never
+  # 3. shorter still: the schedule's tail, the one lever of #35's list free per step and never
   #    run (the cosine to a tenth of lr instead of 0), against round 19's arm lent as ref: ~875 s
   elif [ "$s" -ge 900 ]; then arm lr-floor10 1050
   else stamp "no τ run fits $s s"; fi
