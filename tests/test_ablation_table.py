@@ -1,12 +1,12 @@
 """bench/ablation_table.py: the ablation table, its JSON and the verdicts come from the committed
-H200 files; a table or JSON that disagrees with them is caught; bad input is one clear error."""
+GPU files; a table or JSON that disagrees with them is caught; bad input is one clear error."""
 import json
 import shutil
 from pathlib import Path
 
 import pytest
 
-from bench import ablation_ref, ablation_table
+from bench import ablation_files, ablation_ref, ablation_table
 from bench.figures_from_log import as_report
 from dflash.errors import DFlashError
 
@@ -285,3 +285,23 @@ def test_a_cut_benchs_figures_file_that_does_not_read_is_one_clear_error(tmp_pat
         path.write_text(text)
         with pytest.raises(DFlashError, match="smollm2-recipe-epochs6__bench__figures.json"):
             as_report(path)
+
+
+def test_another_gpus_rounds_come_after_the_h200_ones(data, monkeypatch, tmp_path):
+    """The docs cite ablation.json's arms by index: the H200's folders keep their sorted order and
+    another GPU's round (round 22's H100) comes after them, under its GPU's name, with the run
+    it lends as ref (round 19's candidate, on the byte-identical dataset)."""
+    rows = [(r["arm"], ablation_files.short(r["folder"])) for r in data["arms"]]
+    h100 = [i for i, (_, f) in enumerate(rows) if f.startswith("h100/")]
+    assert h100 and h100 == list(range(len(rows) - len(h100), len(rows)))
+    assert rows[h100[0]] == ("epochs10", "h100/round22-2026-12-05/lease/r")
+    ref = data["arms"][h100[1]]
+    assert ref["arm"] == "ref" and "round19-2026-12-05" in ref["ref_from"]
+    assert data["arms"][h100[0]]["verdict_equal_gpu_minutes"] == "loses"
+    # the order itself: per GPU, sorted (round10 before round9, as the H200 rows always were)
+    for gpu, rnd in (("h200", "round9"), ("h200", "round10"), ("h100", "round1")):
+        (tmp_path / gpu / rnd).mkdir(parents=True)
+        (tmp_path / gpu / rnd / "a__bench__report.json").write_text("{}")
+    monkeypatch.setattr(ablation_files, "GPUS", (tmp_path / "h200", tmp_path / "h100"))
+    assert [f"{p.parent.name}/{p.name}" for p in ablation_files.committed_folders(
+        "__bench__report.json")] == ["h200/round10", "h200/round9", "h100/round1"]
