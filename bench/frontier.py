@@ -118,8 +118,7 @@ def from_reports(specs: set[str]) -> list[dict]:
         line = timeline(metrics_of(rep_path))
         data = read_json(sibling(rep_path, "data", "manifest.json"))
         out.append(point(f"{rep['spec']} ({round_of(rep_path)})", rel(rep_path), tau,
-                         line[max(line)][0] / 60,
-                         data["seconds"]))
+                         line[max(line)][0] / 60, data["seconds"]))
     return out
 
 
