@@ -24,6 +24,7 @@ from bench.entry import command_line, run, write_result
 from dflash.data.self_written import assign_categories, prefixes, round_seed
 from dflash.data.sources import tokenizer_for
 from dflash.decode.generate import eos_ids_of, open_generator
+from dflash.errors import DFlashError
 from dflash.models.target import load_target
 from dflash.spec.load import load_spec
 
@@ -35,7 +36,8 @@ def draw(spec, per_category: int, max_tokens: int, device: str) -> list[tuple[st
     sw = spec.data.self_written
     cats = tuple(sw.categories)
     if not cats:
-        raise SystemExit("the spec's data.self_written.categories is empty: nothing to compare")
+        raise DFlashError(f"{spec.name}: data.self_written.categories is empty (no category "
+                          "cues to draw under)")
     target = dataclasses.replace(spec.target, dtype="float32" if device == "cpu" else
                                  spec.target.dtype)
     tgt = load_target(target, device, seed=spec.seed)

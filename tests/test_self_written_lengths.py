@@ -2,6 +2,8 @@
 they cost, from the data stage's own prefixes, seeds and engine (the real SmolLM2 on the CPU)."""
 import json
 
+import pytest
+
 from bench import self_written_lengths as swl
 
 
@@ -29,3 +31,11 @@ def test_a_real_draw_of_the_quality_specs_candidates(tmp_path):
     # every candidate either ended within the 64 tokens drawn or is counted as never ended
     assert round(at64["ended_share"] * 8) == 8 - sum(res["never_ended"].values())
     assert res["command"].startswith("python -m bench.self_written_lengths --spec")
+
+
+def test_a_spec_without_category_cues_is_one_clear_error(capsys):
+    """specs/tiny.yaml's self-written prompts (if any) are unsteered: nothing to draw under."""
+    with pytest.raises(SystemExit) as e:
+        swl.run(lambda: swl.main(["--spec", "specs/tiny.yaml", "--out", "/dev/null"]))
+    assert e.value.code != 0
+    assert "data.self_written.categories is empty" in capsys.readouterr().err
