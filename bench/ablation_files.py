@@ -39,11 +39,11 @@ def committed(pattern: str, key=None) -> list[Path]:
     return [p for root in GPUS for p in sorted(root.rglob(pattern), key=key)]
 
 
-def committed_folders(*suffixes: str) -> list[Path]:
-    """The folders holding a committed file whose name ends with one of ``suffixes``, GPU by GPU,
-    each GPU's sorted: the rows the docs cite by index keep it when another GPU's round comes."""
+def committed_folders(files: list[Path]) -> list[Path]:
+    """The folders holding ``files`` (committed ones, :func:`committed`'s), GPU by GPU, each GPU's
+    sorted: the rows the docs cite by index keep it when another GPU's round comes."""
     return [f for root in GPUS
-            for f in sorted({p.parent for s in suffixes for p in root.rglob("*" + s)})]
+            for f in sorted({p.parent for p in files if p.is_relative_to(root)})]
 
 
 def short(folder: str) -> str:

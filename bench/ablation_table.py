@@ -232,7 +232,7 @@ def collect() -> dict:
     sweeps = sorted(p.stem for p in (REPO / "sweeps").glob("*.yaml"))
     arms = []
     reports = committed("*__bench__report.json")
-    for folder in committed_folders("__bench__report.json", CUT):
+    for folder in committed_folders(reports + committed("*" + CUT)):
         rows = arm_rows(folder, sweeps)
         for r in rows:  # against the ref arm of the same lease and sweep
             ref = next((o for o in rows if o["arm"] == "ref" and o["sweep"] == r["sweep"]),

@@ -22,7 +22,7 @@ from collections import Counter
 
 from bench.entry import command_line, run, write_result
 from dflash.data.self_written import assign_categories, prefixes, round_seed
-from dflash.data.sources import tokenizer_for
+from dflash.data.sources import engine_compile, tokenizer_for
 from dflash.decode.generate import eos_ids_of, open_generator
 from dflash.errors import DFlashError
 from dflash.models.target import load_target
@@ -46,7 +46,8 @@ def draw(spec, per_category: int, max_tokens: int, device: str) -> list[tuple[st
     assigned = assign_categories(cats, spec.seed, 0, 0, n)  # round-robin: per_category each
     gen = open_generator(spec.data.engine, tgt, slots=min(n, spec.data.gen_batch_size), items=n,
                          max_len=max(map(len, prefix.values())) + max_tokens,
-                         max_new_tokens=max_tokens, temperature=sw.temperature, compile=False)
+                         max_new_tokens=max_tokens, temperature=sw.temperature,
+                         compile=engine_compile(spec, device))
     eos = set(eos_ids_of(tgt))
     out = gen.generate([prefix[c] for c in assigned],
                        [round_seed(spec.seed, 0, i) for i in range(n)])

@@ -304,4 +304,5 @@ def test_another_gpus_rounds_come_after_the_h200_ones(data, monkeypatch, tmp_pat
         (tmp_path / gpu / rnd / "a__bench__report.json").write_text("{}")
     monkeypatch.setattr(ablation_files, "GPUS", (tmp_path / "h200", tmp_path / "h100"))
     assert [f"{p.parent.name}/{p.name}" for p in ablation_files.committed_folders(
-        "__bench__report.json")] == ["h200/round10", "h200/round9", "h100/round1"]
+        ablation_files.committed("*__bench__report.json"))] == ["h200/round10", "h200/round9",
+                                                                "h100/round1"]
