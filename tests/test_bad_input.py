@@ -164,6 +164,8 @@ CASES = [
     Case("too-many-buckets", ["field 'batching.num_buckets'"], put("batching.num_buckets", 7)),
     Case("data-over-budget", ["field 'data.max_new_tokens'", "token_budget"],
          put("data.max_new_tokens", 1000)),
+    Case("greedy-samples-repeat", ["field 'data.samples_per_prompt'", "greedy answers"],
+         put("data.samples_per_prompt", 2)),
     Case("epochs-and-steps", ["field 'optim'", "exactly one of 'epochs' or 'max_steps'"],
          put("optim.max_steps", 100)),
     Case("neither-epochs-nor-steps", ["field 'optim'", "exactly one"], drop("optim.epochs")),

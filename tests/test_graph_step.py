@@ -15,7 +15,7 @@ from conftest import assert_f32_close, f32_close
 from dflash.errors import SpecError
 from dflash.models.drafter import DFlashConfig
 from dflash.models.masks import IGNORE_INDEX, PackedRow
-from dflash.models.target_output import TargetOutput
+from dflash.models.target_output import SoftLabels, TargetOutput, soft_positions
 from dflash.spec.load import parse_spec
 from dflash.train.graph_step import GraphStep, graph_step_on, restore, snapshot
 from dflash.train.objective import Objective
@@ -97,9 +97,37 @@ def test_static_loss_of_a_row_without_labels_is_zero_with_zero_gradient():
     assert float(loss.detach()) == 0.0 and (g == 0).all() and (hits == 0).all()
 
 
-def test_static_loss_refuses_soft_labels():
-    obj, blocks, hidden, head = _loss_case(4, None, 20)
-    with pytest.raises(ValueError, match="loss.kind 'kd'"):
+def _soft(r: PackedRow, top_k: int, seed: int = 0) -> SoftLabels:
+    """A stand-in target's top-k log-probs at the row's label positions (one before each)."""
+    pos = soft_positions(r.doc_ids, r.loss_mask)
+    logits = torch.randn(L, V, generator=torch.Generator().manual_seed(seed)) * 2
+    top = torch.log_softmax(logits[pos], -1).topk(top_k, dim=-1)
+    return SoftLabels(pos, top.indices.to(torch.int32), top.values)
+
+
+@pytest.mark.parametrize("kind,B,cap,response,backend", [
+    ("kd", 16, 8, 20, None), ("kd", 4, None, 3, None), ("ce+kd", 8, 3, 20, None),
+    ("ce+kd", 16, None, 2, None), ("kd", 16, 5, 20, "aot_eager")])
+def test_static_soft_loss_equals_the_host_selected_loss(kind, B, cap, response, backend):
+    """kd / ce+kd: the soft labels gathered from dense [L, k] buffers by every slot's row
+    position give the loss, hits and gradient of the host-selected lookup (SoftLabels.at)."""
+    obj, blocks, hidden, head = _loss_case(B, cap, response)
+    obj = dataclasses.replace(obj, kind=kind, top_k=5, head_backend=backend)
+    r = packed_row(0, response)
+    soft = _soft(r, 5)
+    loss, hits = obj.loss(hidden, head, blocks, soft, row_len=L, chunk=7, host=blocks)
+    (g,) = torch.autograd.grad(loss, hidden)
+    dense = obj.dense_soft(soft, L)
+    assert dense[0].shape == (L, 5) and int((dense[1] != 0).any(-1).sum()) == len(soft.positions)
+    s_loss, s_hits = obj.static_loss(hidden, head, blocks, chunk=7, soft=dense)
+    (s_g,) = torch.autograd.grad(s_loss, hidden)
+    assert_f32_close(s_loss, loss, blocks.labels.numel() * V)
+    torch.testing.assert_close(s_hits, hits, atol=0, rtol=0)
+    assert_f32_close(s_g, g, V * H)
+    # the soft labels count: another target's give another loss
+    other, _ = obj.static_loss(hidden, head, blocks, chunk=7, soft=obj.dense_soft(_soft(r, 5, 1), L))
+    assert not f32_close(other, loss, blocks.labels.numel() * V)
+    with pytest.raises(ValueError, match="loss.kind 'kd'.*dense soft labels"):
         dataclasses.replace(obj, kind="kd").static_loss(hidden, head, blocks)
 
 
@@ -118,17 +146,21 @@ def _grads(rep):
     return [p.grad.clone() for p in rep.params]
 
 
-@pytest.mark.parametrize("cap,response", [(None, 20), (2, 3), (None, 2)])
-def test_step_on_static_buffers_equals_today_s_step(cap, response):
+@pytest.mark.parametrize("cap,response,kind", [(None, 20, "ce"), (2, 3, "ce"), (None, 2, "ce"),
+                                               (3, 20, "kd"), (None, 3, "ce+kd")])
+def test_step_on_static_buffers_equals_today_s_step(cap, response, kind):
     """Loss, hits and every parameter's gradient of the body on static buffers equal
     forward_backward's, first for the row the buffers were made with, then for another row
-    loaded into them (the buffers, not the first row, are what the body reads)."""
-    rep, width = _replica({"loss": {"gamma": 4, "max_position": cap}})
+    loaded into them (the buffers, not the first row, are what the body reads; kd / ce+kd:
+    the row's soft labels too)."""
+    rep, width = _replica({"loss": {"gamma": 4, "max_position": cap, "kind": kind,
+                                    "kd_top_k": 4}})
     rows = [packed_row(1, response), packed_row(2, 20)]
-    feats = [torch.randn(1, L, width, generator=torch.Generator().manual_seed(i))
-             for i in range(2)]
+    feats = [TargetOutput(torch.randn(1, L, width, generator=torch.Generator().manual_seed(i)),
+                          _soft(r, 4, i) if kind != "ce" else None)
+             for i, r in enumerate(rows)]
     blocks = [rep.anchors(r, i) for i, r in enumerate(rows)]
-    gs = GraphStep(rep, rows[0], TargetOutput(feats[0]), blocks[0])
+    gs = GraphStep(rep, rows[0], feats[0], blocks[0])
     for i in range(2):
         if i:
             gs.load(rows[i], feats[i], blocks[i])
@@ -192,16 +224,16 @@ def test_device_lr_optimizer_gives_today_s_parameters_after_steps():
 # ---------------------------------------------------------------------------------------------
 def test_spec_field_defaults_auto_resolves_per_device_and_refuses_what_cannot_apply():
     assert parse_spec(SPEC, "graph.yaml").compile.cuda_graph_step == "auto"
-    assert graph_step_on("auto", "cuda:0", "ce", 1, 1) and graph_step_on(True, "cuda:1", "ce", 1, 1)
-    assert not graph_step_on("auto", "cpu", "ce", 1, 1)
-    assert not graph_step_on("auto", "cuda:0", "kd", 1, 1)
-    assert not graph_step_on("auto", "cuda:0", "ce", 2, 1)
-    assert not graph_step_on("auto", "cuda:0", "ce", 1, 2)
-    assert not graph_step_on("off", "cuda:0", "ce", 1, 1)
-    kd = {**SPEC, "loss": {"gamma": 4, "kind": "kd"}}
-    assert parse_spec({**kd, "compile": {"cuda_graph_step": "auto"}}, "graph.yaml")
+    assert graph_step_on("auto", "cuda:0", 1, 1) and graph_step_on(True, "cuda:1", 1, 1)
+    assert not graph_step_on("auto", "cpu", 1, 1)
+    assert not graph_step_on("auto", "cuda:0", 2, 1)
+    assert not graph_step_on("auto", "cuda:0", 1, 2)
+    assert not graph_step_on("off", "cuda:0", 1, 1)
+    kd = {**SPEC, "loss": {"gamma": 4, "kind": "kd"}}   # soft labels are captured too
+    assert parse_spec({**kd, "compile": {"cuda_graph_step": "on"}}, "graph.yaml")
+    two = {**SPEC, "topology": {**SPEC["topology"], "drafters": ["cpu", "cpu"]}}
     with pytest.raises(SpecError, match="compile.cuda_graph_step"):
-        parse_spec({**kd, "compile": {"cuda_graph_step": "on"}}, "graph.yaml")
+        parse_spec({**two, "compile": {"cuda_graph_step": "on"}}, "graph.yaml")
     with pytest.raises(SpecError, match="compile.cuda_graph_step"):
         parse_spec({**SPEC, "compile": {"cuda_graph_step": "always"}}, "graph.yaml")
     [rep] = make_replicas(parse_spec({**SPEC, "compile": {"cuda_graph_step": "on",

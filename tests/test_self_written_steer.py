@@ -235,7 +235,7 @@ def test_dataset_prompt_ids_map_to_their_steered_category(tok, tmp_path, monkeyp
     monkeypatch.setattr(sources, "_self_written", writer)
     raw = yaml.safe_load((ROOT / "specs" / "tiny.yaml").read_text())
     del raw["data"]["source"]
-    raw["data"].update(max_prompts=7, samples_per_prompt=2, sources=[
+    raw["data"].update(max_prompts=7, samples_per_prompt=2, temperature=0.7, sources=[
         {"source": CHATTERBOT, "count": 3}, {"source": "self-written", "count": 4}])
     spec = parse_spec(raw, "specs/t.yaml")
     samples, _, prompts, per_source = sources.build_samples(spec, tok, tmp_path,

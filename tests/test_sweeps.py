@@ -170,14 +170,32 @@ def test_repo_sweeps_validate():
     # the arms that became the base (gamma4, depth8, steered, steered-gamma4-depth8) equal ref
     # code-2ep: the code spec's data stage, shared with specs/smollm2-code.yaml by content
     # prompts2x-3ep: twice the steered prompts (60K self-written), no feature cache, the base's
-    # warm-up
-    own_data = ("prompts1x", "round17", "code-2ep", "prompts2x-3ep")
+    # warm-up; greedy-prompts2x: as many, one greedy answer each, trained as the base
+    own_data = ("prompts1x", "round17", "code-2ep", "prompts2x-3ep", "greedy-prompts2x")
     assert len({s.fingerprint("data") for k, s in recipe.items() if k not in own_data}) == 1
-    assert len({recipe[k].fingerprint("data") for k in ("ref",) + own_data}) == 5
+    assert len({recipe[k].fingerprint("data") for k in ("ref",) + own_data}) == 6
     fresh = recipe["prompts2x-3ep"]
     assert fresh.fingerprint("warmup") == recipe["ref"].fingerprint("warmup")
     assert fresh.data.self_written.categories == recipe["ref"].data.self_written.categories
     assert (fresh.data.max_prompts, fresh.optim.epochs, fresh.features.cache) == (60600, 3, "off")
+    greedy, ref = recipe["greedy-prompts2x"], recipe["ref"]
+    assert all(greedy.fingerprint(st) == ref.fingerprint(st) for st in ("warmup", "train"))
+    assert greedy.data.self_written == ref.data.self_written
+    # the base's sample count (one greedy answer to each of twice the prompts) and cache
+    assert (greedy.data.temperature, greedy.data.samples_per_prompt) == (0.0, 1)
+    assert (ref.data.temperature, ref.data.samples_per_prompt) == (0.6, 2)
+    assert abs(greedy.data.max_prompts - 2 * ref.data.max_prompts) <= 600
+    assert greedy.features.cache == ref.features.cache == "host"
+    # kd: the base's data and steps, soft labels (a warm-up of its own: the loss's inputs)
+    kd = recipe["kd"]
+    assert kd.fingerprint("data") == ref.fingerprint("data")
+    assert kd.fingerprint("warmup") != ref.fingerprint("warmup")
+    assert (kd.loss.kind, kd.optim.epochs, kd.features.cache) == ("kd", 6, "host")
+    # the candidates' bench is the quality spec's whole bench: their DAG is the 20-minute check
+    quality = load_spec(REPO / "specs" / "smollm2-quality.yaml")
+    for arm in (greedy, kd):
+        assert (arm.bench.protocols, arm.bench.decode_batches) == (
+            quality.bench.protocols, quality.bench.decode_batches)
     code = load_spec(REPO / "specs" / "smollm2-code.yaml")
     assert all(recipe["code-2ep"].fingerprint(st) == code.fingerprint(st) for st in ("data", "warmup"))
     assert (recipe["code-2ep"].optim.epochs, code.optim.epochs) == (2, 6)

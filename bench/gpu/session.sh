@@ -13,10 +13,13 @@
 # what comes back is one archive, results.tgz (at most 8 files come back): commit each as it
 # comes; once the round's last is extracted as lease/ and committed, the archives leave the
 # tree (the history keeps them; bench/gpu/pack_wheels.sh says why).
-# Round 23 (issue #35): `plan` picks one run by PLAN_S, the most needed that fits whole: twice
-# the fresh samples for half the epochs (the prompts2x-3ep arm) from 1,150 s; else the 6-epoch
-# default's whole DAG from 1,050 s; else the schedule's-tail arm (lr-floor10) from 900 s. With
-# 30 device-minutes, six wheel calls and no failed start that is PLAN_S ~1,560: the first.
+# Round 24 (issue #35): `plan` picks one run by PLAN_S, the most needed that fits whole: soft
+# labels with the default's whole bench (the kd arm on the default's dataset: τ, and a bound on
+# the default's 20-minute DAG) from 1,150 s; else the 6-epoch default's whole DAG from 1,050 s;
+# else the schedule's-tail arm (lr-floor10) from 900 s. With 30 device-minutes, seven wheel
+# calls and no failed start that is PLAN_S ~1,580: the first.
+# (Round 23: an H100 at the first call, seven wheel calls, PLAN_S 1,580 ran the prompts2x-3ep
+# arm in 1,131 s: bench/results/h100/round23-2026-12-05/README.md.)
 # (Round 22: four starts failed, then an H100 for 1,366 s: PLAN_S 1,215 ran the epochs10 arm,
 # 1,077 s of plan, from round 22's plan: the epochs9 whole DAG from 1,230 s, epochs10 from
 # 1,150: bench/results/h100/round22-2026-12-05/README.md.)
@@ -110,15 +113,20 @@ data_and_warmups() {  # the Snakemake targets $@ (data stages, warm-ups) at once
 
 plan() {  # the round's GPU work, chosen by the plan's time (PLAN_S): the most needed that fits
   # whole, since a run cut in its bench leaves neither its τ report nor its DAG's wall.
-  # Round 22 measured the epochs (10 lose at equal minutes: bench/results/h100/round22-2026-12-05/),
-  # so the candidates for #35's τ 3.0 are fresh samples now; each plan is one run.
+  # Rounds 22 and 23 measured more epochs and more fresh samples (each ~+0.07 MT-Bench, neither
+  # paying at equal minutes: bench/results/h100/round2{2,3}-2026-12-05/), so the candidate for
+  # #35's τ 3.0 is the labels: the target's own distribution (kd) instead of its sampled
+  # answers; each plan is one run.
   begin "start (PLAN_S ${PLAN_S:-?})"
-  local s; s=$(left 1380)
-  # 1. twice the fresh samples for half the epochs (the recipe sweep's prompts2x-3ep arm: 60.6K
-  #    steered prompts x 2 answers, 3 epochs, no feature cache, the arm's lighter bench): its
-  #    own data stage ~2x round 22's 226.5 s, training ~510 s (every epoch runs the target:
-  #    round 19's epoch 0 84.5 s for 61.2K samples), bench ~65, env and waits ~35: ~1,100 s
-  if [ "$s" -ge 1150 ]; then arm prompts2x-3ep 1300
+  local s; s=$(left 1450)
+  # 1. soft labels (the recipe sweep's kd arm: the default's data stage, training and whole
+  #    bench, loss.kind kd, its step captured like CE's): env and waits ~35, data ~230 (round
+  #    22: 226.5 s) with its own warm-up and the decoders stage beside, training ~480 (round
+  #    19's 6 cached epochs ~450 s, epoch 0 running the target's last layers and head too),
+  #    bench ~160 with the reference protocol and the sweep from the decoders stage's cache:
+  #    ~950 s; its DAG bounds the default's (the same data stage and bench, CE's steps no
+  #    longer than KD's). greedy-prompts2x (greedy answers) is the next candidate
+  if [ "$s" -ge 1150 ]; then arm kd 1400
   # 2. a shorter hold: the 6-epoch default's own whole DAG (its 20 minutes at this recipe with
   #    the reference protocol and the sweep from the decoders stage's cache, never measured at
   #    this recipe: ~1,000 s by rounds 19, 21 and 22's stamps; τ again beside round 19's arm)

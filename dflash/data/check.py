@@ -22,9 +22,6 @@ SUFFIXES = (".jsonl", ".parquet")
 NAMES = (CHATTERBOT, SELF_WRITTEN, SYNTHETIC)
 
 
-SELF_WRITTEN = "self-written"
-
-
 def source_quotas(d) -> list[tuple[str, int]]:
     """(source, prompts wanted) per entry of ``data.sources`` (or the one ``data.source``).
 

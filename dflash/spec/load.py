@@ -188,6 +188,11 @@ def _check_cross_fields(spec: Spec, file: str) -> None:
         fail("data.max_new_tokens", f"max_prompt_tokens + max_new_tokens = "
              f"{data.max_prompt_tokens + data.max_new_tokens} exceeds "
              f"batching.token_budget = {b.token_budget}: a sequence would not fit a batch")
+    if data.temperature == 0 and data.samples_per_prompt > 1 and data.source != "synthetic":
+        # greedy decoding gives one answer a prompt: the samples would be the same sequence
+        fail("data.samples_per_prompt", f"{data.samples_per_prompt} greedy answers "
+             f"(data.temperature 0) of one prompt are one answer repeated; use 1, or a "
+             f"temperature above 0")
     if data.source == "synthetic" and t.init != "random":
         fail("data.source", "'synthetic' (random responses) is only for throughput runs of "
              "random-weight targets (target.init: random); a pretrained target must be trained "
@@ -223,10 +228,10 @@ def _check_cross_fields(spec: Spec, file: str) -> None:
              f"sample in it is cached); this spec has {topo.nodes} nodes")
     graph = {True: "on", False: "off"}.get(spec.compile.cuda_graph_step,
                                            spec.compile.cuda_graph_step)
-    if graph == "on" and (spec.loss.kind != "ce" or len(topo.drafters) != 1 or topo.nodes != 1):
-        fail("compile.cuda_graph_step", f"'on' needs loss.kind ce, one drafter device and "
-             f"topology.nodes 1 (this spec: {spec.loss.kind}, {len(topo.drafters)} drafter "
-             f"device(s), {topo.nodes} node(s)); use auto to capture only where it applies")
+    if graph == "on" and (len(topo.drafters) != 1 or topo.nodes != 1):
+        fail("compile.cuda_graph_step", f"'on' needs one drafter device and topology.nodes 1 "
+             f"(this spec: {len(topo.drafters)} drafter device(s), {topo.nodes} node(s)); use "
+             f"auto to capture only where it applies")
     if spec.env.lock.startswith("/") or ".." in Path(spec.env.lock).parts:
         fail("env.lock", "must be a path inside the repository (e.g. envs/cpu-py311.lock)")
 

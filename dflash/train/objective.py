@@ -111,20 +111,22 @@ class Objective:
         return (total + (const * w).sum()) / w.sum(), hits
 
     def static_loss(self, hidden: torch.Tensor, lm_head: torch.Tensor, blocks: Blocks,
-                    chunk: int | None = None, position_weights: torch.Tensor | None = None
+                    chunk: int | None = None, position_weights: torch.Tensor | None = None,
+                    soft: tuple[torch.Tensor, torch.Tensor] | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`loss` (kind ``ce``) over a fixed set of block tokens: every slot's positions
-        k = 1..K (K = ``max_position``, else B−1), weight 0 where there is no label. Nothing
-        depends on which tokens carry a label (no host-side selection, no data-dependent
-        shape), so one bucket's step has one shape and a CUDA graph can hold it
+        """:meth:`loss` over a fixed set of block tokens: every slot's positions k = 1..K
+        (K = ``max_position``, else B−1), weight 0 where there is no label. Nothing depends on
+        which tokens carry a label (no host-side selection, no data-dependent shape), so one
+        bucket's step has one shape and a CUDA graph can hold it
         (:mod:`dflash.train.graph_step`). Its rows are :meth:`max_supervised`'s, the ones the
         compiled head pads to, so it costs what a full row costs there; the loss, hits and
         gradient equal :meth:`loss`'s (the unlabelled rows add zero to each).
         ``position_weights``: :meth:`position_weights` already on the device (inside a CUDA
-        graph nothing may be copied from the host)."""
-        if self.kind != "ce":
-            raise ValueError(f"loss.kind {self.kind!r}: the fixed-shape (CUDA-graph) loss "
-                             f"has hard labels only (soft labels vary in count per row)")
+        graph nothing may be copied from the host). ``soft`` (kd, ce+kd): the row's soft labels
+        as dense [L, top_k] ids and log-probs by row position (:meth:`dense_soft`), so the
+        labels of every slot are a gather, not the host-side lookup :meth:`loss` does."""
+        if self.soft_labels and soft is None:
+            raise ValueError(f"loss.kind {self.kind!r} needs the row's dense soft labels")
         B, Hd, chunk = self.block_size, hidden.shape[-1], chunk or self.head_chunk
         K = B - 1 if self.max_position is None else min(self.max_position, B - 1)
 
@@ -140,13 +142,38 @@ class Objective:
         k = torch.arange(1, K + 1, device=h.device).repeat(A)
         ids = y.clamp(min=0)[:, None]   # unlabelled rows: any id, weight 0 (label stays −100)
         ones = torch.ones(y.shape[0], 1, device=h.device)
+        const = torch.zeros_like(w)
+        if self.soft_labels:  # the target's output one before each label, by row position
+            dense_ids, dense_lp = soft
+            # every slot's anchor K times (expand, not repeat_interleave: no host sync inside
+            # a capture); an unlabelled slot's position may fall off the row
+            anchor = blocks.anchor_pos.reshape(-1, 1).expand(-1, K).reshape(-1)
+            at = (anchor + k - 1).clamp(0, dense_ids.shape[0] - 1)
+            ids, p, const = self._distilled(ids, ones, dense_ids[at], dense_lp[at])
+        else:
+            p = ones
         if self.head_backend is not None:
             chunk = balanced_chunk(h.shape[0], chunk)   # the compiled path's chunk, = loss()'s
-        total, hits = head_cross_entropy(h, lm_head, ids, ones, w, y, k, B, chunk,
+        total, hits = head_cross_entropy(h, lm_head, ids, p, w, y, k, B, chunk,
                                          self.head_backend)
         # no labelled token at all: 0 / tiny = 0, as loss() gives, with a zero gradient
-        return total / w.sum().clamp(min=torch.finfo(torch.float32).tiny), hits
+        return ((total + (const * w).sum()) / w.sum().clamp(min=torch.finfo(torch.float32).tiny),
+                hits)
 
+    def dense_soft(self, soft: SoftLabels, row_len: int, out: tuple[torch.Tensor, ...]
+                   | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The row's soft labels as dense [row_len, top_k] ids and log-probs by row position
+        (zeros where the target gave none: only unlabelled slots read those, at weight 0),
+        written into ``out`` (a captured step's static buffers) when given."""
+        if out is None:
+            out = (torch.zeros(row_len, self.top_k, dtype=torch.int32, device=soft.positions.device),
+                   torch.zeros(row_len, self.top_k, dtype=torch.float32,
+                               device=soft.positions.device))
+        for buf, src in zip(out, (soft.token_ids, soft.logprobs)):
+            buf.zero_()
+            buf.index_copy_(0, soft.positions.to(buf.device, non_blocking=True),
+                            src.to(buf.device, buf.dtype, non_blocking=True))
+        return out
     def position_weights(self, device=None) -> torch.Tensor:
         """Float [B]: the loss weight of each block position (0 at k = 0 and above the cap)."""
         return loss_weights(self.block_size, self.gamma, self.max_position).to(device)
@@ -175,13 +202,18 @@ class Objective:
             raise ValueError(f"loss.kind {self.kind!r} needs the target's soft labels")
         anchor = blocks.anchor_pos.reshape(-1)[keep // self.block_size]
         ids, lp = soft.at(anchor + k - 1, row_len)   # the target's output one before the label
-        ids = ids.long()
+        return self._distilled(y[:, None], ones, ids, lp)
+
+    def _distilled(self, hard_ids, ones, ids, lp):
+        """(ids, p, constant) of kd / ce+kd from the top-k soft labels ``ids``/``lp`` [n, k]
+        (renormalised here), beside the hard labels ``hard_ids`` [n, 1] for ce+kd."""
         lp = torch.log_softmax(lp.float(), dim=-1)   # top-k renormalised
         pk = lp.exp()
         neg_entropy = (pk * lp).sum(-1)
+        ids = ids.long()
         if self.kind == "kd":
             return ids, pk, neg_entropy
-        return (torch.cat([y[:, None], ids], 1), torch.cat([ones, pk], 1) * 0.5,
+        return (torch.cat([hard_ids, ids], 1), torch.cat([ones, pk], 1) * 0.5,
                 0.5 * neg_entropy)
 
 

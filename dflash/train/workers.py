@@ -65,8 +65,8 @@ def make_replicas(spec, cfg: DFlashConfig, init_state: dict, total_steps: int
     n, nodes = len(spec.topology.drafters), spec.topology.nodes
     return [DrafterReplica(i, dev, cfg, obj, spec.optim, dtype, spec.compile.backend, embed,
                            head, init_state, total_steps, head_loss=spec.compile.head_loss,
-                           graph_step=graph_step_on(spec.compile.cuda_graph_step, dev,
-                                                    spec.loss.kind, n, nodes))
+                           graph_step=graph_step_on(spec.compile.cuda_graph_step, dev, n,
+                                                    nodes))
             for i, dev in enumerate(spec.topology.drafters)]
 
 
