@@ -60,8 +60,7 @@ class GraphStep:
         self.position_weights = rep.objective.position_weights(dev)  # no host copy in-graph
         self.soft = None  # kd / ce+kd: the row's soft labels, dense [L, top_k] ids and log-probs
         if rep.objective.soft_labels:
-            self.soft = rep.objective.dense_soft(target.soft, row.input_ids.shape[0])
-            self.soft = tuple(b.to(dev) for b in self.soft)
+            self.soft = rep.objective.dense_soft(target.soft, row.input_ids.shape[0], device=dev)
 
     def load(self, row: PackedRow, target: TargetOutput | torch.Tensor, blocks: Blocks) -> None:
         """Copy one row into the static buffers: its features, and its small tensors in one

@@ -160,20 +160,22 @@ class Objective:
         return ((total + (const * w).sum()) / w.sum().clamp(min=torch.finfo(torch.float32).tiny),
                 hits)
 
-    def dense_soft(self, soft: SoftLabels, row_len: int, out: tuple[torch.Tensor, ...]
-                   | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The row's soft labels as dense [row_len, top_k] ids and log-probs by row position
-        (zeros where the target gave none: only unlabelled slots read those, at weight 0),
-        written into ``out`` (a captured step's static buffers) when given."""
+    def dense_soft(self, soft: SoftLabels, row_len: int, out=None, device=None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The row's soft labels as dense [row_len, top_k] ids (int32) and log-probs (float32)
+        by row position, zeros where the target gave none (only unlabelled slots read those, at
+        weight 0): written into ``out`` (a captured step's static buffers) when given, else
+        into new tensors on ``device`` (default: the soft labels')."""
         if out is None:
-            out = (torch.zeros(row_len, self.top_k, dtype=torch.int32, device=soft.positions.device),
-                   torch.zeros(row_len, self.top_k, dtype=torch.float32,
-                               device=soft.positions.device))
+            dev = device or soft.positions.device
+            out = tuple(torch.zeros(row_len, self.top_k, dtype=dt, device=dev)
+                        for dt in (torch.int32, torch.float32))
         for buf, src in zip(out, (soft.token_ids, soft.logprobs)):
             buf.zero_()
             buf.index_copy_(0, soft.positions.to(buf.device, non_blocking=True),
                             src.to(buf.device, buf.dtype, non_blocking=True))
         return out
+
     def position_weights(self, device=None) -> torch.Tensor:
         """Float [B]: the loss weight of each block position (0 at k = 0 and above the cap)."""
         return loss_weights(self.block_size, self.gamma, self.max_position).to(device)
