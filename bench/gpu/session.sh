@@ -17,7 +17,7 @@
 # labels with the default's whole bench (the kd arm on the default's dataset: τ, and a bound on
 # the default's 20-minute DAG) from 1,150 s; else the 6-epoch default's whole DAG from 1,050 s;
 # else the schedule's-tail arm (lr-floor10) from 900 s. With 30 device-minutes, seven wheel
-# calls and no failed start that is PLAN_S ~1,580: the first.
+# calls and no failed start that is PLAN_S ~1,580: the first, then lr-floor10 if 650 s are left.
 # (Round 23: an H100 at the first call, seven wheel calls, PLAN_S 1,580 ran the prompts2x-3ep
 # arm in 1,131 s: bench/results/h100/round23-2026-12-05/README.md.)
 # (Round 22: four starts failed, then an H100 for 1,366 s: PLAN_S 1,215 ran the epochs10 arm,
@@ -126,7 +126,10 @@ plan() {  # the round's GPU work, chosen by the plan's time (PLAN_S): the most n
   #    bench ~160 with the reference protocol and the sweep from the decoders stage's cache:
   #    ~950 s; its DAG bounds the default's (the same data stage and bench, CE's steps no
   #    longer than KD's). greedy-prompts2x (greedy answers) is the next candidate
-  if [ "$s" -ge 1150 ]; then arm kd 1400
+  #    Then, if ~650 s are left (a hold with no failed start), the schedule's tail (rung 3) on
+  #    the data stage kd made (the same dataset), its own CE warm-up ~100 s, training ~450,
+  #    the sweep's lighter bench ~65: a second lever in the same hold
+  if [ "$s" -ge 1150 ]; then arm kd 1400; when 650 760 arm lr-floor10 760
   # 2. a shorter hold: the 6-epoch default's own whole DAG (its 20 minutes at this recipe with
   #    the reference protocol and the sweep from the decoders stage's cache, never measured at
   #    this recipe: ~1,000 s by rounds 19, 21 and 22's stamps; τ again beside round 19's arm)
