@@ -264,6 +264,29 @@ def print_step(r: dict, arm: str, cap, chunk: int, kind: str = "ce") -> None:
               f"{k['name'][:100]}", flush=True)
 
 
+def _whole_steps(a, spec, step_arms, out: dict, save) -> None:
+    """Every whole-step arm once per head chunk and loss kind, each record saved as it comes."""
+    # today's step first: the first arm also pays the drafter's compile (about a minute on the
+    # H200), and a run cut short by its time limit keeps what it measured
+    order = {"compiled": 0, "graph": 1, "prodgraph": 2, "nohead": 3, "fused": 4, "main": 5}
+    chunks = [int(c) for c in a.head_chunks.split(",") if c] or [spec.compile.head_chunk]
+    kinds = [k for k in a.kinds.split(",") if k] or [spec.loss.kind]
+    runs = [(arm, cap, c, kind) for kind in kinds for c in chunks
+            for arm, cap in sorted(step_arms, key=lambda ac: order[ac[0]])]
+    for arm, cap, chunk, kind in runs:
+        r = _guarded(step_graph if arm == "graph" else step_whole,
+                     spec.replace(compile={"head_chunk": chunk}, loss={"kind": kind}),
+                     a.device, arm, cap, a.steps, out["peak"]["flops_per_s"], a.profile)
+        r["head_chunk"], r["kind"] = chunk, kind
+        if "error" in r:
+            print(f"[loss_step] whole step {arm} cap {cap} chunk {chunk} {kind}: "
+                  f"{r['error']}", flush=True)
+        else:
+            print_step(r, arm, cap, chunk, kind)
+        out["step"].append(r)
+        save()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--spec")
@@ -324,27 +347,7 @@ def main() -> None:
     if not a.no_step:
         out["peak"] = (measure_peak_flops(a.device, dtype_of(spec.drafter.dtype))
                        if a.device.startswith("cuda") else {"flops_per_s": None})
-        # today's step first: the first arm also pays the drafter's compile (about a minute
-        # on the H200), and a run cut short by its time limit keeps what it measured
-        order = {"compiled": 0, "graph": 1, "prodgraph": 2, "nohead": 3, "fused": 4, "main": 5}
-        chunks = [int(c) for c in a.head_chunks.split(",") if c] or [spec.compile.head_chunk]
-        kinds = [k for k in a.kinds.split(",") if k] or [spec.loss.kind]
-        runs = [(arm, cap, c, kind) for kind in kinds for c in chunks
-                for arm, cap in sorted(step_arms, key=lambda ac: order[ac[0]])]
-        for arm, cap, chunk, kind in runs:
-            r = _guarded(step_graph if arm == "graph" else step_whole,
-                         spec.replace(compile={"head_chunk": chunk}, loss={"kind": kind}),
-                         a.device, arm, cap, a.steps, out["peak"]["flops_per_s"], a.profile)
-            r["head_chunk"], r["kind"] = chunk, kind
-            if "error" in r:
-                print(f"[loss_step] whole step {arm} cap {cap} chunk {chunk} {kind}: "
-                      f"{r['error']}", flush=True)
-                out["step"].append(r)
-                save()
-                continue
-            print_step(r, arm, cap, chunk, kind)
-            out["step"].append(r)
-            save()
+        _whole_steps(a, spec, step_arms, out, save)
     print(f"wrote {a.out}")
 
 
