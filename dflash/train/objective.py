@@ -141,24 +141,23 @@ class Objective:
         w = torch.where(y != IGNORE_INDEX, wk.repeat(A), torch.zeros_like(wk).repeat(A))
         k = torch.arange(1, K + 1, device=h.device).repeat(A)
         ids = y.clamp(min=0)[:, None]   # unlabelled rows: any id, weight 0 (label stays −100)
-        ones = torch.ones(y.shape[0], 1, device=h.device)
-        const = torch.zeros_like(w)
+        p = torch.ones(y.shape[0], 1, device=h.device)
+        const = None  # soft CE -> KL (kd, ce+kd); CE's step adds nothing for it
         if self.soft_labels:  # the target's output one before each label, by row position
             dense_ids, dense_lp = soft
             # every slot's anchor K times (expand, not repeat_interleave: no host sync inside
             # a capture); an unlabelled slot's position may fall off the row
             anchor = blocks.anchor_pos.reshape(-1, 1).expand(-1, K).reshape(-1)
             at = (anchor + k - 1).clamp(0, dense_ids.shape[0] - 1)
-            ids, p, const = self._distilled(ids, ones, dense_ids[at], dense_lp[at])
-        else:
-            p = ones
+            ids, p, const = self._distilled(ids, p, dense_ids[at], dense_lp[at])
         if self.head_backend is not None:
             chunk = balanced_chunk(h.shape[0], chunk)   # the compiled path's chunk, = loss()'s
         total, hits = head_cross_entropy(h, lm_head, ids, p, w, y, k, B, chunk,
                                          self.head_backend)
+        if const is not None:
+            total = total + (const * w).sum()
         # no labelled token at all: 0 / tiny = 0, as loss() gives, with a zero gradient
-        return ((total + (const * w).sum()) / w.sum().clamp(min=torch.finfo(torch.float32).tiny),
-                hits)
+        return total / w.sum().clamp(min=torch.finfo(torch.float32).tiny), hits
 
     def dense_soft(self, soft: SoftLabels, row_len: int, out=None, device=None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
