@@ -18,7 +18,7 @@ from ..errors import SpecError
 from ..spec.types import TargetSpec
 from .layers import compile_region, out_mlp, qkv, rope_of, unsupported_reason
 from .masks import document_block_mask, document_dense_mask
-from .target_output import SoftLabels, TargetOutput, soft_positions
+from .target_output import SoftLabels, TargetOutput, soft_positions_on
 
 if TYPE_CHECKING:
     from .target import Target
@@ -134,8 +134,7 @@ class FeatureExtractor:
         if self.soft_top_k is None:
             return TargetOutput(self(ids, doc, pos))
         feats, last = self._run(ids, doc, pos, final=True)
-        return TargetOutput(feats, self._soft(last[0], soft_positions(doc, row.loss_mask.to(
-            device))))
+        return TargetOutput(feats, self._soft(last[0], soft_positions_on(row, device)))
 
     def _run(self, input_ids, doc_ids, position_ids, final: bool):
         """(features, the final-norm hidden states [1, L, H] or None) of one forward."""

@@ -22,6 +22,18 @@ def soft_positions(doc_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tens
     return torch.nonzero(ok, as_tuple=False).flatten()
 
 
+def soft_positions_on(row, device) -> torch.Tensor:
+    """:func:`soft_positions` of a packed row whose tensors are on the host, queued to
+    ``device``: computed there (the host's ``nonzero`` needs no device) and copied pinned and
+    non-blocking, so the target worker never waits for the work it queued before (a device
+    ``nonzero`` syncs the stream: round 24's cached kd epochs ran at 203K target tok/s
+    against CE's 241K on the same H100)."""
+    pos = soft_positions(row.doc_ids.cpu(), row.loss_mask.cpu())
+    if torch.device(device).type != "cuda":
+        return pos.to(device)
+    return pos.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class SoftLabels:
     """The target's top-k next-token log-probs at ``positions`` (row indices, sorted).
@@ -71,4 +83,4 @@ class TargetOutput:
                             else None)
 
 
-__all__ = ["soft_positions", "SoftLabels", "TargetOutput"]
+__all__ = ["soft_positions", "soft_positions_on", "SoftLabels", "TargetOutput"]

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..models.target_output import SoftLabels, TargetOutput, soft_positions
+from ..models.target_output import SoftLabels, TargetOutput, soft_positions_on
 from .cache_budget import FP8
 
 FP8_MAX = 448.0
@@ -40,8 +40,7 @@ def from_planes(planes: dict[str, torch.Tensor], row, tensor: bool) -> Any:
         return feats
     soft = None
     if "soft_ids" in planes:
-        dev = feats.device
-        pos = soft_positions(row.doc_ids.to(dev), row.loss_mask.to(dev))
+        pos = soft_positions_on(row, feats.device)
         soft = SoftLabels(pos, planes["soft_ids"][pos], planes["soft_logprobs"][pos])
     return TargetOutput(feats, soft)
 
