@@ -8,6 +8,7 @@ DFlash drafter replicas through the compile gate (the scheduler tests' fixtures)
 from __future__ import annotations
 
 import dataclasses
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -15,10 +16,12 @@ import torch
 import yaml
 from test_scheduler import SPEC, _dataset
 
+from bench import soft_read
 from dflash.cli import main
 from dflash.errors import SpecError
 from dflash.models.drafter import DFlashConfig
-from dflash.models.target_output import SoftLabels, TargetOutput, soft_positions
+from dflash.models.target_output import (SoftLabels, TargetOutput, soft_positions,
+                                         soft_positions_on)
 from dflash.spec.load import parse_spec
 from dflash.train import checkpoint as ckpt
 from dflash.train import budget as run_budget
@@ -499,3 +502,30 @@ def test_a_run_on_the_device_cache_equals_the_run_on_the_host_cache():
     assert runs["device"][0] == runs["host"][0]
     for k, v in runs["device"][1].items():
         assert torch.equal(v, runs["host"][1][k]), k
+
+
+def test_soft_positions_on_reads_the_rows_host_tensors_and_lands_on_the_device():
+    """The kd read's soft positions come from the row's host tensors (no device ``nonzero``:
+    round 24's sync) and equal :func:`soft_positions` of the row; on the device asked."""
+    spec = _spec("host", "target", loss={"kind": "kd", "kd_top_k": 4})
+    samples = _dataset()
+    for r in _rows(spec, samples, 0):
+        got = soft_positions_on(r, "cpu")
+        want = soft_positions(r.doc_ids, r.loss_mask)
+        assert got.device.type == "cpu" and torch.equal(got, want) and want.numel() > 0
+        # each is a position whose next token answers in the same document
+        assert bool((r.loss_mask[want + 1].bool() & (r.doc_ids[want] == r.doc_ids[want + 1])).all())
+
+
+def test_soft_read_bench_times_every_arm_and_checks_the_kd_reads_agree(tmp_path):
+    """bench.soft_read on a small host store: CE's read and both kd reads, queued and synced,
+    and its check that host and device positions give the same soft labels."""
+    out = tmp_path / "soft_read.json"
+    assert soft_read.main(["--store-gb", "0.15", "--rows", "3", "--device", "cpu",
+                           "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert set(doc["ms_per_row"]) == {f"{a}_{m}_ms" for a in ("ce", "kd_device_positions", "kd")
+                                      for m in ("queued", "synced")}
+    assert all(v > 0 for v in doc["ms_per_row"].values())
+    assert doc["row"]["top_k"] == 32 and doc["rows_timed"] == 3
+    assert doc["command"].startswith("python -m bench.soft_read --store-gb 0.15")
