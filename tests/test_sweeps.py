@@ -191,9 +191,15 @@ def test_repo_sweeps_validate():
     assert kd.fingerprint("data") == ref.fingerprint("data")
     assert kd.fingerprint("warmup") != ref.fingerprint("warmup")
     assert (kd.loss.kind, kd.optim.epochs, kd.features.cache) == ("kd", 6, "host")
+    # kd for more epochs (round 25's candidates): kd's warm-up and data, their own training
+    for n in (8, 10):
+        longer = recipe[f"kd-epochs{n}"]
+        assert (longer.loss.kind, longer.optim.epochs) == ("kd", n)
+        assert all(longer.fingerprint(st) == kd.fingerprint(st) for st in ("data", "warmup"))
+        assert longer.fingerprint("train") != kd.fingerprint("train")
     # the candidates' bench is the quality spec's whole bench: their DAG is the 20-minute check
     quality = load_spec(REPO / "specs" / "smollm2-quality.yaml")
-    for arm in (greedy, kd):
+    for arm in (greedy, kd, recipe["kd-epochs8"], recipe["kd-epochs10"]):
         assert (arm.bench.protocols, arm.bench.decode_batches) == (
             quality.bench.protocols, quality.bench.decode_batches)
     code = load_spec(REPO / "specs" / "smollm2-code.yaml")
@@ -229,7 +235,7 @@ def test_repo_sweeps_validate():
     own = ("depth3", "round17", "block8", "block8-anchors2x", "anchors1344", "uncapped", "kd",
            "ce-kd")
     # the feature cache's place is no compiled shape: block 8 on the GPU's cache is block 8's
-    shares = {"block8-device-cache": "block8"}
+    shares = {"block8-device-cache": "block8", "kd-epochs8": "kd", "kd-epochs10": "kd"}
     assert len({s.fingerprint("warmup") for k, s in recipe.items()
                 if k not in own and k not in shares}) == 1
     assert len({s.fingerprint("warmup") for s in recipe.values()}) == 1 + len(own)

@@ -13,11 +13,12 @@
 # what comes back is one archive, results.tgz (at most 8 files come back): commit each as it
 # comes; once the round's last is extracted as lease/ and committed, the archives leave the
 # tree (the history keeps them; bench/gpu/pack_wheels.sh says why).
-# Round 24 (issue #35): `plan` picks one run by PLAN_S, the most needed that fits whole: soft
-# labels with the default's whole bench (the kd arm on the default's dataset: τ, and a bound on
-# the default's 20-minute DAG) from 1,150 s; else the 6-epoch default's whole DAG from 1,050 s;
-# else the schedule's-tail arm (lr-floor10) from 900 s. With 30 device-minutes, seven wheel
-# calls and no failed start that is PLAN_S ~1,580: the first, then lr-floor10 if 650 s are left.
+# Round 25 (issue #35): `plan` picks one run by PLAN_S, the most needed that fits whole: kd for
+# 10 epochs with the whole bench from 1,330 s; else kd for 8 from 1,180; else the schedule's-tail
+# arm (lr-floor10) from 900 s; then bench.soft_read if 45 s are left. With 30 device-minutes,
+# eight or nine wheel calls (~3 s each) and no failed start that is PLAN_S ~1,500.
+# (Round 24: a failed start (~256 s), then an H100; PLAN_S 1,350 ran the kd arm in 957 s:
+# bench/results/h100/round24-2026-12-05/README.md.)
 # (Round 23: an H100 at the first call, seven wheel calls, PLAN_S 1,580 ran the prompts2x-3ep
 # arm in 1,131 s: bench/results/h100/round23-2026-12-05/README.md.)
 # (Round 22: four starts failed, then an H100 for 1,366 s: PLAN_S 1,215 ran the epochs10 arm,
@@ -113,32 +114,32 @@ data_and_warmups() {  # the Snakemake targets $@ (data stages, warm-ups) at once
 
 plan() {  # the round's GPU work, chosen by the plan's time (PLAN_S): the most needed that fits
   # whole, since a run cut in its bench leaves neither its τ report nor its DAG's wall.
-  # Rounds 22 and 23 measured more epochs and more fresh samples (each ~+0.07 MT-Bench, neither
-  # paying at equal minutes: bench/results/h100/round2{2,3}-2026-12-05/), so the candidate for
-  # #35's τ 3.0 is the labels: the target's own distribution (kd) instead of its sampled
-  # answers; each plan is one run.
+  # Round 24's kd (bench/results/h100/round24-2026-12-05/) won at face (+0.052 MT-Bench, every
+  # set up) and tied at equal minutes: 2.934, short of #35's 3.0, in a 951-s DAG with the whole
+  # bench; its cached epochs read at 0.84x CE's speed (a device sync, gone since 82e5978). So
+  # the candidate is kd for more epochs inside the 20-minute DAG (soft labels keep teaching
+  # the target's distribution where CE's extra epochs taught the sampled answers); each plan
+  # is one run, then the cache read's A/B (bench.soft_read, ~40 s) if time is left.
   begin "start (PLAN_S ${PLAN_S:-?})"
-  local s; s=$(left 1450)
-  # 1. soft labels (the recipe sweep's kd arm: the default's data stage, training and whole
-  #    bench, loss.kind kd, its step captured like CE's): env and waits ~35, data ~230 (round
-  #    22: 226.5 s) with its own warm-up and the decoders stage beside, training ~480 (round
-  #    19's 6 cached epochs ~450 s, epoch 0 running the target's last layers and head too),
-  #    bench ~160 with the reference protocol and the sweep from the decoders stage's cache:
-  #    ~950 s; its DAG bounds the default's (the same data stage and bench, CE's steps no
-  #    longer than KD's). greedy-prompts2x (greedy answers) is the next candidate
-  #    Then, if ~650 s are left (a hold with no failed start), the schedule's tail (rung 3) on
-  #    the data stage kd made (the same dataset), its own CE warm-up ~100 s, training ~450,
-  #    the sweep's lighter bench ~65: a second lever in the same hold
-  if [ "$s" -ge 1150 ]; then arm kd 1400; when 650 760 arm lr-floor10 760
-  # 2. a shorter hold: the 6-epoch default's own whole DAG (its 20 minutes at this recipe with
-  #    the reference protocol and the sweep from the decoders stage's cache, never measured at
-  #    this recipe: ~1,000 s by rounds 19, 21 and 22's stamps; τ again beside round 19's arm)
-  elif [ "$s" -ge 1050 ]; then bench_run smollm2-quality quality 1230
-  # 3. shorter still: the schedule's tail, the one lever of #35's list free per step and never
-  #    run (the cosine to a tenth of lr instead of 0), against round 19's arm lent as ref: ~875 s
+  local s; s=$(left 1500)
+  # 1. kd for 10 epochs: env ~10, data ~230 with its warm-up and the decoders stage beside,
+  #    training ~860 at round 24's speeds on an H100 (epoch 0 108 s, a cached epoch 76, ~70 of
+  #    stage around the steps; ~740 with the reads at CE's 64 s), bench ~150: ~1,250 s
+  if [ "$s" -ge 1330 ]; then arm kd-epochs10 1450
+  # 2. a shorter hold: 8 epochs, ~1,100 s
+  elif [ "$s" -ge 1180 ]; then arm kd-epochs8 1300
+  # 3. shorter still: the schedule's tail (the cosine to a tenth of lr instead of 0), never run,
+  #    against round 19's arm lent as ref: ~875 s
   elif [ "$s" -ge 900 ]; then arm lr-floor10 1050
   else stamp "no τ run fits $s s"; fi
+  when 45 90 soft_read
   stamp "done"
+}
+
+soft_read() {  # the feature cache's read of a quality row: CE's, kd's as round 24 ran it, kd's now
+  timeout -k 10 $(left 90) python3 -m bench.soft_read --store-gb 4 --rows 32 \
+    --out "$RES/soft_read.json" > "$RES/soft_read.log" 2>&1
+  stamp "soft_read rc=$?: $(tail -n 2 "$RES/soft_read.log" | head -n 1)"
 }
 
 
