@@ -116,7 +116,7 @@ plan() {  # the round's GPU work, chosen by the plan's time (PLAN_S): the most n
   # whole, since a run cut in its bench leaves neither its τ report nor its DAG's wall.
   # Round 24's kd (bench/results/h100/round24-2026-12-05/) won at face (+0.052 MT-Bench, every
   # set up) and tied at equal minutes: 2.934, short of #35's 3.0, in a 951-s DAG with the whole
-  # bench; its cached epochs read at 0.84x CE's speed (a device sync, gone since 82e5978). So
+  # bench; its cached epochs read at 0.84x CE's speed (with a device sync, gone since 82e5978). So
   # the candidate is kd for more epochs inside the 20-minute DAG (soft labels keep teaching
   # the target's distribution where CE's extra epochs taught the sampled answers); each plan
   # is one run, then the cache read's A/B (bench.soft_read, ~40 s) if time is left.

@@ -26,8 +26,8 @@ def soft_positions_on(row, device) -> torch.Tensor:
     """:func:`soft_positions` of a packed row whose tensors are on the host, queued to
     ``device``: computed there (the host's ``nonzero`` needs no device) and copied pinned and
     non-blocking, so the target worker never waits for the work it queued before (a device
-    ``nonzero`` syncs the stream: round 24's cached kd epochs ran at 203K target tok/s
-    against CE's 241K on the same H100)."""
+    ``nonzero`` syncs the stream; round 24's cached kd epochs read at 0.84x CE's speed on an
+    H100 with it, and ``python -m bench.soft_read`` times this read against that one)."""
     pos = soft_positions(row.doc_ids.cpu(), row.loss_mask.cpu())
     if torch.device(device).type != "cuda":
         return pos.to(device)
