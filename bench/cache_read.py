@@ -67,12 +67,18 @@ def new_gather(cache: fc.FeatureCache, row, staging: torch.Tensor) -> torch.Tens
     return staging
 
 
-def build(store_gb: float, seed: int) -> fc.FeatureCache:
-    """A filled host store of ~``store_gb`` (random finite bf16: no NaN, so rows compare)."""
+def sample_lengths(store_gb: float, seed: int) -> list[int]:
+    """Sample lengths (SAMPLE_TOKENS) until their bf16 features fill ~``store_gb``."""
     rnd = random.Random(seed)
     tokens, lengths = int(store_gb * 1e9 / (WIDTH * 2)), []
     while sum(lengths) < tokens:
         lengths.append(rnd.randint(*SAMPLE_TOKENS))
+    return lengths
+
+
+def build(store_gb: float, seed: int) -> fc.FeatureCache:
+    """A filled host store of ~``store_gb`` (random finite bf16: no NaN, so rows compare)."""
+    lengths = sample_lengths(store_gb, seed)
     plane = Plane("features", WIDTH, torch.bfloat16, torch.bfloat16, groups=LAYERS)
     cache = fc.FeatureCache([plane], list(range(len(lengths))), lengths, tensor_values=True)
     # |bits| < 16000: exponent field below all-ones, every value finite

@@ -23,12 +23,11 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import random
 import time
 
 import torch
 
-from bench.cache_read import LAYERS, ROW, WIDTH, rows
+from bench.cache_read import LAYERS, ROW, WIDTH, rows, sample_lengths
 from bench.entry import command_line, run, write_result
 from dflash.models.target_output import SoftLabels, TargetOutput, soft_positions
 from dflash.train import feature_cache as fc
@@ -49,10 +48,7 @@ def device_positions_value(planes: dict, row, tensor: bool):
 
 def build(store_gb: float, soft: bool) -> fc.FeatureCache:
     """A filled host store of ~``store_gb`` of features (random finite bf16), with soft planes."""
-    rnd = random.Random(0)
-    tokens, lengths = int(store_gb * 1e9 / (WIDTH * 2)), []
-    while sum(lengths) < tokens:
-        lengths.append(rnd.randint(150, 390))
+    lengths = sample_lengths(store_gb, 0)
     planes = [Plane("features", WIDTH, torch.bfloat16, torch.bfloat16, groups=LAYERS)]
     if soft:
         planes += [Plane("soft_ids", TOP_K, torch.int32, torch.int32),
