@@ -5,6 +5,8 @@ its manifest was written, e.g. by a device time limit during the final checkpoin
 
 ``by_epoch`` gives the same figures per epoch (each epoch's first ``--skip`` steps left out):
 with ``features.cache`` epochs >= 1 read the target's features instead of running the target.
+``--steps N`` keeps a run's first N steps only: a run cut early against a whole one over the
+same window (round 25's cut kd-epochs8 against round 24's kd, both in epoch 0).
 """
 from __future__ import annotations
 
@@ -35,9 +37,10 @@ def main() -> None:
     ap.add_argument("metrics", type=Path)
     ap.add_argument("--skip", type=int, default=5, help="warm-up steps left out")
     ap.add_argument("--token-budget", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=None, help="only the run's first N steps")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
-    rows = read_metrics(a.metrics)
+    rows = read_metrics(a.metrics)[:a.steps]
     res = steady_state(rows, a.skip, a.token_budget)
     epochs = sorted({r["epoch"] for r in rows if "epoch" in r})
     if len(epochs) > 1:
