@@ -13,10 +13,15 @@
 # what comes back is one archive, results.tgz (at most 8 files come back): commit each as it
 # comes; once the round's last is extracted as lease/ and committed, the archives leave the
 # tree (the history keeps them; bench/gpu/pack_wheels.sh says why).
-# Round 25 (issue #35): `plan` picks one run by PLAN_S, the most needed that fits whole: kd for
-# 10 epochs with the whole bench from 1,330 s; else kd for 8 from 1,180; else the schedule's-tail
-# arm (lr-floor10) from 900 s; then bench.soft_read if 45 s are left. With 30 device-minutes,
-# eight or nine wheel calls (~3 s each) and no failed start that is PLAN_S ~1,500.
+# Round 26 (issue #35): `plan` picks one run by PLAN_S, the most needed that fits whole: kd for
+# 10 epochs from 1,290 s; else kd for 8 from 1,130; else the schedule's-tail arm (lr-floor10)
+# from 900 s; each with the sweep's bench (τ first); then bench.soft_read if 45 s are left. With
+# 30 device-minutes, eight or nine wheel calls (~3 s each) and no failed start that is PLAN_S
+# ~1,500. The call after `launch` must come within the machine's 30 s idle release (round 25's
+# came ~90 s late, and the machine went back with its run).
+# (Round 25: four failed starts (451 s), then an H100; PLAN_S 1,190 ran kd-epochs8 with the
+# whole bench, which could not finish: its decoders stage held the GPU 146 s past the data
+# stage; the machine was lost idle: bench/results/h100/round25-2026-12-06/README.md.)
 # (Round 24: a failed start (~256 s), then an H100; PLAN_S 1,350 ran the kd arm in 957 s:
 # bench/results/h100/round24-2026-12-05/README.md.)
 # (Round 23: an H100 at the first call, seven wheel calls, PLAN_S 1,580 ran the prompts2x-3ep
@@ -116,20 +121,22 @@ plan() {  # the round's GPU work, chosen by the plan's time (PLAN_S): the most n
   # whole, since a run cut in its bench leaves neither its τ report nor its DAG's wall.
   # Round 24's kd (bench/results/h100/round24-2026-12-05/) won at face (+0.052 MT-Bench, every
   # set up) and tied at equal minutes: 2.934, short of #35's 3.0, in a 951-s DAG with the whole
-  # bench; its cached epochs read at 0.84x CE's speed (with a device sync, gone since 82e5978). So
-  # the candidate is kd for more epochs inside the 20-minute DAG (soft labels keep teaching
-  # the target's distribution where CE's extra epochs taught the sampled answers); each plan
-  # is one run, then the cache read's A/B (bench.soft_read, ~40 s) if time is left.
+  # bench. So the candidate is kd for more epochs (soft labels keep teaching the target's
+  # distribution where CE's extra epochs taught the sampled answers). Round 25's 8 epochs with
+  # the whole bench could not finish in 1,190 s (bench/results/h100/round25-2026-12-06/): the
+  # arms now take the sweep's bench (no decoders stage, no decoding sweep, no reference
+  # protocol); each plan is one run, then the cache read's A/B (bench.soft_read, ~40 s) if time
+  # is left.
   begin "start (PLAN_S ${PLAN_S:-?})"
   local s; s=$(left 1500)
-  # 1. kd for 10 epochs: env ~10, data ~230 with its warm-up and the decoders stage beside,
-  #    training ~860 at round 24's speeds on an H100 (epoch 0 108 s, a cached epoch 76, ~70 of
-  #    stage around the steps; ~740 with the reads at CE's 64 s), bench ~150: ~1,250 s
-  if [ "$s" -ge 1330 ]; then arm kd-epochs10 1450
-  # 2. a shorter hold: 8 epochs, ~1,100 s
-  elif [ "$s" -ge 1180 ]; then arm kd-epochs8 1300
+  # 1. kd for 10 epochs: env and data ~270 (round 22's light-bench DAG on an H100), training
+  #    ~860 at round 24's kd speeds (epoch 0 108 s, a cached epoch 76, ~70 of stage around the
+  #    steps; ~750 with the reads at CE's 64 s), bench ~80: ~1,210 s
+  if [ "$s" -ge 1290 ]; then arm kd-epochs10 1400
+  # 2. a shorter hold: 8 epochs, ~1,060 s
+  elif [ "$s" -ge 1130 ]; then arm kd-epochs8 1250
   # 3. shorter still: the schedule's tail (the cosine to a tenth of lr instead of 0), never run,
-  #    against round 19's arm lent as ref: ~875 s
+  #    against round 19's arm lent as ref: ~800 s
   elif [ "$s" -ge 900 ]; then arm lr-floor10 1050
   else stamp "no τ run fits $s s"; fi
   when 45 90 soft_read
