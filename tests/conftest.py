@@ -1,19 +1,25 @@
 """Shared fixtures. The workflow-copy machinery is dflash.runtime.harness (benchmarks use it too).
 
-Background DAG runs: a test module that sets ``BACKGROUND_DAG = (prepare, targets)`` gets its
+Background runs: a test module that sets ``BACKGROUND_DAG = (prepare, targets)`` gets its
 Snakemake run started with the session (``prepare(tmp)`` makes the workflow copy and returns it;
-``snakemake --cores 2 *targets`` runs there) in one niced background lane, the runs one after
-another in the order the modules come; the module's fixtures take it through
-:func:`background_dag`. Most of the suite keeps one of the two cores busy; the lane fills the
-other, so the suite takes less than the sum of its parts. The default DAG's tests (the longest
-run) go last, to give it the whole suite.
+``snakemake --cores 2 *targets`` runs there); one that sets ``BACKGROUND_CMD = (prepare, args)``
+gets ``python *args`` run from the repo, ``{folder}`` in an argument standing for the folder
+``prepare(tmp)`` returns (where its output goes). Both go in one niced background lane, the
+runs one after another in the order their modules come; the module's fixtures take a run
+through :func:`background_dag` or :func:`background_cmd`. Most of the suite keeps one of the
+two cores busy; the lane fills the other, so the suite takes less than the sum of its parts.
+The modules with a background run come after every other module, in the lane's order (the lane
+has done their runs by then, where the foreground used to wait for them: 94 s of waits on the
+2-core box at 134595d), and the default DAG's tests (the longest run) last.
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -26,38 +32,77 @@ LAST_MODULE = "test_default_dag.py"
 _SUMMARY: list[str] = []
 
 
+BACKGROUND = {"BACKGROUND_DAG": "background_dag", "BACKGROUND_CMD": "background_cmd"}
+
+
+def _background(item) -> tuple[str, tuple] | None:
+    """(fixture name, the module's BACKGROUND_* value) where a selected test takes its
+    module's background run (fixturenames: the whole closure), else None."""
+    module = getattr(item, "module", None)
+    for attr, fixture in BACKGROUND.items():
+        spec = getattr(module, attr, None)
+        if spec is not None and fixture in getattr(item, "fixturenames", ()):
+            return fixture, spec
+    return None
+
+
 def pytest_collection_modifyitems(items):
-    """The default DAG's tests last (a stable sort: every other test keeps its order)."""
-    items.sort(key=lambda item: item.path.name == LAST_MODULE)
+    """The modules with a background run after the rest, the default DAG's tests last (a stable
+    sort: the tests keep their order otherwise)."""
+    late = {item.module.__name__ for item in items if _background(item)}
+    items.sort(key=lambda item: (item.path.name == LAST_MODULE,
+                                 getattr(item, "module", None) is not None
+                                 and item.module.__name__ in late))
+
+
+@dataclass
+class Job:
+    """One background run: its command, where it runs and with what environment, its log."""
+    name: str
+    folder: Path  # the workflow copy (a DAG) or the folder the command writes into
+    cmd: list[str]
+    cwd: Path
+    env: dict
+    log: Path
+
+
+def _job(name: str, fixture: str, spec: tuple, tmp: Path) -> Job:
+    prepare, args = spec
+    folder = prepare(tmp)
+    if fixture == "background_dag":
+        return Job(name, folder, [sys.executable, "-m", "snakemake", "--cores", "2", *args],
+                   folder, workflow_env(folder), folder / "snakemake.log")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return Job(name, folder, [sys.executable, *(a.format(folder=folder) for a in args)], REPO,
+               env, folder / "background.log")
 
 
 class Lane:
-    """Snakemake runs one after another in a background thread, niced (the tests in the
-    foreground keep their speed: some time their own processes); each ends in its own
-    ``<workflow>/snakemake.log``."""
+    """Background runs one after another in a thread, niced (the tests in the foreground keep
+    their speed: some time their own processes); each ends in its own log."""
 
-    def __init__(self, jobs: list[tuple[str, Path, list[str]]]):
+    def __init__(self, jobs: list[Job]):
         self.jobs = jobs
-        self.done = {name: threading.Event() for name, _, _ in jobs}
+        self.done = {job.name: threading.Event() for job in jobs}
         self.result: dict[str, tuple[int, float]] = {}
         self.run: fi.Run | None = None
         self.stopped = False
         self.lock = threading.Lock()  # stop() and the start of the next run exclude each other
-        threading.Thread(target=self._work, name="background-dags", daemon=True).start()
+        threading.Thread(target=self._work, name="background-runs", daemon=True).start()
 
     def _work(self) -> None:
-        for name, wf, targets in self.jobs:
+        for job in self.jobs:
             t0 = time.time()
-            cmd = ["nice", "-n", "10", sys.executable, "-m", "snakemake", "--cores", "2", *targets]
+            cmd = ["nice", "-n", "10", *job.cmd]
             with self.lock:
                 if not self.stopped:
-                    with open(wf / "snakemake.log", "w") as fh:
-                        proc = subprocess.Popen(cmd, cwd=wf, env=workflow_env(wf), stdout=fh,
+                    with open(job.log, "w") as fh:
+                        proc = subprocess.Popen(cmd, cwd=job.cwd, env=job.env, stdout=fh,
                                                 stderr=subprocess.STDOUT, start_new_session=True)
-                    self.run = fi.Run(proc, t0, wf / "snakemake.log", cmd)
+                    self.run = fi.Run(proc, t0, job.log, cmd)
             rc = self.run.proc.wait() if not self.stopped else -9
-            self.result[name] = (rc, time.time() - t0)
-            self.done[name].set()
+            self.result[job.name] = (rc, time.time() - t0)
+            self.done[job.name].set()
 
     def wait(self, name: str, timeout: float) -> tuple[int, float]:
         if not self.done[name].wait(timeout):
@@ -73,38 +118,44 @@ class Lane:
 
 @pytest.fixture(scope="session", autouse=True)
 def background_lane(request, tmp_path_factory):
-    """The lane of every selected module's BACKGROUND_DAG (None when there is none), stopped at
-    the end of the session; the summary after the durations gives each run's wall time."""
+    """The lane of every selected module's background run (None when there is none), stopped
+    at the end of the session; the summary after the durations gives each run's wall time."""
     jobs, seen = [], set()
     for item in request.session.items:
-        spec = getattr(getattr(item, "module", None), "BACKGROUND_DAG", None)
-        # only for a selected test that takes the run (fixturenames: the whole closure)
-        if spec is not None and "background_dag" in getattr(item, "fixturenames", ()) \
-                and item.module.__name__ not in seen:
+        found = _background(item)
+        if found is not None and item.module.__name__ not in seen:
             seen.add(item.module.__name__)
-            prepare, targets = spec
             name = item.module.__name__
-            jobs.append((name, prepare(tmp_path_factory.mktemp(name.rsplit(".", 1)[-1])),
-                         list(targets)))
+            jobs.append(_job(name, *found, tmp_path_factory.mktemp(name.rsplit(".", 1)[-1])))
     lane = Lane(jobs) if jobs else None
     yield lane
     if lane is not None:
         lane.stop()
-        for name, wf, targets in jobs:
-            if name in lane.result:
-                rc, seconds = lane.result[name]
-                _SUMMARY.append(f"background `snakemake {' '.join(targets)}` ({name}): "
-                                f"{seconds:.0f} s wall beside the suite, exit {rc} "
-                                f"(per stage: {wf}/benchmarks/)")
+        for job in jobs:
+            if job.name in lane.result:
+                rc, seconds = lane.result[job.name]
+                _SUMMARY.append(f"background `python {' '.join(job.cmd[1:])}` ({job.name}): "
+                                f"{seconds:.0f} s wall beside the suite, exit {rc} (its log: "
+                                f"{job.log})")
+
+
+def _waited(request, background_lane) -> tuple[Path, int, str]:
+    name = request.module.__name__
+    job = next(j for j in background_lane.jobs if j.name == name)
+    rc, _ = background_lane.wait(name, timeout=1800)
+    return job.folder, rc, job.log.read_text()
 
 
 @pytest.fixture(scope="module")
 def background_dag(request, background_lane) -> tuple[Path, int, str]:
-    """This module's background run, waited for: (workflow copy, exit status, its output)."""
-    name = request.module.__name__
-    wf = next(w for n, w, _ in background_lane.jobs if n == name)
-    rc, _ = background_lane.wait(name, timeout=1800)
-    return wf, rc, (wf / "snakemake.log").read_text()
+    """This module's background DAG, waited for: (workflow copy, exit status, its output)."""
+    return _waited(request, background_lane)
+
+
+@pytest.fixture(scope="module")
+def background_cmd(request, background_lane) -> tuple[Path, int, str]:
+    """This module's background command, waited for: (its folder, exit status, its output)."""
+    return _waited(request, background_lane)
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 import torch
 from torch._dynamo.utils import counters
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -79,21 +78,33 @@ def _main(what: str) -> None:
     print(json.dumps(_counters()))
 
 
-def test_a_sweep_loads_every_graph_the_compile_ahead_wrote(tmp_path):
-    """Inductor on CPU, one cache folder: the compile ahead compiles cold (misses); the sweep in
-    a fresh process, with other drafter weights, compiles the same graphs and loads each of
-    them (no miss): the weights are graph inputs, not constants."""
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+def _both_sides(folder: str) -> None:
+    """The cache test's two processes, one after the other, on one cache folder under
+    ``folder``: each side's counters into ``<side>.json`` there (the background lane runs this
+    with the session: ``python -m tests.test_decoders_ahead FOLDER``, ~60 s on 2 cores)."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(folder, "inductor"),
            "PYTHONPATH": str(REPO)}
-
-    def side(what):
+    for what in ("ahead", "sweep"):
         r = subprocess.run([sys.executable, "-c", "import sys; from tests.test_decoders_ahead "
                             "import _main; _main(sys.argv[1])", what], cwd=REPO, env=env,
                            capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-3000:]
-        return json.loads(r.stdout.strip().splitlines()[-1])
+        if r.returncode != 0:
+            raise SystemExit(f"{what} side failed:\n{r.stderr[-3000:]}")
+        with open(os.path.join(folder, f"{what}.json"), "w") as f:
+            f.write(r.stdout.strip().splitlines()[-1])
 
-    ahead, swept = side("ahead"), side("sweep")
+
+BACKGROUND_CMD = (lambda tmp: tmp, ["-m", "tests.test_decoders_ahead", "{folder}"])
+
+
+def test_a_sweep_loads_every_graph_the_compile_ahead_wrote(background_cmd):
+    """Inductor on CPU, one cache folder: the compile ahead compiles cold (misses); the sweep in
+    a fresh process, with other drafter weights, compiles the same graphs and loads each of
+    them (no miss): the weights are graph inputs, not constants. (The two processes run in the
+    background lane: :func:`_both_sides`.)"""
+    folder, rc, out = background_cmd
+    assert rc == 0, out[-3000:]
+    ahead, swept = (json.loads((folder / f"{w}.json").read_text()) for w in ("ahead", "sweep"))
     assert ahead["graphs"] == swept["graphs"] > 0
     assert ahead.get("fxgraph_cache_miss", 0) > 0
     assert swept.get("fxgraph_cache_miss", 0) == 0 and swept.get("autograd_cache_miss", 0) == 0
@@ -166,4 +177,4 @@ def test_the_small_pair_compiles_its_decoders_beside_the_data_stage(tmp_path):
 
 
 if __name__ == "__main__":
-    pytest.main([__file__])
+    _both_sides(sys.argv[1])

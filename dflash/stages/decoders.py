@@ -62,8 +62,10 @@ def run(ctx: StageContext) -> dict:
     skipped = no_decoders_stage(spec)
     if skipped is None:
         # beside the data stage, whose generation loop is on the DAG's critical path: this
-        # stage's compile workers (inherited) yield the host's cores to it; it only has to be
-        # done before the bench
+        # stage's compile workers (inherited) yield the host's cores to it. Training holds the
+        # GPU whole, so it waits for this stage too: past the data stage this stage is on the
+        # critical path (round 25 on an H100: 369 s of compile, training 146 s after the data;
+        # round 24's 255 s, 35 s after: bench/results/h100/round25-2026-12-06/README.md)
         os.nice(NICENESS)
         device = spec.topology.targets[0]
         tgt = load_target(spec.target, device, seed=spec.seed)
