@@ -70,6 +70,22 @@ def test_the_steady_state_files_are_what_the_script_makes_of_the_metrics(run, me
     assert steady_state_from_metrics.steady_state(rows, 5, budget) == committed
 
 
+R25 = REPO / "bench" / "results" / "h100" / "round25-2026-12-06"
+
+
+@pytest.mark.parametrize("metrics,committed", [
+    ("h100/round25-2026-12-06/lease/r/smollm2-recipe-kd-epochs8__train__metrics.jsonl.gz",
+     "kd_epochs8_first1315_steady_state.json"),
+    ("h100/round24-2026-12-05/lease/r/smollm2-recipe-kd__train__metrics.jsonl.gz",
+     "kd_round24_first1315_steady_state.json")])
+def test_a_window_of_the_first_steps_is_what_the_script_makes_of_them(metrics, committed):
+    """--steps 1315: round 25's cut run against round 24's whole one over the same steps."""
+    rows = read_metrics(REPO / "bench" / "results" / metrics)
+    want = json.loads((R25 / committed).read_text())
+    assert steady_state_from_metrics.steady_state(rows[:1315], 5, None) == want
+    assert want["steps_total"] == 1315
+
+
 def test_a_scaled_citation_is_the_value_times_its_factor():
     ls3 = "bench/results/h200/round5-2026-12-01/loss_step3.json"
     s = json.loads((REPO / ls3).read_text())["step"][0]["s_per_step"]
