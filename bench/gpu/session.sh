@@ -13,9 +13,9 @@
 # what comes back is one archive, results.tgz (at most 8 files come back): commit each as it
 # comes; once the round's last is extracted as lease/ and committed, the archives leave the
 # tree (the history keeps them; bench/gpu/pack_wheels.sh says why).
-# Round 26 (issue #35): `plan` picks one run by PLAN_S, the most needed that fits whole: kd for
-# 10 epochs from 1,290 s; else kd for 8 from 1,130; else the schedule's-tail arm (lr-floor10)
-# from 900 s; each with the sweep's bench (τ first); then bench.soft_read if 45 s are left. With
+# Round 26 (issue #35): `plan` runs kd's data and warm-up, then the longest kd arm that fits
+# whole in what is left: 10 epochs from 1,000 s, else 8 from 850; each with the sweep's bench
+# (τ first); then bench.soft_read if 45 s are left. With
 # 30 device-minutes, eight or nine wheel calls (~3 s each) and no failed start that is PLAN_S
 # ~1,500. The call after `launch` must come within the machine's 30 s idle release (round 25's
 # came ~90 s late, and the machine went back with its run).
@@ -128,17 +128,18 @@ plan() {  # the round's GPU work, chosen by the plan's time (PLAN_S): the most n
   # protocol); each plan is one run, then the cache read's A/B (bench.soft_read, ~40 s) if time
   # is left.
   begin "start (PLAN_S ${PLAN_S:-?})"
+  # kd's data and warm-up first (every kd arm shares them: the base's dataset, kd's compiled
+  # shapes), ~250-270 s on an H100 (rounds 22, 24, 25); then the longest kd arm that fits what
+  # is left, so the data stage's own spread no longer decides the arm
+  DATA_S=420 data_and_warmups data_smollm2-recipe-kd-epochs10 warmup_smollm2-recipe-kd-epochs10
   local s; s=$(left 1500)
-  # 1. kd for 10 epochs: env and data ~270 (round 22's light-bench DAG on an H100), training
-  #    ~860 at round 24's kd speeds (epoch 0 108 s, a cached epoch 76, ~70 of stage around the
-  #    steps; ~750 with the reads at CE's 64 s), bench ~80: ~1,210 s
-  if [ "$s" -ge 1290 ]; then arm kd-epochs10 1400
-  # 2. a shorter hold: 8 epochs, ~1,060 s
-  elif [ "$s" -ge 1130 ]; then arm kd-epochs8 1250
-  # 3. shorter still: the schedule's tail (the cosine to a tenth of lr instead of 0), never run,
-  #    against round 19's arm lent as ref: ~800 s
-  elif [ "$s" -ge 900 ]; then arm lr-floor10 1050
-  else stamp "no τ run fits $s s"; fi
+  # 1. kd for 10 epochs: training ~860 at round 24's kd speeds (epoch 0 108 s, a cached epoch
+  #    76, ~70 of stage around the steps; ~750 with the reads at CE's 64 s), bench ~80 (round
+  #    22's sweep bench on an H100), Snakemake's start ~20: ~960 s
+  if [ "$s" -ge 1000 ]; then arm kd-epochs10 1100
+  # 2. 8 epochs: ~810 s
+  elif [ "$s" -ge 850 ]; then arm kd-epochs8 950
+  else stamp "no kd arm fits $s s"; fi
   when 45 90 soft_read
   stamp "done"
 }
