@@ -10,8 +10,9 @@ through :func:`background_dag` or :func:`background_cmd`. Most of the suite keep
 two cores busy; the lane fills the other, so the suite takes less than the sum of its parts.
 The modules with a background run come after every other module, in the lane's order (the lane
 has done their runs by then, so the foreground never waits for one), and the default DAG's
-tests (the longest run) last. On the 2-core box the suite took 1,041 s at 134595d and 885 s
-with the two commands in the lane (`bench/results/cpu/fresh_clone_suite_2026-12-06.md`).
+tests (the longest run) last. On the 2-core box of 2026-12-06 the suite took 1,041-1,084 s
+before the two commands moved here and 885-963 s after (bench/results/cpu/suite_lane_2026-12-06/,
+bench/results/cpu/fresh_clone_suite_2026-12-06.md).
 """
 from __future__ import annotations
 
