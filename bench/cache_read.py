@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import random
 import time
 from types import SimpleNamespace
 
 import torch
 
-from bench.entry import run, write_result
+from bench.entry import host_facts, run, write_result
 from dflash.train import feature_cache as fc
 from dflash.train.cache_budget import Plane
 
@@ -156,9 +155,7 @@ def main() -> int:
                 "buffer (old) vs one index_select into a reused staging slot (new)",
         "command": "python -m bench.cache_read" + (f" --out {a.out}" if a.out else ""),
         "device": a.device, "pinned_h2d": a.device.startswith("cuda"),
-        "host": {"cores": cores, "machine": platform.machine(), "torch": torch.__version__,
-                 # a shared box: other processes' load inflates the many-thread rows
-                 "load_avg_1min_at_start": load},
+        "host": host_facts(load_avg_1min=load),  # the load at the start, before our threads
         "row": {"tokens": ROW, "width": WIDTH, "dtype": "bfloat16",
                 "mb": round(ROW * WIDTH * 2 / 1e6, 1),
                 "samples_mean": round(sum(len(r.sample_ids) for r in rs) / len(rs), 1),

@@ -21,14 +21,12 @@ The two kd arms' values are checked equal.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import time
 
 import torch
 
 from bench.cache_read import LAYERS, ROW, WIDTH, rows, sample_lengths
-from bench.entry import command_line, run, write_result
+from bench.entry import command_line, host_facts, run, write_result
 from dflash.models.target_output import SoftLabels, TargetOutput, soft_positions
 from dflash.train import feature_cache as fc
 from dflash.train.cache_budget import Plane
@@ -124,9 +122,7 @@ def main(argv=None) -> int:
             res[f"{name}_{mode}_ms"] = round(timed(fn, rs, dev, mode == "queued"), 3)
     print("  ".join(f"{k} {v}" for k, v in res.items()), flush=True)
     doc = {"what": __doc__.splitlines()[0], "command": command_line("bench.soft_read", argv),
-           "device": dev, "host": {"cores": os.cpu_count(), "machine": platform.machine(),
-                                   "torch": torch.__version__,
-                                   "load_avg_1min": round(os.getloadavg()[0], 2)},
+           "device": dev, "host": host_facts(),
            "row": {"tokens": ROW, "feature_width": WIDTH, "top_k": TOP_K,
                    "samples_mean": round(sum(len(r.sample_ids) for r in rs) / len(rs), 1)},
            "rows_timed": len(rs), "ms_per_row": res,

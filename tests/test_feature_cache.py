@@ -529,3 +529,6 @@ def test_soft_read_bench_times_every_arm_and_checks_the_kd_reads_agree(tmp_path)
     assert all(v > 0 for v in doc["ms_per_row"].values())
     assert doc["row"]["top_k"] == 32 and doc["rows_timed"] == 3
     assert doc["command"].startswith("python -m bench.soft_read --store-gb 0.15")
+    # the machine, as every bench script records it (bench.entry.host_facts)
+    assert set(doc["host"]) == {"cores", "machine", "torch", "load_avg_1min"}
+    assert doc["host"]["torch"].split("+")[0] == torch.__version__.split("+")[0]
