@@ -137,8 +137,10 @@ plan() {  # the round's GPU work, chosen by the plan's time (PLAN_S): the most n
   #    76, ~70 of stage around the steps; ~750 with the reads at CE's 64 s), bench ~80 (round
   #    22's sweep bench on an H100), Snakemake's start ~20: ~960 s
   if [ "$s" -ge 1000 ]; then arm kd-epochs10 1100
-  # 2. 8 epochs: ~810 s
-  elif [ "$s" -ge 850 ]; then arm kd-epochs8 950
+  # 2. 8 epochs: ~790 s (round 24's kd train stage 526 s for 6 epochs + 2 cached ones at 76,
+  #    the sweep's bench ~90, Snakemake's start and env ~20); round 26 began with 1,319 s of
+  #    device time after five failed starts, so its plan has ~1,050 s: from 800
+  elif [ "$s" -ge 800 ]; then arm kd-epochs8 950
   else stamp "no kd arm fits $s s"; fi
   when 45 90 soft_read
   stamp "done"
