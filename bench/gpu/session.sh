@@ -128,6 +128,9 @@ plan() {  # the round's GPU work, chosen by the plan's time (PLAN_S): the most n
   # protocol); each plan is one run, then the cache read's A/B (bench.soft_read, ~40 s) if time
   # is left.
   begin "start (PLAN_S ${PLAN_S:-?})"
+  # a plan under 1,050 s holds no longer kd arm (data ~260 + 8 epochs ~790): it runs the
+  # objective the recipe search has not run at today's base, CE+KD for 6 epochs (#35 item 2)
+  if [ "${PLAN_S:-0}" -lt 1050 ]; then plan_ce_kd; stamp "done"; return; fi
   # kd's data and warm-up first (every kd arm shares them: the base's dataset, kd's compiled
   # shapes), ~250-270 s on an H100 (rounds 22, 24, 25); then the longest kd arm that fits what
   # is left, so the data stage's own spread no longer decides the arm
@@ -138,12 +141,19 @@ plan() {  # the round's GPU work, chosen by the plan's time (PLAN_S): the most n
   #    22's sweep bench on an H100), Snakemake's start ~20: ~960 s
   if [ "$s" -ge 1000 ]; then arm kd-epochs10 1100
   # 2. 8 epochs: ~790 s (round 24's kd train stage 526 s for 6 epochs + 2 cached ones at 76,
-  #    the sweep's bench ~90, Snakemake's start and env ~20); round 26 began with 1,319 s of
-  #    device time after five failed starts, so its plan has ~1,050 s: from 800
+  #    the sweep's bench ~90, Snakemake's start and env ~20)
   elif [ "$s" -ge 800 ]; then arm kd-epochs8 950
   else stamp "no kd arm fits $s s"; fi
   when 45 90 soft_read
   stamp "done"
+}
+
+plan_ce_kd() {  # the base's data and ce-kd's warm-up, then the ce-kd arm (6 epochs, the sweep's
+  # bench): ~640 s at round 24's kd speeds (its train stage 526 s, the bench ~90, start ~20);
+  # round 26 began with 1,214 s of device time after six failed starts (a plan of ~990 s)
+  DATA_S=420 data_and_warmups data_smollm2-recipe-ce-kd warmup_smollm2-recipe-ce-kd
+  if [ $(left 800) -ge 660 ]; then arm ce-kd 800; else stamp "ce-kd: $(left 800) s left"; fi
+  when 45 90 soft_read
 }
 
 soft_read() {  # the feature cache's read of a quality row: CE's, kd's as round 24 ran it, kd's now
