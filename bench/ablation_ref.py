@@ -24,7 +24,10 @@ dataset the folder's own ref would have trained on.
 A run of another name lends as ref too when it trained exactly as the sweep's ref arm trains
 today (:func:`trains_as_ref`: its recorded training, shape and data fingerprints are today's
 ref's): round 19's ``steered-gamma4-depth8`` arm became the base, so the next hold's ``epochs9``
-arm borrows that run, on the same dataset.
+arm borrows that run, on the same dataset. When the base moves on (round 26: soft labels for 8
+epochs), the folders that lent the old base's run name the sweep arm that now trains as it did
+(``"trained_as": "ce"`` in ref.json): the check is then against that arm, so the ref each folder
+was judged against stays what it was.
 """
 from __future__ import annotations
 
@@ -61,12 +64,14 @@ def lent_ref(folder: Path, rows: list[dict]) -> dict | None:
     if not doc.get("why"):
         raise DFlashError(f"{path}: says not why the lent ref compares ('why')")
     rep = read_json(report)
+    arm = doc.get("trained_as", "ref")
     sweeps = {r["sweep"] for r in rows if rep.get("spec") in (f"{r['sweep']}-ref",
                                                               base_as_ref(r["sweep"]))
-              or trains_as_ref(rep, report, r["sweep"])}
+              or trains_as_ref(rep, report, r["sweep"], arm)}
     if not sweeps:
         raise DFlashError(f"{path}: {rep.get('spec')!r} is no ref arm of the sweeps here "
-                          f"({sorted({r['sweep'] for r in rows})}) and trained no ref's recipe")
+                          f"({sorted({r['sweep'] for r in rows})}) and trained not as their "
+                          f"{arm!r} arm does")
     sweep = sweeps.pop()
     data, lent = _data_manifest(report, path)
     arms = [r for r in rows if r["sweep"] == sweep]
@@ -94,13 +99,14 @@ def lent_ref(folder: Path, rows: list[dict]) -> dict | None:
     }
 
 
-def trains_as_ref(rep: dict, report: Path, sweep: str) -> bool:
-    """Whether the lent run trained exactly as the sweep's ``ref`` arm trains today: the
-    training, shape and data fingerprints it recorded (report.json ``fingerprints``, its data
-    manifest's) are those of today's ``<sweep>-ref``. Round 19's candidate arm
-    (``steered-gamma4-depth8``) became the base, so its run is the ref's from then on."""
+def trains_as_ref(rep: dict, report: Path, sweep: str, arm: str = "ref") -> bool:
+    """Whether the lent run trained exactly as the sweep's ``arm`` (its ``ref`` unless ref.json
+    says ``trained_as``) trains today: the training, shape and data fingerprints it recorded
+    (report.json ``fingerprints``, its data manifest's) are those of today's ``<sweep>-<arm>``.
+    Round 19's candidate arm (``steered-gamma4-depth8``) became the base, so its run was the
+    ref's from then on, and the ``ce`` arm's since round 26."""
     ref = next((a.spec for a in load_sweep(REPO / "sweeps" / f"{sweep}.yaml").arms
-                if a.name == f"{sweep}-ref"), None)
+                if a.name == f"{sweep}-{arm}"), None)
     fp = rep.get("fingerprints") or {}
     data = sibling(report, "data", "manifest.json")
     return ref is not None and data.is_file() \

@@ -240,11 +240,13 @@ def test_a_lent_base_run_needs_data_arms_and_a_reproduced_dataset(at, tmp_path, 
         at.arm_rows(tmp_path, ["smollm2-recipe"])
 
 
-def test_a_run_that_trained_todays_ref_recipe_is_lent_as_ref(at, tmp_path):
-    """Round 19's candidate arm became the sweep's base: its run recorded the training, shape
-    and data fingerprints today's ref arm has, so a later folder's arm (here a stand-in: its
-    files under another arm's name, keeping the base's data) may borrow it as ref; a run of
-    another recipe may not."""
+def test_a_run_that_trained_an_arms_recipe_is_lent_as_ref(at, tmp_path):
+    """Round 19's candidate arm became the sweep's base, and since round 26 (soft labels for 8
+    epochs) its recipe is the ``ce`` arm's: its run recorded the training, shape and data
+    fingerprints that arm has, so a folder's arm (here a stand-in: its files under another arm's
+    name, keeping the base's data) may borrow it as ref where ref.json says ``trained_as: ce``.
+    Without it the check is against today's ref (kd), which that run did not train as; a run of
+    another recipe is refused either way."""
     cand = "bench/results/h200/round19-2026-12-05/lease/r/" \
            "smollm2-recipe-steered-gamma4-depth8__bench__report.json"
     for f in R19.glob("smollm2-recipe-steered-gamma4-depth8__*"):
@@ -253,14 +255,18 @@ def test_a_run_that_trained_todays_ref_recipe_is_lent_as_ref(at, tmp_path):
     report = tmp_path / "smollm2-recipe-epochs9__bench__report.json"
     report.write_text(json.dumps(dict(json.loads(report.read_text()), spec="smollm2-recipe-epochs9")))
     ref = tmp_path / "ref.json"
-    ref.write_text(json.dumps({"report": cand, "why": "round 19's run of today's ref recipe"}))
+    ref.write_text(json.dumps({"report": cand, "why": "round 19's run of the ce arm's recipe",
+                               "trained_as": "ce"}))
     rows = {r["arm"]: r for r in at.arm_rows(tmp_path, ["smollm2-recipe"])}
     assert set(rows) == {"epochs9", "ref"} and rows["ref"]["ref_from"] == cand
     assert rows["ref"]["tau"]["mtbench"] == rows["epochs9"]["tau"]["mtbench"] == 2.8819
+    ref.write_text(json.dumps({"report": cand, "why": "today's ref is kd for 8 epochs"}))
+    with pytest.raises(DFlashError, match="is no ref arm of the sweeps here .* and trained not "
+                                          "as their 'ref' arm does"):
+        at.arm_rows(tmp_path, ["smollm2-recipe"])
     steered = cand.replace("-gamma4-depth8__", "__")
-    ref.write_text(json.dumps({"report": steered, "why": "not the ref's recipe"}))
-    with pytest.raises(DFlashError, match="is no ref arm of the sweeps here .* and trained no "
-                                          "ref's recipe"):
+    ref.write_text(json.dumps({"report": steered, "why": "not the recipe", "trained_as": "ce"}))
+    with pytest.raises(DFlashError, match="trained not as their 'ce' arm does"):
         at.arm_rows(tmp_path, ["smollm2-recipe"])
 
 

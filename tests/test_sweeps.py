@@ -175,33 +175,45 @@ def test_repo_sweeps_validate():
     own_data = ("prompts1x", "round17", "code-2ep", "prompts2x-3ep", "greedy-prompts2x")
     assert len({s.fingerprint("data") for k, s in recipe.items() if k not in own_data}) == 1
     assert len({recipe[k].fingerprint("data") for k in ("ref",) + own_data}) == 6
+    # round 26: the base trains on soft labels (kd) for 8 epochs; the ce arm is the base until
+    # then (CE for 6 epochs, round 19's run: the ref its folders lend, bench/ablation_ref.py)
+    ref, ce, kd = recipe["ref"], recipe["ce"], recipe["kd"]
+    assert (ref.loss.kind, ref.optim.epochs, ref.features.cache) == ("kd", 8, "host")
+    assert (ce.loss.kind, ce.optim.epochs) == ("ce", 6)
+    assert ce.fingerprint("data") == ref.fingerprint("data")
+    assert ce.fingerprint("warmup") != ref.fingerprint("warmup")    # the loss's inputs
+    # the arms whose runs were CE's keep it pinned (their records read as what they ran):
+    # prompts2x-3ep twice the steered prompts, no feature cache; greedy-prompts2x as many, one
+    # greedy answer each, trained as ce; epochs10 (round 22) and epochs9; code-2ep the code spec's
     fresh = recipe["prompts2x-3ep"]
-    assert fresh.fingerprint("warmup") == recipe["ref"].fingerprint("warmup")
-    assert fresh.data.self_written.categories == recipe["ref"].data.self_written.categories
+    assert fresh.fingerprint("warmup") == ce.fingerprint("warmup")
+    assert fresh.data.self_written.categories == ref.data.self_written.categories
     assert (fresh.data.max_prompts, fresh.optim.epochs, fresh.features.cache) == (60600, 3, "off")
-    greedy, ref = recipe["greedy-prompts2x"], recipe["ref"]
-    assert all(greedy.fingerprint(st) == ref.fingerprint(st) for st in ("warmup", "train"))
+    greedy = recipe["greedy-prompts2x"]
+    assert all(greedy.fingerprint(st) == ce.fingerprint(st) for st in ("warmup", "train"))
     assert greedy.data.self_written == ref.data.self_written
     # the base's sample count (one greedy answer to each of twice the prompts) and cache
     assert (greedy.data.temperature, greedy.data.samples_per_prompt) == (0.0, 1)
     assert (ref.data.temperature, ref.data.samples_per_prompt) == (0.6, 2)
     assert abs(greedy.data.max_prompts - 2 * ref.data.max_prompts) <= 600
     assert greedy.features.cache == ref.features.cache == "host"
-    # kd: the base's data and steps, soft labels (a warm-up of its own: the loss's inputs)
-    kd = recipe["kd"]
-    assert kd.fingerprint("data") == ref.fingerprint("data")
-    assert kd.fingerprint("warmup") != ref.fingerprint("warmup")
+    for arm, epochs in (("epochs10", 10), ("epochs9", 9)):
+        assert (recipe[arm].loss.kind, recipe[arm].optim.epochs) == ("ce", epochs)
+        assert recipe[arm].fingerprint("warmup") == ce.fingerprint("warmup")
+        assert recipe[arm].fingerprint("train") != ce.fingerprint("train")
+    # kd: round 24's run, the base's data, shapes and objective for 6 epochs (the epochs6 arm's
+    # training since round 26); kd-epochs8 is the base's training (round 26's run), 10 its own
     assert (kd.loss.kind, kd.optim.epochs, kd.features.cache) == ("kd", 6, "host")
-    # kd for more epochs (round 25's candidates): kd's warm-up and data, their own training
-    for n in (8, 10):
-        longer = recipe[f"kd-epochs{n}"]
-        assert (longer.loss.kind, longer.optim.epochs) == ("kd", n)
-        assert all(longer.fingerprint(st) == kd.fingerprint(st) for st in ("data", "warmup"))
-        assert longer.fingerprint("train") != kd.fingerprint("train")
+    assert all(kd.fingerprint(st) == ref.fingerprint(st) for st in ("data", "warmup"))
+    assert recipe["epochs6"].fingerprint("train") == kd.fingerprint("train") != ref.fingerprint("train")
+    assert recipe["kd-epochs8"].fingerprint("train") == ref.fingerprint("train")
+    assert recipe["kd-epochs10"].optim.epochs == 10
+    assert recipe["kd-epochs10"].fingerprint("train") != ref.fingerprint("train")
     # greedy's and kd's bench is the quality spec's whole bench (their DAG bounds the default's
     # 20 minutes); the longer kd arms take the sweep's (τ first: round 25's whole-bench 8 epochs
     # did not fit its hold), so they have no decoders stage
     quality = load_spec(REPO / "specs" / "smollm2-quality.yaml")
+    assert quality.fingerprint("train") == ref.fingerprint("train")
     for arm in (greedy, kd):
         assert (arm.bench.protocols, arm.bench.decode_batches) == (
             quality.bench.protocols, quality.bench.decode_batches)
@@ -213,9 +225,9 @@ def test_repo_sweeps_validate():
     assert all(recipe["code-2ep"].fingerprint(st) == code.fingerprint(st) for st in ("data", "warmup"))
     assert (recipe["code-2ep"].optim.epochs, code.optim.epochs) == (2, 6)
     for arm in ("gamma4", "depth8", "steered", "steered-gamma4-depth8"):
-        assert all(recipe[arm].fingerprint(st) == recipe["ref"].fingerprint(st)
+        assert all(recipe[arm].fingerprint(st) == ref.fingerprint(st)
                    for st in ("data", "warmup", "train")), arm
-    assert (recipe["ref"].loss.gamma, recipe["ref"].drafter.num_layers) == (4, 8)
+    assert (ref.loss.gamma, ref.drafter.num_layers) == (4, 8)
     # round17: the base until round 19, unsteered (the data fingerprint of round 17's dataset),
     # γ 7, 5 layers (a warm-up of its own)
     old = recipe["round17"]
@@ -223,29 +235,27 @@ def test_repo_sweeps_validate():
     assert old.data.self_written.categories == () and old.data.self_written.max_tokens == 128
     # the steered prompts: the base's prompts and budget, written under MT-Bench's eight
     # categories
-    steered = recipe["ref"].data
+    steered = ref.data
     assert set(steered.self_written.categories) == {
         "writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
     assert (old.data.max_prompts, old.data.max_new_tokens) == (steered.max_prompts,
                                                                steered.max_new_tokens)
-    # round 16: the base trains 6 epochs (the epochs6 arm's); prompts15x pins round 15's 3
-    assert recipe["epochs6"].fingerprint("train") == recipe["ref"].fingerprint("train")
-    assert recipe["prompts15x"].fingerprint("train") != recipe["ref"].fingerprint("train")
+    # prompts15x pins round 15's 3 epochs, prompts15x-2ep 2, prompts1x round 13's 3
+    assert recipe["prompts15x"].fingerprint("train") != ref.fingerprint("train")
     assert (recipe["prompts15x"].optim.epochs, recipe["prompts15x-2ep"].optim.epochs) == (3, 2)
-    assert recipe["ref"].optim.epochs == 6 and recipe["prompts1x"].optim.epochs == 3
-    # round 17's epochs10: its own training on the base's data stage and warm-up
-    assert recipe["epochs10"].optim.epochs == 10
-    assert recipe["epochs10"].fingerprint("train") != recipe["ref"].fingerprint("train")
-    assert recipe["epochs10"].fingerprint("warmup") == recipe["ref"].fingerprint("warmup")
-    assert recipe["prompts1x"].data.max_prompts == 20600 and recipe["ref"].data.max_prompts == 30600
-    assert recipe["prompts15x-2ep"].fingerprint("warmup") == recipe["ref"].fingerprint("warmup")
-    own = ("depth3", "round17", "block8", "block8-anchors2x", "anchors1344", "uncapped", "kd",
-           "ce-kd")
+    assert recipe["prompts1x"].optim.epochs == 3
+    assert recipe["prompts1x"].data.max_prompts == 20600 and ref.data.max_prompts == 30600
+    assert recipe["prompts15x-2ep"].fingerprint("warmup") == ref.fingerprint("warmup")
+    # compiled shapes: the base's (kd), the CE arms' (above), and the arms that change one:
+    # depth and block (the drafter, the row), uncapped and ce-kd (the loss's rows and inputs)
+    own = ("depth3", "round17", "block8", "block8-anchors2x", "anchors1344", "uncapped", "ce-kd")
+    ce_arms = ("ce", "epochs10", "epochs9", "prompts2x-3ep", "greedy-prompts2x", "code-2ep")
     # the feature cache's place is no compiled shape: block 8 on the GPU's cache is block 8's
-    shares = {"block8-device-cache": "block8", "kd-epochs8": "kd", "kd-epochs10": "kd"}
-    assert len({s.fingerprint("warmup") for k, s in recipe.items()
-                if k not in own and k not in shares}) == 1
-    assert len({s.fingerprint("warmup") for s in recipe.values()}) == 1 + len(own)
+    shares = {"block8-device-cache": "block8"}
+    assert {s.fingerprint("warmup") for k, s in recipe.items()
+            if k not in own + ce_arms and k not in shares} == {ref.fingerprint("warmup")}
+    assert {recipe[k].fingerprint("warmup") for k in ce_arms} == {ce.fingerprint("warmup")}
+    assert len({s.fingerprint("warmup") for s in recipe.values()}) == 2 + len(own)
     for arm, other in shares.items():
         assert recipe[arm].fingerprint("warmup") == recipe[other].fingerprint("warmup")
         assert recipe[arm].fingerprint("train") != recipe[other].fingerprint("train")
