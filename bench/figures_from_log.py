@@ -5,6 +5,11 @@ report.json was never written (a device call cut the bench stage after its τ ev
         --out bench/results/h200/smollm2-quality-run2/figures.json
     python -m bench.figures_from_log bench/results/h200/round16-2026-12-04/lease/dag_quality.log \
         --decode --out bench/results/h200/round16-2026-12-04/quality_dag_figures.json
+
+Several logs are one DAG run in consecutive Snakemake invocations (a plan's data and warm-up
+first, then the arm's targets: round 26), read in the order given: the wall clock spans them
+all, and ``--stages`` gives each stage job's own seconds (env, warmup, data, decoders, train,
+bench) from Snakemake's stamps around its start and its ``Finished jobid`` line.
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ import re
 from datetime import datetime
 from pathlib import Path
 
-from bench.entry import command_line, write_result
+from bench.entry import command_line, run, write_result
 from dflash.errors import DFlashError
 
 TAU = re.compile(r"^\[bench\] τ (\w+): ([\d.]+) over (\d+) prompts \(simulated in [\d.]+s"
@@ -23,6 +28,10 @@ DECODE = re.compile(r"^\[bench\] batch (\d+): target-only ([\d.]+) tok/s, specul
                     r"\(τ ([\d.]+), speed-up ([\d.]+)\), choice (.+?) served ([\d.]+) tok/s "
                     r"\(([\d.]+)x measured\)(?:, HF static ([\d.]+) tok/s)?, lossless (\w+)")
 CLOCK = re.compile(r"^\[(\w{3} \w{3} +\d+ \d\d:\d\d:\d\d \d{4})\]$")  # Snakemake's job stamps
+START = re.compile(r"^(?:local)?rule ([\w-]+):$")
+JOBID = re.compile(r"^\s+jobid: (\d+)$")
+FINISHED = re.compile(r"^Finished jobid: (\d+) \(Rule: ([\w-]+)\)$")
+STAGES = ("env", "warmup", "data", "decoders", "train", "bench")  # not link_stage, not targets
 DONE = re.compile(r"^\[train\] done: (\d+) steps in ([\d.]+)s, final loss ([\d.]+), recompiles "
                   r"after warmup (\d+), race errors (\d+)")
 
@@ -63,6 +72,26 @@ def decode_and_clock(text: str) -> dict:
     return {"decode": list(rows.values()), "dag_clock": clock}
 
 
+def stage_spans(text: str) -> list[dict]:
+    """Each stage job of one Snakemake invocation's log, in the order they finished: its rule,
+    the stamps before its start and its end, and the seconds between (a job of a cut run, never
+    finished, is left out)."""
+    out, started, pending, last = [], {}, None, None
+    for line in text.splitlines():
+        if m := CLOCK.match(line):
+            last = datetime.strptime(m[1], "%a %b %d %H:%M:%S %Y")
+        elif m := START.match(line):
+            pending = (m[1], last)
+        elif pending and (m := JOBID.match(line)):
+            started[m[1]], pending = pending, None
+        elif m := FINISHED.match(line):
+            rule, t0 = started.pop(m[1], (m[2], None))
+            if rule in STAGES and t0 and last:
+                out.append({"rule": rule, "start": t0.isoformat(), "end": last.isoformat(),
+                            "seconds": (last - t0).total_seconds()})
+    return out
+
+
 CUT = "__bench__figures.json"  # <spec>__bench__figures.json: a cut bench stage's figures
 
 
@@ -82,17 +111,25 @@ def as_report(path: Path) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("log", type=Path)
+    ap.add_argument("logs", type=Path, nargs="+",
+                    help="one DAG run's logs, in the order its Snakemake invocations ran")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--decode", action="store_true",
                     help="also the decoding sweep's rows and the DAG's wall clock")
+    ap.add_argument("--stages", action="store_true", help="also each stage job's seconds")
     a = ap.parse_args(argv)
-    text = a.log.read_text()
-    res = {"command": command_line("bench.figures_from_log", argv), "source": str(a.log),
-           **figures(text), **(decode_and_clock(text) if a.decode else {})}
+    try:
+        texts = [p.read_text() for p in a.logs]
+    except OSError as e:
+        raise DFlashError(f"{e.filename}: not readable ({e.strerror})") from None
+    text = "\n".join(texts)
+    source = str(a.logs[0]) if len(a.logs) == 1 else [str(p) for p in a.logs]
+    res = {"command": command_line("bench.figures_from_log", argv), "source": source,
+           **figures(text), **(decode_and_clock(text) if a.decode else {}),
+           **({"stages": [s for t in texts for s in stage_spans(t)]} if a.stages else {})}
     write_result(a.out, res)
     print(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -12,6 +12,7 @@ from dflash.errors import DFlashError
 from dflash.runtime.harness import REPO
 
 H200 = REPO / "bench" / "results" / "h200"
+H100 = REPO / "bench" / "results" / "h100"
 HEAD = "Run 2 (this round's code):"
 
 
@@ -118,6 +119,27 @@ def test_a_whole_dag_logs_decode_rows_and_clock_are_its_committed_figures():
     assert {k: committed[k] for k in ("decode", "dag_clock")} == got
     assert [r["batch"] for r in got["decode"]] == [1, 4] and got["dag_clock"]["span_s"] == 856.0
     assert figures_from_log.decode_and_clock("no stamps") == {"decode": [], "dag_clock": None}
+
+
+def test_a_dag_run_over_two_invocations_reads_as_one_with_each_stages_seconds():
+    """Round 26 ran kd's data and warm-up, then the arm's targets, as two Snakemake calls: the
+    committed figures are the script's reading of both logs in order (the clock spans both),
+    and each stage job's seconds come from the stamps around its start and its end; round 24's
+    one-call DAG shows the decoders stage holding training back past the data stage."""
+    folder = H100 / "round26-2026-12-06"
+    logs = [folder / "lease" / n for n in ("dag_data.log", "dag_kd-epochs8.log")]
+    committed = json.loads((folder / "kd_epochs8_dag_figures.json").read_text())
+    texts = [p.read_text() for p in logs]
+    assert committed["dag_clock"] == figures_from_log.decode_and_clock("\n".join(texts))["dag_clock"]
+    assert committed["stages"] == [s for t in texts for s in figures_from_log.stage_spans(t)]
+    sec = {s["rule"]: s["seconds"] for s in committed["stages"]}
+    assert sec == {"env": 6.0, "warmup": 77.0, "data": 219.0, "train": 611.0, "bench": 66.0}
+    assert committed["dag_clock"]["span_s"] == 917.0 and committed["source"] == [
+        str(p.relative_to(REPO)) for p in logs]
+    r24 = {s["rule"]: s for s in json.loads(
+        (folder / "kd_round24_dag_figures.json").read_text())["stages"]}
+    assert r24["train"]["start"] == r24["decoders"]["end"] > r24["data"]["end"]
+    assert figures_from_log.stage_spans("no stamps") == []
 
 
 def test_round17s_dag_figures_are_its_log_and_agree_with_its_report():
