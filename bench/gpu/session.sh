@@ -13,12 +13,15 @@
 # what comes back is one archive, results.tgz (at most 8 files come back): commit each as it
 # comes; once the round's last is extracted as lease/ and committed, the archives leave the
 # tree (the history keeps them; bench/gpu/pack_wheels.sh says why).
-# Round 26 (issue #35): `plan` runs kd's data and warm-up, then the longest kd arm that fits
-# whole in what is left: 10 epochs from 1,000 s, else 8 from 850; each with the sweep's bench
-# (τ first); then bench.soft_read if 45 s are left. With
-# 30 device-minutes, eight or nine wheel calls (~3 s each) and no failed start that is PLAN_S
-# ~1,500. The call after `launch` must come within the machine's 30 s idle release (round 25's
-# came ~90 s late, and the machine went back with its run).
+# Round 27 (issue #35): `plan` runs the default's whole DAG in one call (`bench_smollm2-quality`,
+# soft labels for 8 epochs since round 26: ~1,035-1,145 s on an H100 by rounds 24-26's parts),
+# the 20 minutes measured in one run instead of bounded; under 1,150 s of plan, the recipe
+# sweep's ce-kd arm instead. With 30 device-minutes, eight wheel calls (~4 s each) and no failed
+# start that is PLAN_S ~1,500. The call after `launch` must come within the machine's 30 s idle
+# release (round 25's came ~90 s late, and the machine went back with its run).
+# (Round 26: six failed starts and three refusals (586 s), then an H100; PLAN_S 1,085 ran kd's
+# data and warm-up, then kd-epochs8 (τ 3.013: the default since), then bench.soft_read:
+# bench/results/h100/round26-2026-12-06/README.md.)
 # (Round 25: four failed starts (451 s), then an H100; PLAN_S 1,190 ran kd-epochs8 with the
 # whole bench, which could not finish: its decoders stage held the GPU 146 s past the data
 # stage; the machine was lost idle: bench/results/h100/round25-2026-12-06/README.md.)
@@ -119,40 +122,20 @@ data_and_warmups() {  # the Snakemake targets $@ (data stages, warm-ups) at once
 
 plan() {  # the round's GPU work, chosen by the plan's time (PLAN_S): the most needed that fits
   # whole, since a run cut in its bench leaves neither its τ report nor its DAG's wall.
-  # Round 24's kd (bench/results/h100/round24-2026-12-05/) won at face (+0.052 MT-Bench, every
-  # set up) and tied at equal minutes: 2.934, short of #35's 3.0, in a 951-s DAG with the whole
-  # bench. So the candidate is kd for more epochs (soft labels keep teaching the target's
-  # distribution where CE's extra epochs taught the sampled answers). Round 25's 8 epochs with
-  # the whole bench could not finish in 1,190 s (bench/results/h100/round25-2026-12-06/): the
-  # arms now take the sweep's bench (no decoders stage, no decoding sweep, no reference
-  # protocol); each plan is one run, then the cache read's A/B (bench.soft_read, ~40 s) if time
-  # is left.
+  # Round 26's kd-epochs8 (bench/results/h100/round26-2026-12-06/) reached τ 3.013 and became
+  # the default; its whole DAG's 20 minutes are a bound from parts (917 s with the sweep's
+  # bench, + the whole bench's ~81 s and the decoders stage's 35-146 s): this plan measures it
   begin "start (PLAN_S ${PLAN_S:-?})"
-  # a plan under 1,050 s holds no longer kd arm (data ~260 + 8 epochs ~790): it runs the
-  # objective the recipe search has not run at today's base, CE+KD for 6 epochs (#35 item 2)
-  if [ "${PLAN_S:-0}" -lt 1050 ]; then plan_ce_kd; stamp "done"; return; fi
-  # kd's data and warm-up first (every kd arm shares them: the base's dataset, kd's compiled
-  # shapes), ~250-270 s on an H100 (rounds 22, 24, 25); then the longest kd arm that fits what
-  # is left, so the data stage's own spread no longer decides the arm
-  DATA_S=420 data_and_warmups data_smollm2-recipe-kd-epochs10 warmup_smollm2-recipe-kd-epochs10
-  local s; s=$(left 1500)
-  # 1. kd for 10 epochs: training ~860 at round 24's kd speeds (epoch 0 108 s, a cached epoch
-  #    76, ~70 of stage around the steps; ~750 with the reads at CE's 64 s), bench ~80 (round
-  #    22's sweep bench on an H100), Snakemake's start ~20: ~960 s
-  if [ "$s" -ge 1000 ]; then arm kd-epochs10 1100
-  # 2. 8 epochs: ~790 s (round 24's kd train stage 526 s for 6 epochs + 2 cached ones at 76,
-  #    the sweep's bench ~90, Snakemake's start and env ~20)
-  elif [ "$s" -ge 800 ]; then arm kd-epochs8 950
-  else stamp "no kd arm fits $s s"; fi
-  when 45 90 soft_read
+  if [ "${PLAN_S:-0}" -lt 1150 ]; then plan_ce_kd; stamp "done"; return; fi
+  bench_run smollm2-quality quality 1300
   stamp "done"
 }
 
-plan_ce_kd() {  # the base's data and ce-kd's warm-up, then the ce-kd arm (6 epochs, the sweep's
-  # bench): ~640 s at round 24's kd speeds (its train stage 526 s, the bench ~90, start ~20);
-  # round 26 began with 1,214 s of device time after six failed starts (a plan of ~990 s)
+plan_ce_kd() {  # the base's data and ce-kd's warm-up, then the ce-kd arm (8 epochs since round
+  # 26, the sweep's bench): ~780 s at round 26's kd speeds (its train stage 611 s, the bench
+  # ~70, start ~20), the objective the recipe search has not run at today's base
   DATA_S=420 data_and_warmups data_smollm2-recipe-ce-kd warmup_smollm2-recipe-ce-kd
-  if [ $(left 800) -ge 660 ]; then arm ce-kd 800; else stamp "ce-kd: $(left 800) s left"; fi
+  if [ $(left 900) -ge 800 ]; then arm ce-kd 900; else stamp "ce-kd: $(left 900) s left"; fi
   when 45 90 soft_read
 }
 
