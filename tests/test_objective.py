@@ -316,8 +316,6 @@ CHUNK = 16  # every compiled test uses it: one graph per (kind, dtype) serves th
 
 
 def _graphs() -> int:
-    pass
-
     return counters["stats"]["unique_graphs"]
 
 
@@ -376,8 +374,6 @@ def test_compiled_head_loss_does_not_recompile_for_another_count():
 
 
 def test_balanced_chunk_tiles_a_full_bucket_with_the_fewest_equal_chunks():
-    pass
-
     for most, chunk in ((23040, 2048), (4096, 2048), (4097, 2048), (48, 2048), (1, 8), (0, 8)):
         c = balanced_chunk(most, chunk)
         q = -(-max(most, 1) // c)
@@ -386,8 +382,6 @@ def test_balanced_chunk_tiles_a_full_bucket_with_the_fewest_equal_chunks():
 
 
 def test_head_loss_mode_resolves_per_device():
-    pass
-
     assert head_backend("auto", "inductor", "cuda:0") == "inductor"
     assert head_backend("auto", "inductor", "cpu") is None
     assert head_backend("auto", "aot_eager", "cuda:1") is None

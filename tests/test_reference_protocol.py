@@ -28,16 +28,12 @@ def _one_thread(one_torch_thread):
 
 @pytest.fixture(scope="module")
 def target():
-    pass
-
     spec = load_spec(REPO / "specs" / "tiny.yaml")
     tgt = load_target(spec.target, "cpu")
     return tgt, eos_ids_of(tgt)
 
 
 def test_second_turn_prompt_holds_the_targets_own_first_answer(target):
-    pass
-
     tgt, eos = target
     tok = tgt.tokenizer
     q = reference_questions(1, 0)[0]
@@ -95,9 +91,6 @@ def test_per_prompt_mean_and_pooled_differ_as_computed_by_hand():
 
 
 def test_train_set_is_a_seeded_sample_of_the_distinct_training_prompts(tmp_path):
-    pass
-
-
     spec = load_spec(REPO / "specs" / "tiny.yaml")
     assert train_prompts(spec, tmp_path, 3) == ([], f"no training dataset "
                                                     f"({tmp_path / 'data' / 'dataset.parquet'})")

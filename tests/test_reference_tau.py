@@ -34,8 +34,6 @@ def test_legacy_crop_keeps_the_first_n_positions(rt):
 
 
 def test_compare_counts_steps_and_streams(rt):
-    pass
-
     ref = [{"tokens": [5, 6, 7, 8], "acceptance_lengths": [2, 1, 2, 1], "seconds": 0.1}]
     ours = [Decoded(tokens=[5, 6, 7, 8], target_forwards=3, tau=4 / 3, accept_counts=[],
                     block_lengths=[2, 1, 1], accepted=[1, 0, 1])]
