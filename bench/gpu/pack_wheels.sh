@@ -11,7 +11,9 @@
 # (results.tgz, committed as each call brings them back) leave the tree once the round's lease/
 # is extracted and committed; the history keeps them (round 17: 57 MB of repo left a call 9 MB
 # for wheels, 41 MB without the archives leaves 23 MB: 5 calls; 31 MB with the older rounds'
-# metrics gzipped, 2026-12-05, leaves 34 MB: 4 calls). A round's metrics go in gzipped.
+# metrics gzipped, 2026-12-05, leaves 34 MB: 4 calls; 51.6 MB by round 26 left pulp's 16.4-MB wheel
+# no call at all, and 29.5 MB with the metrics slimmed of their sample ids, 4 calls again). A
+# round's metrics go in gzipped and slimmed (python -m bench.metrics_file --slim).
 set -euo pipefail
 WHEELS=${WHEELS:-/work/wheels-py312}
 # a call's carry, less 4 MiB: the device tool's count of a tree runs above the bytes counted

@@ -16,8 +16,8 @@
 # Round 27 (issue #35): `plan` runs the default's whole DAG in one call (`bench_smollm2-quality`,
 # soft labels for 8 epochs since round 26: ~1,035-1,145 s on an H100 by rounds 24-26's parts),
 # the 20 minutes measured in one run instead of bounded; under 1,150 s of plan, the recipe
-# sweep's ce-kd arm instead. With 30 device-minutes, eight wheel calls (~4 s each) and no failed
-# start that is PLAN_S ~1,500. The call after `launch` must come within the machine's 30 s idle
+# sweep's ce-kd arm instead. With 30 device-minutes, four wheel calls (~4 s each; the repo is
+# 29.5 MB since its metrics were slimmed) and no failed start that is PLAN_S ~1,550. The call after `launch` must come within the machine's 30 s idle
 # release (round 25's came ~90 s late, and the machine went back with its run).
 # (Round 26: six failed starts and three refusals (586 s), then an H100; PLAN_S 1,085 ran kd's
 # data and warm-up, then kd-epochs8 (τ 3.013: the default since), then bench.soft_read:
