@@ -65,9 +65,10 @@ def lent_ref(folder: Path, rows: list[dict]) -> dict | None:
         raise DFlashError(f"{path}: says not why the lent ref compares ('why')")
     rep = read_json(report)
     arm = doc.get("trained_as", "ref")
-    sweeps = {r["sweep"] for r in rows if rep.get("spec") in (f"{r['sweep']}-ref",
-                                                              base_as_ref(r["sweep"]))
-              or trains_as_ref(rep, report, r["sweep"], arm)}
+    # each sweep of the folder once (trains_as_ref loads the sweep's every arm)
+    sweeps = {s for s in {r["sweep"] for r in rows}
+              if rep.get("spec") in (f"{s}-ref", base_as_ref(s))
+              or trains_as_ref(rep, report, s, arm)}
     if not sweeps:
         raise DFlashError(f"{path}: {rep.get('spec')!r} is no ref arm of the sweeps here "
                           f"({sorted({r['sweep'] for r in rows})}) and trained not as their "

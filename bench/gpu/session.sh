@@ -17,8 +17,9 @@
 # soft labels for 8 epochs since round 26: ~1,035-1,145 s on an H100 by rounds 24-26's parts),
 # the 20 minutes measured in one run instead of bounded; under 1,150 s of plan, the recipe
 # sweep's ce-kd arm instead. With 30 device-minutes, four wheel calls (~4 s each; the repo is
-# 29.5 MB since its metrics were slimmed) and no failed start that is PLAN_S ~1,550. The call after `launch` must come within the machine's 30 s idle
-# release (round 25's came ~90 s late, and the machine went back with its run).
+# 29.5 MB since its metrics were slimmed) and no failed start that is PLAN_S ~1,550. The call
+# after `launch` must come within the machine's 30 s idle release (round 25's came ~90 s late,
+# and the machine went back with its run).
 # (Round 26: six failed starts and three refusals (586 s), then an H100; PLAN_S 1,085 ran kd's
 # data and warm-up, then kd-epochs8 (τ 3.013: the default since), then bench.soft_read:
 # bench/results/h100/round26-2026-12-06/README.md.)
@@ -136,7 +137,6 @@ plan_ce_kd() {  # the base's data and ce-kd's warm-up, then the ce-kd arm (8 epo
   # ~70, start ~20), the objective the recipe search has not run at today's base
   DATA_S=420 data_and_warmups data_smollm2-recipe-ce-kd warmup_smollm2-recipe-ce-kd
   if [ $(left 900) -ge 800 ]; then arm ce-kd 900; else stamp "ce-kd: $(left 900) s left"; fi
-  when 45 90 soft_read
 }
 
 soft_read() {  # the feature cache's read of a quality row: CE's, kd's as round 24 ran it, kd's now
