@@ -136,10 +136,12 @@ def test_run_by_hand_on_a_spec_without_the_stage_it_records_why(tmp_path, monkey
     ctx = StageContext(spec=spec, results=tmp_path / "micro", env_fingerprint="e" * 16)
     m = decoders.run(ctx)
     assert m["compiled"] == [] and m["failed"] is None and "eagerly" in m["skipped"]
+    assert m["workers"] == 0  # no process started
     assert m["fingerprints"] == {"env": "e" * 16, "decoders": spec.fingerprint("decoders")}
     assert read_manifest(tmp_path / "micro" / "decoders" / "manifest.json", "decoders") == m
     assert decoders_ahead(ctx) == {"skipped": m["skipped"], "failed": None, "decoders": 0,
-                                   "seconds": m["seconds_total"], "same_env": True}
+                                   "seconds": m["seconds_total"], "workers": 0,
+                                   "same_env": True}
 
 
 def test_a_failure_the_stage_survives_is_one_line_and_a_traceback_file(tmp_path):

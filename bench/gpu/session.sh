@@ -132,6 +132,17 @@ plan() {  # the round's GPU work, chosen by the plan's time (PLAN_S): the most n
   stamp "done"
 }
 
+plan_prefix() {  # round 28 (~500 device-seconds left after round 27): the default's DAG up to
+  # training's inputs, as bench_smollm2-quality schedules it (gpu_jobs 1): env, then the warm-up,
+  # the data stage and the decoders stage beside each other, the decoders now one process per
+  # batch size. Round 27's whole DAG waited 106 s past the data stage for the decoders (one
+  # process, 338 s): this is when training could start now (~270 s by round 27's data stage)
+  begin "start (prefix)"
+  GPU_JOBS=1 DATA_S=420 data_and_warmups data_smollm2-quality warmup_smollm2-quality \
+    decoders_smollm2-quality
+  stamp "done"
+}
+
 plan_ce_kd() {  # the base's data and ce-kd's warm-up, then the ce-kd arm (8 epochs since round
   # 26, the sweep's bench): ~780 s at round 26's kd speeds (its train stage 611 s, the bench
   # ~70, start ~20), the objective the recipe search has not run at today's base
@@ -354,6 +365,7 @@ launch)
   ;;
 plan) plan ;;
 plan_code) plan_code ;;
+plan_prefix) plan_prefix ;;
 plan_rest) plan_rest ;;
 watch) trap pack EXIT; watch ;;
 esac

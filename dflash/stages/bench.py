@@ -224,7 +224,7 @@ def decoders_ahead(ctx: StageContext) -> dict | None:
     m = read_manifest(path, "decoders")
     return {"skipped": m.get("skipped"), "failed": m.get("failed"),
             "decoders": len(m.get("compiled") or ()),
-            "seconds": m.get("seconds_total"),
+            "seconds": m.get("seconds_total"), "workers": m.get("workers"),
             "same_env": m["fingerprints"].get("env") == ctx.env_fingerprint}
 
 
