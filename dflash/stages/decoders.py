@@ -16,7 +16,9 @@ seconds (the bench report's ``decode_speed`` shows what its own compiles then to
 The batch sizes compile in parallel, each in a process of its own (:func:`worker_count` of
 them at once, spawned: no compile of one process can race another's): round 27 on an H100 took
 338 s one decoder at a time, 106 s past the data stage, and training, which holds the GPU
-whole, waited for it (bench/results/h100/round27-2026-12-06/README.md).
+whole, waited for it (bench/results/h100/round27-2026-12-06/README.md); round 28's three
+processes took 236 s and ended 16 s before the data stage
+(bench/results/h100/round28-2026-12-06/README.md).
 
 A failure while compiling is recorded (``failed`` in the manifest, the traceback in
 ``decoders/error.txt``), not raised: the stage only saves the bench time, so the bench still
@@ -36,7 +38,7 @@ from ..artifacts.cache import compile_cache_dir
 from ..artifacts.manifest import write_manifest
 from ..decode.generate import eos_ids_of
 from ..eval.evalsets import load_eval_sets
-from ..eval.serving import compile_ahead, sweep_arguments
+from ..eval.serving import HF_BATCHES, compile_ahead, sweep_arguments
 from ..models.drafter import DFlashConfig, DFlashDrafter
 from ..models.dtypes import dtype_of
 from ..models.target import load_target, target_embeddings
@@ -93,14 +95,16 @@ def compile_batch(spec, env_fingerprint: str, batch: int) -> dict:
 
 def compile_in_parallel(ctx: StageContext, workers: int) -> tuple[list[dict], str | None, int]:
     """Every batch size's decoders, ``workers`` processes at once (spawned: a fresh CUDA
-    context and compiler state each), the largest batch sizes first; a batch size that fails is
-    recorded (the first failure) and the bench compiles it itself. (records in the sweep's
-    order, the failure or None, the workers' summed peak device memory)"""
+    context and compiler state each), the costliest first: a batch size where the sweep times HF
+    static generate (one more compile; round 28 on an H100 started batch 1 last, and its 115 s
+    ended the stage), then the largest. A batch size that fails is recorded (the first
+    failure) and the bench compiles it itself. (records in the sweep's order, the failure or
+    None, the workers' summed peak device memory)"""
     batches = list(ctx.spec.bench.decode_batches)
     rows, failed, peak = {}, None, 0
+    first = sorted(batches, key=lambda b: (b in HF_BATCHES, b), reverse=True)
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        jobs = {pool.submit(compile_batch, ctx.spec, ctx.env_fingerprint, b): b
-                for b in sorted(batches, reverse=True)}
+        jobs = {pool.submit(compile_batch, ctx.spec, ctx.env_fingerprint, b): b for b in first}
         for job in as_completed(jobs):
             try:
                 out = job.result()
@@ -123,7 +127,8 @@ def run(ctx: StageContext) -> dict:
         # stage's processes and their compile workers (inherited) yield the host's cores to it.
         # Training holds the GPU whole, so it waits for this stage too: past the data stage
         # this stage is on the critical path (one process, round 27 on an H100: 338 s, training
-        # 106 s after the data; round 25's 369 s, 146 s after)
+        # 106 s after the data; round 25's 369 s, 146 s after; three, round 28: 236 s, 16 s
+        # before the data)
         os.nice(NICENESS)
         device = spec.topology.targets[0]
         workers = worker_count(b.decode_batches, stage_memory(spec)["decoders"].get(device),
