@@ -13,13 +13,13 @@
 # what comes back is one archive, results.tgz (at most 8 files come back): commit each as it
 # comes; once the round's last is extracted as lease/ and committed, the archives leave the
 # tree (the history keeps them; bench/gpu/pack_wheels.sh says why).
-# Round 27 (issue #35): `plan` runs the default's whole DAG in one call (`bench_smollm2-quality`,
-# soft labels for 8 epochs since round 26: ~1,035-1,145 s on an H100 by rounds 24-26's parts),
-# the 20 minutes measured in one run instead of bounded; under 1,150 s of plan, the recipe
-# sweep's ce-kd arm instead. With 30 device-minutes, four wheel calls (~4 s each; the repo is
-# 29.5 MB since its metrics were slimmed) and no failed start that is PLAN_S ~1,550. The call
-# after `launch` must come within the machine's 30 s idle release (round 25's came ~90 s late,
-# and the machine went back with its run).
+# (Round 28: the 508 s round 27 left; `PLAN=plan_prefix` ran the DAG up to training with the
+# decoders stage in three processes: training may start 87 s sooner, the whole DAG ~1,117 s:
+# bench/results/h100/round28-2026-12-06/README.md.)
+# (Round 27: an H100 at the first call; `plan` ran the default's whole DAG in one call, 1,204 s,
+# 106 s of it training waiting for the decoders stage: bench/results/h100/round27-2026-12-06/.
+# With 30 device-minutes, four wheel calls (~4 s each) and no failed start, PLAN_S ~1,640; the
+# call after `launch` must come within the machine's 30 s idle release.)
 # (Round 26: six failed starts and three refusals (586 s), then an H100; PLAN_S 1,085 ran kd's
 # data and warm-up, then kd-epochs8 (τ 3.013: the default since), then bench.soft_read:
 # bench/results/h100/round26-2026-12-06/README.md.)
@@ -123,9 +123,8 @@ data_and_warmups() {  # the Snakemake targets $@ (data stages, warm-ups) at once
 
 plan() {  # the round's GPU work, chosen by the plan's time (PLAN_S): the most needed that fits
   # whole, since a run cut in its bench leaves neither its τ report nor its DAG's wall.
-  # Round 26's kd-epochs8 (bench/results/h100/round26-2026-12-06/) reached τ 3.013 and became
-  # the default; its whole DAG's 20 minutes are a bound from parts (917 s with the sweep's
-  # bench, + the whole bench's ~81 s and the decoders stage's 35-146 s): this plan measures it
+  # The default's whole DAG (round 27 ran it: 1,204 s on an H100 with the decoders stage in one
+  # process; with it in parallel processes, ~1,117 s by round 28's prefix)
   begin "start (PLAN_S ${PLAN_S:-?})"
   if [ "${PLAN_S:-0}" -lt 1150 ]; then plan_ce_kd; stamp "done"; return; fi
   bench_run smollm2-quality quality 1300

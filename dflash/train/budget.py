@@ -173,8 +173,9 @@ DECODE_PROMPT_TOKENS = 1024
 
 
 def _decoders_memory(s: Sizes) -> dict:
-    """The decoders stage (the bench's sweep compiled ahead) on the target's device, one decoder
-    at a time at the sweep's largest batch: the whole target and the drafter, each with a copy
+    """The decoders stage (the bench's sweep compiled ahead) on the target's device, per process
+    (each compiles its batch sizes one decoder at a time; the stage runs as many processes as fit
+    in its share, :func:`dflash.stages.decoders.worker_count`), at the sweep's largest batch: the whole target and the drafter, each with a copy
     of its GEMM weights (the "fused" scope concatenates them), the target's and the drafter's
     static KV caches and a verify's fp32 logits; times :data:`WARMUP_OVER_ESTIMATE` (compile
     workspaces and the captured graphs' pool, as in the warm-up; the stage's own peak is in its
