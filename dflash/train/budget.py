@@ -174,12 +174,14 @@ DECODE_PROMPT_TOKENS = 1024
 
 def _decoders_memory(s: Sizes) -> dict:
     """The decoders stage (the bench's sweep compiled ahead) on the target's device, per process
-    (each compiles its batch sizes one decoder at a time; the stage runs as many processes as fit
-    in its share, :func:`dflash.stages.decoders.worker_count`), at the sweep's largest batch: the whole target and the drafter, each with a copy
-    of its GEMM weights (the "fused" scope concatenates them), the target's and the drafter's
-    static KV caches and a verify's fp32 logits; times :data:`WARMUP_OVER_ESTIMATE` (compile
-    workspaces and the captured graphs' pool, as in the warm-up; the stage's own peak is in its
-    manifest, ``peak_device_memory``, to hold this against). {} for a spec without the stage."""
+    (each compiles its batch sizes one decoder at a time; the stage runs as many processes as
+    fit in its share, :func:`dflash.stages.decoders.worker_count`), at the sweep's largest
+    batch: the whole target and the drafter, each with a copy of its GEMM weights (the "fused"
+    scope concatenates them), the target's and the drafter's static KV caches and a verify's
+    fp32 logits; times :data:`WARMUP_OVER_ESTIMATE` (compile workspaces and the captured
+    graphs' pool, as in the warm-up; the stage's manifest holds its processes' peaks summed,
+    ``peak_device_memory``: round 27's one process 8.4 GB for this 7.6). {} for a spec without
+    the stage."""
     t, c, b = s.tcfg, s.dcfg, s.spec.bench
     if no_decoders_stage(s.spec) is not None:
         return {}
