@@ -135,26 +135,33 @@ def test_evaluate_tau_report_and_markdown(tmp_path, exported):
         "tau_prompt_mean"]
 
 
-def test_reference_protocol_and_train_set_in_the_report(tmp_path, exported):
-    """bench.protocols [dflash, reference]: both turns of 2 questions, both aggregations, the
-    caps, beside ours in report.json and report.md; the train set reads the dataset."""
-
-
-    spec = spec_with(tmp_path, eval_sets=["mtbench", "train"], eval_prompts=2,
-                     eval_max_new_tokens=6, real_prompts=0, protocols=["dflash", "reference"],
+@pytest.fixture(scope="module")
+def with_reference(tmp_path_factory, exported):
+    """One evaluation for the two tests below (each run costs ~12 s on 2 cores): MT-Bench with
+    real decoding of one prompt, then the train set, which reads a dataset of 3 prompts, and the
+    reference protocol (bench.protocols [dflash, reference]). (spec, results dir, τ, tokenizer)"""
+    tmp = tmp_path_factory.mktemp("with-reference")
+    spec = spec_with(tmp, eval_sets=["mtbench", "train"], eval_prompts=2,
+                     eval_max_new_tokens=6, real_prompts=1, protocols=["dflash", "reference"],
                      reference_max_new_tokens=8)
     tok = load_target(spec.target, "cpu").tokenizer
     trained = [user_prompt(tok, t) for t in ("Hello there.", "What is a cat?", "Tell a joke.")]
-    (tmp_path / "data" / "self_written").mkdir(parents=True)
+    (tmp / "data" / "self_written").mkdir(parents=True)
     pq.write_table(pa.table({"prompt_id": [0, 1, 2], "input_ids": [p + [2] for p in trained],
                              "num_prompt_tokens": [len(p) for p in trained]}),
-                   tmp_path / "data" / "dataset.parquet")
+                   tmp / "data" / "dataset.parquet")
     # prompt 0 from the corpus, 1-2 self-written (steered: math, then writing)
-    (tmp_path / "data" / "self_written" / "categories.json").write_text(
+    (tmp / "data" / "self_written" / "categories.json").write_text(
         json.dumps({"categories": ["math", "writing"]}))
-    (tmp_path / "data" / "manifest.json").write_text(json.dumps(
+    (tmp / "data" / "manifest.json").write_text(json.dumps(
         {"sources": {"chatterbot-corpus": {}, "self-written": {"first_prompt_id": 1}}}))
-    tau = evaluate_tau(spec, exported, "cpu", tmp_path)
+    return spec, tmp, evaluate_tau(spec, exported, "cpu", tmp), tok  # (the session's 1 thread)
+
+
+def test_reference_protocol_and_train_set_in_the_report(with_reference):
+    """bench.protocols [dflash, reference]: both turns of 2 questions, both aggregations, the
+    caps, beside ours in report.json and report.md; the train set reads the dataset."""
+    spec, tmp_path, tau, tok = with_reference
     train = tau["sets"]["train"]
     assert train["prompts"] == 2 and "of the 3 distinct" in train["note"]
     # τ per self-written category of the sampled prompts; the corpus prompt counts in none
@@ -189,19 +196,16 @@ def test_reference_protocol_and_train_set_in_the_report(tmp_path, exported):
     assert "Not recorded (a report from before bench_seconds)" in md
 
 
-def test_bench_seconds_count_each_part(tmp_path, exported):
+def test_bench_seconds_count_each_part(with_reference):
     """The τ part's own cost (#35 item 4): loading, each set (real decoding on the first), the
     reference protocol when on, the decode sweep (skipped on CPU), in report.json and report.md."""
-    spec = spec_with(tmp_path, eval_sets=["mtbench", "humaneval"], eval_prompts=2,
-                     eval_max_new_tokens=6, real_prompts=1, protocols=["dflash", "reference"],
-                     reference_max_new_tokens=8)
-    tau = evaluate_tau(spec, exported, "cpu", tmp_path)
+    tau = with_reference[2]
     sec = tau["seconds"]
     assert set(sec) == {"load_s", "eval_sets_s", "reference_s", "decode_sweep_s", "sets",
                         "hf_static_timed_s"}
     assert sec["sets"]["mtbench"]["simulated_s"] == tau["sets"]["mtbench"]["simulated_s"] > 0
     assert sec["sets"]["mtbench"]["real_s"] == tau["sets"]["mtbench"]["real"]["seconds"] > 0
-    assert sec["sets"]["humaneval"]["real_s"] is None  # real decoding: the first set only
+    assert sec["sets"]["train"]["real_s"] is None  # real decoding: the first set only
     # the sets' wall holds their simulated and real seconds; the reference ran and was timed
     parts = sum(v["simulated_s"] + (v["real_s"] or 0) for v in sec["sets"].values())
     assert parts <= sec["eval_sets_s"] + 0.05 and sec["reference_s"] > 0

@@ -4,7 +4,8 @@ One workflow copy with a micro-derived spec (24 steps, a checkpoint every 3, dat
 2); Snakemake makes env → warmup → data once. Then:
 
 * a reference: one uninterrupted train run (own results root) → weights, optimizer state, the
-  sample ids consumed at every step;
+  sample ids consumed at every step (neither it nor the DAG before it is killed or timed, so
+  both run in the background lane with the session: tests/conftest.py);
 * a kill sequence on the Snakemake results root: the stage started by ``snakemake train_<spec>``
   is SIGKILLed right after its first checkpoint; the same stage command is then started alone
   and SIGKILLed during startup, mid-training, and right after a later checkpoint, whose
@@ -50,28 +51,42 @@ def _prepare(tmp: Path) -> Path:
     return wf
 
 
-# env -> warmup -> data (what fi.prepare runs), started with the session (tests/conftest.py);
-# the kills and resumes run in the foreground
-BACKGROUND_DAG = (_prepare, [f"data_{SPEC}", f"warmup_{SPEC}"])
+def _in_background(folder: str) -> None:
+    """The background command (~40 s on 2 cores): the workflow copy in ``folder``, env -> warmup
+    -> data through Snakemake (what fi.prepare runs), then the reference run in its own results
+    root; the kills and resumes run in the foreground."""
+    wf = _prepare(Path(folder))
+    r = snakemake(wf, f"data_{SPEC}", f"warmup_{SPEC}")
+    if r.returncode != 0:
+        raise SystemExit(f"snakemake failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    w = fi.Workflow(wf, SPEC)
+    fi.reference(w, "results_ref", _logs(w))
 
 
-@pytest.fixture(scope="module")
-def w(background_dag) -> fi.Workflow:
-    wf, rc, out = background_dag
-    assert rc == 0, out[-6000:]
-    return fi.Workflow(wf, SPEC)
+BACKGROUND_CMD = (lambda tmp: tmp, ["-m", "tests.test_resume", "{folder}"])
 
 
-@pytest.fixture(scope="module")
-def logs(w) -> Path:
+def _logs(w: fi.Workflow) -> Path:
     d = w.wf / "test-logs"
     d.mkdir(exist_ok=True)
     return d
 
 
 @pytest.fixture(scope="module")
-def ref(w, logs) -> dict:
-    return fi.reference(w, "results_ref", logs)
+def w(background_cmd) -> fi.Workflow:
+    wf, rc, out = background_cmd
+    assert rc == 0, out[-6000:]
+    return fi.Workflow(wf, SPEC)
+
+
+@pytest.fixture(scope="module")
+def logs(w) -> Path:
+    return _logs(w)
+
+
+@pytest.fixture(scope="module")
+def ref(w) -> dict:
+    return fi.reference_result(w, "results_ref")  # the background's reference run
 
 
 def _stage_pids(root_pid: int, stage: str) -> list[int]:
@@ -298,3 +313,7 @@ def test_killed_data_stage_resumes_to_the_same_dataset(w, logs):
     assert m["generation"]["chunks_resumed"] == len(at_kill)
     assert m["dataset"]["sha256"] == ref_manifest["dataset"]["sha256"]
     assert m["dataset"]["rows"] == ref_manifest["dataset"]["rows"]
+
+
+if __name__ == "__main__":
+    _in_background(sys.argv[1])

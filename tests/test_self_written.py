@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+import torch
 import yaml
 
+from dflash.artifacts.manifest import read_manifest
 from dflash.data import sources
 from dflash.data.prompts import CHATTERBOT, load_prompts
 from dflash.data.self_written import check, user_turn_prefix
@@ -114,25 +117,43 @@ def test_source_quotas():
         parse_spec(tiny_raw(sources=[{"source": "a"}]), "t.yaml")
 
 
-@pytest.fixture(scope="module")
-def mixed(tmp_path_factory):
-    """A real mix on SmolLM2 (CPU, float32): 4 chatterbot + a user file (with copies of
-    MT-Bench and HumanEval prompts) + 6 prompts the target writes itself."""
-    tmp = tmp_path_factory.mktemp("mix")
+def _mix_spec(tmp: Path):
+    """A real mix on SmolLM2 (CPU, float32): 4 chatterbot + a user file in ``tmp`` (with copies
+    of MT-Bench and HumanEval prompts) + 6 prompts the target writes itself. (spec, the file)"""
     mt, he = [q["text"] for q in mtbench_questions()], load_humaneval()
     recs = [{"messages": [{"role": "user", "content": f"Give me a fun fact about the number {i}."}]}
             for i in range(20)]
     recs[3] = {"messages": [{"role": "user", "content": "Quick one: " + mt[7]}]}
     recs[9] = {"messages": [{"role": "user", "content": he[3]}]}
     src = tmp / "user.jsonl"
-    src.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    if not src.exists():  # the background writes it; the tests read the same file
+        src.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
     raw = tiny_raw(sources=[{"source": CHATTERBOT, "count": 4}, {"source": str(src)},
                             {"source": "self-written", "count": 6}],
                    max_prompts=14, max_new_tokens=4, max_bad_fraction=0.2,
                    self_written={"max_tokens": 48, "oversample": 1.5})
     del raw["data"]["source"]
-    spec = parse_spec(raw, "specs/mix.yaml")
-    return spec, tmp, src, data_stage.run(StageContext(spec=spec, results=tmp / "out"))
+    return parse_spec(raw, "specs/mix.yaml"), src
+
+
+def _in_background(folder: str) -> None:
+    """The background command (~20 s on 2 cores): the mix's data stage into ``<folder>/out``."""
+    torch.set_num_threads(1)  # as the session's tests run
+    spec, _ = _mix_spec(Path(folder))
+    data_stage.run(StageContext(spec=spec, results=Path(folder) / "out"))
+
+
+BACKGROUND_CMD = (lambda tmp: tmp, ["-m", "tests.test_self_written", "{folder}"])
+
+
+@pytest.fixture(scope="module")
+def mixed(background_cmd):
+    """The mix the background lane made (tests/conftest.py): (spec, its folder, the user file,
+    the data stage's manifest)."""
+    folder, rc, out = background_cmd
+    assert rc == 0, out[-3000:]
+    spec, src = _mix_spec(folder)
+    return spec, folder, src, read_manifest(folder / "out" / "data" / "manifest.json", "data")
 
 
 def test_mix_counts_and_no_eval_overlap(mixed):
@@ -182,3 +203,7 @@ def test_self_written_that_cannot_be_met_fails_clearly(tmp_path):
     with pytest.raises(DFlashError, match=r"data.self_written: only 0 of 3 prompts after 2 "
                                           r"rounds .*unterminated"):
         data_stage.run(StageContext(spec=spec, results=tmp_path))
+
+
+if __name__ == "__main__":
+    _in_background(sys.argv[1])

@@ -266,6 +266,8 @@ def stitch(segments: list[tuple[int, int, dict[int, dict]]]) -> dict[int, list[i
     return got
 
 def reference(w: Workflow, root: str, logs: Path) -> dict:
+    """One uninterrupted train run in a fresh results ``root`` (the upstream stages copied):
+    its wall and startup seconds beside what it wrote (:func:`reference_result`)."""
     w.fresh_root(root)
     run = w.start("train", root, logs / "reference.log")
     td = w.train_dir(root)
@@ -276,14 +278,18 @@ def reference(w: Workflow, root: str, logs: Path) -> dict:
     rc = run.wait()
     if rc != 0:
         raise RuntimeError(f"reference run failed ({rc}):\n{run.text()[-3000:]}")
+    return {"wall_s": time.time() - run.t0, "startup_s": startup, **reference_result(w, root)}
+
+
+def reference_result(w: Workflow, root: str) -> dict:
+    """A finished train run of ``root`` read back: its manifest, per-step metrics (the sample
+    ids consumed), final weights and optimizer state (a run made by :func:`reference` in
+    another process, e.g. the tests' background lane)."""
+    td = w.train_dir(root)
     manifest = json.loads((td / "manifest.json").read_text())
-    wall = time.time() - run.t0
-    return {"wall_s": wall, "train_s": manifest["train_s"],
-            "steps": manifest["steps"]["total"],
-            "step_s": manifest["train_s"] / manifest["steps"]["total"],
-            "startup_s": startup, "manifest": manifest,
-            "metrics": metrics_steps(td / "metrics.jsonl"),
-            "tensors": final_tensors(td)}
+    return {"train_s": manifest["train_s"], "steps": manifest["steps"]["total"],
+            "step_s": manifest["train_s"] / manifest["steps"]["total"], "manifest": manifest,
+            "metrics": metrics_steps(td / "metrics.jsonl"), "tensors": final_tensors(td)}
 
 
 def decided(run: Run) -> bool:
