@@ -12,7 +12,8 @@ The modules with a background run come after every other module, in the lane's o
 has done their runs by then, so the foreground never waits for one), and the default DAG's
 tests (the longest run) last. On the 2-core box of 2026-12-06 the suite took 1,041-1,084 s
 before the two commands moved here and 885-963 s after (bench/results/cpu/suite_lane_2026-12-06/,
-bench/results/cpu/fresh_clone_suite_2026-12-06.md).
+bench/results/cpu/fresh_clone_suite_2026-12-06.md); 902 s, then 831 s once test_resume's reference
+run and test_self_written's mix joined the lane (d633883).
 """
 from __future__ import annotations
 
