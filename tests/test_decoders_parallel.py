@@ -1,7 +1,8 @@
 """The decoders stage's batch sizes compiled in processes of their own (dflash/stages/decoders.py):
 how many at once, and a real run of two spawned workers on the micro spec (CPU: the decoders
 run eagerly there, so this checks the processes, not the kernels): every batch size's decoders
-come back, in the sweep's order, whichever worker finished first."""
+come back, in the sweep's order, whichever worker finished first; a worker that fails is
+recorded, not raised."""
 import json
 import sys
 from pathlib import Path
@@ -36,8 +37,12 @@ def _two_workers(folder: str) -> None:
         bench={"eval_prompts": 3, "decode_batches": list(BATCHES), "eval_max_new_tokens": 4})
     ctx = StageContext(spec=spec, results=Path(folder) / "micro", env_fingerprint="0" * 16)
     rows, failed, peak = compile_in_parallel(ctx, 2)
+    # and a sweep whose workers fail (no prompts to decode: micro's eval_prompts 0), one worker
+    broken = StageContext(spec=spec.replace(bench={"eval_prompts": 0}),
+                          results=Path(folder) / "broken", env_fingerprint="0" * 16)
+    got = compile_in_parallel(broken, 1)
     Path(folder, "parallel.json").write_text(json.dumps(
-        {"rows": rows, "failed": failed, "peak": peak}))
+        {"rows": rows, "failed": failed, "peak": peak, "broken": got}))
 
 
 BACKGROUND_CMD = (lambda tmp: tmp, ["-m", "tests.test_decoders_parallel", "{folder}"])
@@ -56,6 +61,18 @@ def test_two_workers_compile_every_batch_size_and_the_records_keep_the_sweeps_or
         (2, "target_only"), (2, "verify_4"), (3, "target_only"), (3, "verify_4")]
     assert all(r["seconds"] > 0 for r in got["rows"])
     assert out.count("[decoders] batch ") == len(BATCHES)  # each worker's own log line
+
+
+def test_a_worker_that_fails_is_recorded_with_its_traceback_not_raised(background_cmd):
+    """Every batch size failed in its worker: no records, the first failure in one line naming
+    the traceback file the stage writes (the bench then compiles those decoders itself)."""
+    folder, rc, out = background_cmd
+    assert rc == 0, out[-3000:]
+    rows, failed, peak = json.loads((folder / "parallel.json").read_text())["broken"]
+    assert rows == [] and peak == 0
+    trace = folder / "broken" / "decoders" / "error.txt"
+    assert failed == f"ValueError: max() arg is an empty sequence (traceback in {trace})"
+    assert "Traceback" in trace.read_text() and "compile_batch" in trace.read_text()
 
 
 if __name__ == "__main__":
